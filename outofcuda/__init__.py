@@ -1,0 +1,70 @@
+"""outofcuda: faster, safer PyTorch CUDA defaults, applied when torch is imported.
+
+Installing the package is enough: a start-up hook notices ``import torch`` and
+applies the optimisations. This module is for people who want to look
+(:func:`status`) or to do more (the API below). Importing it changes nothing the
+hook did, imports no torch and never initialises CUDA.
+"""
+from ._native import core as _core
+
+__version__ = _core.__version__
+
+__all__ = [
+    "status",
+    "config",
+    "autocast_context",
+    "compile_model",
+    "smart_dataloader",
+    "memory_report",
+    "clear_cache",
+    "MemoryMonitor",
+    "CudaOptimizer",
+    "last_oom",
+    "auto_microbatch",
+    "find_batch_size",
+]
+
+# Public name -> submodule that defines it; loaded on first use so that
+# `import outofcuda` stays cheap and does not import torch.
+_LAZY = {
+    "autocast_context": "outofcuda.api",
+    "compile_model": "outofcuda.api",
+    "smart_dataloader": "outofcuda.api",
+    "memory_report": "outofcuda.api",
+    "clear_cache": "outofcuda.api",
+    "CudaOptimizer": "outofcuda.api",
+    "MemoryMonitor": "outofcuda.monitor",
+    "last_oom": "outofcuda._oom",
+    "auto_microbatch": "outofcuda._oom",
+    "find_batch_size": "outofcuda._oom",
+}
+
+
+def status():
+    """What outofcuda did in this process, as a JSON-serialisable dict.
+
+    >>> import torch, outofcuda
+    >>> outofcuda.status()["optimizations"]["tf32"]["applied"]
+    True
+    """
+    return _core.status()
+
+
+def config():
+    """The ``OUTOFCUDA_*`` settings as read from the environment (a dict)."""
+    return _core.config()
+
+
+def __getattr__(name):
+    modname = _LAZY.get(name)
+    if modname is None:
+        raise AttributeError(f"module 'outofcuda' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(modname), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

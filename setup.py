@@ -1,0 +1,88 @@
+"""Build outofcuda: one abi3 C extension (Limited API, Python 3.9 floor) plus
+the start-up hook files placed at the root of site-packages."""
+import os
+import re
+import sys
+from glob import glob
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
+
+HERE = Path(__file__).resolve().parent
+HOOK_FILES = ("outofcuda_hook.pth", "outofcuda_hook.start")
+VERSION = re.search(r'#define OC_VERSION "([^"]+)"', (HERE / "src" / "oc.h").read_text()).group(1)
+
+
+class build_py_with_hook(build_py):
+    """Copies the hook files into build_lib so they land at the wheel's root
+    and in its RECORD (pip uninstall then removes them)."""
+
+    def run(self):
+        super().run()
+        for name in HOOK_FILES:
+            self.copy_file(str(HERE / name), os.path.join(self.build_lib, name))
+
+
+class editable_wheel_with_hook(editable_wheel):
+    """setuptools' editable wheels carry no root files: add the hook, or
+    `pip install -e .` would silently install no hook at all."""
+
+    def _create_wheel_file(self, bdist_wheel):
+        wheel_path = super()._create_wheel_file(bdist_wheel)
+        import zipfile
+        import hashlib
+        import base64
+
+        with zipfile.ZipFile(wheel_path, "a") as zf:
+            record_name = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
+            record = zf.read(record_name).decode()
+        # A zip cannot replace a member in place: rebuild it with the hook
+        # files added and RECORD extended.
+        tmp = wheel_path + ".tmp"
+        with zipfile.ZipFile(wheel_path) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
+            for item in src.infolist():
+                if item.filename != record_name:
+                    dst.writestr(item, src.read(item.filename))
+            lines = [record.rstrip("\n")]
+            for name in HOOK_FILES:
+                data = (HERE / name).read_bytes()
+                dst.writestr(name, data)
+                digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+                lines.append(f"{name},sha256={digest},{len(data)}")
+            dst.writestr(record_name, "\n".join(lines) + "\n")
+        os.replace(tmp, wheel_path)
+        return wheel_path
+
+
+def extra_compile_args():
+    args = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"]
+    if os.environ.get("OUTOFCUDA_SANITIZE"):
+        args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1", "-g"]
+    return args
+
+
+def extra_link_args():
+    if os.environ.get("OUTOFCUDA_SANITIZE"):
+        return ["-fsanitize=address,undefined"]
+    return []
+
+
+ext = Extension(
+    "_outofcuda",
+    sources=sorted(glob("src/*.c")),
+    depends=["src/oc.h"],
+    define_macros=[("Py_LIMITED_API", "0x03090000"), ("_GNU_SOURCE", "1")],
+    py_limited_api=True,
+    extra_compile_args=extra_compile_args(),
+    extra_link_args=extra_link_args(),
+    libraries=["dl", "pthread"] if sys.platform.startswith("linux") else [],
+)
+
+setup(
+    version=VERSION,
+    ext_modules=[ext],
+    cmdclass={"build_py": build_py_with_hook, "editable_wheel": editable_wheel_with_hook},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)

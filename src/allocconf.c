@@ -1,0 +1,262 @@
+/* allocconf.c - PyTorch allocator strings: parse, merge key by key, and know
+ * which keys and which variable each torch release accepts. Pure C. */
+#define OC_PURE_C
+#include "oc.h"
+
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void set_err(char *err, size_t errsz, const char *msg)
+{
+    if (err != NULL && errsz > 0)
+        snprintf(err, errsz, "%s", msg);
+}
+
+/* Copies [b, e) without surrounding blanks into out. Returns 0, or -1 when it
+ * does not fit. */
+static int copy_trimmed(const char *b, const char *e, char *out, size_t outsz)
+{
+    size_t n;
+    while (b < e && isspace((unsigned char)*b))
+        b++;
+    while (e > b && isspace((unsigned char)e[-1]))
+        e--;
+    n = (size_t)(e - b);
+    if (n >= outsz)
+        return -1;
+    memcpy(out, b, n);
+    out[n] = '\0';
+    return 0;
+}
+
+static int valid_key(const char *k)
+{
+    if (!*k)
+        return 0;
+    for (; *k; k++) {
+        if (!(islower((unsigned char)*k) || isdigit((unsigned char)*k) || *k == '_'))
+            return 0;
+    }
+    return 1;
+}
+
+static int valid_value(const char *v)
+{
+    if (!*v)
+        return 0;
+    for (; *v; v++) {
+        unsigned char c = (unsigned char)*v;
+        if (!(isalnum(c) || c == '_' || c == '.' || c == ':' || c == '[' || c == ']' ||
+              c == ',' || c == '>' || c == '-' || c == '+'))
+            return 0;
+    }
+    return 1;
+}
+
+/* Splits one "key:value" item (value may contain ':' inside brackets). */
+static int parse_item(const char *b, const char *e, oc_alloc_list *out, char *err, size_t errsz)
+{
+    const char *colon = b;
+    int i;
+    while (colon < e && *colon != ':')
+        colon++;
+    if (colon == e) {
+        set_err(err, errsz, "an item has no ':' between key and value");
+        return -1;
+    }
+    if (out->n >= OC_ALLOC_ENTRIES_MAX) {
+        set_err(err, errsz, "too many items");
+        return -1;
+    }
+    i = out->n;
+    if (copy_trimmed(b, colon, out->e[i].key, sizeof out->e[i].key) != 0 ||
+        copy_trimmed(colon + 1, e, out->e[i].value, sizeof out->e[i].value) != 0) {
+        set_err(err, errsz, "a key or value is too long");
+        return -1;
+    }
+    if (!valid_key(out->e[i].key)) {
+        set_err(err, errsz, "a key is empty or holds characters other than a-z, 0-9 and _");
+        return -1;
+    }
+    if (!valid_value(out->e[i].value)) {
+        set_err(err, errsz, "a value is empty or holds characters torch does not accept");
+        return -1;
+    }
+    for (int j = 0; j < i; j++) {
+        if (strcmp(out->e[j].key, out->e[i].key) == 0) {
+            /* torch applies the last occurrence; keep one entry with that value. */
+            memcpy(out->e[j].value, out->e[i].value, sizeof out->e[j].value);
+            return 0;
+        }
+    }
+    out->n++;
+    return 0;
+}
+
+int oc_alloc_parse(const char *s, oc_alloc_list *out, char *err, size_t errsz)
+{
+    const char *item = s;
+    int depth = 0;
+    out->n = 0;
+    if (s == NULL)
+        return 0;
+    for (const char *p = s;; p++) {
+        if (*p == '[') {
+            depth++;
+        } else if (*p == ']') {
+            if (--depth < 0) {
+                set_err(err, errsz, "a ']' has no matching '['");
+                return -1;
+            }
+        } else if ((*p == ',' && depth == 0) || *p == '\0') {
+            const char *b = item, *e = p;
+            while (b < e && isspace((unsigned char)*b))
+                b++;
+            if (b < e && parse_item(b, e, out, err, errsz) != 0)
+                return -1;
+            if (b == e && *p == ',') {
+                set_err(err, errsz, "an empty item between commas");
+                return -1;
+            }
+            item = p + 1;
+        }
+        if (*p == '\0')
+            break;
+    }
+    if (depth != 0) {
+        set_err(err, errsz, "a '[' is not closed");
+        return -1;
+    }
+    return 0;
+}
+
+static int find_key(const oc_alloc_list *l, const char *key)
+{
+    for (int i = 0; i < l->n; i++) {
+        if (strcmp(l->e[i].key, key) == 0)
+            return i;
+    }
+    return -1;
+}
+
+/* Appends "key:value" (with a leading comma when needed). Returns 0 or -1. */
+static int append_item(char *out, size_t outsz, size_t *len, const char *key, const char *value)
+{
+    int n = snprintf(out + *len, outsz - *len, "%s%s:%s", *len ? "," : "", key, value);
+    if (n < 0 || (size_t)n >= outsz - *len)
+        return -1;
+    *len += (size_t)n;
+    return 0;
+}
+
+static int append_word(char *out, size_t outsz, const char *word)
+{
+    size_t len;
+    int n;
+    if (out == NULL || outsz == 0)
+        return 0;
+    len = strlen(out);
+    n = snprintf(out + len, outsz - len, "%s%s", len ? "," : "", word);
+    return (n < 0 || (size_t)n >= outsz - len) ? -1 : 0;
+}
+
+int oc_alloc_merge(const char *defaults, const char *user, oc_key_allowed_fn allowed,
+                   void *ctx, char *out, size_t outsz, char *dropped, size_t droppedsz,
+                   char *err, size_t errsz)
+{
+    /* static keeps two 10 kB lists off small native stacks; the merge runs
+     * under the GIL or in single-threaded tests, never concurrently. */
+    static oc_alloc_list d, u;
+    size_t len = 0;
+    if (outsz == 0)
+        return -1;
+    out[0] = '\0';
+    if (dropped != NULL && droppedsz > 0)
+        dropped[0] = '\0';
+    if (oc_alloc_parse(user, &u, err, errsz) != 0)
+        return -1;
+    if (oc_alloc_parse(defaults, &d, err, errsz) != 0)
+        return -1;
+    for (int i = 0; i < u.n; i++) {
+        if (append_item(out, outsz, &len, u.e[i].key, u.e[i].value) != 0)
+            goto too_long;
+    }
+    for (int i = 0; i < d.n; i++) {
+        if (find_key(&u, d.e[i].key) >= 0)
+            continue;
+        if (allowed != NULL && !allowed(d.e[i].key, ctx)) {
+            append_word(dropped, droppedsz, d.e[i].key);
+            continue;
+        }
+        if (append_item(out, outsz, &len, d.e[i].key, d.e[i].value) != 0)
+            goto too_long;
+    }
+    return 0;
+too_long:
+    set_err(err, errsz, "the merged string is too long");
+    out[0] = '\0';
+    return -1;
+}
+
+long oc_torch_version_number(const char *v)
+{
+    long part[3] = {0, 0, 0};
+    int i = 0;
+    if (v == NULL || !isdigit((unsigned char)*v))
+        return 0;
+    while (i < 3 && isdigit((unsigned char)*v)) {
+        long x = 0;
+        while (isdigit((unsigned char)*v)) {
+            if (x < 1000)
+                x = x * 10 + (*v - '0');
+            v++;
+        }
+        part[i++] = x > 99 ? 99 : x;
+        if (*v != '.')
+            break;
+        v++;
+    }
+    return part[0] * 10000 + part[1] * 100 + part[2];
+}
+
+/* First release (oc_torch_version_number) whose CUDA allocator parser accepts
+ * each key, read from c10/cuda/CUDAAllocatorConfig.cpp and
+ * c10/core/AllocatorConfig.cpp of each release. */
+static const struct {
+    const char *key;
+    long since;
+} alloc_keys[] = {
+    {"max_split_size_mb", 20000},
+    {"roundup_power2_divisions", 20000},
+    {"garbage_collection_threshold", 20000},
+    {"backend", 20000},
+    {"expandable_segments", 20100},
+    {"release_lock_on_cudamalloc", 20400},
+    {"pinned_use_cuda_host_register", 20400},
+    {"pinned_num_register_threads", 20400},
+    {"max_non_split_rounding_mb", 20900},
+    {"pinned_use_background_threads", 20900},
+    {"graph_capture_record_stream_reuse", 20900},
+    {"large_segment_size_mb", 21100},
+    {"pinned_reserve_segment_size_mb", 21100},
+    {"per_process_memory_fraction", 21100},
+};
+
+int oc_alloc_key_known(const char *key, long ver)
+{
+    for (size_t i = 0; i < sizeof alloc_keys / sizeof alloc_keys[0]; i++) {
+        if (strcmp(alloc_keys[i].key, key) == 0)
+            return ver >= alloc_keys[i].since;
+    }
+    return 0;
+}
+
+const char *oc_alloc_env_name(long ver)
+{
+    /* Up to 2.10 the CUDA allocator reads only PYTORCH_CUDA_ALLOC_CONF (2.9's
+     * generic PYTORCH_ALLOC_CONF never reached it, pytorch issue 183387); from
+     * 2.11 PYTORCH_ALLOC_CONF is the documented name. */
+    return ver >= 21100 ? "PYTORCH_ALLOC_CONF" : "PYTORCH_CUDA_ALLOC_CONF";
+}

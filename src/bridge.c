@@ -1,0 +1,733 @@
+/* bridge.c - what happens around `import torch`: the allocator variable before
+ * torch's libraries load, then TF32, cuDNN, SDPA, the memory fraction, the
+ * autocast dtype and the OOM handler through torch._C once it has executed.
+ * Every step is gated on what the running torch has, never initialises CUDA,
+ * and records why it was applied or skipped. */
+#include "oc.h"
+
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* What version.py of the torch about to load says. */
+static struct {
+    long ver;       /* oc_torch_version_number; 0 unknown */
+    int cuda_build; /* torch.version.cuda is not None */
+    int hip_build;
+    int known;
+} tv;
+
+/* ---- reading torch/version.py without importing torch ---- */
+
+/* Finds `name` at the start of a line followed by '=' (an annotation may sit
+ * between) and copies the quoted value, or "None". */
+static void version_field(const char *text, const char *name, char *out, size_t sz)
+{
+    size_t n = strlen(name);
+    out[0] = '\0';
+    for (const char *line = text; line && *line; line = strchr(line, '\n'), line = line ? line + 1 : NULL) {
+        const char *p = line, *eq, *q;
+        if (strncmp(p, name, n) != 0 || !(p[n] == ' ' || p[n] == ':' || p[n] == '='))
+            continue;
+        eq = strchr(p, '=');
+        if (eq == NULL)
+            continue;
+        q = eq + 1;
+        while (*q == ' ')
+            q++;
+        if (*q == '\'' || *q == '"') {
+            char quote = *q++;
+            size_t i = 0;
+            while (q[i] && q[i] != quote && q[i] != '\n' && i + 1 < sz) {
+                out[i] = q[i];
+                i++;
+            }
+            out[i] = '\0';
+        } else if (strncmp(q, "None", 4) == 0) {
+            snprintf(out, sz, "None");
+        }
+        return;
+    }
+}
+
+static void read_version_file(PyObject *spec)
+{
+    char origin[4096], path[4200], text[8192], v[64], cuda[64], hip[64];
+    PyObject *o;
+    FILE *f;
+    size_t n;
+    char *slash;
+    o = spec ? PyObject_GetAttrString(spec, "origin") : NULL;
+    if (o == NULL || !PyUnicode_Check(o)) {
+        PyErr_Clear();
+        Py_XDECREF(o);
+        return;
+    }
+    oc_utf8(o, origin, sizeof origin);
+    Py_DECREF(o);
+    slash = strrchr(origin, '/');
+    if (slash == NULL)
+        return;
+    *slash = '\0';
+    snprintf(path, sizeof path, "%s/version.py", origin);
+    f = fopen(path, "r");
+    if (f == NULL)
+        return;
+    n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = '\0';
+    version_field(text, "__version__", v, sizeof v);
+    version_field(text, "cuda", cuda, sizeof cuda);
+    version_field(text, "hip", hip, sizeof hip);
+    tv.ver = oc_torch_version_number(v);
+    tv.cuda_build = cuda[0] != '\0' && strcmp(cuda, "None") != 0;
+    tv.hip_build = hip[0] != '\0' && strcmp(hip, "None") != 0;
+    tv.known = tv.ver != 0;
+}
+
+/* Reads the same facts from an imported torch (the hook installed late). */
+static void read_version_module(PyObject *torch)
+{
+    PyObject *v = oc_getattr_chain(torch, "__version__");
+    PyObject *cuda = oc_getattr_chain(torch, "version.cuda");
+    PyObject *hip = oc_getattr_chain(torch, "version.hip");
+    char buf[64];
+    if (v != NULL) {
+        PyObject *s = PyObject_Str(v);
+        if (s != NULL) {
+            tv.ver = oc_torch_version_number(oc_utf8(s, buf, sizeof buf));
+            Py_DECREF(s);
+        }
+        PyErr_Clear();
+    }
+    tv.cuda_build = cuda != NULL && cuda != Py_None;
+    tv.hip_build = hip != NULL && hip != Py_None;
+    tv.known = tv.ver != 0;
+    Py_XDECREF(v);
+    Py_XDECREF(cuda);
+    Py_XDECREF(hip);
+}
+
+/* ---- allocator (before torch loads) ---- */
+
+static int key_allowed(const char *key, void *ctx)
+{
+    (void)ctx;
+    if (!oc_alloc_key_known(key, tv.ver))
+        return 0;
+#ifdef _WIN32
+    /* Expandable segments need the CUDA virtual-memory API torch uses on Linux. */
+    if (strcmp(key, "expandable_segments") == 0)
+        return 0;
+#endif
+    return 1;
+}
+
+/* The allocator variable the user set, as the release reads it: up to 2.10
+ * the CUDA allocator reads PYTORCH_CUDA_ALLOC_CONF only; from 2.11 the first
+ * set of PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF, PYTORCH_ALLOC_CONF
+ * wins whole. Returns the variable's name (where outofcuda writes) and its
+ * value through *value ("" when unset). */
+static const char *user_alloc_var(const char **value)
+{
+    static const char *const order[] = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF",
+                                        "PYTORCH_ALLOC_CONF"};
+    const char *v;
+    *value = "";
+    if (tv.ver < 21100) {
+        v = getenv("PYTORCH_CUDA_ALLOC_CONF");
+        *value = v ? v : "";
+        return "PYTORCH_CUDA_ALLOC_CONF";
+    }
+    for (size_t i = 0; i < 3; i++) {
+        v = getenv(order[i]);
+        if (v != NULL && *v) {
+            *value = v;
+            return order[i];
+        }
+    }
+    return oc_alloc_env_name(tv.ver);
+}
+
+static int set_environ(const char *name, const char *value)
+{
+    /* os.environ keeps Python's view and the C environment (what torch's
+     * getenv reads) in step; sys.modules has os since start-up. */
+    PyObject *os = PyImport_ImportModule("os");
+    PyObject *environ = os ? PyObject_GetAttrString(os, "environ") : NULL;
+    PyObject *v = PyUnicode_FromString(value);
+    int rc = -1;
+    if (environ != NULL && v != NULL)
+        rc = PyMapping_SetItemString(environ, name, v);
+    Py_XDECREF(v);
+    Py_XDECREF(environ);
+    Py_XDECREF(os);
+    return rc;
+}
+
+static void prepare_allocator(const oc_config *cfg)
+{
+    char dropped[256], err[160];
+    const char *name, *user;
+    oc_g.alloc_applied = 0;
+    if (!tv.known) {
+        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
+                 "torch's version could not be read before it loaded");
+        return;
+    }
+    if (!tv.cuda_build) {
+        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
+                 tv.hip_build ? "ROCm build of torch: outofcuda configures CUDA's allocator only"
+                              : "this torch build has no CUDA");
+        return;
+    }
+    name = user_alloc_var(&user);
+    if (oc_alloc_merge(cfg->alloc_conf, user, key_allowed, NULL, oc_g.alloc_value,
+                       sizeof oc_g.alloc_value, dropped, sizeof dropped, err, sizeof err) != 0) {
+        /* A value outofcuda cannot parse is the user's business: leave it whole. */
+        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
+                 "left alone: %s is not understood (%s)", name, err);
+        oc_g.alloc_value[0] = '\0';
+        return;
+    }
+    if (set_environ(name, oc_g.alloc_value) < 0) {
+        oc_set_error("setting the allocator variable failed");
+        return;
+    }
+    snprintf(oc_g.alloc_env_name, sizeof oc_g.alloc_env_name, "%s", name);
+    oc_g.alloc_applied = 1;
+    snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
+             "%s set before torch loaded%s%s%.200s", name, user[0] ? "; the user's keys kept" : "",
+             dropped[0] ? "; left out (unknown to this torch): " : "", dropped);
+}
+
+void oc_bridge_before_torch(PyObject *spec)
+{
+    const oc_config *cfg = oc_config_get();
+    if (cfg->disable)
+        return;
+    read_version_file(spec);
+    prepare_allocator(cfg);
+}
+
+/* ---- after torch executed ---- */
+
+static PyObject *bool_obj(int b)
+{
+    return b ? Py_True : Py_False;
+}
+
+/* Calls owner.name(value) when it exists. Records errors as the step's reason. */
+static int set_flag(PyObject *c_mod, const char *fn, int value, const char *step)
+{
+    int rc = oc_call_bool(c_mod, fn, value);
+    if (rc < 0) {
+        char msg[200];
+        snprintf(msg, sizeof msg, "%s: torch._C.%s failed", step, fn);
+        oc_set_error(msg);
+    }
+    return rc;
+}
+
+static int flags_frozen(PyObject *torch)
+{
+    PyObject *fn = oc_getattr_chain(torch, "backends.flags_frozen");
+    PyObject *r;
+    int frozen = 0;
+    if (fn == NULL)
+        return 0;
+    r = PyObject_CallObject(fn, NULL);
+    Py_DECREF(fn);
+    if (r == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    frozen = PyObject_IsTrue(r) == 1;
+    Py_DECREF(r);
+    return frozen;
+}
+
+static void apply_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
+{
+    const char *override = getenv("NVIDIA_TF32_OVERRIDE");
+    PyObject *value;
+    int cudnn;
+    if (!cfg->tf32) {
+        oc_result_set("tf32", 0, NULL, "OUTOFCUDA_TF32=0: torch's defaults kept");
+        return;
+    }
+    if (override != NULL && strcmp(override, "0") == 0) {
+        oc_result_set("tf32", 0, NULL, "NVIDIA_TF32_OVERRIDE=0 asks for no TF32");
+        return;
+    }
+    if (flags_frozen(torch)) {
+        oc_result_set("tf32", 0, NULL, "torch.backends.disable_global_flags() was called");
+        return;
+    }
+    /* The legacy setter is silent on every release and, from 2.9, keeps the
+     * fp32_precision state in step; setting only the new API makes later
+     * legacy reads raise. */
+    if (set_flag(c_mod, "_set_cublas_allow_tf32", 1, "tf32") != 1) {
+        oc_result_set("tf32", 0, NULL, "this torch has no torch._C._set_cublas_allow_tf32");
+        return;
+    }
+    /* cuDNN TF32 is on by default; 2.9.0 alone warns on its setter. */
+    cudnn = (tv.ver >= 20900 && tv.ver < 20901) ? 0
+                                                : set_flag(c_mod, "_set_cudnn_allow_tf32", 1, "tf32");
+    value = Py_BuildValue("{s:O,s:O}", "matmul", Py_True, "cudnn", Py_True);
+    oc_result_set("tf32", 1, value,
+                  cudnn == 1 ? "cuBLAS and cuDNN may use TF32 for float32"
+                             : "cuBLAS may use TF32; cuDNN TF32 is torch's default");
+    Py_XDECREF(value);
+}
+
+static void apply_cudnn(const oc_config *cfg, PyObject *c_mod)
+{
+    if (cfg->cudnn_deterministic) {
+        if (set_flag(c_mod, "_set_cudnn_deterministic", 1, "cudnn_deterministic") == 1)
+            oc_result_set("cudnn_deterministic", 1, Py_True, "OUTOFCUDA_CUDNN_DETERMINISTIC=1");
+        else
+            oc_result_set("cudnn_deterministic", 0, NULL, "torch._C has no cuDNN setter");
+        if (set_flag(c_mod, "_set_cudnn_benchmark", 0, "cudnn_benchmark") == 1)
+            oc_result_set("cudnn_benchmark", 0, Py_False,
+                          "forced off: deterministic cuDNN needs fixed algorithms");
+        return;
+    }
+    oc_result_set("cudnn_deterministic", 0, Py_False, "OUTOFCUDA_CUDNN_DETERMINISTIC=0 (default)");
+    if (!cfg->cudnn_benchmark) {
+        oc_result_set("cudnn_benchmark", 0, Py_False, "OUTOFCUDA_CUDNN_BENCHMARK=0");
+        return;
+    }
+    if (set_flag(c_mod, "_set_cudnn_benchmark", 1, "cudnn_benchmark") == 1)
+        oc_result_set("cudnn_benchmark", 1, Py_True,
+                      "autotunes convolutions per input shape (slow with changing shapes)");
+    else
+        oc_result_set("cudnn_benchmark", 0, NULL, "this torch has no torch._C._set_cudnn_benchmark");
+}
+
+static void apply_sdpa(const oc_config *cfg, PyObject *c_mod)
+{
+    static const char *const fns[] = {"_set_sdp_use_flash", "_set_sdp_use_mem_efficient",
+                                      "_set_sdp_use_math"};
+    const int want[] = {cfg->flash_attn, cfg->mem_eff_attn, cfg->math_attn};
+    PyObject *value;
+    int done = 0;
+    for (int i = 0; i < 3; i++)
+        done += set_flag(c_mod, fns[i], want[i], "sdpa") == 1;
+    if (done != 3) {
+        oc_result_set("sdpa", 0, NULL, "this torch lacks the SDPA backend setters");
+        return;
+    }
+    value = Py_BuildValue("{s:O,s:O,s:O}", "flash", bool_obj(want[0]), "mem_efficient",
+                          bool_obj(want[1]), "math", bool_obj(want[2]));
+    oc_result_set("sdpa", 1, value,
+                  want[2] ? "flash, memory-efficient and math backends as configured; cuDNN "
+                            "attention left as torch has it"
+                          : "math backend off: some inputs may find no kernel");
+    Py_XDECREF(value);
+}
+
+/* ---- memory fraction, deferred to CUDA initialisation ---- */
+
+static double pending_fraction;
+
+static long local_rank(void)
+{
+    const char *s = getenv("LOCAL_RANK");
+    char *end;
+    long r;
+    if (s == NULL || !*s)
+        return -1;
+    r = strtol(s, &end, 10);
+    return (*end == '\0' && r >= 0 && r < 4096) ? r : -1;
+}
+
+/* Runs inside torch.cuda._lazy_init, on whichever thread first touches CUDA.
+ * It must not raise (that would fail CUDA's initialisation) and must not
+ * queue another lazy call. */
+static PyObject *fraction_callback(PyObject *self, PyObject *unused)
+{
+    PyObject *torch = NULL, *c_mod = NULL, *n = NULL, *dev = NULL, *r = NULL, *value;
+    long rank = local_rank(), count = 0, device = 0;
+    (void)self;
+    (void)unused;
+    {
+        PyObject *name = PyUnicode_FromString("torch");
+        torch = name ? PyImport_GetModule(name) : NULL;
+        Py_XDECREF(name);
+    }
+    c_mod = torch ? PyObject_GetAttrString(torch, "_C") : NULL;
+    if (c_mod == NULL)
+        goto error;
+    n = PyObject_CallMethod(c_mod, "_cuda_getDeviceCount", NULL);
+    if (n == NULL)
+        goto error;
+    count = PyLong_AsLong(n);
+    if (rank >= 0 && rank < count) {
+        device = rank;
+    } else {
+        dev = PyObject_CallMethod(c_mod, "_cuda_getDevice", NULL);
+        if (dev == NULL)
+            goto error;
+        device = PyLong_AsLong(dev);
+    }
+    r = PyObject_CallMethod(c_mod, "_cuda_setMemoryFraction", "dl", pending_fraction, device);
+    if (r == NULL)
+        goto error;
+    value = Py_BuildValue("{s:d,s:l}", "fraction", pending_fraction, "device", device);
+    oc_result_setf("memory_fraction", 1, value, "applied to cuda:%ld when CUDA initialised%s",
+                   device, rank >= 0 && rank == device ? " (LOCAL_RANK)" : "");
+    Py_XDECREF(value);
+    goto done;
+error:
+    oc_set_error("memory fraction at CUDA initialisation");
+done:
+    PyErr_Clear();
+    Py_XDECREF(r);
+    Py_XDECREF(dev);
+    Py_XDECREF(n);
+    Py_XDECREF(c_mod);
+    Py_XDECREF(torch);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef fraction_def = {"outofcuda_memory_fraction", fraction_callback, METH_NOARGS,
+                                   NULL};
+
+static void apply_memory_fraction(const oc_config *cfg, PyObject *torch)
+{
+    PyObject *lazy_call, *cb, *r, *value;
+    if (!tv.cuda_build) {
+        oc_result_set("memory_fraction", 0, NULL, "this torch build has no CUDA");
+        return;
+    }
+    lazy_call = oc_getattr_chain(torch, "cuda._lazy_call");
+    if (lazy_call == NULL) {
+        oc_result_set("memory_fraction", 0, NULL, "this torch has no torch.cuda._lazy_call");
+        return;
+    }
+    pending_fraction = cfg->memory_fraction;
+    cb = PyCFunction_NewEx(&fraction_def, NULL, NULL);
+    r = cb ? PyObject_CallFunctionObjArgs(lazy_call, cb, NULL) : NULL;
+    Py_XDECREF(cb);
+    Py_DECREF(lazy_call);
+    if (r == NULL) {
+        oc_set_error("queueing the memory fraction");
+        oc_result_set("memory_fraction", 0, NULL, "torch.cuda._lazy_call failed");
+        return;
+    }
+    Py_DECREF(r);
+    value = Py_BuildValue("{s:d,s:O}", "fraction", cfg->memory_fraction, "device", Py_None);
+    oc_result_set("memory_fraction", 1, value,
+                  "queued: applied to this process's device when CUDA initialises");
+    Py_XDECREF(value);
+}
+
+/* ---- autocast dtype ---- */
+
+/* Lowest compute capability (major*10+minor) among the GPUs this process may
+ * see; -1 when unknown. CUDA_VISIBLE_DEVICES as indices narrows the set. */
+static int visible_min_cc(char *why, size_t whysz)
+{
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    int n = oc_nvml_device_count(), best = -1;
+    if (!oc_nvml_available(why, whysz) || n <= 0) {
+        if (n == 0)
+            snprintf(why, whysz, "NVML reports no GPU");
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        oc_gpu_info g;
+        if (vis != NULL) {
+            /* Only plain index lists are matched; UUID or MIG lists fall back
+             * to every GPU, the safe (lowest) answer. */
+            int listed = 0, all_digits = 1;
+            for (const char *p = vis; *p; p++)
+                if (!(isdigit((unsigned char)*p) || *p == ',' || *p == ' '))
+                    all_digits = 0;
+            if (all_digits) {
+                for (const char *p = vis; *p;) {
+                    char *end;
+                    long x = strtol(p, &end, 10);
+                    if (end == p)
+                        break;
+                    if (x == i)
+                        listed = 1;
+                    p = (*end == ',') ? end + 1 : end;
+                }
+                if (!listed)
+                    continue;
+            }
+        }
+        if (oc_nvml_device_info(i, &g) != 0 || g.cc_major < 0)
+            continue;
+        if (best < 0 || g.cc_major * 10 + g.cc_minor < best)
+            best = g.cc_major * 10 + g.cc_minor;
+    }
+    if (best < 0)
+        snprintf(why, whysz, "no visible GPU reported a compute capability");
+    return best;
+}
+
+static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
+{
+    char why[200] = "", reason[300];
+    const char *dtype_name;
+    PyObject *dtype, *fn, *r;
+    int cc = -1, use_new;
+    if (!tv.cuda_build) {
+        oc_result_set("amp_dtype", 0, NULL, "this torch build has no CUDA");
+        return;
+    }
+    if (cfg->amp_dtype == OC_AMP_AUTO) {
+        cc = visible_min_cc(why, sizeof why);
+        if (cc < 0) {
+            oc_result_setf("amp_dtype", 0, NULL, "compute capability unknown: %s", why);
+            return;
+        }
+        dtype_name = cc >= 80 ? "bfloat16" : "float16";
+        snprintf(reason, sizeof reason, "auto: compute capability %d.%d %s 8.0 (from NVML)",
+                 cc / 10, cc % 10, cc >= 80 ? ">=" : "<");
+    } else {
+        dtype_name = cfg->amp_dtype == OC_AMP_BFLOAT16 ? "bfloat16" : "float16";
+        snprintf(reason, sizeof reason, "OUTOFCUDA_AMP_DTYPE=%s", dtype_name);
+    }
+    dtype = PyObject_GetAttrString(torch, dtype_name);
+    /* 2.4 added set_autocast_dtype(device, dtype) and deprecated the GPU one. */
+    fn = PyObject_GetAttrString(torch, "set_autocast_dtype");
+    use_new = fn != NULL;
+    if (fn == NULL) {
+        PyErr_Clear();
+        fn = PyObject_GetAttrString(torch, "set_autocast_gpu_dtype");
+    }
+    if (dtype == NULL || fn == NULL) {
+        PyErr_Clear();
+        Py_XDECREF(dtype);
+        Py_XDECREF(fn);
+        oc_result_set("amp_dtype", 0, NULL, "this torch has no autocast dtype setter");
+        return;
+    }
+    r = use_new ? PyObject_CallFunction(fn, "sO", "cuda", dtype)
+                : PyObject_CallFunctionObjArgs(fn, dtype, NULL);
+    Py_DECREF(fn);
+    Py_DECREF(dtype);
+    if (r == NULL) {
+        oc_set_error("setting the autocast dtype");
+        oc_result_set("amp_dtype", 0, NULL, "the autocast dtype setter failed");
+        return;
+    }
+    Py_DECREF(r);
+    {
+        PyObject *v = PyUnicode_FromString(dtype_name);
+        oc_result_set("amp_dtype", 1, v, reason);
+        Py_XDECREF(v);
+    }
+}
+
+/* ---- OOM handler ---- */
+
+static PyObject *prev_sys_hook, *prev_thread_hook, *oom_type;
+
+static void oom_relief(void)
+{
+    PyObject *torch_cuda = PyImport_ImportModule("torch.cuda");
+    PyObject *r, *alloc = NULL, *reserved = NULL, *peak = NULL;
+    double gib = 1024.0 * 1024.0 * 1024.0;
+    if (torch_cuda == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    r = PyObject_CallMethod(torch_cuda, "empty_cache", NULL);
+    Py_XDECREF(r);
+    PyErr_Clear();
+    if (oc_config_get()->gc_collect) {
+        PyObject *gc = PyImport_ImportModule("gc");
+        r = gc ? PyObject_CallMethod(gc, "collect", NULL) : NULL;
+        Py_XDECREF(r);
+        Py_XDECREF(gc);
+        PyErr_Clear();
+    }
+    alloc = PyObject_CallMethod(torch_cuda, "memory_allocated", NULL);
+    reserved = PyObject_CallMethod(torch_cuda, "memory_reserved", NULL);
+    peak = PyObject_CallMethod(torch_cuda, "max_memory_allocated", NULL);
+    PyErr_Clear();
+    PySys_WriteStderr(
+        "outofcuda: CUDA out of memory. After emptying the cache: allocated %.2f GiB, "
+        "reserved %.2f GiB, peak allocated %.2f GiB.\n",
+        alloc ? PyLong_AsDouble(alloc) / gib : 0.0, reserved ? PyLong_AsDouble(reserved) / gib : 0.0,
+        peak ? PyLong_AsDouble(peak) / gib : 0.0);
+    PyErr_Clear();
+    Py_XDECREF(alloc);
+    Py_XDECREF(reserved);
+    Py_XDECREF(peak);
+    Py_DECREF(torch_cuda);
+}
+
+static int is_oom(PyObject *type)
+{
+    int r;
+    if (oom_type == NULL || type == NULL || !PyType_Check(type))
+        return 0;
+    r = PyObject_IsSubclass(type, oom_type);
+    if (r < 0)
+        PyErr_Clear();
+    return r == 1;
+}
+
+/* If outofcuda's Python layer is loaded and offers a richer report, let it
+ * speak; the C summary above is the fallback. */
+static void oom_python_report(PyObject *value)
+{
+    PyObject *name = PyUnicode_FromString("outofcuda._oom");
+    PyObject *mod = name ? PyImport_GetModule(name) : NULL;
+    Py_XDECREF(name);
+    if (mod == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    {
+        PyObject *r = PyObject_CallMethod(mod, "_on_uncaught", "O", value);
+        Py_XDECREF(r);
+        PyErr_Clear();
+    }
+    Py_DECREF(mod);
+}
+
+static PyObject *sys_excepthook(PyObject *self, PyObject *args)
+{
+    PyObject *type, *value, *tb;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOO", &type, &value, &tb))
+        return NULL;
+    if (is_oom(type)) {
+        oom_relief();
+        oom_python_report(value);
+    }
+    if (prev_sys_hook != NULL)
+        return PyObject_CallObject(prev_sys_hook, args);
+    Py_RETURN_NONE;
+}
+
+static PyObject *thread_excepthook(PyObject *self, PyObject *hook_args)
+{
+    PyObject *type = PyObject_GetAttrString(hook_args, "exc_type");
+    (void)self;
+    if (type == NULL)
+        PyErr_Clear();
+    else if (is_oom(type)) {
+        PyObject *value = PyObject_GetAttrString(hook_args, "exc_value");
+        PyErr_Clear();
+        oom_relief();
+        oom_python_report(value ? value : Py_None);
+        Py_XDECREF(value);
+    }
+    Py_XDECREF(type);
+    if (prev_thread_hook != NULL)
+        return PyObject_CallFunctionObjArgs(prev_thread_hook, hook_args, NULL);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef sys_hook_def = {"outofcuda_excepthook", sys_excepthook, METH_VARARGS,
+                                   "outofcuda's OOM handler; chains to the previous hook."};
+static PyMethodDef thread_hook_def = {"outofcuda_threading_excepthook", thread_excepthook, METH_O,
+                                      "outofcuda's OOM handler; chains to the previous hook."};
+
+static void apply_oom_handler(PyObject *torch)
+{
+    PyObject *threading, *hook;
+    oom_type = oc_getattr_chain(torch, "cuda.OutOfMemoryError");
+    if (oom_type == NULL) {
+        oc_result_set("oom_handler", 0, NULL, "this torch has no torch.cuda.OutOfMemoryError");
+        return;
+    }
+    prev_sys_hook = PySys_GetObject("excepthook");
+    Py_XINCREF(prev_sys_hook);
+    hook = PyCFunction_NewEx(&sys_hook_def, NULL, NULL);
+    if (hook == NULL || PySys_SetObject("excepthook", hook) < 0) {
+        Py_XDECREF(hook);
+        oc_set_error("installing sys.excepthook");
+        oc_result_set("oom_handler", 0, NULL, "sys.excepthook could not be set");
+        return;
+    }
+    Py_DECREF(hook);
+    /* threading is imported by torch already; this only looks it up. */
+    threading = PyImport_ImportModule("threading");
+    if (threading != NULL) {
+        prev_thread_hook = PyObject_GetAttrString(threading, "excepthook");
+        hook = prev_thread_hook ? PyCFunction_NewEx(&thread_hook_def, NULL, NULL) : NULL;
+        if (hook == NULL || PyObject_SetAttrString(threading, "excepthook", hook) < 0)
+            PyErr_Clear();
+        Py_XDECREF(hook);
+        Py_DECREF(threading);
+    }
+    PyErr_Clear();
+    {
+        PyObject *v = PyUnicode_FromString("sys.excepthook + threading.excepthook");
+        oc_result_set("oom_handler", 1, v,
+                      "on an uncaught CUDA OOM: empty the cache, collect garbage, print a "
+                      "memory summary, then the usual traceback");
+        Py_XDECREF(v);
+    }
+}
+
+static void record_allocator(PyObject *torch)
+{
+    PyObject *v;
+    (void)torch;
+    if (!oc_g.prepared) {
+        oc_result_set("allocator", 0, NULL,
+                      "torch was imported before outofcuda's hook installed; the allocator "
+                      "variable must be set before torch loads");
+        return;
+    }
+    v = oc_g.alloc_value[0] ? PyUnicode_FromString(oc_g.alloc_value) : NULL;
+    oc_result_set("allocator", oc_g.alloc_applied, v, oc_g.alloc_reason);
+    Py_XDECREF(v);
+}
+
+static void skip_all(const char *reason)
+{
+    static const char *const names[] = {"tf32", "cudnn_benchmark", "cudnn_deterministic",
+                                        "allocator", "memory_fraction", "sdpa",
+                                        "amp_dtype", "oom_handler"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        oc_result_set(names[i], 0, NULL, reason);
+}
+
+void oc_bridge_after_torch(PyObject *torch)
+{
+    const oc_config *cfg = oc_config_get();
+    PyObject *c_mod, *v;
+    v = PyObject_GetAttrString(torch, "__version__");
+    if (v != NULL) {
+        PyObject *old = oc_g.torch_version;
+        oc_g.torch_version = PyObject_Str(v);
+        Py_XDECREF(old);
+        Py_DECREF(v);
+    }
+    PyErr_Clear();
+    if (cfg->disable) {
+        skip_all("outofcuda is disabled (OUTOFCUDA_DISABLE)");
+        return;
+    }
+    if (!oc_g.prepared || !tv.known)
+        read_version_module(torch);
+    c_mod = PyObject_GetAttrString(torch, "_C");
+    if (c_mod == NULL) {
+        oc_set_error("torch has no _C module");
+        skip_all("torch._C is missing");
+        return;
+    }
+    apply_tf32(cfg, torch, c_mod);
+    apply_cudnn(cfg, c_mod);
+    record_allocator(torch);
+    apply_memory_fraction(cfg, torch);
+    apply_sdpa(cfg, c_mod);
+    apply_amp_dtype(cfg, torch);
+    apply_oom_handler(torch);
+    Py_DECREF(c_mod);
+    PyErr_Clear();
+    if (cfg->verbose)
+        oc_report_verbose();
+}

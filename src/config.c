@@ -1,0 +1,237 @@
+/* config.c - OUTOFCUDA_* environment -> oc_config. Pure C: no Python here, so
+ * the parser can be unit-tested and fuzzed on its own. */
+#define OC_PURE_C
+#include "oc.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define OC_DEFAULT_ALLOC_CONF \
+    "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True"
+
+/* Copies at most 40 characters of a value for a message, so a 10 kB value
+ * still yields a short warning. */
+static void shorten(const char *value, char *out, size_t outsz)
+{
+    size_t n = strlen(value);
+    size_t keep = n > 40 ? 40 : n;
+    size_t i, j = 0;
+    for (i = 0; i < keep && j + 5 < outsz; i++) {
+        unsigned char c = (unsigned char)value[i];
+        out[j++] = (c >= 0x20 && c < 0x7f) ? (char)c : '?';
+    }
+    if (n > keep && j + 4 < outsz) {
+        memcpy(out + j, "...", 3);
+        j += 3;
+    }
+    out[j] = '\0';
+}
+
+static void add_warning(oc_config *cfg, const char *name, const char *value, const char *accepts)
+{
+    char shown[64];
+    if (cfg->n_warnings >= OC_WARN_MAX)
+        return;
+    shorten(value, shown, sizeof shown);
+    snprintf(cfg->warnings[cfg->n_warnings++], OC_WARN_LEN,
+             "outofcuda: ignoring %s=%s%s%s: expected %s; using the default",
+             name, value[0] ? "'" : "", value[0] ? shown : "(empty)", value[0] ? "'" : "",
+             accepts);
+}
+
+/* Copies s without leading and trailing blanks into buf (lower-cased when
+ * lower). Returns buf, or NULL when the trimmed text does not fit. */
+static const char *trim_copy(const char *s, char *buf, size_t sz, int lower)
+{
+    const char *end;
+    size_t n;
+    while (*s && isspace((unsigned char)*s))
+        s++;
+    end = s + strlen(s);
+    while (end > s && isspace((unsigned char)end[-1]))
+        end--;
+    n = (size_t)(end - s);
+    if (n >= sz)
+        return NULL;
+    for (size_t i = 0; i < n; i++)
+        buf[i] = lower ? (char)tolower((unsigned char)s[i]) : s[i];
+    buf[n] = '\0';
+    return buf;
+}
+
+int oc_parse_bool(const char *s)
+{
+    static const char *const yes[] = {"1", "true", "yes", "on"};
+    static const char *const no[] = {"0", "false", "no", "off"};
+    char buf[8];
+    if (s == NULL || trim_copy(s, buf, sizeof buf, 1) == NULL)
+        return -1;
+    for (size_t i = 0; i < 4; i++) {
+        if (strcmp(buf, yes[i]) == 0)
+            return 1;
+        if (strcmp(buf, no[i]) == 0)
+            return 0;
+    }
+    return -1;
+}
+
+static void load_bool(oc_config *cfg, oc_getenv_fn get, void *ctx, const char *name, int *slot)
+{
+    const char *v = get(name, ctx);
+    int b;
+    if (v == NULL)
+        return;
+    b = oc_parse_bool(v);
+    if (b < 0)
+        add_warning(cfg, name, v, "1/0, true/false, yes/no or on/off");
+    else
+        *slot = b;
+}
+
+static void load_long(oc_config *cfg, oc_getenv_fn get, void *ctx, const char *name, long lo,
+                      long hi, long *slot)
+{
+    char buf[32], accepts[80];
+    const char *v = get(name, ctx);
+    char *end;
+    long x;
+    if (v == NULL)
+        return;
+    snprintf(accepts, sizeof accepts, "a whole number from %ld to %ld", lo, hi);
+    if (trim_copy(v, buf, sizeof buf, 0) == NULL || buf[0] == '\0') {
+        add_warning(cfg, name, v, accepts);
+        return;
+    }
+    errno = 0;
+    x = strtol(buf, &end, 10);
+    if (errno != 0 || *end != '\0' || x < lo || x > hi) {
+        add_warning(cfg, name, v, accepts);
+        return;
+    }
+    *slot = x;
+}
+
+static void load_fraction(oc_config *cfg, oc_getenv_fn get, void *ctx)
+{
+    static const char name[] = "OUTOFCUDA_MEMORY_FRACTION";
+    char buf[32];
+    const char *v = get(name, ctx);
+    char *end;
+    double x;
+    if (v == NULL)
+        return;
+    if (trim_copy(v, buf, sizeof buf, 0) == NULL || buf[0] == '\0') {
+        add_warning(cfg, name, v, "a number f with 0 < f <= 1");
+        return;
+    }
+    errno = 0;
+    x = strtod(buf, &end);
+    /* isfinite() also refuses "nan" and "inf", which strtod accepts. */
+    if (errno != 0 || *end != '\0' || !isfinite(x) || !(x > 0.0) || x > 1.0) {
+        add_warning(cfg, name, v, "a number f with 0 < f <= 1");
+        return;
+    }
+    cfg->memory_fraction = x;
+}
+
+static void load_choice(oc_config *cfg, oc_getenv_fn get, void *ctx, const char *name,
+                        const char *const *choices, const int *values, size_t n, int *slot,
+                        const char *accepts)
+{
+    char buf[40];
+    const char *v = get(name, ctx);
+    if (v == NULL)
+        return;
+    if (trim_copy(v, buf, sizeof buf, 1) != NULL) {
+        for (size_t i = 0; i < n; i++) {
+            if (strcmp(buf, choices[i]) == 0) {
+                *slot = values[i];
+                return;
+            }
+        }
+    }
+    add_warning(cfg, name, v, accepts);
+}
+
+static void load_amp_dtype(oc_config *cfg, oc_getenv_fn get, void *ctx)
+{
+    static const char *const words[] = {"auto", "float16", "fp16", "half", "bfloat16", "bf16"};
+    static const int values[] = {OC_AMP_AUTO,     OC_AMP_FLOAT16,  OC_AMP_FLOAT16,
+                                 OC_AMP_FLOAT16,  OC_AMP_BFLOAT16, OC_AMP_BFLOAT16};
+    int slot = (int)cfg->amp_dtype;
+    load_choice(cfg, get, ctx, "OUTOFCUDA_AMP_DTYPE", words, values, 6, &slot,
+                "auto, float16 or bfloat16");
+    cfg->amp_dtype = (oc_amp_dtype)slot;
+}
+
+static void load_compile_mode(oc_config *cfg, oc_getenv_fn get, void *ctx)
+{
+    static const char *const modes[] = {"default", "reduce-overhead", "max-autotune",
+                                        "max-autotune-no-cudagraphs"};
+    static const int values[] = {0, 1, 2, 3};
+    int slot = -1;
+    load_choice(cfg, get, ctx, "OUTOFCUDA_COMPILE_MODE", modes, values, 4, &slot,
+                "default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs");
+    if (slot >= 0)
+        snprintf(cfg->compile_mode, sizeof cfg->compile_mode, "%s", modes[slot]);
+}
+
+static void load_alloc_conf(oc_config *cfg, oc_getenv_fn get, void *ctx)
+{
+    static const char name[] = "OUTOFCUDA_ALLOC_CONF";
+    const char *v = get(name, ctx);
+    oc_alloc_list list;
+    if (v == NULL)
+        return;
+    if (strlen(v) >= sizeof cfg->alloc_conf || oc_alloc_parse(v, &list, NULL, 0) != 0) {
+        add_warning(cfg, name, v,
+                    "a PyTorch allocator string such as 'expandable_segments:True' "
+                    "(key:value pairs separated by commas)");
+        return;
+    }
+    snprintf(cfg->alloc_conf, sizeof cfg->alloc_conf, "%s", v);
+}
+
+void oc_config_load(oc_config *cfg, oc_getenv_fn get, void *ctx)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->tf32 = 1;
+    cfg->cudnn_benchmark = 1;
+    cfg->channels_last = 1;
+    snprintf(cfg->compile_mode, sizeof cfg->compile_mode, "%s", "reduce-overhead");
+    cfg->amp_dtype = OC_AMP_AUTO;
+    cfg->memory_fraction = 0.95;
+    snprintf(cfg->alloc_conf, sizeof cfg->alloc_conf, "%s", OC_DEFAULT_ALLOC_CONF);
+    cfg->gc_collect = 1;
+    cfg->flash_attn = 1;
+    cfg->mem_eff_attn = 1;
+    cfg->math_attn = 1;
+    cfg->pin_memory = 1;
+    cfg->num_workers = 4;
+    cfg->prefetch_factor = 2;
+
+    load_bool(cfg, get, ctx, "OUTOFCUDA_DISABLE", &cfg->disable);
+    load_bool(cfg, get, ctx, "OUTOFCUDA_VERBOSE", &cfg->verbose);
+    load_bool(cfg, get, ctx, "OUTOFCUDA_TF32", &cfg->tf32);
+    load_bool(cfg, get, ctx, "OUTOFCUDA_CUDNN_BENCHMARK", &cfg->cudnn_benchmark);
+    load_bool(cfg, get, ctx, "OUTOFCUDA_CUDNN_DETERMINISTIC", &cfg->cudnn_deterministic);
+    load_bool(cfg, get, ctx, "OUTOFCUDA_CHANNELS_LAST", &cfg->channels_last);
+    load_bool(cfg, get, ctx, "OUTOFCUDA_COMPILE", &cfg->compile);
+    load_compile_mode(cfg, get, ctx);
+    load_bool(cfg, get, ctx, "OUTOFCUDA_COMPILE_FULLGRAPH", &cfg->compile_fullgraph);
+    load_amp_dtype(cfg, get, ctx);
+    load_fraction(cfg, get, ctx);
+    load_alloc_conf(cfg, get, ctx);
+    load_bool(cfg, get, ctx, "OUTOFCUDA_GC_COLLECT", &cfg->gc_collect);
+    load_bool(cfg, get, ctx, "OUTOFCUDA_FLASH_ATTN", &cfg->flash_attn);
+    load_bool(cfg, get, ctx, "OUTOFCUDA_MEM_EFF_ATTN", &cfg->mem_eff_attn);
+    load_bool(cfg, get, ctx, "OUTOFCUDA_MATH_ATTN", &cfg->math_attn);
+    load_bool(cfg, get, ctx, "OUTOFCUDA_PIN_MEMORY", &cfg->pin_memory);
+    load_long(cfg, get, ctx, "OUTOFCUDA_NUM_WORKERS", 0, 1024, &cfg->num_workers);
+    load_long(cfg, get, ctx, "OUTOFCUDA_PREFETCH_FACTOR", 1, 1024, &cfg->prefetch_factor);
+}

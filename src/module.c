@@ -1,0 +1,305 @@
+/* module.c - the _outofcuda extension: module definition, install(), the
+ * configuration snapshot, small helpers shared by the other files. */
+#include "oc.h"
+
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+oc_state oc_g;
+
+static const char *env_getenv(const char *name, void *ctx)
+{
+    (void)ctx;
+    return getenv(name);
+}
+
+int oc_disabled_by_env(void)
+{
+    return oc_parse_bool(getenv("OUTOFCUDA_DISABLE")) == 1;
+}
+
+void oc_warn(const char *msg)
+{
+    PyObject *exc_type, *exc_value, *exc_tb;
+    /* Keep whatever exception is being handled: a warning must not replace it. */
+    PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+    if (PyErr_WarnEx(PyExc_UserWarning, msg, 1) < 0) {
+        /* -W error turned the warning into an exception; outofcuda must not
+         * raise from an import, so the message goes to stderr instead. */
+        PyErr_Clear();
+        PySys_WriteStderr("%.1000s\n", msg);
+    }
+    PyErr_Restore(exc_type, exc_value, exc_tb);
+}
+
+void oc_set_error(const char *where)
+{
+    PyObject *type, *value, *tb, *text = NULL;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value != NULL)
+        text = PyUnicode_FromFormat("%s: %S", where, value);
+    else
+        text = PyUnicode_FromString(where);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    PyErr_Clear();
+    if (text == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    if (oc_g.error == NULL) {
+        char buf[600];
+        oc_g.error = text;
+        snprintf(buf, sizeof buf, "outofcuda: %s (outofcuda.status() has the details)",
+                 oc_utf8(text, (char[512]){0}, 512));
+        oc_warn(buf);
+    } else {
+        Py_DECREF(text);
+    }
+}
+
+const oc_config *oc_config_get(void)
+{
+    if (!oc_g.config_loaded) {
+        oc_config_load(&oc_g.cfg, env_getenv, NULL);
+        oc_g.config_loaded = 1;
+        for (int i = 0; i < oc_g.cfg.n_warnings; i++)
+            oc_warn(oc_g.cfg.warnings[i]);
+    }
+    return &oc_g.cfg;
+}
+
+PyObject *oc_getattr_chain(PyObject *obj, const char *dotted)
+{
+    char part[128];
+    PyObject *cur = obj;
+    Py_INCREF(cur);
+    while (*dotted) {
+        const char *dot = strchr(dotted, '.');
+        size_t n = dot ? (size_t)(dot - dotted) : strlen(dotted);
+        PyObject *next;
+        if (n >= sizeof part) {
+            Py_DECREF(cur);
+            return NULL;
+        }
+        memcpy(part, dotted, n);
+        part[n] = '\0';
+        next = PyObject_GetAttrString(cur, part);
+        Py_DECREF(cur);
+        if (next == NULL) {
+            PyErr_Clear();
+            return NULL;
+        }
+        cur = next;
+        dotted += n + (dot ? 1 : 0);
+    }
+    return cur;
+}
+
+int oc_call_bool(PyObject *owner, const char *name, int value)
+{
+    PyObject *fn, *res;
+    fn = PyObject_GetAttrString(owner, name);
+    if (fn == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    res = PyObject_CallFunctionObjArgs(fn, value ? Py_True : Py_False, NULL);
+    Py_DECREF(fn);
+    if (res == NULL)
+        return -1;
+    Py_DECREF(res);
+    return 1;
+}
+
+const char *oc_utf8(PyObject *str, char *buf, size_t sz)
+{
+    PyObject *bytes;
+    buf[0] = '\0';
+    if (str == NULL)
+        return buf;
+    bytes = PyUnicode_AsUTF8String(str);
+    if (bytes == NULL) {
+        PyErr_Clear();
+        return buf;
+    }
+    snprintf(buf, sz, "%s", PyBytes_AsString(bytes));
+    Py_DECREF(bytes);
+    return buf;
+}
+
+/* install() -> None. Never raises: it runs from a .pth line at start-up. */
+static PyObject *oc_install(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    if (oc_g.installed || oc_disabled_by_env())
+        Py_RETURN_NONE;
+    if (oc_watcher_install() < 0) {
+        oc_set_error("installing the import hook failed");
+        Py_RETURN_NONE;
+    }
+    oc_g.installed = 1;
+    if (oc_watcher_fire_if_imported() < 0)
+        oc_set_error("applying to an already imported torch failed");
+    Py_RETURN_NONE;
+}
+
+static PyObject *dict_from_config(const oc_config *c)
+{
+    static const char *const amp[] = {"auto", "float16", "bfloat16"};
+    PyObject *warnings = PyList_New(0), *d;
+    if (warnings == NULL)
+        return NULL;
+    for (int i = 0; i < c->n_warnings; i++) {
+        PyObject *s = PyUnicode_DecodeUTF8(c->warnings[i], (Py_ssize_t)strlen(c->warnings[i]),
+                                           "replace");
+        if (s == NULL || PyList_Append(warnings, s) < 0) {
+            Py_XDECREF(s);
+            Py_DECREF(warnings);
+            return NULL;
+        }
+        Py_DECREF(s);
+    }
+    d = Py_BuildValue(
+        "{s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:s,s:O,s:s,s:d,s:s,s:O,s:O,s:O,s:O,s:O,s:l,s:l,s:N}",
+        "disable", c->disable ? Py_True : Py_False, "verbose", c->verbose ? Py_True : Py_False,
+        "tf32", c->tf32 ? Py_True : Py_False, "cudnn_benchmark",
+        c->cudnn_benchmark ? Py_True : Py_False, "cudnn_deterministic",
+        c->cudnn_deterministic ? Py_True : Py_False, "channels_last",
+        c->channels_last ? Py_True : Py_False, "compile", c->compile ? Py_True : Py_False,
+        "compile_mode", c->compile_mode, "compile_fullgraph",
+        c->compile_fullgraph ? Py_True : Py_False, "amp_dtype", amp[c->amp_dtype],
+        "memory_fraction", c->memory_fraction, "alloc_conf", c->alloc_conf, "gc_collect",
+        c->gc_collect ? Py_True : Py_False, "flash_attn", c->flash_attn ? Py_True : Py_False,
+        "mem_eff_attn", c->mem_eff_attn ? Py_True : Py_False, "math_attn",
+        c->math_attn ? Py_True : Py_False, "pin_memory", c->pin_memory ? Py_True : Py_False,
+        "num_workers", c->num_workers, "prefetch_factor", c->prefetch_factor, "warnings",
+        warnings);
+    return d;
+}
+
+/* config() -> dict: the configuration read once from the environment (warnings
+ * are emitted on the first read only). */
+static PyObject *oc_config_py(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return dict_from_config(oc_config_get());
+}
+
+static const char *dict_getenv(const char *name, void *ctx)
+{
+    PyObject *v = PyDict_GetItemString((PyObject *)ctx, name);
+    if (v == NULL || !PyUnicode_Check(v))
+        return NULL;
+    /* Limited API before 3.10 has no PyUnicode_AsUTF8; keep the bytes alive in
+     * a side dict owned by the caller's mapping. */
+    {
+        static char slots[24][2048];
+        static int next;
+        char *buf = slots[next++ % 24];
+        oc_utf8(v, buf, 2048);
+        return buf;
+    }
+}
+
+/* _parse_config(mapping) -> dict: the pure-C parser run over a dict instead of
+ * the environment (for tests; emits no warnings, returns them). */
+static PyObject *oc_parse_config_py(PyObject *self, PyObject *arg)
+{
+    oc_config *c;
+    PyObject *res;
+    (void)self;
+    if (!PyDict_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "_parse_config expects a dict of str to str");
+        return NULL;
+    }
+    c = PyMem_Malloc(sizeof *c);
+    if (c == NULL)
+        return PyErr_NoMemory();
+    oc_config_load(c, dict_getenv, arg);
+    res = dict_from_config(c);
+    PyMem_Free(c);
+    return res;
+}
+
+static int allowed_for_version(const char *key, void *ctx)
+{
+    return oc_alloc_key_known(key, *(long *)ctx);
+}
+
+/* _merge_alloc_conf(defaults, user, torch_version=None) -> (merged, dropped)
+ * ValueError when a string is malformed. */
+static PyObject *oc_merge_alloc_conf_py(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"defaults", "user", "torch_version", NULL};
+    const char *defaults, *user, *tv = NULL;
+    char out[OC_ALLOC_CONF_MAX * 2], dropped[512], err[160];
+    long ver;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|z", kwlist, &defaults, &user, &tv))
+        return NULL;
+    ver = tv ? oc_torch_version_number(tv) : 0;
+    if (oc_alloc_merge(defaults, user, tv ? allowed_for_version : NULL, &ver, out, sizeof out,
+                       dropped, sizeof dropped, err, sizeof err) != 0) {
+        PyErr_Format(PyExc_ValueError, "bad allocator configuration: %s", err);
+        return NULL;
+    }
+    return Py_BuildValue("(ss)", out, dropped);
+}
+
+static PyMethodDef module_methods[] = {
+    {"install", oc_install, METH_NOARGS,
+     "install()\n--\n\nPut outofcuda's import watcher on sys.meta_path (idempotent, never "
+     "raises). The .pth/.start hook calls this at interpreter start-up."},
+    {"config", oc_config_py, METH_NOARGS,
+     "config()\n--\n\nThe OUTOFCUDA_* configuration as read from the environment."},
+    {"_parse_config", oc_parse_config_py, METH_O, "Parse a dict as if it were the environment."},
+    {"_merge_alloc_conf", (PyCFunction)(void (*)(void))oc_merge_alloc_conf_py,
+     METH_VARARGS | METH_KEYWORDS, "Merge allocator strings; the user's keys win."},
+    {NULL, NULL, 0, NULL},
+};
+
+static int module_exec(PyObject *m)
+{
+    /* The hook state is process-wide (one torch per process); a second
+     * interpreter would share torch-facing state it cannot own. */
+    if (PyInterpreterState_GetID(PyInterpreterState_Get()) != 0) {
+        PyErr_SetString(PyExc_ImportError,
+                        "outofcuda's extension supports only the main interpreter");
+        return -1;
+    }
+    if (PyModule_AddFunctions(m, module_methods) < 0 ||
+        PyModule_AddFunctions(m, oc_report_methods) < 0 ||
+        PyModule_AddFunctions(m, oc_nvml_methods) < 0)
+        return -1;
+    if (oc_monitor_add_type(m) < 0)
+        return -1;
+    return PyModule_AddStringConstant(m, "__version__", OC_VERSION);
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, (void *)module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    "_outofcuda",
+    "outofcuda's C core: the start-up hook, the torch bridge and NVML access.",
+    0,
+    NULL,
+    module_slots,
+    NULL,
+    NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC PyInit__outofcuda(void)
+{
+    return PyModuleDef_Init(&module_def);
+}

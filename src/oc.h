@@ -1,0 +1,174 @@
+/* oc.h - the one header every outofcuda C file includes.
+ *
+ * Layout (one file per concern):
+ *   module.c   module definition, method table, install()
+ *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python)
+ *   allocconf.c allocator-string parse and merge (pure C, no Python)
+ *   watcher.c  meta-path finder and loader proxy that notice `import torch`
+ *   bridge.c   what happens when torch has imported: the optimisations
+ *   nvml.c     NVML loaded with dlopen at run time
+ *   report.c   status dict and the verbose table
+ *   monitor.c  the native watchdog thread behind MemoryMonitor
+ */
+#ifndef OC_H
+#define OC_H
+
+#include <stddef.h>
+
+#define OC_VERSION "0.1.0"
+
+/* ---- pure C part: safe to include without Python (fuzzers, unit tests) ---- */
+
+#define OC_ALLOC_CONF_MAX 1024
+#define OC_WARN_MAX 24
+#define OC_WARN_LEN 320
+
+typedef enum { OC_AMP_AUTO = 0, OC_AMP_FLOAT16, OC_AMP_BFLOAT16 } oc_amp_dtype;
+
+typedef struct {
+    int disable;
+    int verbose;
+    int tf32;
+    int cudnn_benchmark;
+    int cudnn_deterministic;
+    int channels_last;
+    int compile;
+    char compile_mode[32];
+    int compile_fullgraph;
+    oc_amp_dtype amp_dtype;
+    double memory_fraction;
+    char alloc_conf[OC_ALLOC_CONF_MAX];
+    int gc_collect;
+    int flash_attn;
+    int mem_eff_attn;
+    int math_attn;
+    int pin_memory;
+    long num_workers;
+    long prefetch_factor;
+    int n_warnings;
+    char warnings[OC_WARN_MAX][OC_WARN_LEN];
+} oc_config;
+
+/* Returns the value of an environment variable or NULL; lets tests and the
+ * fuzzer feed values without touching the process environment. */
+typedef const char *(*oc_getenv_fn)(const char *name, void *ctx);
+
+/* Fills *cfg from the environment; never fails. Every bad value leaves the
+ * default in place and appends one message to cfg->warnings. */
+void oc_config_load(oc_config *cfg, oc_getenv_fn getenv_fn, void *ctx);
+
+/* Parses a boolean word (1/0, true/false, yes/no, on/off, any case, spaces
+ * around allowed). Returns 1 or 0, or -1 when the word is none of those. */
+int oc_parse_bool(const char *s);
+
+/* Allocator configuration strings: "key:value,key:value" where a value may
+ * hold a bracketed list with commas ("[256:1,>:4]"). */
+#define OC_ALLOC_ENTRIES_MAX 32
+typedef struct {
+    int n;
+    struct {
+        char key[64];
+        char value[256];
+    } e[OC_ALLOC_ENTRIES_MAX];
+} oc_alloc_list;
+
+/* Parses s into *out. Returns 0 on success, -1 when s is malformed (message
+ * written to err, which may be NULL). An empty or blank string is valid. */
+int oc_alloc_parse(const char *s, oc_alloc_list *out, char *err, size_t errsz);
+
+/* Returns 1 when key is a key that this torch release accepts. */
+typedef int (*oc_key_allowed_fn)(const char *key, void *ctx);
+
+/* Writes user entries first (all kept: they are the user's), then every default
+ * entry whose key the user did not set and `allowed` accepts (NULL: all).
+ * Keys of defaults that were dropped as unknown go to `dropped` (comma list).
+ * Returns 0, or -1 when a string is malformed or the output does not fit. */
+int oc_alloc_merge(const char *defaults, const char *user, oc_key_allowed_fn allowed,
+                   void *ctx, char *out, size_t outsz, char *dropped, size_t droppedsz,
+                   char *err, size_t errsz);
+
+/* torch release number from a version string ("2.9.1+cu128" -> 20901). Returns
+ * 0 when it cannot be read. */
+long oc_torch_version_number(const char *version);
+
+/* Returns 1 when the allocator key exists in the torch release `ver`
+ * (oc_torch_version_number) for a CUDA build. */
+int oc_alloc_key_known(const char *key, long ver);
+
+/* Returns the name of the environment variable the release reads first. */
+const char *oc_alloc_env_name(long ver);
+
+#ifndef OC_PURE_C
+/* ---- Python part ---- */
+#ifndef Py_LIMITED_API
+#error "outofcuda builds against the Limited API only"
+#endif
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* Process-wide state: the hook fires once per process, whatever imports it. */
+typedef struct {
+    int installed;        /* install() put the finder on sys.meta_path */
+    int fired;            /* the torch callback ran */
+    int prepared;         /* pre-import work (config, allocator env) done */
+    int config_loaded;
+    oc_config cfg;
+    PyObject *finder;     /* strong ref; the finder instance on sys.meta_path */
+    PyObject *finder_type;
+    PyObject *proxy_type;
+    PyObject *error;      /* str or NULL: what went wrong inside outofcuda */
+    PyObject *results;    /* dict: optimisation name -> dict(applied, value, reason) */
+    PyObject *torch_version; /* str or NULL */
+    char alloc_env_name[32];  /* variable written before torch loaded, or "" */
+    char alloc_value[OC_ALLOC_CONF_MAX];
+    char alloc_reason[600];
+    int alloc_applied;
+} oc_state;
+
+extern oc_state oc_g;
+
+/* module.c */
+const oc_config *oc_config_get(void);            /* loads once, emits warnings */
+void oc_warn(const char *msg);                  /* one warning; never raises */
+void oc_set_error(const char *where);            /* keeps the current exception text */
+int oc_disabled_by_env(void);
+
+/* watcher.c */
+int oc_watcher_install(void);                    /* 0 ok, -1 with exception */
+int oc_watcher_fire_if_imported(void);
+
+/* bridge.c: called with torch imported. Never raises. */
+void oc_bridge_before_torch(PyObject *spec);
+void oc_bridge_after_torch(PyObject *torch);
+
+/* report.c */
+int oc_result_set(const char *name, int applied, PyObject *value, const char *reason);
+int oc_result_setf(const char *name, int applied, PyObject *value, const char *fmt, ...);
+PyObject *oc_status(PyObject *self, PyObject *unused);
+void oc_report_verbose(void);
+extern PyMethodDef oc_report_methods[];
+
+/* nvml.c */
+typedef struct {
+    char name[96];
+    int cc_major, cc_minor;
+    unsigned long long total, free, used;
+    char uuid[96];
+} oc_gpu_info;
+int oc_nvml_available(char *why, size_t whysz);  /* 1 yes, 0 no (why filled) */
+int oc_nvml_device_count(void);                  /* -1 when unavailable */
+int oc_nvml_device_info(int index, oc_gpu_info *out);  /* 0 ok, -1 */
+int oc_nvml_driver_version(char *buf, size_t sz);
+typedef struct { unsigned int pid; unsigned long long used; } oc_gpu_proc;
+int oc_nvml_processes(int index, oc_gpu_proc *out, int max); /* count or -1 */
+extern PyMethodDef oc_nvml_methods[];
+
+/* monitor.c */
+int oc_monitor_add_type(PyObject *module);
+
+/* small helpers (module.c) */
+PyObject *oc_getattr_chain(PyObject *obj, const char *dotted); /* new ref or NULL, no exception */
+int oc_call_bool(PyObject *owner, const char *name, int value);  /* 1 called, 0 missing, -1 error */
+const char *oc_utf8(PyObject *str, char *buf, size_t sz);        /* copy of str into buf */
+#endif /* OC_PURE_C */
+#endif /* OC_H */

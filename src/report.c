@@ -1,0 +1,151 @@
+/* report.c - what outofcuda did: the status() dict and the verbose table. */
+#include "oc.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+static const char *const opt_names[] = {
+    "tf32", "cudnn_benchmark", "cudnn_deterministic", "allocator",
+    "memory_fraction", "sdpa", "amp_dtype", "oom_handler",
+};
+#define N_OPTS (sizeof opt_names / sizeof opt_names[0])
+
+int oc_result_set(const char *name, int applied, PyObject *value, const char *reason)
+{
+    PyObject *entry;
+    int rc;
+    if (oc_g.results == NULL) {
+        oc_g.results = PyDict_New();
+        if (oc_g.results == NULL)
+            return -1;
+    }
+    entry = Py_BuildValue("{s:O,s:O,s:s}", "applied", applied ? Py_True : Py_False, "value",
+                          value ? value : Py_None, "reason", reason);
+    if (entry == NULL)
+        return -1;
+    rc = PyDict_SetItemString(oc_g.results, name, entry);
+    Py_DECREF(entry);
+    return rc;
+}
+
+int oc_result_setf(const char *name, int applied, PyObject *value, const char *fmt, ...)
+{
+    char reason[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(reason, sizeof reason, fmt, ap);
+    va_end(ap);
+    return oc_result_set(name, applied, value, reason);
+}
+
+static const char *pending_reason(void)
+{
+    if (oc_g.installed && !oc_g.fired)
+        return "torch has not been imported in this process yet";
+    if (oc_disabled_by_env())
+        return "outofcuda is disabled (OUTOFCUDA_DISABLE)";
+    return "the start-up hook did not run in this process (python -S, or the hook file is "
+           "missing: run `outofcuda doctor`)";
+}
+
+static PyObject *optimizations(void)
+{
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    for (size_t i = 0; i < N_OPTS; i++) {
+        PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, opt_names[i]) : NULL;
+        if (e != NULL) {
+            /* A copy, so a caller editing the dict does not edit our record. */
+            e = PyDict_Copy(e);
+        } else {
+            e = Py_BuildValue("{s:O,s:O,s:s}", "applied", Py_False, "value", Py_None, "reason",
+                              pending_reason());
+        }
+        if (e == NULL || PyDict_SetItemString(d, opt_names[i], e) < 0) {
+            Py_XDECREF(e);
+            Py_DECREF(d);
+            return NULL;
+        }
+        Py_DECREF(e);
+    }
+    return d;
+}
+
+PyObject *oc_status(PyObject *self, PyObject *unused)
+{
+    PyObject *opts, *warnings, *res;
+    (void)self;
+    (void)unused;
+    opts = optimizations();
+    if (opts == NULL)
+        return NULL;
+    warnings = PyList_New(0);
+    if (warnings == NULL) {
+        Py_DECREF(opts);
+        return NULL;
+    }
+    for (int i = 0; oc_g.config_loaded && i < oc_g.cfg.n_warnings; i++) {
+        PyObject *s = PyUnicode_DecodeUTF8(oc_g.cfg.warnings[i],
+                                           (Py_ssize_t)strlen(oc_g.cfg.warnings[i]), "replace");
+        if (s == NULL || PyList_Append(warnings, s) < 0) {
+            Py_XDECREF(s);
+            Py_DECREF(opts);
+            Py_DECREF(warnings);
+            return NULL;
+        }
+        Py_DECREF(s);
+    }
+    res = Py_BuildValue("{s:s,s:{s:O,s:O,s:O},s:O,s:N,s:N}", "version", OC_VERSION, "hook",
+                        "installed", oc_g.installed ? Py_True : Py_False, "fired",
+                        oc_g.fired ? Py_True : Py_False, "error",
+                        oc_g.error ? oc_g.error : Py_None, "torch",
+                        oc_g.torch_version ? oc_g.torch_version : Py_None, "optimizations", opts,
+                        "config_warnings", warnings);
+    return res;
+}
+
+/* Short text of any value for the table. */
+static void value_text(PyObject *v, char *buf, size_t sz)
+{
+    PyObject *s;
+    if (v == NULL || v == Py_None) {
+        snprintf(buf, sz, "-");
+        return;
+    }
+    s = PyUnicode_Check(v) ? (Py_INCREF(v), v) : PyObject_Repr(v);
+    if (s == NULL) {
+        PyErr_Clear();
+        snprintf(buf, sz, "?");
+        return;
+    }
+    oc_utf8(s, buf, sz);
+    Py_DECREF(s);
+}
+
+void oc_report_verbose(void)
+{
+    char tv[64], value[200], reason[400];
+    value_text(oc_g.torch_version, tv, sizeof tv);
+    PySys_WriteStderr("outofcuda %s: torch %s imported\n", OC_VERSION, tv);
+    PySys_WriteStderr("  %-20s %-8s %-34s %s\n", "optimisation", "applied", "value", "reason");
+    for (size_t i = 0; i < N_OPTS; i++) {
+        PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, opt_names[i]) : NULL;
+        PyObject *applied = e ? PyDict_GetItemString(e, "applied") : NULL;
+        value_text(e ? PyDict_GetItemString(e, "value") : NULL, value, sizeof value);
+        value_text(e ? PyDict_GetItemString(e, "reason") : NULL, reason, sizeof reason);
+        PySys_WriteStderr("  %-20s %-8s %-34.200s %.300s\n", opt_names[i],
+                          applied == Py_True ? "yes" : "no", value, reason);
+    }
+    if (oc_g.error != NULL) {
+        value_text(oc_g.error, reason, sizeof reason);
+        PySys_WriteStderr("  error: %.390s\n", reason);
+    }
+}
+
+PyMethodDef oc_report_methods[] = {
+    {"status", oc_status, METH_NOARGS,
+     "status()\n--\n\nWhat outofcuda did in this process, as a JSON-serialisable dict."},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,96 @@
+"""Shared fixtures: the built wheel installed into a fresh virtual environment
+with real torch, and a runner that starts a fresh interpreter per scenario
+(the hook changes process-wide state, so no scenario shares a process)."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TORCH_SPEC = os.environ.get("OUTOFCUDA_TEST_TORCH", "torch==2.13.0")
+
+
+def _clean_env(extra=None):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OUTOFCUDA_", "PYTORCH_", "PYTHON", "NVIDIA_TF32", "LOCAL_RANK"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    if extra:
+        env.update({k: v for k, v in extra.items() if v is not None})
+    return env
+
+
+def _pip(python, *args):
+    subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", "-q", *args],
+                   check=True, env=_clean_env())
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory):
+    """The project's wheel, built once per test session."""
+    out = tmp_path_factory.mktemp("wheel")
+    build = tmp_path_factory.mktemp("build")
+    # Build from a copy so the checkout's build/ and in-place .so stay out of it.
+    src = build / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "*.so", ".venv*", "__pycache__", ".pytest_cache"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(out), str(src)],
+                   check=True, env=_clean_env())
+    (whl,) = out.glob("outofcuda-*.whl")
+    return whl
+
+
+@pytest.fixture(scope="session")
+def base_venv(tmp_path_factory):
+    """A virtual environment holding torch (and numpy, which torch warns about
+    when missing) but not outofcuda. OUTOFCUDA_TEST_VENV reuses one across runs."""
+    reuse = os.environ.get("OUTOFCUDA_TEST_VENV")
+    path = Path(reuse) if reuse else tmp_path_factory.mktemp("venv") / "base"
+    python = path / "bin" / "python"
+    if not (python.exists() and (path / ".ready").exists()):
+        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+        _pip(python, "install", "numpy", TORCH_SPEC)
+        (path / ".ready").write_text("ok")
+    return path
+
+
+class Venv:
+    def __init__(self, path):
+        self.path = Path(path)
+        self.python = self.path / "bin" / "python"
+        out = subprocess.run([str(self.python), "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True)
+        self.site = Path(out.stdout.strip())
+
+    def run(self, code="", *, env=None, args=(), cwd=None, timeout=120, input=None):
+        """Runs `python [args] -c code` in a fresh interpreter, clean environment."""
+        cmd = [str(self.python), *args]
+        if code is not None:
+            cmd += ["-c", textwrap.dedent(code)]
+        return subprocess.run(cmd, env=_clean_env(env), cwd=cwd, capture_output=True,
+                              text=True, timeout=timeout, input=input)
+
+    def check(self, code, **kw):
+        r = self.run(code, **kw)
+        assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+        return r
+
+
+@pytest.fixture(scope="session")
+def venv(base_venv, wheel):
+    """The base environment with the built wheel installed (re-installed once
+    per session, so a reused environment always holds this checkout's build)."""
+    _pip(base_venv / "bin" / "python", "install", "--force-reinstall", "--no-deps", str(wheel))
+    return Venv(base_venv)
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    """An empty working directory for a scenario."""
+    d = tmp_path / "work"
+    d.mkdir()
+    return d
