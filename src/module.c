@@ -275,7 +275,9 @@ static int module_exec(PyObject *m)
     }
     if (PyModule_AddFunctions(m, module_methods) < 0 ||
         PyModule_AddFunctions(m, oc_report_methods) < 0 ||
-        PyModule_AddFunctions(m, oc_nvml_methods) < 0)
+        PyModule_AddFunctions(m, oc_nvml_methods) < 0 ||
+        PyModule_AddFunctions(m, oc_oom_methods) < 0 ||
+        PyModule_AddFunctions(m, oc_api_methods) < 0)
         return -1;
     if (oc_monitor_add_type(m) < 0)
         return -1;

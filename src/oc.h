@@ -7,6 +7,9 @@
  *   watcher.c  meta-path finder and loader proxy that notice `import torch`
  *   bridge.c   what happens when torch has imported: the optimisations
  *   nvml.c     NVML loaded with dlopen at run time
+ *   oom.c      out-of-memory handler and report
+ *   api.c      decisions behind the Python API
+ *   (oc.h also lists which file owns each shared function)
  *   report.c   status dict and the verbose table
  *   monitor.c  the native watchdog thread behind MemoryMonitor
  */
@@ -162,6 +165,13 @@ int oc_nvml_driver_version(char *buf, size_t sz);
 typedef struct { unsigned int pid; unsigned long long used; } oc_gpu_proc;
 int oc_nvml_processes(int index, oc_gpu_proc *out, int max); /* count or -1 */
 extern PyMethodDef oc_nvml_methods[];
+
+/* oom.c */
+void oc_oom_install(PyObject *torch); /* chained excepthooks; never raises */
+extern PyMethodDef oc_oom_methods[];
+
+/* api.c */
+extern PyMethodDef oc_api_methods[];
 
 /* monitor.c */
 int oc_monitor_add_type(PyObject *module);
