@@ -1,0 +1,571 @@
+"""The ``outofcuda`` command line: status, doctor, report, bench.
+
+Every sub-command prints aligned text for people, or JSON with ``--json``.
+The CLI process never imports torch: what the hook does is observed in a
+fresh interpreter (the same Python) that imports torch, which is what a
+user's program would see.
+
+Example::
+
+    $ outofcuda status --json | python -c "import json,sys; print(json.load(sys.stdin)['hook'])"
+    $ outofcuda doctor; echo "exit $?"     # 0 healthy, 1 needs attention, 2 bad arguments
+"""
+import argparse
+import json
+import os
+import re
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+from ._native import core
+
+HOOK_NAME = "outofcuda_hook.pth"
+START_NAME = "outofcuda_hook.start"
+ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+MIN_TORCH = (2, 0)
+PROBE_TIMEOUT_S = 180
+
+# Runs in a fresh interpreter of the same Python. The working directory is
+# dropped from sys.path so a stray torch.py or _outofcuda.py there cannot
+# stand in for the installed ones.
+_PROBE = r"""
+import json, os, sys
+sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]
+out = {"torch": None, "cuda": None, "torch_error": None, "extension": None,
+       "extension_error": None, "status": None, "cuda_initialized": None}
+torch = None
+try:
+    import torch
+    out["torch"] = str(torch.__version__)
+    out["cuda"] = getattr(torch.version, "cuda", None)
+except BaseException as e:
+    out["torch_error"] = "%s: %s" % (type(e).__name__, e)
+try:
+    import _outofcuda
+    out["extension"] = getattr(_outofcuda, "__file__", None)
+    out["status"] = _outofcuda.status()
+except BaseException as e:
+    out["extension_error"] = "%s: %s" % (type(e).__name__, e)
+if torch is not None:
+    try:
+        out["cuda_initialized"] = bool(torch.cuda.is_initialized())
+    except BaseException as e:
+        out["cuda_initialized"] = None
+sys.stdout.write("\n@@OUTOFCUDA@@" + json.dumps(out, default=str) + "\n")
+"""
+
+
+# ---------------------------------------------------------------- probes
+
+
+def _real_site_dirs():
+    """The directories whose .pth files `site` processes at start-up."""
+    dirs = []
+    try:
+        dirs += list(site.getsitepackages())
+    except AttributeError:  # some virtualenv-patched site modules lack it
+        pass
+    try:
+        dirs.append(site.getusersitepackages())
+    except AttributeError:
+        pass
+    return dirs
+
+
+def _site_dirs():
+    """site-packages directories, then the rest of sys.path, without repeats."""
+    dirs = _real_site_dirs() + [p for p in sys.path if p]
+    seen, result = set(), []
+    for d in dirs:
+        key = os.path.realpath(d)
+        if key not in seen and os.path.isdir(d):
+            seen.add(key)
+            result.append(d)
+    return result
+
+
+def hook_files():
+    """Every outofcuda_hook.pth / .start on this interpreter's site dirs.
+
+    >>> [f["path"] for f in hook_files()]  # doctest: +SKIP
+    ['/venv/lib/python3.11/site-packages/outofcuda_hook.pth', ...]
+    """
+    found = []
+    real = {os.path.realpath(d) for d in _real_site_dirs()}
+    for d in _site_dirs():
+        for name in (HOOK_NAME, START_NAME):
+            p = Path(d) / name
+            if p.is_file():
+                found.append({"path": str(p), "kind": name.rsplit(".", 1)[1],
+                              "site_dir": os.path.realpath(d) in real,
+                              "loadable": _hook_line_ok(p)})
+    return found
+
+
+def _hook_line_ok(path):
+    """True when the hook file holds what site can run: one import line
+    (.pth) or one module:callable entry (.start)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    if len(lines) != 1:
+        return False
+    if path.suffix == ".start":
+        return re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", lines[0].strip()) is not None
+    if not lines[0].startswith(("import ", "import\t")):
+        return False
+    try:
+        compile(lines[0], str(path), "exec")
+    except SyntaxError:
+        return False
+    return True
+
+
+def probe(timeout=PROBE_TIMEOUT_S):
+    """What a fresh interpreter of this Python sees when it imports torch.
+
+    Returns the probe dict (torch/cuda versions, the extension's status(),
+    whether CUDA got initialised) plus ``exit_code`` and ``stderr``.
+
+    >>> probe()["status"]["hook"]["fired"]  # doctest: +SKIP
+    True
+    """
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the probe interpreter did not finish within {timeout} s",
+                "exit_code": None, "stderr": ""}
+    marker = r.stdout.rfind("@@OUTOFCUDA@@")
+    if marker < 0:
+        return {"error": "the probe interpreter printed no result", "exit_code": r.returncode,
+                "stderr": r.stderr[-2000:]}
+    data = json.loads(r.stdout[marker + len("@@OUTOFCUDA@@"):])
+    data.update(error=None, exit_code=r.returncode, stderr=r.stderr[-2000:])
+    return data
+
+
+def gpus():
+    """(list of GPUs from NVML, reason or None). Never creates a CUDA context."""
+    devices, reason = core.nvml_devices()
+    return list(devices), reason
+
+
+def outofcuda_installs():
+    """Directories on sys.path that hold an outofcuda package or extension."""
+    found = []
+    for d in _site_dirs():
+        p = Path(d)
+        if (p / "outofcuda" / "__init__.py").is_file() or any(p.glob("_outofcuda*.so")):
+            found.append(str(p))
+    return found
+
+
+def _torch_tuple(version):
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+# ---------------------------------------------------------------- status
+
+
+def status_data():
+    """Everything `outofcuda status` shows, as a JSON-ready dict."""
+    files = hook_files()
+    pr = probe()
+    st = pr.get("status") or {}
+    devices, nvml_reason = gpus()
+    hook = st.get("hook") or {}
+    return {
+        "version": core.__version__,
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "hook": {
+            "files": files,
+            "present": any(f["kind"] == "pth" and f["site_dir"] for f in files),
+            "disabled_by_env": os.environ.get("OUTOFCUDA_DISABLE", "").strip().lower()
+            in ("1", "true", "yes", "on"),
+            "installed": bool(hook.get("installed")),
+            "fired": bool(hook.get("fired")),
+            "error": hook.get("error") or pr.get("extension_error") or pr.get("error"),
+        },
+        "torch": pr.get("torch"),
+        "torch_error": pr.get("torch_error"),
+        "cuda": pr.get("cuda"),
+        "cuda_initialized_by_import": pr.get("cuda_initialized"),
+        "optimizations": st.get("optimizations") or {},
+        "config_warnings": st.get("config_warnings") or [],
+        "gpus": devices,
+        "nvml_error": nvml_reason,
+    }
+
+
+def _value_text(v, width=34):
+    if v is None:
+        return "-"
+    text = ", ".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else str(v)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _mib(n):
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def _render_status(d):
+    h = d["hook"]
+    lines = [f"outofcuda {d['version']} (Python {d['python']}: {d['executable']})", ""]
+    files = ", ".join(f["path"] for f in h["files"]) or "not found"
+    fires = "yes" if h["fired"] else "no"
+    if h["disabled_by_env"]:
+        fires += " (OUTOFCUDA_DISABLE is set)"
+    rows = [("hook file", files), ("hook fires", fires)]
+    if h["error"]:
+        rows.append(("hook error", h["error"]))
+    torch_text = d["torch"] or f"not importable ({d['torch_error']})"
+    rows.append(("torch", torch_text))
+    rows.append(("CUDA (torch)", d["cuda"] or "none (CPU build)" if d["torch"] else "-"))
+    if d["cuda_initialized_by_import"] is not None:
+        rows.append(("CUDA at import", "initialised (unexpected)"
+                     if d["cuda_initialized_by_import"] else "not initialised"))
+    lines += [f"{k:<16}{v}" for k, v in rows]
+    reasons = {e.get("reason", "") for e in d["optimizations"].values()}
+    shared = len(reasons) == 1 and len(d["optimizations"]) > 1
+    lines += ["", f"{'optimisation':<22}{'applied':<9}{'value':<36}"
+              + ("" if shared else "reason")]
+    for name, e in d["optimizations"].items():
+        value = _value_text(e.get("value"))
+        lines.append(f"{name:<22}{'yes' if e.get('applied') else 'no':<9}{value:<36}"
+                     + ("" if shared else e.get("reason", "")))
+    if shared:
+        lines.append(f"(all: {reasons.pop()})")
+    for w in d["config_warnings"]:
+        lines.append(f"warning: {w}")
+    lines.append("")
+    if d["gpus"]:
+        lines.append(f"{'GPU':<5}{'name':<34}{'cc':<7}{'memory used / total':<28}driver")
+        for g in d["gpus"]:
+            cc = ".".join(str(x) for x in g["compute_capability"])
+            mem = f"{_mib(g['used'])} / {_mib(g['total'])}"
+            lines.append(f"{g['index']:<5}{g['name'][:33]:<34}{cc:<7}{mem:<28}{g['driver']}")
+    else:
+        lines.append(f"{'GPUs':<16}none ({d['nvml_error']})")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- doctor
+
+
+def _check(name, ok, message, fix=""):
+    return {"name": name, "ok": bool(ok), "message": message, "fix": "" if ok else fix}
+
+
+def _check_hook(files, pr):
+    pth = [f for f in files if f["kind"] == "pth" and f["site_dir"]]
+    if not pth:
+        elsewhere = [f["path"] for f in files if f["kind"] == "pth"]
+        where = f" (only in {elsewhere[0]}, where site does not run .pth files)" if elsewhere else ""
+        return _check("hook_file", False, f"{HOOK_NAME} is not in any site-packages "
+                      f"directory{where}",
+                      "reinstall: pip install --force-reinstall --no-deps outofcuda")
+    bad = [f["path"] for f in pth if not f["loadable"]]
+    if bad:
+        return _check("hook_file", False, f"{bad[0]} is damaged (not one import line)",
+                      "reinstall: pip install --force-reinstall --no-deps outofcuda")
+    if os.environ.get("OUTOFCUDA_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return _check("hook_file", False, "OUTOFCUDA_DISABLE is set: the hook does nothing",
+                      "unset OUTOFCUDA_DISABLE")
+    st = pr.get("status") or {}
+    if not (st.get("hook") or {}).get("installed"):
+        return _check("hook_file", False,
+                      f"{pth[0]['path']} is present but the hook did not install in a fresh "
+                      "interpreter", "run `outofcuda status` for the error; reinstall outofcuda")
+    return _check("hook_file", True, f"{pth[0]['path']} loads and installs the watcher")
+
+
+def _check_extension(pr):
+    if pr.get("extension_error") or pr.get("error"):
+        return _check("extension", False, "the C extension does not load in a fresh "
+                      f"interpreter: {pr.get('extension_error') or pr.get('error')}",
+                      "reinstall: pip install --force-reinstall --no-deps outofcuda")
+    err = ((pr.get("status") or {}).get("hook") or {}).get("error")
+    if err:
+        return _check("extension", False, f"outofcuda recorded an error: {err}",
+                      "report it with the output of `outofcuda status --json`")
+    if pr.get("cuda_initialized"):
+        return _check("extension", False, "CUDA was initialised during `import torch`",
+                      "find what initialises CUDA at import (OUTOFCUDA_DISABLE=1 to compare)")
+    return _check("extension", True, f"loads from {pr.get('extension') or core.__file__}")
+
+
+def _check_torch(pr):
+    version = pr.get("torch")
+    if version is None:
+        return _check("torch", False, f"torch is not importable: {pr.get('torch_error')}",
+                      "pip install torch (outofcuda acts only when torch is imported)")
+    t = _torch_tuple(version)
+    if t is None or t < MIN_TORCH:
+        return _check("torch", False, f"torch {version} is older than 2.0",
+                      "pip install -U 'torch>=2.0'")
+    return _check("torch", True, f"torch {version} is supported")
+
+
+def _alloc_keys(conf):
+    """Keys of an allocator string, with commas inside [...] kept in values."""
+    keys, depth, start = [], 0, 0
+    for i, ch in enumerate(conf + ","):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            item = conf[start:i].strip()
+            if item:
+                keys.append(item.split(":", 1)[0].strip())
+            start = i + 1
+    return keys
+
+
+def _check_alloc_conf():
+    defaults = core.config()["alloc_conf"]
+    default_keys = set(_alloc_keys(defaults))
+    notes, problems = [], []
+    for var in ALLOC_VARS:
+        user = os.environ.get(var)
+        if user is None:
+            continue
+        try:
+            merged, _dropped = core._merge_alloc_conf(defaults, user)
+        except ValueError as e:
+            problems.append(f"{var} is malformed ({e})")
+            continue
+        overridden = [k for k in _alloc_keys(user) if k in default_keys]
+        if overridden:
+            problems.append(f"{var} overrides outofcuda's default for "
+                            f"{', '.join(overridden)} (effective: {merged})")
+        else:
+            notes.append(f"{var}={user} adds to the defaults")
+    if problems:
+        return _check("alloc_conf", False, "; ".join(problems),
+                      "unset the key(s) to take outofcuda's defaults, or keep them on purpose")
+    return _check("alloc_conf", True, "; ".join(notes) or f"no user allocator settings "
+                  f"(defaults: {defaults or 'none'})")
+
+
+def _check_tf32_override():
+    v = os.environ.get("NVIDIA_TF32_OVERRIDE")
+    if v is not None and v.strip() == "0":
+        return _check("nvidia_tf32_override", False,
+                      "NVIDIA_TF32_OVERRIDE=0 turns TF32 off in every CUDA library",
+                      "unset NVIDIA_TF32_OVERRIDE unless you need full float32 precision")
+    return _check("nvidia_tf32_override", True,
+                  "not set" if v is None else f"NVIDIA_TF32_OVERRIDE={v} (does not force off)")
+
+
+def _check_visible_devices(n_gpus):
+    v = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if v is None:
+        return _check("cuda_visible_devices", True, "not set: every GPU is visible")
+    items = [x.strip() for x in v.split(",")]
+    if v.strip() == "" or items[0] == "-1":
+        return _check("cuda_visible_devices", False,
+                      f"CUDA_VISIBLE_DEVICES={v!r} hides every GPU",
+                      "unset CUDA_VISIBLE_DEVICES or list the GPUs to use (e.g. 0,1)")
+    for x in items:
+        if x.isdigit():
+            if n_gpus and int(x) >= n_gpus:
+                return _check("cuda_visible_devices", False,
+                              f"CUDA_VISIBLE_DEVICES names GPU {x} but NVML sees {n_gpus}",
+                              f"use indices 0..{n_gpus - 1}")
+        elif not x.startswith(("GPU-", "MIG-")):
+            return _check("cuda_visible_devices", False,
+                          f"CUDA_VISIBLE_DEVICES={v!r}: {x!r} is neither an index nor a UUID",
+                          "use comma-separated indices or GPU-/MIG- UUIDs")
+    return _check("cuda_visible_devices", True, f"CUDA_VISIBLE_DEVICES={v}")
+
+
+def _check_shm(workers):
+    if workers <= 0:
+        return _check("dev_shm", True, "DataLoader workers disabled (OUTOFCUDA_NUM_WORKERS=0)")
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return _check("dev_shm", False, f"/dev/shm is missing; {workers} DataLoader workers "
+                      "need shared memory", "mount /dev/shm or set OUTOFCUDA_NUM_WORKERS=0")
+    size = st.f_frsize * st.f_blocks
+    need = max(512 * 2**20, workers * 256 * 2**20)
+    if size < need:
+        return _check("dev_shm", False, f"/dev/shm is {_mib(size)}, small for {workers} "
+                      f"DataLoader workers (want >= {_mib(need)})",
+                      "docker run --shm-size=8g (or --ipc=host), or OUTOFCUDA_NUM_WORKERS=0")
+    return _check("dev_shm", True, f"/dev/shm is {_mib(size)} for {workers} workers")
+
+
+def _check_installs():
+    found = outofcuda_installs()
+    if len(found) > 1:
+        return _check("multiple_installs", False, "outofcuda found in more than one sys.path "
+                      f"directory: {', '.join(found)}",
+                      "remove the extra copies; the first on sys.path wins")
+    return _check("multiple_installs", True, f"one install: {found[0] if found else '?'}")
+
+
+def _check_no_site():
+    if sys.flags.no_site:
+        return _check("python_no_site", False, "Python runs with -S: no .pth hook runs",
+                      "start Python without -S, or call `import _outofcuda; "
+                      "_outofcuda.install()` before importing torch")
+    return _check("python_no_site", True, "site runs (.pth hooks are processed)")
+
+
+def _check_config(pr):
+    warnings = list(core.config()["warnings"])
+    if warnings:
+        return _check("outofcuda_env", False, "; ".join(warnings),
+                      "fix the OUTOFCUDA_* value(s) named above")
+    return _check("outofcuda_env", True, "OUTOFCUDA_* settings are valid")
+
+
+def doctor_data():
+    """Run every check; returns {"healthy": bool, "checks": [...]}."""
+    pr = probe()
+    devices, _ = gpus()
+    checks = [
+        _check_hook(hook_files(), pr),
+        _check_extension(pr),
+        _check_torch(pr),
+        _check_alloc_conf(),
+        _check_tf32_override(),
+        _check_visible_devices(len(devices)),
+        _check_shm(int(core.config()["num_workers"])),
+        _check_installs(),
+        _check_no_site(),
+        _check_config(pr),
+    ]
+    return {"healthy": all(c["ok"] for c in checks), "checks": checks}
+
+
+def _render_doctor(d):
+    lines = []
+    for c in d["checks"]:
+        lines.append(f"{'ok' if c['ok'] else 'FIX':<5}{c['name']:<22}{c['message']}")
+        if c["fix"]:
+            lines.append(f"{'':<27}fix: {c['fix']}")
+    lines.append("")
+    lines.append("healthy" if d["healthy"] else "something needs attention (exit code 1)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- report / bench
+
+
+def _render_tree(d, indent=0):
+    lines = []
+    width = max((len(str(k)) for k in d), default=0) + 2
+    for k, v in d.items():
+        if isinstance(v, dict):
+            lines.append(" " * indent + f"{k}")
+            lines += _render_tree(v, indent + 2)
+        else:
+            lines.append(" " * indent + f"{str(k):<{width}}{v}")
+    return lines
+
+
+def _benchmarks_dir(given):
+    candidates = [Path(given)] if given else [
+        Path.cwd() / "benchmarks", Path(__file__).resolve().parent.parent / "benchmarks"]
+    for c in candidates:
+        if (c / "gain.py").is_file():
+            return c
+    return None
+
+
+# ---------------------------------------------------------------- main
+
+
+def _parser():
+    # SUPPRESS in the sub-commands: their default would otherwise overwrite a
+    # `--json` given before the sub-command name.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print JSON for machines")
+    p = argparse.ArgumentParser(
+        prog="outofcuda",
+        description="Inspect outofcuda, check the environment, run the benchmarks. "
+                    "Without a sub-command: status.")
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    sub = p.add_subparsers(dest="command", metavar="{status,doctor,report,bench}")
+    sub.add_parser("status", parents=[common], help="what the hook does in a fresh interpreter",
+                   description="Is the hook installed and would it fire; what every "
+                   "optimisation does and why; torch/CUDA versions; GPUs (NVML, no CUDA context).")
+    sub.add_parser("doctor", parents=[common], help="check the environment (exit 1: attention)",
+                   description="Checks with a one-line fix each. Exit 0 healthy, 1 attention.")
+    sub.add_parser("report", parents=[common], help="memory_report() as JSON",
+                   description="Per-device memory figures (outofcuda.memory_report()).")
+    b = sub.add_parser("bench", parents=[common], help="run the gain benchmarks",
+                       description="Runs benchmarks/gain.py: tiny CPU smoke sizes without a GPU, "
+                       "full sizes on a GPU. --startup adds the start-up tax benchmark.")
+    b.add_argument("--out", default="bench-results", help="folder for JSON/markdown/PNG")
+    b.add_argument("--smoke", action="store_true", help="tiny sizes even on a GPU")
+    b.add_argument("--startup", action="store_true",
+                   help="also run benchmarks/startup.py (builds two venvs; minutes)")
+    b.add_argument("--benchmarks-dir", help="folder holding gain.py (default: ./benchmarks, "
+                   "then the checkout this package runs from)")
+    return p
+
+
+def _emit(args, data, text):
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True, default=str))
+    else:
+        print(text)
+
+
+def _bench(args):
+    bdir = _benchmarks_dir(args.benchmarks_dir)
+    if bdir is None:
+        msg = ("benchmarks/gain.py not found: run from an outofcuda checkout or pass "
+               "--benchmarks-dir")
+        _emit(args, {"error": msg}, f"outofcuda bench: {msg}")
+        return 1
+    rc = 0
+    cmds = [[sys.executable, str(bdir / "gain.py"), "--out", args.out]
+            + (["--smoke"] if args.smoke else []) + (["--json"] if args.json else [])]
+    if args.startup:
+        cmds.append([sys.executable, str(bdir / "startup.py"), "--out",
+                     str(Path(args.out) / "startup.json")] + (["--json"] if args.json else []))
+    for cmd in cmds:
+        rc = max(rc, subprocess.run(cmd).returncode)
+    return rc
+
+
+def main(argv=None):
+    """Entry point of ``outofcuda`` / ``python -m outofcuda``; returns the exit code.
+
+    >>> main(["doctor", "--json"])  # doctest: +SKIP
+    0
+    """
+    args = _parser().parse_args(argv)
+    command = args.command or "status"
+    if command == "status":
+        d = status_data()
+        _emit(args, d, _render_status(d))
+        return 0
+    if command == "doctor":
+        d = doctor_data()
+        _emit(args, d, _render_doctor(d))
+        return 0 if d["healthy"] else 1
+    if command == "report":
+        try:
+            import outofcuda
+
+            d = outofcuda.memory_report()
+        except (ImportError, AttributeError) as e:
+            _emit(args, {"error": str(e)}, f"outofcuda report: {e}")
+            return 1
+        _emit(args, d, "\n".join(_render_tree(d)) or "no CUDA device")
+        return 0
+    return _bench(args)
