@@ -1,7 +1,426 @@
 /* api.c - the decisions behind the Python API (outofcuda/api.py): autocast
- * dtype, DataLoader worker counts, memory figures. */
+ * dtype, DataLoader worker counts and shared memory, channels-last format,
+ * memory figures, cache clearing. Nothing here imports torch or initialises
+ * CUDA: torch is only looked up in sys.modules, and its allocator is only
+ * asked once torch.cuda.is_initialized() says CUDA is already up. */
 #include "oc.h"
 
+#include <ctype.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/statvfs.h>
+
+#define GIB (1024.0 * 1024.0 * 1024.0)
+/* Docker's default /dev/shm is 64 MiB; a few workers each holding
+ * prefetch_factor batches of images exhaust anything this small ("bus error"
+ * or "unable to write to file </torch_...>"). */
+#define OC_SHM_MIN_BYTES (512ULL * 1024 * 1024)
+#define OC_MAX_DEVICES 64
+
+/* ---- device numbering ---- */
+
+/* Writes the NVML index of each device CUDA shows this process, in torch's
+ * order, into map. Returns how many, or -1 without NVML. CUDA_VISIBLE_DEVICES
+ * as indices or GPU-UUID prefixes is honoured; CUDA stops at the first entry
+ * it cannot resolve, and so does this. (CUDA's default FASTEST_FIRST order
+ * equals NVML's PCI order on machines with one GPU model.) */
+static int visible_map(int *map, int max)
+{
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    int n = oc_nvml_device_count(), count = 0;
+    if (n < 0)
+        return -1;
+    if (vis == NULL) {
+        for (int i = 0; i < n && i < max; i++)
+            map[count++] = i;
+        return count;
+    }
+    while (*vis && count < max) {
+        char entry[100];
+        size_t len = strcspn(vis, ",");
+        size_t a = 0, b = len;
+        int found = -1;
+        while (a < b && isspace((unsigned char)vis[a]))
+            a++;
+        while (b > a && isspace((unsigned char)vis[b - 1]))
+            b--;
+        if (b - a == 0 || b - a >= sizeof entry)
+            break;
+        memcpy(entry, vis + a, b - a);
+        entry[b - a] = '\0';
+        if (isdigit((unsigned char)entry[0])) {
+            char *end;
+            long x = strtol(entry, &end, 10);
+            if (*end == '\0' && x >= 0 && x < n)
+                found = (int)x;
+        } else if (strncmp(entry, "GPU-", 4) == 0) {
+            for (int i = 0; i < n && found < 0; i++) {
+                oc_gpu_info g;
+                if (oc_nvml_device_info(i, &g) == 0 && strncmp(g.uuid, entry, strlen(entry)) == 0)
+                    found = i;
+            }
+        }
+        if (found < 0)
+            break;
+        map[count++] = found;
+        vis += len + (vis[len] == ',' ? 1 : 0);
+    }
+    return count;
+}
+
+int oc_api_nvml_index(int torch_index)
+{
+    int map[OC_MAX_DEVICES];
+    int n = visible_map(map, OC_MAX_DEVICES);
+    return (torch_index >= 0 && torch_index < n) ? map[torch_index] : -1;
+}
+
+/* ---- torch's allocator, only when CUDA is already initialised ---- */
+
+/* Returns torch.cuda (new ref) when torch is imported and CUDA initialised,
+ * else NULL with no exception: asking earlier would initialise CUDA. */
+static PyObject *initialised_torch_cuda(void)
+{
+    PyObject *name = PyUnicode_FromString("torch");
+    PyObject *torch = name ? PyImport_GetModule(name) : NULL;
+    PyObject *cuda = NULL, *r = NULL;
+    Py_XDECREF(name);
+    if (torch == NULL)
+        goto error;
+    cuda = PyObject_GetAttrString(torch, "cuda");
+    if (cuda == NULL)
+        goto error;
+    r = PyObject_CallMethod(cuda, "is_initialized", NULL);
+    if (r == NULL || r != Py_True)
+        goto error;
+    Py_DECREF(r);
+    Py_DECREF(torch);
+    return cuda;
+error:
+    PyErr_Clear();
+    Py_XDECREF(r);
+    Py_XDECREF(cuda);
+    Py_XDECREF(torch);
+    return NULL;
+}
+
+static long long stat_value(PyObject *stats, const char *key)
+{
+    PyObject *v = PyDict_GetItemString(stats, key);
+    long long x = v ? PyLong_AsLongLong(v) : 0;
+    if (x == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        x = 0;
+    }
+    return x;
+}
+
+int oc_api_torch_stats(int torch_index, oc_torch_mem *out)
+{
+    PyObject *cuda = initialised_torch_cuda(), *stats = NULL;
+    int ok = 0;
+    memset(out, 0, sizeof *out);
+    if (cuda == NULL)
+        return 0;
+    stats = PyObject_CallMethod(cuda, "memory_stats", "i", torch_index);
+    if (stats == NULL || !PyDict_Check(stats) || PyDict_Size(stats) == 0)
+        goto error;
+    out->allocated = stat_value(stats, "allocated_bytes.all.current");
+    out->reserved = stat_value(stats, "reserved_bytes.all.current");
+    out->peak_allocated = stat_value(stats, "allocated_bytes.all.peak");
+    ok = 1;
+error:
+    PyErr_Clear();
+    Py_XDECREF(stats);
+    Py_DECREF(cuda);
+    return ok;
+}
+
+/* Sum of torch's reserved bytes over the devices it sees; 0 when CUDA is not
+ * initialised. */
+static long long total_reserved(PyObject *cuda)
+{
+    PyObject *r = PyObject_CallMethod(cuda, "device_count", NULL);
+    long n = r ? PyLong_AsLong(r) : 0;
+    long long sum = 0;
+    Py_XDECREF(r);
+    PyErr_Clear();
+    for (long i = 0; i < n && i < OC_MAX_DEVICES; i++) {
+        oc_torch_mem m;
+        if (oc_api_torch_stats((int)i, &m))
+            sum += m.reserved;
+    }
+    return sum;
+}
+
+int oc_api_clear_cache(long long *released)
+{
+    PyObject *cuda, *r;
+    long long before = 0;
+    *released = 0;
+    /* Collect first: tensors kept alive only by reference cycles go back to
+     * the cache, which empty_cache then hands to the driver. */
+    if (oc_config_get()->gc_collect) {
+        PyObject *gc = PyImport_ImportModule("gc");
+        r = gc ? PyObject_CallMethod(gc, "collect", NULL) : NULL;
+        Py_XDECREF(gc);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+    }
+    cuda = initialised_torch_cuda();
+    if (cuda == NULL)
+        return 0;
+    before = total_reserved(cuda);
+    r = PyObject_CallMethod(cuda, "empty_cache", NULL);
+    if (r == NULL) {
+        Py_DECREF(cuda);
+        return -1;
+    }
+    Py_DECREF(r);
+    *released = before - total_reserved(cuda);
+    if (*released < 0)
+        *released = 0;
+    Py_DECREF(cuda);
+    return 0;
+}
+
+/* ---- autocast dtype ---- */
+
+/* Lowest compute capability (major*10+minor) among visible GPUs; -1 unknown. */
+static int min_visible_cc(void)
+{
+    int map[OC_MAX_DEVICES], n = visible_map(map, OC_MAX_DEVICES), best = -1;
+    for (int i = 0; i < n; i++) {
+        oc_gpu_info g;
+        if (oc_nvml_device_info(map[i], &g) != 0 || g.cc_major < 0)
+            return -1;
+        if (best < 0 || g.cc_major * 10 + g.cc_minor < best)
+            best = g.cc_major * 10 + g.cc_minor;
+    }
+    return best;
+}
+
+/* The dtype the start-up hook chose for CUDA (borrowed str) or NULL. */
+static PyObject *hook_amp_choice(void)
+{
+    PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, "amp_dtype") : NULL;
+    PyObject *applied = e ? PyDict_GetItemString(e, "applied") : NULL;
+    PyObject *value = e ? PyDict_GetItemString(e, "value") : NULL;
+    return (applied == Py_True && value != NULL && PyUnicode_Check(value)) ? value : NULL;
+}
+
+/* _api_autocast_dtype(device_type) -> (dtype name or None, reason). None
+ * leaves torch's own default for that device type. */
+static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
+{
+    const oc_config *cfg = oc_config_get();
+    char dev[32], reason[160];
+    PyObject *hook;
+    int cc;
+    (void)self;
+    if (!PyUnicode_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "device_type must be a str such as 'cuda' or 'cpu'");
+        return NULL;
+    }
+    oc_utf8(arg, dev, sizeof dev);
+    if (cfg->amp_dtype != OC_AMP_AUTO) {
+        const char *name = cfg->amp_dtype == OC_AMP_BFLOAT16 ? "bfloat16" : "float16";
+        return Py_BuildValue("(ss)", name, cfg->amp_dtype == OC_AMP_BFLOAT16
+                                               ? "OUTOFCUDA_AMP_DTYPE=bfloat16"
+                                               : "OUTOFCUDA_AMP_DTYPE=float16");
+    }
+    if (strcmp(dev, "cpu") == 0)
+        return Py_BuildValue("(ss)", "bfloat16", "CPU autocast computes in bfloat16");
+    if (strcmp(dev, "cuda") != 0)
+        return Py_BuildValue("(Os)", Py_None, "torch's default for this device type");
+    /* Passing the hook's choice explicitly matters: torch's autocast dtype
+     * is thread-local, so the hook's setting holds only in the importing
+     * thread. */
+    hook = hook_amp_choice();
+    if (hook != NULL)
+        return Py_BuildValue("(Os)", hook, "the start-up hook's choice");
+    cc = min_visible_cc();
+    if (cc < 0)
+        return Py_BuildValue("(ss)", "float16",
+                             "compute capability unknown; float16 runs on every GPU");
+    snprintf(reason, sizeof reason, "compute capability %d.%d %s 8.0 (from NVML)", cc / 10,
+             cc % 10, cc >= 80 ? ">=" : "<");
+    return Py_BuildValue("(ss)", cc >= 80 ? "bfloat16" : "float16", reason);
+}
+
+/* ---- DataLoader plan ---- */
+
+/* CPUs this process may run on: the affinity mask, lowered by a cgroup v2
+ * CPU quota (containers limited with --cpus keep a full affinity mask). */
+static long usable_cpus(void)
+{
+    cpu_set_t set;
+    long n = 1;
+    FILE *f;
+    if (sched_getaffinity(0, sizeof set, &set) == 0)
+        n = CPU_COUNT(&set);
+    f = fopen("/sys/fs/cgroup/cpu.max", "r");
+    if (f != NULL) {
+        char quota[32] = "";
+        long period = 0;
+        if (fscanf(f, "%31s %ld", quota, &period) == 2 && strcmp(quota, "max") != 0 &&
+            period > 0) {
+            long q = atol(quota);
+            long cap = (q + period - 1) / period;
+            if (cap >= 1 && cap < n)
+                n = cap;
+        }
+        fclose(f);
+    }
+    return n < 1 ? 1 : n;
+}
+
+/* Fills *total with the size of the shared-memory filesystem at path.
+ * Returns 0, or -1 when it cannot be read (no /dev/shm). */
+static int shm_size(const char *path, unsigned long long *total)
+{
+    struct statvfs st;
+    if (statvfs(path, &st) != 0)
+        return -1;
+    *total = (unsigned long long)st.f_blocks * st.f_frsize;
+    return 0;
+}
+
+/* _api_loader_plan(cuda_available, num_workers=-1, shm_path="/dev/shm",
+ * shm_min_bytes=512 MiB) -> dict: the DataLoader arguments outofcuda proposes
+ * (num_workers: the caller's, or -1 for outofcuda's), the CPU count behind
+ * them and, the first time workers meet a too-small /dev/shm, a warning. */
+static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"cuda_available", "num_workers", "shm_path", "shm_min_bytes", NULL};
+    static int shm_warned;
+    const oc_config *cfg = oc_config_get();
+    const char *shm_path = "/dev/shm";
+    unsigned long long shm_min = OC_SHM_MIN_BYTES, shm_total = 0;
+    int cuda_available, shm_ok;
+    long cpus, workers, requested = -1;
+    char warning[400] = "";
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "p|lsK", kwlist, &cuda_available, &requested,
+                                     &shm_path, &shm_min))
+        return NULL;
+    cpus = usable_cpus();
+    /* The cap also keeps torch's own "suggested max number of worker" warning
+     * away, which compares with the affinity mask. */
+    workers = requested >= 0 ? requested : (cfg->num_workers < cpus ? cfg->num_workers : cpus);
+    shm_ok = shm_size(shm_path, &shm_total) == 0;
+    if (workers > 0 && !shm_warned && (!shm_ok || shm_total < shm_min)) {
+        shm_warned = 1;
+        if (shm_ok)
+            snprintf(warning, sizeof warning,
+                     "outofcuda: %s holds only %llu MiB; DataLoader workers pass batches "
+                     "through it and may fail with a bus error. Give the container more "
+                     "(docker run --shm-size=2g or --ipc=host) or set num_workers=0",
+                     shm_path, shm_total >> 20);
+        else
+            snprintf(warning, sizeof warning,
+                     "outofcuda: %s is missing; DataLoader workers need shared memory and may "
+                     "fail. Mount a tmpfs there or set num_workers=0",
+                     shm_path);
+    }
+    return Py_BuildValue("{s:l,s:l,s:O,s:O,s:l,s:K,s:s}", "num_workers", workers,
+                         "prefetch_factor", cfg->prefetch_factor, "persistent_workers",
+                         workers > 0 ? Py_True : Py_False, "pin_memory",
+                         (cfg->pin_memory && cuda_available) ? Py_True : Py_False, "cpus", cpus,
+                         "shm_bytes", shm_total, "shm_warning", warning);
+}
+
+/* ---- model memory format ---- */
+
+/* _api_memory_format(has_4d, has_5d) -> (format or None, reason). "mixed"
+ * asks the caller to convert each weight by its rank: Module.to() with one
+ * format raises on weights of the other rank. */
+static PyObject *py_memory_format(PyObject *self, PyObject *args)
+{
+    int has4, has5;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "pp", &has4, &has5))
+        return NULL;
+    if (!oc_config_get()->channels_last)
+        return Py_BuildValue("(Os)", Py_None, "OUTOFCUDA_CHANNELS_LAST=0");
+    if (has4 && has5)
+        return Py_BuildValue("(ss)", "mixed", "4-D weights channels_last, 5-D channels_last_3d");
+    if (has4)
+        return Py_BuildValue("(ss)", "channels_last", "the model has 4-D weights");
+    if (has5)
+        return Py_BuildValue("(ss)", "channels_last_3d", "the model has 5-D weights");
+    return Py_BuildValue("(Os)", Py_None, "no 4-D or 5-D weights: the layout does not matter");
+}
+
+/* ---- memory report ---- */
+
+static double gb(unsigned long long bytes)
+{
+    /* GiB rounded to the MiB, the product's `total_gb: 80.0` for an 80 GiB card. */
+    return (double)(long long)((double)bytes / GIB * 1000.0 + 0.5) / 1000.0;
+}
+
+/* _api_memory_report() -> {"cuda:N": {...}}; {} without a GPU or NVML. */
+static PyObject *py_memory_report(PyObject *self, PyObject *unused)
+{
+    int map[OC_MAX_DEVICES], n;
+    PyObject *report = PyDict_New();
+    (void)self;
+    (void)unused;
+    if (report == NULL)
+        return NULL;
+    n = visible_map(map, OC_MAX_DEVICES);
+    for (int t = 0; t < n; t++) {
+        oc_gpu_info g;
+        oc_torch_mem m;
+        char key[32];
+        PyObject *d;
+        if (oc_nvml_device_info(map[t], &g) != 0)
+            continue;
+        oc_api_torch_stats(t, &m);
+        snprintf(key, sizeof key, "cuda:%d", t);
+        d = Py_BuildValue("{s:s,s:d,s:d,s:d,s:d,s:d,s:d,s:i}", "name", g.name, "total_gb",
+                          gb(g.total), "allocated_gb", gb((unsigned long long)m.allocated),
+                          "reserved_gb", gb((unsigned long long)m.reserved), "free_gb",
+                          gb(g.free), "peak_allocated_gb",
+                          gb((unsigned long long)m.peak_allocated), "used_gb", gb(g.used),
+                          "nvml_index", map[t]);
+        if (d == NULL || PyDict_SetItemString(report, key, d) < 0) {
+            Py_XDECREF(d);
+            Py_DECREF(report);
+            return NULL;
+        }
+        Py_DECREF(d);
+    }
+    return report;
+}
+
+/* _api_clear_cache() -> int: bytes torch's allocator handed back. */
+static PyObject *py_clear_cache(PyObject *self, PyObject *unused)
+{
+    long long released;
+    (void)self;
+    (void)unused;
+    if (oc_api_clear_cache(&released) < 0)
+        return NULL;
+    return PyLong_FromLongLong(released);
+}
+
 PyMethodDef oc_api_methods[] = {
+    {"_api_autocast_dtype", py_autocast_dtype, METH_O,
+     "_api_autocast_dtype(device_type)\n--\n\n(dtype name or None, reason) for torch.autocast."},
+    {"_api_loader_plan", (PyCFunction)(void (*)(void))py_loader_plan,
+     METH_VARARGS | METH_KEYWORDS,
+     "_api_loader_plan(cuda_available, num_workers=-1, shm_path='/dev/shm', shm_min_bytes=...)\n--\n\n"
+     "DataLoader arguments outofcuda proposes."},
+    {"_api_memory_format", py_memory_format, METH_VARARGS,
+     "_api_memory_format(has_4d, has_5d)\n--\n\n(memory format or None, reason)."},
+    {"_api_memory_report", py_memory_report, METH_NOARGS,
+     "_api_memory_report()\n--\n\nPer-device memory figures; never initialises CUDA."},
+    {"_api_clear_cache", py_clear_cache, METH_NOARGS,
+     "_api_clear_cache()\n--\n\ngc.collect() if configured, empty_cache(); bytes released."},
     {NULL, NULL, 0, NULL},
 };

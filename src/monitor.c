@@ -1,8 +1,531 @@
-/* monitor.c - the native watchdog behind MemoryMonitor. */
+/* monitor.c - the native watchdog behind MemoryMonitor.
+ *
+ * One pthread per monitor polls the device's memory through NVML (no CUDA
+ * context, so it cannot create one on the wrong GPU) without the GIL. Only
+ * when usage crosses the threshold does it take the GIL, to empty torch's
+ * cache and call the user's on_high. Like faulthandler's watchdog it blocks
+ * every signal (Ctrl-C stays with the main thread), waits on a condition
+ * variable so stop() wakes it at once, and is joined, never detached.
+ *
+ * The Python side holds each monitor through a capsule; module functions
+ * (not a type) keep `import _outofcuda` cheap. Every monitor is also on a
+ * list that _monitor_stop_all() walks at interpreter exit. A forked child
+ * sees its pid differ from the owner's and treats the copy as stopped. */
 #include "oc.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define CAPSULE_NAME "_outofcuda.monitor"
+#define EVENTS_MAX 256
+
+typedef struct {
+    double t;
+    long long used, total, process, reserved, allocated;
+} mon_sample;
+
+typedef struct {
+    double t;
+    int error;                 /* 0: cleared above the threshold; 1: on_high raised */
+    long long used, total, used_after, released;
+    char message[200];
+} mon_event;
+
+typedef struct oc_monitor {
+    pthread_mutex_t lock;      /* guards everything below that the thread writes */
+    pthread_cond_t wake;
+    pthread_t thread;
+    pid_t pid;                 /* the process that owns the thread */
+    int running, stop_requested;
+    int torch_index, nvml_index, allocator_stats;
+    double threshold, interval, cooldown, t0;
+    PyObject *on_high;         /* strong ref or NULL; touched only with the GIL */
+    char source[512];          /* test source file ("used total [process]") or "" */
+    char why[240];             /* why nothing is watched, or "" */
+    mon_sample *ring;
+    size_t cap, head, count;
+    unsigned long long dropped;
+    mon_event events[EVENTS_MAX];
+    size_t ev_head, ev_count;
+    struct oc_monitor *next;   /* every live monitor; changed only with the GIL */
+} oc_monitor;
+
+static oc_monitor *all_monitors;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* A copy inherited through fork() has no thread and may hold a lock that
+ * the parent's thread had taken: give it fresh primitives and mark it
+ * stopped. Called with the GIL, before any other use of m. */
+static void adopt_after_fork(oc_monitor *m)
+{
+    pthread_condattr_t ca;
+    if (m->pid == getpid())
+        return;
+    pthread_mutex_init(&m->lock, NULL);
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&m->wake, &ca);
+    pthread_condattr_destroy(&ca);
+    m->pid = getpid();
+    if (m->running)
+        snprintf(m->why, sizeof m->why, "inherited across fork(): not running in this process");
+    m->running = 0;
+    m->stop_requested = 1;
+}
+
+/* ---- the watchdog thread (no Python object is touched without the GIL) ---- */
+
+/* Reads one sample from the test source file or NVML. Returns 0 or -1. */
+static int read_memory(oc_monitor *m, mon_sample *s)
+{
+    s->process = s->reserved = s->allocated = -1;
+    if (m->source[0]) {
+        FILE *f = fopen(m->source, "r");
+        int n;
+        if (f == NULL)
+            return -1;
+        n = fscanf(f, "%lld %lld %lld", &s->used, &s->total, &s->process);
+        fclose(f);
+        if (n < 3)
+            s->process = -1;
+        return n >= 2 && s->total > 0 ? 0 : -1;
+    } else {
+        oc_gpu_info g;
+        oc_gpu_proc procs[64];
+        int n;
+        if (oc_nvml_device_info(m->nvml_index, &g) != 0 || g.total == 0)
+            return -1;
+        s->used = (long long)g.used;
+        s->total = (long long)g.total;
+        n = oc_nvml_processes(m->nvml_index, procs, 64);
+        for (int i = 0; i < n; i++)
+            if (procs[i].pid == (unsigned int)getpid())
+                s->process = (long long)procs[i].used;
+        return 0;
+    }
+}
+
+static void push_sample(oc_monitor *m, const mon_sample *s)
+{
+    m->ring[(m->head + m->count) % m->cap] = *s;
+    if (m->count < m->cap) {
+        m->count++;
+    } else {
+        m->head = (m->head + 1) % m->cap;
+        m->dropped++;
+    }
+}
+
+static void push_event(oc_monitor *m, const mon_event *e)
+{
+    m->events[(m->ev_head + m->ev_count) % EVENTS_MAX] = *e;
+    if (m->ev_count < EVENTS_MAX)
+        m->ev_count++;
+    else
+        m->ev_head = (m->ev_head + 1) % EVENTS_MAX;
+}
+
+static PyObject *event_dict(const oc_monitor *m, const mon_event *e)
+{
+    return Py_BuildValue("{s:d,s:s,s:i,s:L,s:L,s:d,s:L,s:L,s:s}", "time", e->t, "kind",
+                         e->error ? "on_high_error" : "high", "device", m->torch_index, "used",
+                         e->used, "total", e->total, "fraction",
+                         e->total > 0 ? (double)e->used / (double)e->total : 0.0, "used_after",
+                         e->used_after, "released", e->released, "message", e->message);
+}
+
+/* Above the threshold: empty the cache and call on_high, with the GIL. */
+static void act_on_high(oc_monitor *m, const mon_sample *s)
+{
+    mon_event e, err;
+    mon_sample after;
+    PyGILState_STATE gil;
+    memset(&e, 0, sizeof e);
+    memset(&err, 0, sizeof err);
+    e.t = s->t;
+    e.used = s->used;
+    e.total = s->total;
+    gil = PyGILState_Ensure();
+    if (oc_api_clear_cache(&e.released) < 0) {
+        PyErr_Clear();
+        snprintf(e.message, sizeof e.message, "emptying the cache failed");
+    }
+    PyGILState_Release(gil);
+    /* NVML again, without the GIL: what the device holds after clearing. */
+    e.used_after = read_memory(m, &after) == 0 ? after.used : -1;
+    if (!e.message[0])
+        snprintf(e.message, sizeof e.message, "%.1f%% >= threshold %.1f%%: cache emptied",
+                 100.0 * (double)e.used / (double)e.total, 100.0 * m->threshold);
+    gil = PyGILState_Ensure();
+    if (m->on_high != NULL) {
+        PyObject *d = event_dict(m, &e);
+        PyObject *r = d ? PyObject_CallFunctionObjArgs(m->on_high, d, NULL) : NULL;
+        Py_XDECREF(d);
+        if (r == NULL) {
+            PyObject *t, *v, *tb, *text;
+            err = e;
+            err.error = 1;
+            PyErr_Fetch(&t, &v, &tb);
+            text = v ? PyObject_Str(v) : NULL;
+            snprintf(err.message, sizeof err.message, "on_high raised: %s",
+                     text ? oc_utf8(text, (char[160]){0}, 160) : "?");
+            Py_XDECREF(text);
+            PyErr_Clear();
+            PyErr_Restore(t, v, tb);
+            /* The caller's thread cannot catch it: report it the way Python
+             * reports errors in callbacks nobody awaits. */
+            PyErr_WriteUnraisable(m->on_high);
+        }
+        Py_XDECREF(r);
+    }
+    PyGILState_Release(gil);
+    pthread_mutex_lock(&m->lock);
+    push_event(m, &e);
+    if (err.error)
+        push_event(m, &err);
+    pthread_mutex_unlock(&m->lock);
+}
+
+/* Reads torch's allocator figures (with the GIL) into s when asked to. */
+static void read_allocator(oc_monitor *m, mon_sample *s)
+{
+    oc_torch_mem t;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    if (oc_api_torch_stats(m->torch_index, &t)) {
+        s->reserved = t.reserved;
+        s->allocated = t.allocated;
+    }
+    PyGILState_Release(gil);
+}
+
+static void *watchdog(void *arg)
+{
+    oc_monitor *m = arg;
+    int armed = 1;
+    double last_action = -1e300;
+    pthread_mutex_lock(&m->lock);
+    while (!m->stop_requested) {
+        mon_sample s;
+        struct timespec deadline;
+        double wake_at;
+        pthread_mutex_unlock(&m->lock);
+        s.t = now_s() - m->t0;
+        if (read_memory(m, &s) == 0) {
+            int high = (double)s.used >= m->threshold * (double)s.total;
+            if (m->allocator_stats)
+                read_allocator(m, &s);
+            pthread_mutex_lock(&m->lock);
+            push_sample(m, &s);
+            pthread_mutex_unlock(&m->lock);
+            /* Act on each upward crossing, and again while it stays high only
+             * after `cooldown`: empty_cache() in a loop slows training. */
+            if (high && (armed || s.t - last_action >= m->cooldown)) {
+                armed = 0;
+                last_action = s.t;
+                act_on_high(m, &s);
+            } else if (!high) {
+                armed = 1;
+            }
+        }
+        wake_at = now_s() + m->interval;
+        deadline.tv_sec = (time_t)wake_at;
+        deadline.tv_nsec = (long)((wake_at - (double)deadline.tv_sec) * 1e9);
+        pthread_mutex_lock(&m->lock);
+        while (!m->stop_requested &&
+               pthread_cond_timedwait(&m->wake, &m->lock, &deadline) != ETIMEDOUT)
+            ;
+    }
+    pthread_mutex_unlock(&m->lock);
+    return NULL;
+}
+
+/* ---- lifecycle ---- */
+
+/* Asks the thread to stop and joins it with the GIL released (the thread may
+ * be waiting for the GIL). Idempotent. */
+static void monitor_stop(oc_monitor *m)
+{
+    adopt_after_fork(m);
+    if (!m->running)
+        return;
+    pthread_mutex_lock(&m->lock);
+    m->stop_requested = 1;
+    pthread_cond_signal(&m->wake);
+    pthread_mutex_unlock(&m->lock);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(m->thread, NULL);
+    Py_END_ALLOW_THREADS
+    m->running = 0;
+    /* Drops a likely reference cycle (on_high -> MemoryMonitor -> capsule). */
+    Py_CLEAR(m->on_high);
+}
+
+static void capsule_free(PyObject *capsule)
+{
+    oc_monitor *m = PyCapsule_GetPointer(capsule, CAPSULE_NAME), **pp;
+    if (m == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    monitor_stop(m);
+    for (pp = &all_monitors; *pp; pp = &(*pp)->next) {
+        if (*pp == m) {
+            *pp = m->next;
+            break;
+        }
+    }
+    Py_XDECREF(m->on_high);
+    pthread_mutex_destroy(&m->lock);
+    pthread_cond_destroy(&m->wake);
+    free(m->ring);
+    free(m);
+}
+
+static oc_monitor *get_monitor(PyObject *capsule)
+{
+    oc_monitor *m = PyCapsule_GetPointer(capsule, CAPSULE_NAME);
+    if (m != NULL)
+        adopt_after_fork(m);
+    return m;
+}
+
+/* Starts the thread with every signal blocked. Returns 0 or an errno. */
+static int spawn(oc_monitor *m)
+{
+    sigset_t all, old;
+    int rc;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    rc = pthread_create(&m->thread, NULL, watchdog, m);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return rc;
+}
+
+/* _monitor_start(device, threshold, interval, cooldown, on_high, capacity,
+ * allocator_stats, source) -> capsule. Arguments are validated by the Python
+ * layer; without a device to watch the capsule holds a stopped monitor whose
+ * info()["why"] says why. */
+static PyObject *py_monitor_start(PyObject *self, PyObject *args)
+{
+    oc_monitor *m = NULL;
+    PyObject *on_high, *capsule = NULL;
+    const char *source;
+    Py_ssize_t capacity;
+    pthread_condattr_t ca;
+    int device, alloc_stats, rc;
+    double threshold, interval, cooldown;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "idddOnps", &device, &threshold, &interval, &cooldown,
+                          &on_high, &capacity, &alloc_stats, &source))
+        return NULL;
+    if (!(threshold > 0.0 && threshold <= 1.0) || !(interval > 0.0) || !(cooldown >= 0.0) ||
+        capacity < 1 || device < 0 || strlen(source) >= sizeof m->source) {
+        PyErr_SetString(PyExc_ValueError, "_monitor_start: argument out of range");
+        return NULL;
+    }
+    m = calloc(1, sizeof *m);
+    if (m == NULL)
+        return PyErr_NoMemory();
+    m->ring = calloc((size_t)capacity, sizeof *m->ring);
+    if (m->ring == NULL) {
+        free(m);
+        return PyErr_NoMemory();
+    }
+    pthread_mutex_init(&m->lock, NULL);
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&m->wake, &ca);
+    pthread_condattr_destroy(&ca);
+    m->pid = getpid();
+    m->cap = (size_t)capacity;
+    m->torch_index = device;
+    m->threshold = threshold;
+    m->interval = interval;
+    m->cooldown = cooldown;
+    m->allocator_stats = alloc_stats;
+    snprintf(m->source, sizeof m->source, "%s", source);
+    if (on_high != Py_None) {
+        Py_INCREF(on_high);
+        m->on_high = on_high;
+    }
+    m->next = all_monitors;
+    all_monitors = m;
+    capsule = PyCapsule_New(m, CAPSULE_NAME, capsule_free);
+    if (capsule == NULL) {
+        all_monitors = m->next;
+        Py_XDECREF(m->on_high);
+        free(m->ring);
+        free(m);
+        return NULL;
+    }
+    m->nvml_index = m->source[0] ? 0 : oc_api_nvml_index(device);
+    if (m->nvml_index < 0) {
+        char why[200] = "";
+        if (!oc_nvml_available(why, sizeof why))
+            snprintf(m->why, sizeof m->why, "no GPU to watch: %s", why);
+        else
+            snprintf(m->why, sizeof m->why, "no GPU to watch: cuda:%d is not a visible device",
+                     device);
+        return capsule;
+    }
+    m->t0 = now_s();
+    rc = spawn(m);
+    if (rc != 0) {
+        Py_DECREF(capsule);
+        errno = rc;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    m->running = 1;
+    return capsule;
+}
+
+/* _monitor_stop(capsule) -> None: stops and joins; idempotent. */
+static PyObject *py_monitor_stop(PyObject *self, PyObject *capsule)
+{
+    oc_monitor *m = get_monitor(capsule);
+    (void)self;
+    if (m == NULL)
+        return NULL;
+    monitor_stop(m);
+    Py_RETURN_NONE;
+}
+
+/* _monitor_stop_all() -> int: stops every running monitor (atexit). */
+static PyObject *py_monitor_stop_all(PyObject *self, PyObject *unused)
+{
+    int n = 0;
+    (void)self;
+    (void)unused;
+    for (oc_monitor *m = all_monitors; m; m = m->next) {
+        adopt_after_fork(m);
+        if (m->running) {
+            monitor_stop(m);
+            n++;
+        }
+    }
+    return PyLong_FromLong(n);
+}
+
+/* _monitor_info(capsule) -> dict(running, why, dropped, nvml_index, count). */
+static PyObject *py_monitor_info(PyObject *self, PyObject *capsule)
+{
+    oc_monitor *m = get_monitor(capsule);
+    unsigned long long dropped;
+    size_t count;
+    (void)self;
+    if (m == NULL)
+        return NULL;
+    pthread_mutex_lock(&m->lock);
+    dropped = m->dropped;
+    count = m->count;
+    pthread_mutex_unlock(&m->lock);
+    return Py_BuildValue("{s:O,s:s,s:K,s:i,s:n}", "running", m->running ? Py_True : Py_False,
+                         "why", m->why, "dropped", dropped, "nvml_index", m->nvml_index,
+                         "count", (Py_ssize_t)count);
+}
+
+static PyObject *none_if_negative(long long x)
+{
+    if (x < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLongLong(x);
+}
+
+/* _monitor_samples(capsule) -> [(time, used, total, process, reserved,
+ * allocated)], oldest first; None where a figure was not read. The ring is
+ * copied under the lock and converted after, so no Python code runs while
+ * the lock is held. */
+static PyObject *py_monitor_samples(PyObject *self, PyObject *capsule)
+{
+    oc_monitor *m = get_monitor(capsule);
+    mon_sample *copy;
+    PyObject *list = NULL;
+    size_t n;
+    (void)self;
+    if (m == NULL)
+        return NULL;
+    copy = malloc(m->cap * sizeof *copy);
+    if (copy == NULL)
+        return PyErr_NoMemory();
+    pthread_mutex_lock(&m->lock);
+    n = m->count;
+    for (size_t i = 0; i < n; i++)
+        copy[i] = m->ring[(m->head + i) % m->cap];
+    pthread_mutex_unlock(&m->lock);
+    list = PyList_New((Py_ssize_t)n);
+    if (list == NULL)
+        goto error;
+    for (size_t i = 0; i < n; i++) {
+        PyObject *t = Py_BuildValue("(dLLNNN)", copy[i].t, copy[i].used, copy[i].total,
+                                    none_if_negative(copy[i].process),
+                                    none_if_negative(copy[i].reserved),
+                                    none_if_negative(copy[i].allocated));
+        if (t == NULL) {
+            Py_CLEAR(list);
+            goto error;
+        }
+        PyList_SetItem(list, (Py_ssize_t)i, t);
+    }
+error:
+    free(copy);
+    return list;
+}
+
+/* _monitor_events(capsule) -> [dict], oldest first (the last 256 kept). */
+static PyObject *py_monitor_events(PyObject *self, PyObject *capsule)
+{
+    oc_monitor *m = get_monitor(capsule);
+    mon_event *copy;
+    PyObject *list = NULL;
+    size_t n;
+    (void)self;
+    if (m == NULL)
+        return NULL;
+    copy = malloc(EVENTS_MAX * sizeof *copy);
+    if (copy == NULL)
+        return PyErr_NoMemory();
+    pthread_mutex_lock(&m->lock);
+    n = m->ev_count;
+    for (size_t i = 0; i < n; i++)
+        copy[i] = m->events[(m->ev_head + i) % EVENTS_MAX];
+    pthread_mutex_unlock(&m->lock);
+    list = PyList_New(0);
+    for (size_t i = 0; list != NULL && i < n; i++) {
+        PyObject *d = event_dict(m, &copy[i]);
+        if (d == NULL || PyList_Append(list, d) < 0)
+            Py_CLEAR(list);
+        Py_XDECREF(d);
+    }
+    free(copy);
+    return list;
+}
+
+static PyMethodDef monitor_methods[] = {
+    {"_monitor_start", py_monitor_start, METH_VARARGS,
+     "_monitor_start(device, threshold, interval, cooldown, on_high, capacity, "
+     "allocator_stats, source)\n--\n\nStart a native watchdog; returns its handle."},
+    {"_monitor_stop", py_monitor_stop, METH_O, "Stop and join a watchdog (idempotent)."},
+    {"_monitor_stop_all", py_monitor_stop_all, METH_NOARGS,
+     "Stop every running watchdog; returns how many were running."},
+    {"_monitor_info", py_monitor_info, METH_O, "State of a watchdog."},
+    {"_monitor_samples", py_monitor_samples, METH_O, "The watchdog's timeline."},
+    {"_monitor_events", py_monitor_events, METH_O, "What the watchdog did."},
+    {NULL, NULL, 0, NULL},
+};
 
 int oc_monitor_add_type(PyObject *module)
 {
-    (void)module;
-    return 0;
+    return PyModule_AddFunctions(module, monitor_methods);
 }
