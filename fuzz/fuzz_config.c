@@ -1,0 +1,113 @@
+/* fuzz_config.c - libFuzzer target for the OUTOFCUDA_* parser (src/config.c).
+ *
+ * The input is a list of NAME=VALUE lines; a custom getenv serves them to
+ * oc_config_load, so arbitrary bytes reach every load_* routine without
+ * touching the process environment. A NAME without '=' is looked up as an
+ * unset variable. Built with -DOC_PURE_C: no Python is linked. */
+#ifndef OC_PURE_C
+#define OC_PURE_C
+#endif
+#include "../src/oc.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_VARS 64
+
+typedef struct {
+    int n;
+    const char *name[MAX_VARS];
+    const char *value[MAX_VARS];
+} fake_env;
+
+/* Returns the value fake_env holds for name (the last one wins, as for a
+ * real environment built by repeated setenv), or NULL. */
+static const char *fake_getenv(const char *name, void *ctx)
+{
+    const fake_env *env = ctx;
+    for (int i = env->n - 1; i >= 0; i--) {
+        if (strcmp(env->name[i], name) == 0)
+            return env->value[i];
+    }
+    return NULL;
+}
+
+/* Checks the invariants oc_config_load promises whatever the input; abort()
+ * makes a broken promise a crash libFuzzer reports. */
+static void check_config(const oc_config *c)
+{
+    if (c->n_warnings < 0 || c->n_warnings > OC_WARN_MAX)
+        abort();
+    for (int i = 0; i < c->n_warnings; i++) {
+        if (memchr(c->warnings[i], '\0', OC_WARN_LEN) == NULL)
+            abort();
+    }
+    if (memchr(c->alloc_conf, '\0', sizeof c->alloc_conf) == NULL ||
+        memchr(c->compile_mode, '\0', sizeof c->compile_mode) == NULL)
+        abort();
+    if (!(c->memory_fraction > 0.0 && c->memory_fraction <= 1.0))
+        abort();
+    if (c->amp_dtype < OC_AMP_AUTO || c->amp_dtype > OC_AMP_BFLOAT16)
+        abort();
+    if (c->num_workers < 0 || c->num_workers > 1024 || c->prefetch_factor < 1 ||
+        c->prefetch_factor > 1024)
+        abort();
+    if ((c->disable | c->verbose | c->tf32 | c->cudnn_benchmark | c->channels_last) & ~1)
+        abort();
+}
+
+/* Normalised prefix: short names in the input map to the real variable
+ * names so the fuzzer reaches every variable without guessing 30 bytes. */
+static const char *const names[] = {
+    "OUTOFCUDA_DISABLE",        "OUTOFCUDA_VERBOSE",
+    "OUTOFCUDA_TF32",           "OUTOFCUDA_CUDNN_BENCHMARK",
+    "OUTOFCUDA_CUDNN_DETERMINISTIC", "OUTOFCUDA_CHANNELS_LAST",
+    "OUTOFCUDA_COMPILE",        "OUTOFCUDA_COMPILE_MODE",
+    "OUTOFCUDA_COMPILE_FULLGRAPH", "OUTOFCUDA_AMP_DTYPE",
+    "OUTOFCUDA_MEMORY_FRACTION", "OUTOFCUDA_ALLOC_CONF",
+    "OUTOFCUDA_GC_COLLECT",     "OUTOFCUDA_FLASH_ATTN",
+    "OUTOFCUDA_MEM_EFF_ATTN",   "OUTOFCUDA_MATH_ATTN",
+    "OUTOFCUDA_PIN_MEMORY",     "OUTOFCUDA_NUM_WORKERS",
+    "OUTOFCUDA_PREFETCH_FACTOR",
+};
+#define N_NAMES (sizeof names / sizeof names[0])
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    static oc_config cfg;
+    fake_env env = {0};
+    /* A private NUL-terminated copy: lines are cut in place. */
+    char *buf = malloc(size + 1);
+    char *p, *end;
+    if (buf == NULL)
+        return 0;
+    memcpy(buf, data, size);
+    buf[size] = '\0';
+    end = buf + size;
+    p = buf;
+    while (p < end && env.n < MAX_VARS) {
+        char *nl = memchr(p, '\n', (size_t)(end - p));
+        char *eq;
+        if (nl != NULL)
+            *nl = '\0';
+        eq = strchr(p, '=');
+        if (eq != NULL) {
+            *eq = '\0';
+            /* "#k=value" selects the k-th known name (mod N_NAMES). */
+            if (p[0] == '#' && p[1] != '\0')
+                env.name[env.n] = names[(unsigned char)p[1] % N_NAMES];
+            else
+                env.name[env.n] = p;
+            env.value[env.n] = eq + 1;
+            env.n++;
+        }
+        if (nl == NULL)
+            break;
+        p = nl + 1;
+    }
+    oc_config_load(&cfg, fake_getenv, &env);
+    check_config(&cfg);
+    free(buf);
+    return 0;
+}
