@@ -62,9 +62,8 @@ static void run_merge(const char *defaults, const char *user, const char *versio
     int user_ok = oc_alloc_parse(user, &u, err, sizeof err) == 0;
     check_terminated(err, sizeof err);
     for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
-        int rc = oc_alloc_merge(defaults, user, runs[i].filtered ? allowed_for_version : NULL,
-                                &ver, out, runs[i].size, dropped, sizeof dropped, err,
-                                sizeof err);
+        int rc = oc_alloc_merge(defaults, user, runs[i].filtered ? allowed_for_version : NULL, &ver,
+                                out, runs[i].size, dropped, sizeof dropped, err, sizeof err);
         check_terminated(out, runs[i].size);
         check_terminated(dropped, sizeof dropped);
         if (rc == 0 && user_ok)
