@@ -22,8 +22,14 @@ def _load():
             spec = spec_from_file_location(
                 "_outofcuda", str(path), loader=ExtensionFileLoader("_outofcuda", str(path))
             )
-            mod = module_from_spec(spec)
-            spec.loader.exec_module(mod)
+            try:
+                mod = module_from_spec(spec)
+                spec.loader.exec_module(mod)
+            except (ImportError, OSError) as exc:
+                raise ImportError(
+                    f"outofcuda's C extension at {path} cannot be loaded ({exc}); "
+                    "reinstall outofcuda: pip install --force-reinstall outofcuda"
+                ) from exc
             sys.modules["_outofcuda"] = mod
             return mod
     raise ImportError(

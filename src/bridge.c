@@ -569,8 +569,10 @@ void oc_bridge_after_torch(PyObject *torch)
         read_version_module(torch);
     c_mod = PyObject_GetAttrString(torch, "_C");
     if (c_mod == NULL) {
-        oc_set_error("torch has no _C module");
-        skip_all("torch._C is missing");
+        /* A `torch.py` of the user's own (or a stub) is not PyTorch: that is
+         * no failure of outofcuda's, so no warning, only the record. */
+        PyErr_Clear();
+        skip_all("the imported `torch` is not PyTorch (it has no torch._C)");
         return;
     }
     apply_tf32(cfg, torch, c_mod);

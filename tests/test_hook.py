@@ -1,0 +1,263 @@
+"""The start-up hook and the import watcher, each scenario in a fresh
+interpreter of a virtual environment holding the built wheel and torch."""
+import json
+import shutil
+import textwrap
+
+import pytest
+
+STATUS = "import _outofcuda, json; print('STATUS=' + json.dumps(_outofcuda.status()))"
+FIRED_LINE = "torch 2.13.0"  # the verbose report's first line names torch once per firing
+
+
+def S(code):
+    """The scenario's code followed by a line that prints status() as JSON."""
+    return textwrap.dedent(code) + "\n" + STATUS + "\n"
+
+
+def status_of(result):
+    line = [ln for ln in result.stdout.splitlines() if ln.startswith("STATUS=")][-1]
+    return json.loads(line[len("STATUS="):])
+
+
+def firings(result):
+    return sum(1 for ln in result.stderr.splitlines()
+               if ln.startswith("outofcuda ") and FIRED_LINE in ln)
+
+
+# ---- the .pth line ----
+
+def test_plain_start_is_silent_and_imports_nothing_heavy(venv, workdir):
+    r = venv.check("""
+        import sys
+        watchers = [f for f in sys.meta_path if type(f).__name__ == 'TorchImportWatcher']
+        print(len(watchers), 'torch' in sys.modules, 'outofcuda' in sys.modules,
+              '_outofcuda' in sys.modules)
+        maps = open('/proc/self/maps').read()
+        print('nvidia-ml' in maps, 'libcuda' in maps)
+    """, cwd=workdir)
+    # In a venv every .pth runs twice (CPython issue 75723): still one watcher.
+    assert r.stdout.split() == ["1", "False", "False", "True", "False", "False"]
+    assert r.stderr == ""
+
+
+def test_disable_skips_even_loading_the_extension(venv, workdir):
+    for value in ("1", "true", "YES", " on "):
+        r = venv.check("""
+            import sys, torch
+            print('_outofcuda' in sys.modules, any(type(f).__name__ == 'TorchImportWatcher'
+                                                   for f in sys.meta_path))
+            print(torch.backends.cudnn.benchmark)
+        """, env={"OUTOFCUDA_DISABLE": value}, cwd=workdir)
+        assert r.stdout.split() == ["False", "False", "False"], value
+
+
+def test_no_site_means_no_hook(venv, workdir):
+    r = venv.check("import sys; print(any(type(f).__name__ == 'TorchImportWatcher' "
+                   "for f in sys.meta_path))", args=("-S",), cwd=workdir)
+    assert r.stdout.strip() == "False"
+
+
+def test_isolated_mode_still_runs_the_hook(venv, workdir):
+    r = venv.check(S("import torch"), args=("-I",), cwd=workdir)
+    assert status_of(r)["hook"]["fired"] is True
+
+
+def test_dev_mode_with_warnings_as_errors_is_silent(venv, workdir):
+    r = venv.check(S("import torch"), args=("-X", "dev", "-W", "error"), cwd=workdir)
+    assert r.stderr == ""
+    st = status_of(r)
+    assert st["hook"]["fired"] and st["hook"]["error"] is None
+
+
+def test_pth_and_start_files_are_constant_and_short(venv):
+    pth = (venv.site / "outofcuda_hook.pth").read_text()
+    start = (venv.site / "outofcuda_hook.start").read_text()
+    assert pth.count("\n") == 1 and pth.startswith("import os;")
+    assert len(pth) < 300
+    assert start.strip() == "_outofcuda:install"
+
+
+# ---- the watcher ----
+
+def test_fires_once_with_real_loader_restored(venv, workdir):
+    r = venv.check(S("""
+        import torch, importlib
+        print(type(torch.__loader__).__name__, type(torch.__spec__.loader).__name__)
+        try:
+            importlib.reload(torch)
+        except RuntimeError as exc:   # torch 2.13 cannot re-run its own __init__
+            print('reload refused by torch:', 'TORCH_LIBRARY' in str(exc))
+        import torch
+    """), env={"OUTOFCUDA_VERBOSE": "1"}, cwd=workdir)
+    assert r.stdout.split()[:2] == ["SourceFileLoader", "SourceFileLoader"]
+    assert firings(r) == 1
+    assert status_of(r)["hook"]["fired"] is True
+
+
+def test_torch_imported_before_the_hook_installs(venv, workdir):
+    r = venv.check(S("""
+        import os, torch
+        import _outofcuda
+        print(_outofcuda.status()['hook'])
+        del os.environ['OUTOFCUDA_DISABLE']
+        _outofcuda.install()
+        print(torch.backends.cudnn.benchmark)
+    """), env={"OUTOFCUDA_DISABLE": "1"}, cwd=workdir)
+    st = status_of(r)
+    assert st["hook"] == {"installed": True, "fired": True, "error": None}
+    assert "True" in r.stdout.splitlines()[1]
+    assert "before outofcuda's hook" in st["optimizations"]["allocator"]["reason"]
+
+
+def test_failed_first_import_then_success_fires_once(venv, workdir):
+    r = venv.check(S("""
+        import sys
+        sys.modules['torch._C'] = None      # makes torch/__init__ fail
+        try:
+            import torch
+        except ImportError:
+            print('first import failed')
+        import _outofcuda
+        print('fired after failure:', _outofcuda.status()['hook']['fired'])
+        for name in [n for n in sys.modules if n == 'torch' or n.startswith('torch.')]:
+            del sys.modules[name]
+        import torch
+        print(torch.backends.cudnn.benchmark)
+    """), env={"OUTOFCUDA_VERBOSE": "1"}, cwd=workdir)
+    assert "first import failed" in r.stdout
+    assert "fired after failure: False" in r.stdout
+    assert firings(r) == 1
+    assert status_of(r)["hook"]["fired"] is True
+
+
+def test_eight_threads_importing_torch_fire_once(venv, workdir):
+    r = venv.check(S("""
+        import threading
+        barrier = threading.Barrier(8)
+        seen = []
+        def work():
+            barrier.wait()
+            import torch
+            seen.append(torch.backends.cudnn.benchmark)
+        threads = [threading.Thread(target=work) for _ in range(8)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        print(seen)
+    """), env={"OUTOFCUDA_VERBOSE": "1"}, cwd=workdir)
+    assert r.stdout.splitlines()[0] == str([True] * 8)
+    assert firings(r) == 1
+
+
+def test_beside_a_finder_that_calls_find_spec(venv, workdir):
+    r = venv.check(S("""
+        import sys, importlib.util
+        calls = []
+        class Nosy:
+            def find_spec(self, name, path=None, target=None):
+                if name == 'torch' and not calls:
+                    calls.append(name)
+                    importlib.util.find_spec('torch')   # re-enters the meta path
+                return None
+        sys.meta_path.insert(0, Nosy())   # ahead of outofcuda's watcher
+        sys.meta_path.append(Nosy())      # and behind it
+        import torch
+        print(calls, type(torch.__loader__).__name__)
+    """), cwd=workdir)
+    assert r.stdout.splitlines()[0] == "['torch'] SourceFileLoader"
+    assert status_of(r)["hook"]["fired"] is True
+
+
+def test_finder_accepts_setattr_patching(venv, workdir):
+    r = venv.check(S("""
+        import sys
+        w = next(f for f in sys.meta_path if type(f).__name__ == 'TorchImportWatcher')
+        original = w.find_spec
+        w.find_spec = lambda *a, **k: original(*a, **k)
+        import torch
+    """), cwd=workdir)
+    assert status_of(r)["hook"]["fired"] is True
+
+
+def test_lazy_loader(venv, workdir):
+    r = venv.check("""
+        import importlib.util, sys, _outofcuda
+        spec = importlib.util.find_spec('torch')
+        loader = importlib.util.LazyLoader(spec.loader)
+        spec.loader = loader
+        module = importlib.util.module_from_spec(spec)
+        sys.modules['torch'] = module
+        loader.exec_module(module)
+        print('before use', _outofcuda.status()['hook']['fired'])
+        module.zeros(1)
+        import torch
+        print('after use', _outofcuda.status()['hook']['fired'], torch.backends.cudnn.benchmark)
+    """, cwd=workdir)
+    assert "before use False" in r.stdout
+    assert "after use True True" in r.stdout
+
+
+def test_collect_env_runs(venv, workdir):
+    r = venv.run(None, args=("-m", "torch.utils.collect_env"), cwd=workdir, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "PyTorch version: 2.13.0" in r.stdout
+
+
+# ---- fault matrix ----
+
+def test_planted_torch_py_is_never_loaded_at_start_up(venv, workdir):
+    (workdir / "torch.py").write_text(
+        "open('marker', 'w').write('loaded')\n")
+    r = venv.check("pass", cwd=workdir)
+    assert r.stderr == "" and not (workdir / "marker").exists()
+    # A user's own `import torch` then gets their file (Python's rule);
+    # outofcuda stays quiet and says why nothing was applied.
+    r = venv.check(S("import torch"), cwd=workdir)
+    assert (workdir / "marker").exists() and r.stderr == ""
+    st = status_of(r)
+    assert st["hook"]["error"] is None
+    assert "not PyTorch" in st["optimizations"]["tf32"]["reason"]
+
+
+def test_torch_raising_during_import_is_torchs_error(venv, workdir):
+    r = venv.run("""
+        import sys
+        sys.modules['torch._C'] = None
+        import torch
+    """, cwd=workdir)
+    assert r.returncode == 1
+    assert "import of torch._C halted" in r.stderr and "outofcuda" not in r.stderr
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_damaged_extension_never_breaks_start_up(venv, workdir, damage):
+    (so,) = venv.site.glob("_outofcuda*.so")
+    backup = workdir / "backup.so"
+    shutil.copy2(so, backup)
+    try:
+        if damage == "delete":
+            so.unlink()
+        else:
+            so.write_bytes(so.read_bytes()[:100])
+        r = venv.check("import torch; print(torch.ones(2).sum().item())", cwd=workdir)
+        assert r.stdout.strip() == "2.0" and r.stderr == ""
+        r = venv.run("import outofcuda", cwd=workdir)
+        assert r.returncode == 1
+        assert "reinstall outofcuda" in r.stderr
+    finally:
+        shutil.copy2(backup, so)
+
+
+def test_failure_inside_outofcuda_is_one_warning_and_recorded(venv, workdir):
+    r = venv.check(S("""
+        import os, sys, warnings
+        import _outofcuda
+        del os.environ['OUTOFCUDA_DISABLE']
+        sys.meta_path = tuple(sys.meta_path)   # the watcher cannot be inserted
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            _outofcuda.install()
+        print(len(caught), caught[0].message if caught else '')
+    """), env={"OUTOFCUDA_DISABLE": "1"}, cwd=workdir)
+    assert r.stdout.startswith("1 outofcuda: installing the import hook failed")
+    assert "meta_path" in status_of(r)["hook"]["error"]
