@@ -1,0 +1,193 @@
+"""Static checks on the C core: clang-tidy and cppcheck with the checked-in
+configuration, the clang-format style, abi3audit on the built wheel, and a
+few text rules no compiler enforces (GIL pairing, no CUDA/NVML headers, no
+dlopen of a relative path).
+
+The tools come from the system (`apt-get install clang-tidy cppcheck
+clang-format`) and from pip (`abi3audit`); a test whose tool is missing is
+skipped with the install line, so a developer machine without them still runs
+the rest."""
+import os
+import re
+import shutil
+import subprocess
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src"
+C_FILES = sorted(SRC.glob("*.c"))
+FORMATTED = C_FILES + [SRC / "oc.h"] + sorted((ROOT / "fuzz").glob("*.c"))
+DEFINES = ["-DPy_LIMITED_API=0x03090000", "-D_GNU_SOURCE"]
+
+
+def _tool(name, install=None):
+    """The tool's path; skips when it is missing, except under CI (CI set),
+    where a missing tool must fail rather than pass silently."""
+    path = shutil.which(name)
+    if path is None:
+        how = install or f"apt-get install {name}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is required in CI ({how})")
+        pytest.skip(f"{name} is not installed ({how})")
+    return path
+
+
+def _run(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, **kw)
+
+
+# ---- clang-tidy, cppcheck, clang-format ----
+
+def test_clang_tidy_clean():
+    tidy = _tool("clang-tidy")
+    flags = ["-std=c11", *DEFINES, "-I" + sysconfig.get_paths()["include"]]
+
+    def one(path):
+        return path, _run([tidy, "--quiet", str(path), "--", *flags], timeout=300)
+
+    # One process per file, two at a time: the CI machine has two cores.
+    with ThreadPoolExecutor(max_workers=max(2, (os.cpu_count() or 2))) as pool:
+        results = list(pool.map(one, C_FILES))
+    failures = [f"{p.name}:\n{r.stdout}{r.stderr}" for p, r in results
+                if r.returncode != 0 or ": warning:" in r.stdout or ": error:" in r.stdout]
+    assert not failures, "clang-tidy (.clang-tidy) findings:\n" + "\n".join(failures)
+
+
+def test_cppcheck_clean():
+    cppcheck = _tool("cppcheck")
+    r = _run([cppcheck, "--quiet", "--enable=warning,portability,performance", "--std=c11",
+              "--library=python", "--library=posix", "--inline-suppr", "--error-exitcode=1",
+              "--suppress=missingIncludeSystem", *DEFINES, str(SRC)], timeout=300)
+    assert r.returncode == 0 and not r.stderr.strip(), f"cppcheck findings:\n{r.stderr}"
+
+
+def test_clang_format_clean():
+    fmt = _tool("clang-format")
+    r = _run([fmt, "--style=file", "--dry-run", "--Werror", *map(str, FORMATTED)], timeout=120)
+    files = sorted(set(re.findall(r"^(\S+?):\d+:\d+: (?:error|warning)", r.stderr, re.M)))
+    assert r.returncode == 0, (
+        "not in .clang-format style (fix with `clang-format -i --style=file FILE`): "
+        + ", ".join(files) + "\n" + r.stderr[:3000])
+
+
+# ---- abi3audit on the wheel ----
+
+def test_abi3audit_strict(wheel, tmp_path):
+    exe = _tool("abi3audit", "pip install abi3audit")
+    r = subprocess.run([exe, "--strict", "--summary", str(wheel)], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "1 extensions scanned" in out and "0 ABI violations" in out, out
+    assert "cp39-abi3" in wheel.name
+
+
+# ---- text rules over the C sources ----
+
+def _functions(text):
+    """Yields (name, body) for each top-level C function definition: a body
+    starts at a line that is only '{' and ends at the next line that is '}'."""
+    for m in re.finditer(r"^(?:[^\n;{}#]*?\b(\w+)\s*\([^;{}]*\))\s*\n\{\n(.*?)^\}", text,
+                         re.M | re.S):
+        yield m.group(1), m.group(2)
+
+
+def _strip_comments(text):
+    text = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def gil_problems(text):
+    """Functions that call PyGILState_Ensure more often than Release."""
+    bad = []
+    for name, body in _functions(_strip_comments(text)):
+        ensure = len(re.findall(r"\bPyGILState_Ensure\s*\(", body))
+        release = len(re.findall(r"\bPyGILState_Release\s*\(", body))
+        if release < ensure:
+            bad.append(f"{name}: {ensure} PyGILState_Ensure, {release} PyGILState_Release")
+    # An Ensure outside any recognised function body is a problem too.
+    total = len(re.findall(r"\bPyGILState_Ensure\s*\(", _strip_comments(text)))
+    seen = sum(len(re.findall(r"\bPyGILState_Ensure\s*\(", b))
+               for _, b in _functions(_strip_comments(text)))
+    if total != seen:
+        bad.append(f"{total - seen} PyGILState_Ensure outside a function body the check reads")
+    return bad
+
+
+HEADER_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]*)[>"]', re.M)
+FORBIDDEN_HEADER_RE = re.compile(r"(^|/)(cuda|cudnn|cublas|nccl|nvml|nvrtc|cupti|curand|cusparse|cufft)",
+                                 re.I)
+
+
+def header_problems(text):
+    """#include lines naming a CUDA or NVIDIA header."""
+    return [h for h in HEADER_RE.findall(_strip_comments(text)) if FORBIDDEN_HEADER_RE.search(h)]
+
+
+def dlopen_problems(text):
+    """dlopen calls whose path may be relative. A literal must be an absolute
+    path or a bare soname (no '/'; the system loader searches only system
+    directories for those); a computed path is accepted only inside a
+    function that checks it starts with '/'."""
+    bad = []
+    for name, body in _functions(_strip_comments(text)):
+        for m in re.finditer(r"\bdlopen\s*\(\s*([^,]*?)\s*,", body):
+            arg = m.group(1)
+            lit = re.fullmatch(r'"((?:[^"\\]|\\.)*)"', arg)
+            if arg == "NULL":
+                continue
+            if lit:
+                path = lit.group(1)
+                if "/" in path and not path.startswith("/"):
+                    bad.append(f"{name}: dlopen(\"{path}\") is a relative path")
+                elif not path:
+                    bad.append(f"{name}: dlopen(\"\")")
+            elif not re.search(r"\[0\]\s*[!=]=\s*'/'", body):
+                bad.append(f"{name}: dlopen({arg}) without a check that the path is absolute")
+    if len(re.findall(r"\bdlopen\s*\(", _strip_comments(text))) != sum(
+            len(re.findall(r"\bdlopen\s*\(", b)) for _, b in _functions(_strip_comments(text))):
+        bad.append("dlopen outside a function body the check reads")
+    return bad
+
+
+@pytest.mark.parametrize("path", C_FILES + [SRC / "oc.h"], ids=lambda p: p.name)
+def test_c_source_rules(path):
+    text = path.read_text()
+    problems = gil_problems(text) + header_problems(text) + dlopen_problems(text)
+    assert not problems, f"{path.name}: " + "; ".join(problems)
+
+
+def test_c_source_rules_catch_violations():
+    """The text rules above reject what they are meant to reject."""
+    unpaired = "static void f(void)\n{\n    PyGILState_STATE s = PyGILState_Ensure();\n    g();\n}\n"
+    paired = ("static void f(void)\n{\n    PyGILState_STATE s = PyGILState_Ensure();\n"
+              "    if (x) {\n        PyGILState_Release(s);\n        return;\n    }\n"
+              "    PyGILState_Release(s);\n}\n")
+    assert gil_problems(unpaired) and not gil_problems(paired)
+    assert header_problems('#include <cuda_runtime.h>\n#include "nvml.h"\n') == [
+        "cuda_runtime.h", "nvml.h"]
+    assert header_problems("#include <nvidia/gdk/nvml.h>\n")
+    assert not header_problems("#include <dlfcn.h>\n/* #include <cuda.h> */\n")
+    rel = 'static void *f(void)\n{\n    return dlopen("./libnvidia-ml.so.1", RTLD_NOW);\n}\n'
+    bare = 'static void *f(void)\n{\n    return dlopen("libnvidia-ml.so.1", RTLD_NOW);\n}\n'
+    absolute = 'static void *f(void)\n{\n    return dlopen("/usr/lib/libx.so", RTLD_NOW);\n}\n'
+    computed = "static void *f(const char *p)\n{\n    return dlopen(p, RTLD_NOW);\n}\n"
+    checked = ("static void *f(const char *p)\n{\n    if (p[0] != '/')\n        return NULL;\n"
+               "    return dlopen(p, RTLD_NOW);\n}\n")
+    assert dlopen_problems(rel) and dlopen_problems(computed)
+    assert not dlopen_problems(bare) and not dlopen_problems(absolute)
+    assert not dlopen_problems(checked)
+
+
+def test_every_c_file_is_seen_by_the_rules():
+    """The function splitter reads every C file (a style change that hides
+    bodies from it would silently weaken the rules)."""
+    for path in C_FILES:
+        text = path.read_text()
+        if re.search(r"^\{$", text, re.M):
+            assert list(_functions(_strip_comments(text))), path.name
+
