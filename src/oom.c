@@ -1,22 +1,320 @@
-/* oom.c - what outofcuda does when CUDA runs out of memory: the chained
- * exception hooks (and, later, torch's OOM observer and the report). */
+/* oom.c - what outofcuda does when CUDA runs out of memory: torch's OOM
+ * observer (attached when CUDA initialises) records the figures at the moment
+ * of failure and optionally dumps an allocator snapshot; the chained
+ * sys.excepthook / threading.excepthook print the report for an uncaught OOM;
+ * oc_oom_advise ranks the actions that fit the figures. The report itself is
+ * assembled and formatted by outofcuda/_oom.py. */
 #include "oc.h"
 
+#include <errno.h>
+#include <limits.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+/* Entries kept by the allocator's history ring: the figure PyTorch's own
+ * memory tutorial uses; the default (sys.maxsize) grows without bound and
+ * each entry holds a stack trace of several KB of host memory. */
+#define SNAPSHOT_MAX_ENTRIES 100000
 
 static PyObject *prev_sys_hook, *prev_thread_hook, *oom_type;
 
+/* OUTOFCUDA_OOM_SNAPSHOT, checked and made absolute at install ("" = off). */
+static char snapshot_path[PATH_MAX];
+
+/* The last OOM the observer saw. Guarded by the GIL. */
+static struct {
+    unsigned long seq;
+    double when;
+    long device;
+    unsigned long long request, limit, device_free;
+    PyObject *stats;      /* torch.cuda.memory_stats(device) at the OOM, or NULL */
+    int autocast;         /* 1 on, 0 off, -1 unknown */
+    int snapshot_written; /* 1 when the snapshot file was written for this OOM */
+    char snapshot_error[300];
+} seen = {0, 0.0, -1, 0, 0, 0, NULL, -1, 0, ""};
+
+static PyObject *torch_module(void)
+{
+    PyObject *name = PyUnicode_FromString("torch");
+    PyObject *torch = name ? PyImport_GetModule(name) : NULL;
+    Py_XDECREF(name);
+    if (torch == NULL)
+        PyErr_Clear();
+    return torch;
+}
+
+/* Copies the current exception's text into buf and clears it. */
+static void take_error(char *buf, size_t sz, const char *what)
+{
+    PyObject *type, *value, *tb, *s = NULL;
+    char text[240];
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    s = value ? PyObject_Str(value) : NULL;
+    PyErr_Clear();
+    snprintf(buf, sz, "%s: %s", what, oc_utf8(s, text, sizeof text));
+    Py_XDECREF(s);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+}
+
+/* Returns 1, 0 or -1 (unknown) for "is autocast on for CUDA in this thread". */
+static int autocast_enabled(PyObject *torch)
+{
+    PyObject *r = PyObject_CallMethod(torch, "is_autocast_enabled", "s", "cuda");
+    int on;
+    if (r == NULL) {
+        /* Before 2.4 the function took no argument and meant CUDA. */
+        PyErr_Clear();
+        r = PyObject_CallMethod(torch, "is_autocast_enabled", NULL);
+    }
+    if (r == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    on = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (on < 0)
+        PyErr_Clear();
+    return on;
+}
+
+/* Writes the allocator history to snapshot_path; records failure text. */
+static void dump_snapshot(PyObject *torch)
+{
+    PyObject *mem = oc_getattr_chain(torch, "cuda.memory");
+    PyObject *r = mem ? PyObject_CallMethod(mem, "_dump_snapshot", "s", snapshot_path) : NULL;
+    if (r == NULL) {
+        if (PyErr_Occurred())
+            take_error(seen.snapshot_error, sizeof seen.snapshot_error, "dumping the snapshot");
+        else
+            snprintf(seen.snapshot_error, sizeof seen.snapshot_error,
+                     "this torch has no torch.cuda.memory._dump_snapshot");
+    } else {
+        seen.snapshot_written = 1;
+    }
+    Py_XDECREF(r);
+    Py_XDECREF(mem);
+}
+
+/* torch's OOM observer: (device, alloc, device_limit, device_free). Runs in
+ * the allocating thread after the allocator dropped its lock and before the
+ * error is raised, so the figures are those of the failure. Never raises:
+ * an exception here would replace the OutOfMemoryError. */
+static PyObject *oom_observer(PyObject *self, PyObject *args)
+{
+    PyObject *torch = NULL, *stats = NULL;
+    long device = -1;
+    unsigned long long request = 0, limit = 0, device_free = 0;
+    PyObject *type, *value, *tb;
+    (void)self;
+    PyErr_Fetch(&type, &value, &tb);
+    if (!PyArg_ParseTuple(args, "lKKK", &device, &request, &limit, &device_free)) {
+        PyErr_Clear();
+        goto done;
+    }
+    seen.seq++;
+    seen.when = (double)time(NULL);
+    seen.device = device;
+    seen.request = request;
+    seen.limit = limit;
+    seen.device_free = device_free;
+    seen.autocast = -1;
+    seen.snapshot_written = 0;
+    seen.snapshot_error[0] = '\0';
+    Py_CLEAR(seen.stats);
+    torch = torch_module();
+    if (torch == NULL)
+        goto done;
+    {
+        PyObject *cuda = PyObject_GetAttrString(torch, "cuda");
+        stats = cuda ? PyObject_CallMethod(cuda, "memory_stats", "l", device) : NULL;
+        Py_XDECREF(cuda);
+        if (stats == NULL)
+            PyErr_Clear();
+    }
+    seen.stats = stats;
+    seen.autocast = autocast_enabled(torch);
+    if (snapshot_path[0])
+        dump_snapshot(torch);
+done:
+    PyErr_Clear();
+    Py_XDECREF(torch);
+    PyErr_Restore(type, value, tb);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef observer_def = {"outofcuda_oom_observer", oom_observer, METH_VARARGS,
+                                   "outofcuda's CUDA OOM observer (records the figures)."};
+
+/* Starts the allocator history for OUTOFCUDA_OOM_SNAPSHOT. Returns 0 or -1
+ * with an exception set. 2.1+ takes enabled="all"/max_entries; 2.0 took a
+ * bool and trace_alloc_* keywords. */
+static int start_history(PyObject *torch)
+{
+    PyObject *fn = oc_getattr_chain(torch, "cuda.memory._record_memory_history");
+    PyObject *args = NULL, *kw = NULL, *r = NULL;
+    if (fn == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "torch.cuda.memory._record_memory_history");
+        return -1;
+    }
+    args = Py_BuildValue("(s)", "all");
+    kw = Py_BuildValue("{s:i}", "max_entries", SNAPSHOT_MAX_ENTRIES);
+    r = (args && kw) ? PyObject_Call(fn, args, kw) : NULL;
+    if (r == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        Py_CLEAR(args);
+        Py_CLEAR(kw);
+        args = Py_BuildValue("(O)", Py_True);
+        kw = Py_BuildValue("{s:i,s:O}", "trace_alloc_max_entries", SNAPSHOT_MAX_ENTRIES,
+                           "trace_alloc_record_context", Py_True);
+        r = (args && kw) ? PyObject_Call(fn, args, kw) : NULL;
+    }
+    Py_XDECREF(args);
+    Py_XDECREF(kw);
+    Py_DECREF(fn);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* Queued with torch.cuda._lazy_call: runs inside CUDA's initialisation, on
+ * whichever thread first touches CUDA. It must not raise (that would fail
+ * the initialisation) and must not queue another lazy call (deadlock, see
+ * DESIGN.md). torch 2.0 crashed when the observer was attached before CUDA
+ * initialised, hence the deferral. */
+static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
+{
+    PyObject *torch = torch_module(), *attach = NULL, *obs = NULL, *r = NULL;
+    (void)self;
+    (void)unused;
+    if (torch == NULL)
+        Py_RETURN_NONE;
+    if (snapshot_path[0] && start_history(torch) < 0) {
+        char msg[400];
+        take_error(msg, sizeof msg, "OUTOFCUDA_OOM_SNAPSHOT: recording the allocator history "
+                                    "failed; no snapshot will be written");
+        snapshot_path[0] = '\0';
+        oc_warn(msg);
+    }
+    attach = oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
+    obs = attach ? PyCFunction_NewEx(&observer_def, NULL, NULL) : NULL;
+    r = obs ? PyObject_CallFunctionObjArgs(attach, obs, NULL) : NULL;
+    if (r == NULL)
+        oc_set_error("attaching the CUDA OOM observer");
+    PyErr_Clear();
+    Py_XDECREF(r);
+    Py_XDECREF(obs);
+    Py_XDECREF(attach);
+    Py_DECREF(torch);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef at_cuda_init_def = {"outofcuda_oom_at_cuda_init", at_cuda_init, METH_NOARGS,
+                                       NULL};
+
+/* Reads OUTOFCUDA_OOM_SNAPSHOT into snapshot_path (absolute). The value is a
+ * file path and nothing else; a bad one gets one warning and is ignored.
+ * Returns 1 when set and usable. */
+static int read_snapshot_env(void)
+{
+    const char *v = getenv("OUTOFCUDA_OOM_SNAPSHOT");
+    char dir[PATH_MAX], real[PATH_MAX], msg[OC_WARN_LEN + PATH_MAX];
+    const char *base, *slash;
+    struct stat st;
+    snapshot_path[0] = '\0';
+    if (v == NULL || v[0] == '\0')
+        return 0;
+    slash = strrchr(v, '/');
+    base = slash ? slash + 1 : v;
+    if (strlen(v) >= sizeof dir - 1 || *base == '\0' || strcmp(base, ".") == 0 ||
+        strcmp(base, "..") == 0) {
+        snprintf(msg, sizeof msg,
+                 "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: it must name a file to "
+                 "write (for example /tmp/oom.pickle)", v);
+        oc_warn(msg);
+        return 0;
+    }
+    if (slash == NULL)
+        snprintf(dir, sizeof dir, ".");
+    else if (slash == v)
+        snprintf(dir, sizeof dir, "/");
+    else
+        snprintf(dir, sizeof dir, "%.*s", (int)(slash - v), v);
+    /* Resolved now: the working directory may change before the OOM. */
+    if (realpath(dir, real) == NULL || stat(real, &st) != 0 || !S_ISDIR(st.st_mode)) {
+        snprintf(msg, sizeof msg,
+                 "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: its directory %.200s does "
+                 "not exist", v, dir);
+        oc_warn(msg);
+        return 0;
+    }
+    if (snprintf(snapshot_path, sizeof snapshot_path, "%s/%s", strcmp(real, "/") ? real : "",
+                 base) >= (int)sizeof snapshot_path ||
+        (stat(snapshot_path, &st) == 0 && S_ISDIR(st.st_mode))) {
+        snprintf(msg, sizeof msg,
+                 "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: it must name a file, not a "
+                 "directory", v);
+        snapshot_path[0] = '\0';
+        oc_warn(msg);
+        return 0;
+    }
+    return 1;
+}
+
+/* Queues at_cuda_init. Returns a short text for status() (static storage). */
+static const char *queue_observer(PyObject *torch)
+{
+    PyObject *attach = oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
+    PyObject *lazy_call = oc_getattr_chain(torch, "cuda._lazy_call");
+    PyObject *cb = NULL, *r = NULL;
+    const char *what;
+    if (attach == NULL) {
+        what = "none: this torch build has no CUDA OOM observer";
+        goto done;
+    }
+    if (lazy_call == NULL) {
+        what = "none: this torch has no torch.cuda._lazy_call";
+        goto done;
+    }
+    cb = PyCFunction_NewEx(&at_cuda_init_def, NULL, NULL);
+    r = cb ? PyObject_CallFunctionObjArgs(lazy_call, cb, NULL) : NULL;
+    if (r == NULL) {
+        oc_set_error("queueing the CUDA OOM observer");
+        what = "none: torch.cuda._lazy_call failed";
+        goto done;
+    }
+    what = "attached when CUDA initialises";
+done:
+    PyErr_Clear();
+    Py_XDECREF(r);
+    Py_XDECREF(cb);
+    Py_XDECREF(attach);
+    Py_XDECREF(lazy_call);
+    return what;
+}
+
+/* ---- the uncaught-exception path ---- */
+
+/* After an uncaught OOM: give the cache back (a thread's OOM leaves the
+ * process running) and collect garbage when configured. */
 static void oom_relief(void)
 {
-    PyObject *torch_cuda = PyImport_ImportModule("torch.cuda");
-    PyObject *r, *alloc = NULL, *reserved = NULL, *peak = NULL;
-    double gib = 1024.0 * 1024.0 * 1024.0;
-    if (torch_cuda == NULL) {
+    PyObject *cuda = PyImport_ImportModule("torch.cuda");
+    PyObject *r = NULL, *init = NULL;
+    if (cuda == NULL) {
         PyErr_Clear();
         return;
     }
-    r = PyObject_CallMethod(torch_cuda, "empty_cache", NULL);
+    init = PyObject_CallMethod(cuda, "is_initialized", NULL);
+    if (init != NULL && PyObject_IsTrue(init) == 1)
+        r = PyObject_CallMethod(cuda, "empty_cache", NULL);
+    Py_XDECREF(init);
     Py_XDECREF(r);
     PyErr_Clear();
     if (oc_config_get()->gc_collect) {
@@ -26,20 +324,7 @@ static void oom_relief(void)
         Py_XDECREF(gc);
         PyErr_Clear();
     }
-    alloc = PyObject_CallMethod(torch_cuda, "memory_allocated", NULL);
-    reserved = PyObject_CallMethod(torch_cuda, "memory_reserved", NULL);
-    peak = PyObject_CallMethod(torch_cuda, "max_memory_allocated", NULL);
-    PyErr_Clear();
-    PySys_WriteStderr(
-        "outofcuda: CUDA out of memory. After emptying the cache: allocated %.2f GiB, "
-        "reserved %.2f GiB, peak allocated %.2f GiB.\n",
-        alloc ? PyLong_AsDouble(alloc) / gib : 0.0, reserved ? PyLong_AsDouble(reserved) / gib : 0.0,
-        peak ? PyLong_AsDouble(peak) / gib : 0.0);
-    PyErr_Clear();
-    Py_XDECREF(alloc);
-    Py_XDECREF(reserved);
-    Py_XDECREF(peak);
-    Py_DECREF(torch_cuda);
+    Py_DECREF(cuda);
 }
 
 static int is_oom(PyObject *type)
@@ -53,23 +338,91 @@ static int is_oom(PyObject *type)
     return r == 1;
 }
 
-/* If outofcuda's Python layer is loaded and offers a richer report, let it
- * speak; the C summary above is the fallback. */
-static void oom_python_report(PyObject *value)
+/* Returns 1 when `outofcuda` would be imported from the directory that holds
+ * this extension (resolved by path, so a folder called outofcuda in the
+ * working directory is never imported from an exception hook). */
+static int package_beside_extension(void)
 {
-    PyObject *name = PyUnicode_FromString("outofcuda._oom");
-    PyObject *mod = name ? PyImport_GetModule(name) : NULL;
-    Py_XDECREF(name);
-    if (mod == NULL) {
-        PyErr_Clear();
-        return;
-    }
+    PyObject *ext = NULL, *file = NULL, *util = NULL, *spec = NULL, *origin = NULL;
+    char ext_dir[PATH_MAX], want[PATH_MAX + 32], got[PATH_MAX];
+    char *slash;
+    int ok = 0;
     {
-        PyObject *r = PyObject_CallMethod(mod, "_on_uncaught", "O", value);
-        Py_XDECREF(r);
-        PyErr_Clear();
+        PyObject *name = PyUnicode_FromString("_outofcuda");
+        ext = name ? PyImport_GetModule(name) : NULL;
+        Py_XDECREF(name);
     }
-    Py_DECREF(mod);
+    file = ext ? PyObject_GetAttrString(ext, "__file__") : NULL;
+    if (file == NULL || !PyUnicode_Check(file))
+        goto error;
+    oc_utf8(file, ext_dir, sizeof ext_dir);
+    slash = strrchr(ext_dir, '/');
+    if (slash == NULL)
+        goto error;
+    *slash = '\0';
+    snprintf(want, sizeof want, "%s/outofcuda/__init__.py", ext_dir);
+    util = PyImport_ImportModule("importlib.util");
+    spec = util ? PyObject_CallMethod(util, "find_spec", "s", "outofcuda") : NULL;
+    origin = (spec && spec != Py_None) ? PyObject_GetAttrString(spec, "origin") : NULL;
+    if (origin == NULL || !PyUnicode_Check(origin))
+        goto error;
+    ok = strcmp(oc_utf8(origin, got, sizeof got), want) == 0;
+error:
+    PyErr_Clear();
+    Py_XDECREF(origin);
+    Py_XDECREF(spec);
+    Py_XDECREF(util);
+    Py_XDECREF(file);
+    Py_XDECREF(ext);
+    return ok;
+}
+
+/* Prints outofcuda's report for `value` through outofcuda._oom (imported
+ * here when the program never imported it). Returns 1 when it printed. */
+static int print_report(PyObject *value)
+{
+    PyObject *name = PyUnicode_FromString("outofcuda._oom"), *mod = NULL, *r = NULL;
+    int printed = 0;
+    mod = name ? PyImport_GetModule(name) : NULL;
+    PyErr_Clear();
+    if (mod == NULL && package_beside_extension())
+        mod = PyImport_ImportModule("outofcuda._oom");
+    if (mod != NULL)
+        r = PyObject_CallMethod(mod, "_on_uncaught", "O", value);
+    printed = r != NULL && PyObject_IsTrue(r) == 1;
+    PyErr_Clear();
+    Py_XDECREF(r);
+    Py_XDECREF(mod);
+    Py_XDECREF(name);
+    return printed;
+}
+
+/* The fallback when the Python layer cannot speak: one line from C. */
+static void print_summary(void)
+{
+    PyObject *cuda = PyImport_ImportModule("torch.cuda");
+    PyObject *alloc = NULL, *reserved = NULL;
+    double gib = 1024.0 * 1024.0 * 1024.0;
+    if (cuda != NULL) {
+        alloc = PyObject_CallMethod(cuda, "memory_allocated", NULL);
+        reserved = alloc ? PyObject_CallMethod(cuda, "memory_reserved", NULL) : NULL;
+    }
+    PyErr_Clear();
+    PySys_WriteStderr("outofcuda: CUDA out of memory (allocated %.2f GiB, reserved %.2f GiB "
+                      "by this process).\n",
+                      alloc ? PyLong_AsDouble(alloc) / gib : 0.0,
+                      reserved ? PyLong_AsDouble(reserved) / gib : 0.0);
+    PyErr_Clear();
+    Py_XDECREF(alloc);
+    Py_XDECREF(reserved);
+    Py_XDECREF(cuda);
+}
+
+static void handle_uncaught(PyObject *value)
+{
+    if (!print_report(value))
+        print_summary();
+    oom_relief();
 }
 
 static PyObject *sys_excepthook(PyObject *self, PyObject *args)
@@ -78,10 +431,8 @@ static PyObject *sys_excepthook(PyObject *self, PyObject *args)
     (void)self;
     if (!PyArg_ParseTuple(args, "OOO", &type, &value, &tb))
         return NULL;
-    if (is_oom(type)) {
-        oom_relief();
-        oom_python_report(value);
-    }
+    if (is_oom(type))
+        handle_uncaught(value);
     if (prev_sys_hook != NULL)
         return PyObject_CallObject(prev_sys_hook, args);
     Py_RETURN_NONE;
@@ -96,8 +447,7 @@ static PyObject *thread_excepthook(PyObject *self, PyObject *hook_args)
     else if (is_oom(type)) {
         PyObject *value = PyObject_GetAttrString(hook_args, "exc_value");
         PyErr_Clear();
-        oom_relief();
-        oom_python_report(value ? value : Py_None);
+        handle_uncaught(value ? value : Py_None);
         Py_XDECREF(value);
     }
     Py_XDECREF(type);
@@ -111,22 +461,18 @@ static PyMethodDef sys_hook_def = {"outofcuda_excepthook", sys_excepthook, METH_
 static PyMethodDef thread_hook_def = {"outofcuda_threading_excepthook", thread_excepthook, METH_O,
                                       "outofcuda's OOM handler; chains to the previous hook."};
 
-void oc_oom_install(PyObject *torch)
+/* Chains sys.excepthook and threading.excepthook. Returns 0, or -1 when
+ * sys.excepthook could not be set (recorded). */
+static int install_hooks(void)
 {
     PyObject *threading, *hook;
-    oom_type = oc_getattr_chain(torch, "cuda.OutOfMemoryError");
-    if (oom_type == NULL) {
-        oc_result_set("oom_handler", 0, NULL, "this torch has no torch.cuda.OutOfMemoryError");
-        return;
-    }
     prev_sys_hook = PySys_GetObject("excepthook");
     Py_XINCREF(prev_sys_hook);
     hook = PyCFunction_NewEx(&sys_hook_def, NULL, NULL);
     if (hook == NULL || PySys_SetObject("excepthook", hook) < 0) {
         Py_XDECREF(hook);
         oc_set_error("installing sys.excepthook");
-        oc_result_set("oom_handler", 0, NULL, "sys.excepthook could not be set");
-        return;
+        return -1;
     }
     Py_DECREF(hook);
     /* threading is imported by torch already; this only looks it up. */
@@ -140,15 +486,269 @@ void oc_oom_install(PyObject *torch)
         Py_DECREF(threading);
     }
     PyErr_Clear();
-    {
-        PyObject *v = PyUnicode_FromString("sys.excepthook + threading.excepthook");
-        oc_result_set("oom_handler", 1, v,
-                      "on an uncaught CUDA OOM: empty the cache, collect garbage, print a "
-                      "memory summary, then the usual traceback");
-        Py_XDECREF(v);
+    return 0;
+}
+
+void oc_oom_install(PyObject *torch)
+{
+    const char *observer;
+    PyObject *value;
+    int snapshot;
+    oom_type = oc_getattr_chain(torch, "cuda.OutOfMemoryError");
+    if (oom_type == NULL) {
+        oc_result_set("oom_handler", 0, NULL, "this torch has no torch.cuda.OutOfMemoryError");
+        return;
     }
+    if (install_hooks() < 0) {
+        oc_result_set("oom_handler", 0, NULL, "sys.excepthook could not be set");
+        return;
+    }
+    snapshot = read_snapshot_env();
+    observer = queue_observer(torch);
+    if (snapshot && strncmp(observer, "none", 4) == 0) {
+        char msg[OC_WARN_LEN];
+        snprintf(msg, sizeof msg, "outofcuda: OUTOFCUDA_OOM_SNAPSHOT is set but no snapshot "
+                                  "can be written (%s)", observer + 6);
+        snapshot_path[0] = '\0';
+        oc_warn(msg);
+    }
+    value = Py_BuildValue("{s:s,s:s,s:z}", "hooks", "sys.excepthook + threading.excepthook",
+                          "observer", observer, "snapshot",
+                          snapshot_path[0] ? snapshot_path : NULL);
+    oc_result_set("oom_handler", 1, value,
+                  "on a CUDA OOM: record the figures (observer), print a report and ranked "
+                  "actions before the traceback of an uncaught one, then empty the cache");
+    Py_XDECREF(value);
+    PyErr_Clear();
+}
+
+/* ---- the ranked actions ---- */
+
+#define ADVICE_MAX 12
+#define ADVICE_LEN 320
+
+typedef struct {
+    double score;
+    int order;
+    char text[ADVICE_LEN];
+} advice_item;
+
+/* Figures as oc_oom_advise reads them; 0 means unknown for byte counts. */
+typedef struct {
+    unsigned long long request, total, limit, allocated, reserved, inactive_split;
+    double fraction;      /* 0 when no fraction is set */
+    int expandable;       /* expandable_segments is on */
+    int autocast;         /* 1 on, 0 off, -1 unknown */
+    int exhausted;        /* auto_microbatch already split down to min_size */
+    int n_others;
+    struct {
+        unsigned int pid;
+        char name[64];
+        unsigned long long used;
+    } others[8];
+} oom_figures;
+
+static void fmt_bytes(unsigned long long b, char *buf, size_t sz)
+{
+    double mib = (double)b / (1024.0 * 1024.0);
+    if (mib >= 1024.0)
+        snprintf(buf, sz, "%.2f GiB", mib / 1024.0);
+    else
+        snprintf(buf, sz, "%.0f MiB", mib);
+}
+
+static int by_score(const void *a, const void *b)
+{
+    const advice_item *x = a, *y = b;
+    if (x->score != y->score)
+        return x->score < y->score ? 1 : -1;
+    return x->order - y->order;
+}
+
+/* Fills out[] with the actions that fit f, most useful first (the bytes each
+ * would give back, where known). Returns how many. Pure C. */
+static int oc_oom_advise(const oom_figures *f, advice_item *out, int max)
+{
+    int n = 0;
+    unsigned long long cap = f->limit ? f->limit : f->total;
+    unsigned long long frag = f->reserved > f->allocated ? f->reserved - f->allocated : 0;
+    unsigned long long floor_bytes = f->request > (256ULL << 20) ? f->request : (256ULL << 20);
+    char a[32], b[32];
+#define ADD(score_, ...)                                                                       \
+    do {                                                                                       \
+        if (n < max) {                                                                         \
+            out[n].score = (double)(score_);                                                   \
+            out[n].order = n;                                                                  \
+            snprintf(out[n].text, ADVICE_LEN, __VA_ARGS__);                                    \
+            n++;                                                                               \
+        }                                                                                      \
+    } while (0)
+    for (int i = 0; i < f->n_others; i++) {
+        if (f->others[i].used < floor_bytes)
+            continue;
+        fmt_bytes(f->others[i].used, a, sizeof a);
+        ADD(f->others[i].used,
+            "Another process holds %s on this GPU: pid %u (%s). Stop it, or run on a free GPU "
+            "(CUDA_VISIBLE_DEVICES).",
+            a, f->others[i].pid, f->others[i].name[0] ? f->others[i].name : "name unknown");
+    }
+    if (frag > 0 && frag >= f->request && (frag >= f->reserved / 10 ||
+                                           f->inactive_split >= f->request)) {
+        fmt_bytes(frag, a, sizeof a);
+        if (!f->expandable)
+            ADD(frag,
+                "%s is reserved by PyTorch but not allocated (fragmentation): set "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python.",
+                a);
+        else
+            ADD(frag / 4,
+                "%s is reserved but not allocated even with expandable segments: free large "
+                "tensors you no longer need (del, then torch.cuda.empty_cache() once) before "
+                "the next phase.",
+                a);
+    }
+    if (f->fraction > 0.0 && f->fraction < 1.0 && f->total > 0 &&
+        (double)f->total * (1.0 - f->fraction) >= (double)f->request) {
+        unsigned long long held = (unsigned long long)((double)f->total * (1.0 - f->fraction));
+        fmt_bytes(held, a, sizeof a);
+        ADD(held,
+            "The memory fraction %.2f keeps %s of this GPU away from PyTorch: raise "
+            "OUTOFCUDA_MEMORY_FRACTION (or torch.cuda.set_per_process_memory_fraction).",
+            f->fraction, a);
+    }
+    if (f->exhausted) {
+        ADD(f->allocated ? f->allocated : 1,
+            "Even the smallest micro-batch does not fit: the weights, gradients and optimiser "
+            "state fill the GPU. Recompute activations (torch.utils.checkpoint), use 8-bit or "
+            "sharded optimiser state (FSDP/ZeRO), or a smaller model.");
+    } else {
+        int own = cap == 0 || f->allocated == 0 || f->allocated * 2 >= cap;
+        fmt_bytes(f->allocated, b, sizeof b);
+        ADD(own ? (f->allocated ? f->allocated / 2 : 1) : f->request / 2,
+            "%s%s: train with outofcuda.auto_microbatch(step) (same gradients, smaller "
+            "micro-batches), search an inference batch with outofcuda.find_batch_size, or "
+            "recompute activations with torch.utils.checkpoint.",
+            f->allocated ? "This process's tensors hold " : "Activations grow with the batch",
+            f->allocated ? b : "");
+    }
+    if (f->autocast == 0)
+        ADD(f->allocated ? f->allocated / 3 : 1,
+            "Autocast is off: if the model runs in float32, run its forward pass under "
+            "outofcuda.autocast_context() (torch.autocast) to keep activations in 16 bits.");
+#undef ADD
+    qsort(out, (size_t)n, sizeof *out, by_score);
+    return n;
+}
+
+static unsigned long long kw_bytes(PyObject *kw, const char *key)
+{
+    PyObject *v = kw ? PyDict_GetItemString(kw, key) : NULL;
+    unsigned long long x;
+    if (v == NULL || v == Py_None || !PyLong_Check(v))
+        return 0;
+    x = PyLong_AsUnsignedLongLong(v);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return x;
+}
+
+static int kw_tristate(PyObject *kw, const char *key)
+{
+    PyObject *v = kw ? PyDict_GetItemString(kw, key) : NULL;
+    if (v == NULL || v == Py_None)
+        return -1;
+    return PyObject_IsTrue(v) == 1;
+}
+
+/* _oom_advice(**figures) -> list of str, most useful first. Keys (all
+ * optional; None or missing = unknown): request, total, limit, allocated,
+ * reserved, inactive_split (bytes), fraction (float), expandable, autocast,
+ * exhausted (bool), others (list of (pid, name, bytes)). */
+static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
+{
+    oom_figures f;
+    advice_item items[ADVICE_MAX];
+    PyObject *others, *fr, *list = NULL;
+    int n;
+    (void)self;
+    if (PyTuple_Size(args) != 0) {
+        PyErr_SetString(PyExc_TypeError, "_oom_advice takes keyword arguments only");
+        return NULL;
+    }
+    memset(&f, 0, sizeof f);
+    f.request = kw_bytes(kw, "request");
+    f.total = kw_bytes(kw, "total");
+    f.limit = kw_bytes(kw, "limit");
+    f.allocated = kw_bytes(kw, "allocated");
+    f.reserved = kw_bytes(kw, "reserved");
+    f.inactive_split = kw_bytes(kw, "inactive_split");
+    f.expandable = kw_tristate(kw, "expandable") == 1;
+    f.autocast = kw_tristate(kw, "autocast");
+    f.exhausted = kw_tristate(kw, "exhausted") == 1;
+    fr = kw ? PyDict_GetItemString(kw, "fraction") : NULL;
+    if (fr != NULL && fr != Py_None) {
+        f.fraction = PyFloat_AsDouble(fr);
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    others = kw ? PyDict_GetItemString(kw, "others") : NULL;
+    if (others != NULL && others != Py_None) {
+        Py_ssize_t count = PySequence_Size(others);
+        if (count < 0)
+            return NULL;
+        for (Py_ssize_t i = 0; i < count && f.n_others < 8; i++) {
+            PyObject *item = PySequence_GetItem(others, i);
+            PyObject *t = item ? PySequence_Tuple(item) : NULL;
+            const char *name = "";
+            int ok = t && PyArg_ParseTuple(t, "IzK", &f.others[f.n_others].pid, &name,
+                                           &f.others[f.n_others].used);
+            if (ok)
+                snprintf(f.others[f.n_others].name, sizeof f.others[0].name, "%s",
+                         name ? name : "");
+            Py_XDECREF(t);
+            Py_XDECREF(item);
+            if (!ok)
+                return NULL;
+            f.n_others++;
+        }
+    }
+    n = oc_oom_advise(&f, items, ADVICE_MAX);
+    list = PyList_New(0);
+    for (int i = 0; list != NULL && i < n; i++) {
+        PyObject *s = PyUnicode_FromString(items[i].text);
+        if (s == NULL || PyList_Append(list, s) < 0)
+            Py_CLEAR(list);
+        Py_XDECREF(s);
+    }
+    return list;
+}
+
+/* _oom_observed() -> dict of the last OOM torch's observer reported, or None. */
+static PyObject *py_oom_observed(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    if (seen.seq == 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("{s:k,s:d,s:l,s:K,s:K,s:K,s:O,s:O,s:z,s:z}", "seq", seen.seq, "time",
+                         seen.when, "device", seen.device, "request", seen.request, "limit",
+                         seen.limit, "device_free", seen.device_free, "stats",
+                         seen.stats ? seen.stats : Py_None, "autocast",
+                         seen.autocast < 0 ? Py_None : (seen.autocast ? Py_True : Py_False),
+                         "snapshot", seen.snapshot_written ? snapshot_path : NULL,
+                         "snapshot_error", seen.snapshot_error[0] ? seen.snapshot_error : NULL);
 }
 
 PyMethodDef oc_oom_methods[] = {
+    {"_oom_observed", py_oom_observed, METH_NOARGS,
+     "_oom_observed()\n--\n\nThe figures torch's OOM observer recorded at the last CUDA OOM, or "
+     "None."},
+    {"_oom_advice", (PyCFunction)(void (*)(void))py_oom_advice, METH_VARARGS | METH_KEYWORDS,
+     "_oom_advice(**figures)\n--\n\nRanked actions (list of str) that fit an OOM's figures."},
+    {"_oom_observer", oom_observer, METH_VARARGS,
+     "_oom_observer(device, alloc, device_limit, device_free)\n--\n\nThe callable outofcuda "
+     "attaches with torch._C._cuda_attach_out_of_memory_observer."},
     {NULL, NULL, 0, NULL},
 };

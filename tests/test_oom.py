@@ -1,0 +1,435 @@
+"""Out of memory on CPU with real torch: auto_microbatch, find_batch_size, the
+report and the uncaught-exception hook.
+
+OOMs are provoked by a test-only memory budget (BUDGET below, never in the
+product) that raises the real ``torch.cuda.OutOfMemoryError`` when a forward
+pass sees more samples than it allows. Each scenario runs in a fresh
+interpreter of the built wheel's environment.
+"""
+import json
+import textwrap
+
+BUDGET = '''
+import json, math, sys
+import torch
+import outofcuda
+
+torch.manual_seed(0)
+torch.use_deterministic_algorithms(True)
+
+
+class Budget:
+    """A forward pass that sees more than `limit` samples runs out of memory."""
+
+    def __init__(self, limit):
+        self.limit = limit
+        self.forwards = []
+
+    def check(self, n):
+        self.forwards.append(n)
+        if self.limit is not None and n > self.limit:
+            raise torch.cuda.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {n * 64}.00 MiB. GPU 0 has a total "
+                "capacity of 79.10 GiB of which 12.00 MiB is free.")
+
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 3))
+
+
+def block():
+    return torch.nn.TransformerEncoderLayer(d_model=12, nhead=3, dim_feedforward=24,
+                                            dropout=0.0, batch_first=True)
+
+
+def grads(model):
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def rel_err(a, b):
+    return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
+               for x, y in zip(a, b))
+
+
+def reference(model, loss_fn, batch):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(batch)
+    loss.backward()
+    out = grads(model), loss.detach()
+    model.zero_grad(set_to_none=True)
+    return out
+'''
+
+
+def run(venv, workdir, body, **kw):
+    r = venv.check(BUDGET + textwrap.dedent(body), cwd=workdir, **kw)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_gradients_match_full_batch_for_every_split(venv, workdir):
+    out = run(venv, workdir, """
+    results = {}
+    for name, make in (("mlp", mlp), ("block", block)):
+        model = make()
+        x = torch.randn(16, 5, 12) if name == "block" else torch.randn(16, 12)
+        t = torch.randn(16, 5, 12) if name == "block" else torch.randint(0, 3, (16,))
+        budget = Budget(None)
+
+        def loss_fn(batch):
+            xb, tb = batch
+            budget.check(xb.shape[0])
+            y = model(xb)
+            if name == "block":
+                return torch.nn.functional.mse_loss(y, tb)
+            return torch.nn.functional.cross_entropy(y, tb)
+
+        ref_g, ref_loss = reference(model, loss_fn, (x, t))
+        for limit, pieces in ((8, 2), (4, 4), (2, 8)):
+            budget.limit = limit
+            step = outofcuda.auto_microbatch(loss_fn)
+            model.zero_grad(set_to_none=True)
+            loss = step((x, t))
+            assert step.pieces == pieces, (name, limit, step.pieces)
+            assert not loss.requires_grad
+            results[f"{name}/{pieces}"] = [rel_err(grads(model), ref_g),
+                                           abs(loss.item() - ref_loss.item())]
+            # The split is remembered: the next call does not try the full batch.
+            budget.forwards.clear()
+            model.zero_grad(set_to_none=True)
+            step((x, t))
+            assert max(budget.forwards) <= limit, budget.forwards
+
+    # Uneven last micro-batch (10 samples, budget 4: pieces of 3, 3, 3, 1), a
+    # gradient already accumulated at entry, and an optimiser the wrapper
+    # must leave alone.
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, t = torch.randn(10, 12), torch.randint(0, 3, (10,))
+    budget = Budget(None)
+
+    def loss_fn(batch):
+        budget.check(batch[0].shape[0])
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    loss_fn((x, t)).backward()
+    opt.step()
+    ref_g, _ = reference(model, loss_fn, (x, t))
+    g0 = [torch.randn_like(p) for p in model.parameters()]
+    for p, g in zip(model.parameters(), g0):
+        p.grad = g.clone()
+    ids = [id(p.grad) for p in model.parameters()]
+    before_params = [p.detach().clone() for p in model.parameters()]
+    before_state = {k: {n: v.clone() for n, v in s.items()} for k, s in opt.state.items()}
+    budget.limit = 4
+    budget.forwards.clear()
+    step = outofcuda.auto_microbatch(loss_fn)
+    step((x, t))
+    assert budget.forwards == [10, 5, 3, 3, 3, 1], budget.forwards
+    assert [id(p.grad) for p in model.parameters()] == ids
+    results["uneven+accumulated"] = [rel_err(grads(model), [g + r for g, r in zip(g0, ref_g)]),
+                                     0.0]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before_params))
+    for k, s in opt.state.items():
+        for n, v in s.items():
+            assert torch.equal(v, before_state[k][n]), n
+
+    # dict and tuple batches; values that are not tensors reach every piece.
+    model = mlp()
+    x, t = torch.randn(12, 12), torch.randint(0, 3, (12,))
+    seen = []
+
+    def dict_fn(batch):
+        budget.check(batch["x"].shape[0])
+        seen.append(batch["tag"])
+        return torch.nn.functional.cross_entropy(model(batch["x"]) * batch["scale"],
+                                                 batch["y"])
+
+    budget.limit = None
+    ref_g, _ = reference(model, dict_fn, {"x": x, "y": t, "scale": 2.0, "tag": "d"})
+    budget.limit = 5
+    outofcuda.auto_microbatch(dict_fn)({"x": x, "y": t, "scale": 2.0, "tag": "d"})
+    results["dict"] = [rel_err(grads(model), ref_g), 0.0]
+    assert set(seen) == {"d"} and len(seen) > 3
+
+    def tuple_fn(batch, weight):
+        xs, (ys,), note = batch
+        budget.check(xs.shape[0])
+        assert note == "n"
+        return weight * torch.nn.functional.cross_entropy(model(xs), ys)
+
+    budget.limit = None
+    model.zero_grad(set_to_none=True)
+    tuple_fn((x, (t,), "n"), 3.0).backward()
+    ref_g = grads(model)
+    model.zero_grad(set_to_none=True)
+    budget.limit = 3
+    outofcuda.auto_microbatch(tuple_fn)((x, (t,), "n"), 3.0)
+    results["tuple"] = [rel_err(grads(model), ref_g), 0.0]
+    print(json.dumps(results))
+    """)
+    assert set(out) == {"mlp/2", "mlp/4", "mlp/8", "block/2", "block/4", "block/8",
+                        "uneven+accumulated", "dict", "tuple"}
+    for key, (grad_err, loss_err) in out.items():
+        assert grad_err <= 1e-6, (key, grad_err)
+        assert loss_err <= 1e-6, (key, loss_err)
+
+
+def test_oom_in_backward_of_third_microbatch_and_gradscaler(venv, workdir):
+    out = run(venv, workdir, """
+    model = mlp()
+    x, t = torch.randn(16, 12), torch.randint(0, 3, (16,))
+    budget = Budget(None)
+    state = {"calls": 0, "raised": 0, "grads_when_raised": None}
+
+    def loss_fn(batch):
+        budget.check(batch[0].shape[0])
+        state["calls"] += 1
+        h = model[0](batch[0])
+        if h.requires_grad:
+            def hook(g, call=state["calls"]):
+                # Third micro-batch of the 4-way split: the later layers'
+                # gradients have already been accumulated when this fires.
+                if budget.limit == 4 and call == 4 and not state["raised"]:
+                    state["raised"] += 1
+                    state["grads_when_raised"] = model[4].weight.grad is not None
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate "
+                                                      "2.00 MiB (in backward)")
+                return g
+            h.register_hook(hook)
+        return torch.nn.functional.cross_entropy(model[1:](h), batch[1])
+
+    ref_g, ref_loss = reference(model, loss_fn, (x, t))
+    state["calls"] = 0
+    budget.limit = 4
+    step = outofcuda.auto_microbatch(loss_fn)
+    loss = step((x, t))
+    res = {"raised": state["raised"], "grads_when_raised": state["grads_when_raised"],
+           "pieces": step.pieces, "err": rel_err(grads(model), ref_g),
+           "loss_err": abs(loss.item() - ref_loss.item())}
+
+    # GradScaler: the scaled loss is backpropagated.
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    budget.limit = 8
+    model.zero_grad(set_to_none=True)
+    scaled = outofcuda.auto_microbatch(loss_fn, scaler=scaler)
+    loss = scaled((x, t))
+    res["scaler_err"] = rel_err([g / 1024.0 for g in grads(model)], ref_g)
+    res["scaler_pieces"] = scaled.pieces
+    res["scaler_loss_err"] = abs(loss.item() - ref_loss.item())
+    print(json.dumps(res))
+    """)
+    assert out["raised"] == 1 and out["grads_when_raised"] is True
+    assert out["pieces"] == 8
+    assert out["err"] <= 1e-6 and out["loss_err"] <= 1e-6
+    assert out["scaler_pieces"] == 2
+    assert out["scaler_err"] <= 1e-6 and out["scaler_loss_err"] <= 1e-6
+
+
+def test_errors_pass_through_and_exhaustion_reraises_with_report(venv, workdir):
+    out = run(venv, workdir, """
+    assert outofcuda.last_oom() is None
+    model = mlp()
+    x, t = torch.randn(8, 12), torch.randint(0, 3, (8,))
+    res = {}
+
+    # A non-OOM error (here in the backward of the second micro-batch of a
+    # split) is the same object, raised once, with the gradients as at entry.
+    boom = ValueError("boom")
+    budget = Budget(4)
+    def bad(batch):
+        budget.check(batch[0].shape[0])
+        h = model[0](batch[0])
+        if len(budget.forwards) == 3:
+            h.register_hook(lambda g: (_ for _ in ()).throw(boom))
+        return torch.nn.functional.cross_entropy(model[1:](h), batch[1])
+    try:
+        outofcuda.auto_microbatch(bad)((x, t))
+    except ValueError as e:
+        res["same"] = e is boom
+    res["calls"] = budget.forwards
+    res["grads_none"] = all(p.grad is None for p in model.parameters())
+    res["last_after_non_oom"] = outofcuda.last_oom()
+
+    # min_size exhaustion: 8 -> 4 -> 2, then the original OOM with its report.
+    budget = Budget(0)
+    def loss_fn(batch):
+        budget.check(batch[0].shape[0])
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    try:
+        outofcuda.auto_microbatch(loss_fn, min_size=2)((x, t))
+    except torch.cuda.OutOfMemoryError as e:
+        res["forwards"] = budget.forwards
+        res["message"] = str(e)
+        res["report"] = e.outofcuda_report
+        res["same_as_last"] = e.outofcuda_report is outofcuda.last_oom()
+        res["text"] = outofcuda._oom.format_report(e.outofcuda_report)
+
+    # Bad arguments get clear messages.
+    for call in (lambda: outofcuda.auto_microbatch(3),
+                 lambda: outofcuda.auto_microbatch(loss_fn, min_size=0),
+                 lambda: outofcuda.auto_microbatch(loss_fn, scaler=object()),
+                 lambda: outofcuda.auto_microbatch(loss_fn)("not a batch"),
+                 lambda: outofcuda.auto_microbatch(loss_fn)((x, t[:3]))):
+        try:
+            call()
+        except (TypeError, ValueError) as e:
+            res.setdefault("arg_errors", []).append(str(e))
+    print(json.dumps(res))
+    """)
+    assert out["same"] is True and out["calls"] == [8, 4, 4] and out["grads_none"] is True
+    # The split before the non-OOM error was itself an OOM, and is reported.
+    assert out["last_after_non_oom"]["request_bytes"] == 8 * 64 * 1024 ** 2
+    assert out["forwards"] == [8, 4, 2]
+    assert out["message"].startswith("CUDA out of memory. Tried to allocate 128.00 MiB")
+    rep = out["report"]
+    assert out["same_as_last"] is True
+    assert rep["request_bytes"] == 128 * 1024 ** 2 and rep["device"] == 0
+    assert rep["source"] == "exception"
+    # CPU: no CUDA context and no NVML, so these figures are documented as empty.
+    for key in ("allocated_bytes", "reserved_bytes", "peak_allocated_bytes",
+                "fragmentation_bytes", "total_bytes", "free_bytes"):
+        assert rep[key] is None, key
+    assert rep["other_processes"] == []
+    assert any("CUDA is not initialised" in n for n in rep["notes"])
+    assert any(n.startswith("NVML") for n in rep["notes"])
+    assert rep["autocast"] is False
+    assert rep["advice"][0].startswith("Even the smallest micro-batch does not fit")
+    assert any("autocast" in a for a in rep["advice"])
+    text = out["text"]
+    assert text.startswith("outofcuda: CUDA out of memory on cuda:0\n")
+    assert "  requested          128 MiB\n" in text
+    assert "  this process       allocated unknown" in text
+    assert "    1. Even the smallest micro-batch" in text
+    errors = out["arg_errors"]
+    assert len(errors) == 5
+    assert "fn must be callable" in errors[0] and "min_size must be an int >= 1" in errors[1]
+    assert "GradScaler" in errors[2] and "holds no tensor" in errors[3]
+    assert "disagree on dimension 0 ([3, 8])" in errors[4]
+
+
+def test_find_batch_size(venv, workdir):
+    out = run(venv, workdir, """
+    budget = Budget(37)
+    res = {"halve": outofcuda.find_batch_size(budget.check, 128)}
+    res["halve_calls"] = list(budget.forwards)
+    budget.forwards.clear()
+    res["grow"] = outofcuda.find_batch_size(budget.check, 128, grow=True)
+    res["grow_calls"] = list(budget.forwards)
+    res["fits"] = outofcuda.find_batch_size(budget.check, 20)
+
+    def other(size):
+        if size < 64:
+            raise KeyError("not an OOM")
+        budget.check(size)
+    try:
+        outofcuda.find_batch_size(other, 128)
+    except KeyError as e:
+        res["other"] = str(e)
+    budget.limit = 0
+    try:
+        outofcuda.find_batch_size(budget.check, 16, min_size=4)
+    except torch.cuda.OutOfMemoryError as e:
+        res["exhausted"] = e.outofcuda_report["advice"][0]
+    for bad in (dict(fn=1, start=8), dict(fn=budget.check, start=0),
+                dict(fn=budget.check, start=8, min_size=16)):
+        try:
+            outofcuda.find_batch_size(**bad)
+        except (TypeError, ValueError) as e:
+            res.setdefault("arg_errors", []).append(str(e))
+    print(json.dumps(res))
+    """)
+    assert out["halve"] == 32 and out["halve_calls"] == [128, 64, 32]
+    assert out["grow"] == 37
+    assert out["grow_calls"] == [128, 64, 32, 48, 40, 36, 38, 37]
+    assert out["fits"] == 20
+    assert out["other"] == "'not an OOM'"
+    assert out["exhausted"].startswith("Even the smallest")
+    assert len(out["arg_errors"]) == 3
+
+
+def test_report_from_observer_and_ranked_advice(venv, workdir):
+    """The observer's recording path (called here as torch would call it) and
+    the C ranking of actions from GPU-like figures."""
+    out = run(venv, workdir, """
+    import _outofcuda as core
+    gib = 1024 ** 3
+    res = {"before": outofcuda.last_oom()}
+    # What torch's allocator passes: device, request, limit-or-total, free.
+    core._oom_observer(0, 2 * gib, 80 * gib, gib // 2)
+    rep = outofcuda.last_oom()
+    res["observer"] = {k: rep[k] for k in ("source", "device", "request_bytes", "free_bytes",
+                                            "message")}
+    res["same"] = outofcuda.last_oom() is rep
+    res["frag"] = core._oom_advice(request=gib, total=80 * gib, allocated=40 * gib,
+                                   reserved=60 * gib, inactive_split=5 * gib, expandable=False,
+                                   autocast=True, others=[(4242, "python", 30 * gib)])
+    res["fraction"] = core._oom_advice(request=gib, total=80 * gib, allocated=70 * gib,
+                                       reserved=70 * gib, fraction=0.5, autocast=None)
+    res["small_other"] = core._oom_advice(request=gib, total=80 * gib, allocated=70 * gib,
+                                          reserved=71 * gib, others=[(7, "x", 100 * 2 ** 20)])
+    try:
+        core._oom_advice(others=[("pid", "name", 1)])
+    except TypeError as e:
+        res["bad"] = str(e)
+    print(json.dumps(res))
+    """)
+    assert out["before"] is None
+    assert out["observer"] == {"source": "observer", "device": 0, "request_bytes": 2 * 1024 ** 3,
+                               "free_bytes": 1024 ** 3 // 2, "message": None}
+    assert out["same"] is True
+    frag = out["frag"]
+    assert frag[0].startswith("Another process holds 30.00 GiB on this GPU: pid 4242 (python)")
+    assert frag[1].startswith("20.00 GiB is reserved by PyTorch but not allocated")
+    assert "expandable_segments:True" in frag[1]
+    assert not any("Autocast is off" in a for a in frag)
+    fraction = out["fraction"]
+    assert fraction[0].startswith("The memory fraction 0.50 keeps 40.00 GiB")
+    assert "auto_microbatch" in fraction[1]
+    assert not any("Another process" in a for a in out["small_other"])
+    assert "bad" in out
+
+
+def test_uncaught_oom_prints_report_then_chains(venv, workdir):
+    r = venv.run("""
+        import sys, threading
+        def earlier(t, v, tb):
+            sys.stderr.write("EARLIER HOOK " + t.__name__ + "\\n")
+        sys.excepthook = earlier
+        import torch
+        assert "outofcuda._oom" not in sys.modules
+
+        def worker():
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB. "
+                                              "GPU 0 has a total capacity of 10.00 GiB")
+        th = threading.Thread(target=worker)
+        th.start(); th.join()
+        sys.stderr.write("THREAD DONE\\n")
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB. "
+                                          "GPU 0 has a total capacity of 10.00 GiB")
+    """, cwd=workdir)
+    err = r.stderr
+    assert r.returncode == 1, err
+    thread_report = err.index("outofcuda: CUDA out of memory on cuda:0")
+    assert "  requested          512 MiB" in err
+    assert thread_report < err.index("Exception in thread") < err.index("THREAD DONE")
+    main = err.index("outofcuda: CUDA out of memory on cuda:0", err.index("THREAD DONE"))
+    assert "  requested          3.00 GiB" in err[main:]
+    assert main < err.index("EARLIER HOOK OutOfMemoryError")
+    assert "what to try, most useful first:" in err[main:]
+
+
+def test_snapshot_variable_is_checked(venv, workdir):
+    (workdir / "adir").mkdir()
+    cases = {"/nonexistent-dir/x.pickle": "does not exist", str(workdir / "adir"): "not a directory",
+             str(workdir) + "/": "must name a file",
+             "snap.pickle": "no snapshot can be written (this torch build has no CUDA OOM observer)"}
+    for value, words in cases.items():
+        r = venv.check("""
+            import json, torch, _outofcuda
+            print(json.dumps(_outofcuda.status()["optimizations"]["oom_handler"]))
+        """, env={"OUTOFCUDA_OOM_SNAPSHOT": value}, cwd=workdir)
+        assert "OUTOFCUDA_OOM_SNAPSHOT" in r.stderr and words in r.stderr, (value, r.stderr)
+        entry = json.loads(r.stdout)
+        assert entry["applied"] is True and entry["value"]["snapshot"] is None
+        assert entry["value"]["observer"].startswith("none: this torch build has no CUDA")
