@@ -1,0 +1,257 @@
+"""The power-user API on real torch (CPU): autocast, compile_model,
+smart_dataloader, memory_report, clear_cache, CudaOptimizer. Each scenario
+runs in a fresh interpreter from the built wheel."""
+import json
+import shutil
+
+import pytest
+
+
+def _json(r):
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_import_is_cheap_and_memory_report_never_initialises_cuda(venv, workdir):
+    r = venv.check("""
+        import json, sys
+        import outofcuda
+        from outofcuda import memory_report, clear_cache
+        before = "torch" in sys.modules
+        rep = memory_report()
+        released = clear_cache()
+        after_api = "torch" in sys.modules
+        import torch
+        rep2 = outofcuda.memory_report()
+        print(json.dumps([before, after_api, rep, rep2, released,
+                          torch.cuda.is_initialized(), torch.cuda.memory_stats()]))
+    """, cwd=workdir)
+    torch_before, torch_after_api, rep, rep2, released, initialised, stats = _json(r)
+    assert torch_before is False and torch_after_api is False
+    assert rep == {} and rep2 == {}
+    assert released == 0
+    assert initialised is False and stats == {}
+
+
+def test_autocast_context_uses_bfloat16_on_cpu(venv, workdir):
+    r = venv.check("""
+        import json, torch, outofcuda
+        lin = torch.nn.Linear(8, 8)
+        x = torch.randn(4, 8)
+        with outofcuda.autocast_context() as ctx:
+            default = lin(x).dtype
+        with outofcuda.autocast_context("cpu", dtype="fp16"):
+            explicit = lin(x).dtype
+        with outofcuda.autocast_context("cpu", enabled=False):
+            off = lin(x).dtype
+        errors = []
+        for kw in ({"device_type": 3}, {"dtype": "int7"}, {"enabled": "yes"}):
+            try:
+                outofcuda.autocast_context(**kw)
+            except TypeError as e:
+                errors.append(str(e))
+        print(json.dumps([str(default), str(explicit), str(off), type(ctx).__name__, errors]))
+    """, cwd=workdir)
+    default, explicit, off, ctx, errors = _json(r)
+    assert default == "torch.bfloat16"
+    assert explicit == "torch.float16"
+    assert off == "torch.float32"
+    assert ctx == "autocast"
+    assert len(errors) == 3
+    assert "device_type" in errors[0] and "dtype" in errors[1] and "enabled" in errors[2]
+
+
+def test_autocast_dtype_follows_environment(venv, workdir):
+    r = venv.check("""
+        import torch, outofcuda
+        with outofcuda.autocast_context():
+            print(torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype)
+    """, cwd=workdir, env={"OUTOFCUDA_AMP_DTYPE": "float16"})
+    assert r.stdout.strip() == "torch.float16"
+
+
+MODELS = """
+    import json, torch, warnings, outofcuda
+    torch.manual_seed(0)
+    cl, cl3 = torch.channels_last, torch.channels_last_3d
+    def check(model, x):
+        ref = model(x)
+        out_model = outofcuda.compile_model(model)
+        out = out_model(x)
+        return out_model, bool(torch.allclose(out, ref, atol=1e-6))
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1))
+    conv, eq2 = check(conv, torch.randn(2, 3, 12, 12))
+    c3 = torch.nn.Sequential(torch.nn.Conv3d(2, 4, 3), torch.nn.ReLU())
+    c3, eq3 = check(c3, torch.randn(1, 2, 6, 6, 6))
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Conv2d(2, 2, 1)
+            self.b = torch.nn.Conv3d(2, 2, 1)
+        def forward(self, x):
+            return self.b(self.a(x[:, :, 0]).unsqueeze(2).expand_as(x))
+    mixed, eqm = check(Mixed(), torch.randn(1, 2, 3, 4, 4))
+    try:
+        outofcuda.compile_model("not a model")
+        err = None
+    except TypeError as e:
+        err = str(e)
+    print(json.dumps({
+        "conv": conv[0].weight.is_contiguous(memory_format=cl), "eq2": eq2,
+        "c3": c3[0].weight.is_contiguous(memory_format=cl3), "eq3": eq3,
+        "mixed": [mixed.a.weight.is_contiguous(memory_format=cl),
+                  mixed.b.weight.is_contiguous(memory_format=cl3)], "eqm": eqm,
+        "err": err}))
+"""
+
+
+def test_compile_model_channels_last_and_conv3d(venv, workdir):
+    res = _json(venv.check(MODELS, cwd=workdir))
+    assert res["conv"] is True and res["eq2"] is True
+    assert res["c3"] is True and res["eq3"] is True
+    assert res["mixed"] == [True, True] and res["eqm"] is True
+    assert "torch.nn.Module" in res["err"]
+
+
+def test_compile_model_respects_channels_last_off(venv, workdir):
+    res = _json(venv.check(MODELS, cwd=workdir, env={"OUTOFCUDA_CHANNELS_LAST": "0"}))
+    # A 3x3 conv weight in the default layout is not channels-last contiguous.
+    assert res["conv"] is False and res["eq2"] is True
+    assert res["c3"] is False and res["eq3"] is True
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs g++")
+def test_compile_model_really_compiles_with_outofcuda_compile(venv, workdir):
+    r = venv.check("""
+        import json, torch, outofcuda
+        from torch._dynamo.utils import counters
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+        x = torch.randn(4, 8)
+        ref = model(x)
+        compiled = outofcuda.compile_model(model)
+        out = compiled(x)
+        print(json.dumps([type(compiled).__name__, counters["frames"]["ok"],
+                          counters["stats"]["unique_graphs"], bool(torch.equal(out, ref)),
+                          float((out - ref).abs().max())]))
+    """, cwd=workdir, timeout=600,
+        env={"OUTOFCUDA_COMPILE": "1", "OUTOFCUDA_COMPILE_MODE": "default",
+             "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor")})
+    name, frames_ok, graphs, equal, diff = _json(r)
+    assert name == "OptimizedModule"
+    assert frames_ok >= 1 and graphs >= 1
+    assert diff <= 1e-6, (equal, diff)
+    assert any((workdir / "inductor").rglob("*.so")), "inductor built no kernel"
+
+
+def test_compile_model_warns_once_and_runs_when_compiling_is_impossible(venv, workdir):
+    # No compiler on PATH: inductor could not build its CPU kernels.
+    empty = workdir / "bin"
+    empty.mkdir()
+    r = venv.check("""
+        import json, torch, warnings, outofcuda
+        model = torch.nn.Linear(4, 2)
+        x = torch.randn(3, 4)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            out = outofcuda.compile_model(model)
+        print(json.dumps([type(out).__name__, [str(i.message) for i in w],
+                          bool(torch.equal(out(x), model(x)))]))
+    """, cwd=workdir, env={"OUTOFCUDA_COMPILE": "1", "PATH": str(empty), "CXX": None})
+    name, messages, equal = _json(r)
+    assert name == "Linear" and equal is True
+    assert len(messages) == 1
+    assert "OUTOFCUDA_COMPILE=1" in messages[0] and "C++ compiler" in messages[0]
+
+
+def test_smart_dataloader_iterates_with_0_and_2_workers_and_caller_wins(venv, workdir):
+    r = venv.check("""
+        import json, torch, outofcuda
+        ds = torch.utils.data.TensorDataset(torch.arange(20.0))
+        def run(**kw):
+            dl = outofcuda.smart_dataloader(ds, batch_size=5, **kw)
+            got = sorted(v for b in dl for v in b[0].tolist())
+            return {"workers": dl.num_workers, "prefetch": dl.prefetch_factor,
+                    "persistent": dl.persistent_workers, "pin": dl.pin_memory,
+                    "ok": got == [float(i) for i in range(20)], "batch": dl.batch_size}
+        res = {"default": run(), "zero": run(num_workers=0), "two": run(num_workers=2),
+               "override": run(num_workers=1, prefetch_factor=5, persistent_workers=False,
+                               pin_memory=False)}
+        errs = []
+        for bad in ({"num_workers": -1}, {"num_workers": 1.5}):
+            try:
+                outofcuda.smart_dataloader(ds, **bad)
+            except ValueError as e:
+                errs.append(str(e))
+        try:
+            outofcuda.smart_dataloader(None)
+        except TypeError as e:
+            errs.append(str(e))
+        res["errs"] = errs
+        print(json.dumps(res))
+    """, cwd=workdir, env={"OUTOFCUDA_NUM_WORKERS": "64", "OUTOFCUDA_PREFETCH_FACTOR": "3"})
+    res = _json(r)
+    import os
+    cpus = len(os.sched_getaffinity(0))
+    assert res["default"] == {"workers": min(64, cpus), "prefetch": 3, "persistent": True,
+                              "pin": False, "ok": True, "batch": 5}
+    assert res["zero"] == {"workers": 0, "prefetch": None, "persistent": False, "pin": False,
+                           "ok": True, "batch": 5}
+    assert res["two"]["workers"] == 2 and res["two"]["prefetch"] == 3 and res["two"]["ok"]
+    assert res["override"] == {"workers": 1, "prefetch": 5, "persistent": False, "pin": False,
+                               "ok": True, "batch": 5}
+    assert len(res["errs"]) == 3 and "num_workers" in res["errs"][0]
+    # torch's "suggested max number of worker" warning must not appear.
+    assert "suggested max" not in r.stderr
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset")
+def test_worker_count_is_capped_by_cpu_affinity(venv, workdir):
+    code = ("import _outofcuda, json; "
+            "print(json.dumps(_outofcuda._api_loader_plan(False)))")
+    r = venv.run(None, args=("-c", code), cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    import subprocess
+    from conftest import _clean_env
+    one = subprocess.run(["taskset", "-c", "0", str(venv.python), "-c", code],
+                         capture_output=True, text=True, env=_clean_env(), cwd=workdir)
+    assert one.returncode == 0, one.stderr
+    plan = json.loads(one.stdout)
+    assert plan["cpus"] == 1 and plan["num_workers"] == 1
+    assert plan["persistent_workers"] is True and plan["pin_memory"] is False
+
+
+def test_small_shared_memory_warns_once(venv, workdir):
+    r = venv.check("""
+        import json, _outofcuda
+        big = 1 << 50   # more than any /dev/shm: "too small"
+        first = _outofcuda._api_loader_plan(False, 2, "/dev/shm", big)["shm_warning"]
+        second = _outofcuda._api_loader_plan(False, 2, "/dev/shm", big)["shm_warning"]
+        print(json.dumps([first, second]))
+    """, cwd=workdir)
+    first, second = _json(r)
+    assert "/dev/shm holds only" in first and "--shm-size" in first
+    assert second == ""
+    r = venv.check("""
+        import json, _outofcuda
+        none = _outofcuda._api_loader_plan(False, 0, "/dev/shm", 1 << 50)["shm_warning"]
+        missing = _outofcuda._api_loader_plan(False, 2, "/no/such/shm")["shm_warning"]
+        print(json.dumps([none, missing]))
+    """, cwd=workdir)
+    none, missing = _json(r)
+    assert none == ""        # no workers, no shared memory needed
+    assert "/no/such/shm is missing" in missing
+
+
+def test_cuda_optimizer_delegates(venv, workdir):
+    r = venv.check("""
+        import json, torch, outofcuda
+        opt = outofcuda.CudaOptimizer()
+        model = opt.prepare(torch.nn.Conv2d(3, 4, 3))
+        loader = opt.dataloader(torch.utils.data.TensorDataset(torch.randn(4, 3, 8, 8)),
+                                batch_size=2, num_workers=0)
+        with opt.autocast():
+            y = model(next(iter(loader))[0])
+        print(json.dumps([model.weight.is_contiguous(memory_format=torch.channels_last),
+                          str(y.dtype), opt.clear(), opt.report(), repr(opt)]))
+    """, cwd=workdir)
+    assert _json(r) == [True, "torch.bfloat16", 0, {}, "CudaOptimizer()"]
