@@ -255,3 +255,14 @@ def test_cuda_optimizer_delegates(venv, workdir):
                           str(y.dtype), opt.clear(), opt.report(), repr(opt)]))
     """, cwd=workdir)
     assert _json(r) == [True, "torch.bfloat16", 0, {}, "CudaOptimizer()"]
+
+
+def test_type_stubs_ship_and_cover_the_public_api(venv, workdir):
+    r = venv.check("""
+        import ast, json, pathlib, outofcuda
+        pkg = pathlib.Path(outofcuda.__file__).parent
+        tree = ast.parse((pkg / "__init__.pyi").read_text())
+        names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        print(json.dumps([sorted(set(outofcuda.__all__) - names), (pkg / "py.typed").exists()]))
+    """, cwd=workdir)
+    assert _json(r) == [[], True]

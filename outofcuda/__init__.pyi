@@ -1,0 +1,108 @@
+# Type stubs for outofcuda's public API (the runtime loads these names lazily).
+from os import PathLike
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    List,
+    Literal,
+    NamedTuple,
+    Optional,
+    TypeVar,
+    Union,
+    overload,
+)
+
+import torch
+from torch.utils.data import DataLoader
+
+__version__: str
+__all__: List[str]
+
+_M = TypeVar("_M", bound=torch.nn.Module)
+_F = TypeVar("_F", bound=Callable[..., Any])
+_DType = Union[torch.dtype, Literal["bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32"]]
+_Device = Union[int, str, torch.device, None]
+
+def status() -> Dict[str, Any]: ...
+def config() -> Dict[str, Any]: ...
+
+# -- API (outofcuda.api) --
+def autocast_context(
+    device_type: Optional[str] = None,
+    dtype: Optional[_DType] = None,
+    enabled: bool = True,
+) -> torch.autocast: ...
+def compile_model(model: _M) -> _M: ...
+def smart_dataloader(dataset: Any, **kwargs: Any) -> DataLoader[Any]: ...
+def memory_report() -> Dict[str, Dict[str, Any]]: ...
+def clear_cache() -> int: ...
+
+class CudaOptimizer:
+    def prepare(self, model: _M) -> _M: ...
+    def dataloader(self, dataset: Any, **kwargs: Any) -> DataLoader[Any]: ...
+    def autocast(
+        self,
+        device_type: Optional[str] = None,
+        dtype: Optional[_DType] = None,
+        enabled: bool = True,
+    ) -> torch.autocast: ...
+    def clear(self) -> int: ...
+    def report(self) -> Dict[str, Dict[str, Any]]: ...
+
+# -- watchdog (outofcuda.monitor) --
+class Sample(NamedTuple):
+    time: float
+    used: int
+    total: int
+    process: Optional[int]
+    reserved: Optional[int]
+    allocated: Optional[int]
+
+class MemoryMonitor(ContextManager["MemoryMonitor"]):
+    threshold: float
+    interval: float
+    cooldown: float
+    capacity: int
+    device: int
+    on_high: Optional[Callable[[Dict[str, Any]], Any]]
+    allocator_stats: bool
+    def __init__(
+        self,
+        threshold: float = 0.85,
+        interval: float = 2.0,
+        device: _Device = None,
+        on_high: Optional[Callable[[Dict[str, Any]], Any]] = None,
+        *,
+        cooldown: float = 30.0,
+        capacity: int = 10000,
+        allocator_stats: bool = False,
+    ) -> None: ...
+    def start(self) -> "MemoryMonitor": ...
+    def stop(self) -> None: ...
+    def __enter__(self) -> "MemoryMonitor": ...
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]: ...
+    @property
+    def running(self) -> bool: ...
+    @property
+    def reason(self) -> Optional[str]: ...
+    def samples(self) -> List[Sample]: ...
+    @property
+    def events(self) -> List[Dict[str, Any]]: ...
+    def to_csv(self, path: Union[str, "PathLike[str]"]) -> int: ...
+    def plot(self, path: Union[str, "PathLike[str]"]) -> Union[str, "PathLike[str]"]: ...
+
+# -- out-of-memory help (outofcuda._oom) --
+def last_oom() -> Optional[Dict[str, Any]]: ...
+@overload
+def auto_microbatch(
+    fn: _F, *, scaler: Any = None, min_size: int = 1, retry_after: int = 100
+) -> _F: ...
+@overload
+def auto_microbatch(
+    fn: None = None, *, scaler: Any = None, min_size: int = 1, retry_after: int = 100
+) -> Callable[[_F], _F]: ...
+def find_batch_size(
+    fn: Callable[[int], Any], start: int, *, min_size: int = 1, grow: bool = False
+) -> int: ...
