@@ -1,0 +1,184 @@
+"""Leak tests: every public function of the extension and of the package, and
+the hook's install path, called 10 000 times in one fresh interpreter with
+torch imported. Per function: growth of gc-tracked objects, of pymalloc
+blocks (sys.getallocatedblocks) and of RSS stays under a small bound, and the
+reference counts of returned objects and of arguments are stable. A second
+copy of the extension loads under another sys.modules key (multi-phase init).
+
+OUTOFCUDA_GC_COLLECT=0 in the child: otherwise clear_cache() runs a full
+gc.collect() per call (10 000 of them with torch loaded take minutes)."""
+import json
+
+import pytest
+
+CALLS = 10_000
+# Bounds per function over 10 000 calls (a leak of one object per call shows
+# as 10 000; these leave room for caches that fill once and for allocator noise).
+MAX_GC_OBJECTS = 20
+MAX_BLOCKS = 200
+MAX_RSS_BYTES = 1 << 20
+
+CHILD = r"""
+import gc, json, os, sys, tempfile, warnings
+warnings.simplefilter("ignore")          # the no-GPU RuntimeWarning of MemoryMonitor, once
+import torch, _outofcuda, outofcuda
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+src = tempfile.NamedTemporaryFile("w", suffix=".mem", delete=False)
+src.write("100 1000 10\n"); src.close()
+
+def monitor_cycle():
+    h = _outofcuda._monitor_start(0, 0.85, 1.0, 30.0, None, 16, False, src.name)
+    _outofcuda._monitor_info(h); _outofcuda._monitor_samples(h); _outofcuda._monitor_events(h)
+    _outofcuda._monitor_stop(h)
+
+def autocast_cycle():
+    with outofcuda.autocast_context("cpu"):
+        pass
+
+def error(fn, *a, **k):
+    try:
+        fn(*a, **k)
+    except (TypeError, ValueError):
+        return
+    raise AssertionError(f"{fn} accepted {a} {k}")
+
+env = {"OUTOFCUDA_TF32": "0", "OUTOFCUDA_NUM_WORKERS": "bad", "OUTOFCUDA_ALLOC_CONF": "a:["}
+cases = {
+    "_outofcuda.install": _outofcuda.install,
+    "_outofcuda.status": _outofcuda.status,
+    "_outofcuda.config": _outofcuda.config,
+    "_outofcuda._parse_config": lambda: _outofcuda._parse_config(env),
+    "_outofcuda._parse_config(error)": lambda: error(_outofcuda._parse_config, [1]),
+    "_outofcuda._merge_alloc_conf": lambda: _outofcuda._merge_alloc_conf(
+        "max_split_size_mb:128,expandable_segments:True", "backend:native", "2.13.0"),
+    "_outofcuda._merge_alloc_conf(error)": lambda: error(_outofcuda._merge_alloc_conf, "a:[", "b"),
+    "_outofcuda.nvml_devices": _outofcuda.nvml_devices,
+    "_outofcuda.nvml_processes": lambda: _outofcuda.nvml_processes(0),
+    "_outofcuda._api_autocast_dtype": lambda: _outofcuda._api_autocast_dtype("cuda"),
+    "_outofcuda._api_loader_plan": lambda: _outofcuda._api_loader_plan(False, num_workers=2),
+    "_outofcuda._api_memory_format": lambda: _outofcuda._api_memory_format(True, False),
+    "_outofcuda._api_memory_report": _outofcuda._api_memory_report,
+    "_outofcuda._api_clear_cache": _outofcuda._api_clear_cache,
+    "_outofcuda._oom_observed": _outofcuda._oom_observed,
+    "_outofcuda._oom_observer": lambda: _outofcuda._oom_observer(0, 1 << 30, 8 << 30, 1 << 20),
+    "_outofcuda._monitor_start..stop": monitor_cycle,
+    "_outofcuda._monitor_stop_all": _outofcuda._monitor_stop_all,
+    "outofcuda.status": outofcuda.status,
+    "outofcuda.config": outofcuda.config,
+    "outofcuda.memory_report": outofcuda.memory_report,
+    "outofcuda.clear_cache": outofcuda.clear_cache,
+    "outofcuda.last_oom": outofcuda.last_oom,
+    "outofcuda.autocast_context": autocast_cycle,
+}
+meta_len = len(sys.meta_path)
+out = {}
+for name, fn in cases.items():
+    for _ in range(200):                  # warm caches and lazy imports
+        fn()
+    gc.collect()
+    o0, b0, r0 = len(gc.get_objects()), sys.getallocatedblocks(), rss()
+    for _ in range(CALLS):
+        fn()
+    gc.collect()
+    o1, b1, r1 = len(gc.get_objects()), sys.getallocatedblocks(), rss()
+    res = fn()
+    rc_before = sys.getrefcount(res) if res is not None else None
+    for _ in range(1000):
+        fn()
+    rc_after = sys.getrefcount(res) if res is not None else None
+    out[name] = {"objects": o1 - o0, "blocks": b1 - b0, "rss": r1 - r0,
+                 "refcount": [rc_before, rc_after]}
+out["_env_refcount"] = sys.getrefcount(env)
+out["_meta_path_growth"] = len(sys.meta_path) - meta_len
+os.unlink(src.name)
+print(json.dumps(out))
+""".replace("CALLS", str(CALLS))
+
+
+@pytest.fixture(scope="module")
+def leak_figures(venv, tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("leaks")
+    r = venv.run(CHILD, env={"OUTOFCUDA_GC_COLLECT": "0"}, cwd=cwd, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+CASES = [
+    "_outofcuda.install", "_outofcuda.status", "_outofcuda.config", "_outofcuda._parse_config",
+    "_outofcuda._parse_config(error)", "_outofcuda._merge_alloc_conf",
+    "_outofcuda._merge_alloc_conf(error)", "_outofcuda.nvml_devices", "_outofcuda.nvml_processes",
+    "_outofcuda._api_autocast_dtype", "_outofcuda._api_loader_plan",
+    "_outofcuda._api_memory_format", "_outofcuda._api_memory_report",
+    "_outofcuda._api_clear_cache", "_outofcuda._oom_observed", "_outofcuda._oom_observer",
+    "_outofcuda._monitor_start..stop", "_outofcuda._monitor_stop_all", "outofcuda.status",
+    "outofcuda.config", "outofcuda.memory_report", "outofcuda.clear_cache", "outofcuda.last_oom",
+    "outofcuda.autocast_context",
+]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_no_growth_over_10000_calls(leak_figures, name):
+    f = leak_figures[name]
+    print(name, f)
+    assert f["objects"] <= MAX_GC_OBJECTS, f"{name}: {f['objects']} more gc objects"
+    assert f["blocks"] <= MAX_BLOCKS, f"{name}: {f['blocks']} more pymalloc blocks"
+    assert f["rss"] <= MAX_RSS_BYTES, f"{name}: RSS grew by {f['rss']} bytes"
+    before, after = f["refcount"]
+    assert before == after, f"{name}: the returned object's refcount went {before} -> {after}"
+
+
+def test_arguments_and_meta_path_stable(leak_figures):
+    # env dict: the module global, getrefcount's argument; nothing else keeps it.
+    assert leak_figures["_env_refcount"] <= 3
+    assert leak_figures["_meta_path_growth"] == 0
+
+
+def test_every_public_function_is_covered(venv):
+    """A function added to the extension without a leak case fails here."""
+    r = venv.check("import json, _outofcuda; print(json.dumps(sorted("
+                   "n for n in dir(_outofcuda) if callable(getattr(_outofcuda, n)))))")
+    names = json.loads(r.stdout)
+    covered = {c.split("(")[0].split("..")[0].removeprefix("_outofcuda.") for c in CASES}
+    covered |= {"_monitor_stop", "_monitor_info", "_monitor_samples", "_monitor_events",
+                "_oom_advice"}
+    missing = [n for n in names if n not in covered]
+    assert not missing, f"no leak case for {missing}"
+
+
+def test_reimport_as_second_module(venv):
+    """Multi-phase init: the extension executes again into a fresh module
+    object (under another sys.modules key, and after removal from
+    sys.modules); both copies work and share the process-wide hook state."""
+    venv.check("""
+        import sys, importlib, importlib.util, torch
+        import _outofcuda as first
+        spec = importlib.util.find_spec("_outofcuda")
+        second = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(second)
+        sys.modules["_outofcuda_copy"] = second
+        assert second is not first and second.status is not first.status
+        assert second.status()["hook"] == first.status()["hook"]
+        assert second.status()["hook"]["fired"] is True
+        before = len(sys.meta_path)
+        second.install()                       # idempotent across copies
+        assert len(sys.meta_path) == before
+        del sys.modules["_outofcuda"]
+        third = importlib.import_module("_outofcuda")
+        assert third is not first and third.config() == first.config()
+        import gc, weakref
+        refs = []
+        for _ in range(1000):                  # module objects are freed, not leaked
+            m = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(m)
+            refs.append(weakref.ref(m))
+        del m
+        gc.collect()
+        alive = sum(r() is not None for r in refs)
+        assert alive == 0, f"{alive} of 1000 extension module copies still alive"
+        import outofcuda
+        assert outofcuda.status()["hook"]["installed"] is True
+    """)
