@@ -30,12 +30,12 @@ class editable_wheel_with_hook(editable_wheel):
     `pip install -e .` would silently install no hook at all."""
 
     def _create_wheel_file(self, bdist_wheel):
-        wheel_path = super()._create_wheel_file(bdist_wheel)
+        wheel_path = str(super()._create_wheel_file(bdist_wheel))
         import zipfile
         import hashlib
         import base64
 
-        with zipfile.ZipFile(wheel_path, "a") as zf:
+        with zipfile.ZipFile(wheel_path) as zf:
             record_name = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
             record = zf.read(record_name).decode()
         # A zip cannot replace a member in place: rebuild it with the hook
