@@ -197,8 +197,9 @@ static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
         Py_RETURN_NONE;
     if (snapshot_path[0] && start_history(torch) < 0) {
         char msg[400];
-        take_error(msg, sizeof msg, "OUTOFCUDA_OOM_SNAPSHOT: recording the allocator history "
-                                    "failed; no snapshot will be written");
+        take_error(msg, sizeof msg,
+                   "OUTOFCUDA_OOM_SNAPSHOT: recording the allocator history "
+                   "failed; no snapshot will be written");
         snapshot_path[0] = '\0';
         oc_warn(msg);
     }
@@ -236,7 +237,8 @@ static int read_snapshot_env(void)
         strcmp(base, "..") == 0) {
         snprintf(msg, sizeof msg,
                  "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: it must name a file to "
-                 "write (for example /tmp/oom.pickle)", v);
+                 "write (for example /tmp/oom.pickle)",
+                 v);
         oc_warn(msg);
         return 0;
     }
@@ -250,7 +252,8 @@ static int read_snapshot_env(void)
     if (realpath(dir, real) == NULL || stat(real, &st) != 0 || !S_ISDIR(st.st_mode)) {
         snprintf(msg, sizeof msg,
                  "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: its directory %.200s does "
-                 "not exist", v, dir);
+                 "not exist",
+                 v, dir);
         oc_warn(msg);
         return 0;
     }
@@ -259,7 +262,8 @@ static int read_snapshot_env(void)
         (stat(snapshot_path, &st) == 0 && S_ISDIR(st.st_mode))) {
         snprintf(msg, sizeof msg,
                  "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: it must name a file, not a "
-                 "directory", v);
+                 "directory",
+                 v);
         snapshot_path[0] = '\0';
         oc_warn(msg);
         return 0;
@@ -507,14 +511,16 @@ void oc_oom_install(PyObject *torch)
     observer = queue_observer(torch);
     if (snapshot && strncmp(observer, "none", 4) == 0) {
         char msg[OC_WARN_LEN];
-        snprintf(msg, sizeof msg, "outofcuda: OUTOFCUDA_OOM_SNAPSHOT is set but no snapshot "
-                                  "can be written (%s)", observer + 6);
+        snprintf(msg, sizeof msg,
+                 "outofcuda: OUTOFCUDA_OOM_SNAPSHOT is set but no snapshot "
+                 "can be written (%s)",
+                 observer + 6);
         snapshot_path[0] = '\0';
         oc_warn(msg);
     }
-    value = Py_BuildValue("{s:s,s:s,s:z}", "hooks", "sys.excepthook + threading.excepthook",
-                          "observer", observer, "snapshot",
-                          snapshot_path[0] ? snapshot_path : NULL);
+    value =
+        Py_BuildValue("{s:s,s:s,s:z}", "hooks", "sys.excepthook + threading.excepthook", "observer",
+                      observer, "snapshot", snapshot_path[0] ? snapshot_path : NULL);
     oc_result_set("oom_handler", 1, value,
                   "on a CUDA OOM: record the figures (observer), print a report and ranked "
                   "actions before the traceback of an uncaught one, then empty the cache");
@@ -536,10 +542,10 @@ typedef struct {
 /* Figures as oc_oom_advise reads them; 0 means unknown for byte counts. */
 typedef struct {
     unsigned long long request, total, limit, allocated, reserved, inactive_split;
-    double fraction;      /* 0 when no fraction is set */
-    int expandable;       /* expandable_segments is on */
-    int autocast;         /* 1 on, 0 off, -1 unknown */
-    int exhausted;        /* auto_microbatch already split down to min_size */
+    double fraction; /* 0 when no fraction is set */
+    int expandable;  /* expandable_segments is on */
+    int autocast;    /* 1 on, 0 off, -1 unknown */
+    int exhausted;   /* auto_microbatch already split down to min_size */
     int n_others;
     struct {
         unsigned int pid;
@@ -574,14 +580,14 @@ static int oc_oom_advise(const oom_figures *f, advice_item *out, int max)
     unsigned long long frag = f->reserved > f->allocated ? f->reserved - f->allocated : 0;
     unsigned long long floor_bytes = f->request > (256ULL << 20) ? f->request : (256ULL << 20);
     char a[32], b[32];
-#define ADD(score_, ...)                                                                       \
-    do {                                                                                       \
-        if (n < max) {                                                                         \
-            out[n].score = (double)(score_);                                                   \
-            out[n].order = n;                                                                  \
-            snprintf(out[n].text, ADVICE_LEN, __VA_ARGS__);                                    \
-            n++;                                                                               \
-        }                                                                                      \
+#define ADD(score_, ...)                                                                           \
+    do {                                                                                           \
+        if (n < max) {                                                                             \
+            out[n].score = (double)(score_);                                                       \
+            out[n].order = n;                                                                      \
+            snprintf(out[n].text, ADVICE_LEN, __VA_ARGS__);                                        \
+            n++;                                                                                   \
+        }                                                                                          \
     } while (0)
     for (int i = 0; i < f->n_others; i++) {
         if (f->others[i].used < floor_bytes)
@@ -592,8 +598,8 @@ static int oc_oom_advise(const oom_figures *f, advice_item *out, int max)
             "(CUDA_VISIBLE_DEVICES).",
             a, f->others[i].pid, f->others[i].name[0] ? f->others[i].name : "name unknown");
     }
-    if (frag > 0 && frag >= f->request && (frag >= f->reserved / 10 ||
-                                           f->inactive_split >= f->request)) {
+    if (frag > 0 && frag >= f->request &&
+        (frag >= f->reserved / 10 || f->inactive_split >= f->request)) {
         fmt_bytes(frag, a, sizeof a);
         if (!f->expandable)
             ADD(frag,
@@ -737,8 +743,8 @@ static PyObject *py_oom_observed(PyObject *self, PyObject *unused)
                          seen.limit, "device_free", seen.device_free, "stats",
                          seen.stats ? seen.stats : Py_None, "autocast",
                          seen.autocast < 0 ? Py_None : (seen.autocast ? Py_True : Py_False),
-                         "snapshot", seen.snapshot_written ? snapshot_path : NULL,
-                         "snapshot_error", seen.snapshot_error[0] ? seen.snapshot_error : NULL);
+                         "snapshot", seen.snapshot_written ? snapshot_path : NULL, "snapshot_error",
+                         seen.snapshot_error[0] ? seen.snapshot_error : NULL);
 }
 
 PyMethodDef oc_oom_methods[] = {
