@@ -443,10 +443,26 @@ static PyObject *none_if_negative(long long x)
     return PyLong_FromLongLong(x);
 }
 
+/* Copies a ring's items, oldest first, under m's lock into a new malloc'd
+ * array (*n items; free() it). Python objects are built only after the lock
+ * is released, so no Python code runs while it is held. NULL when out of
+ * memory. */
+static void *copy_ring(oc_monitor *m, const void *ring, const size_t *head, const size_t *count,
+                       size_t cap, size_t size, size_t *n)
+{
+    char *copy = malloc(cap * size);
+    if (copy == NULL)
+        return NULL;
+    pthread_mutex_lock(&m->lock);
+    *n = *count;
+    for (size_t i = 0; i < *n; i++)
+        memcpy(copy + i * size, (const char *)ring + ((*head + i) % cap) * size, size);
+    pthread_mutex_unlock(&m->lock);
+    return copy;
+}
+
 /* _monitor_samples(capsule) -> [(time, used, total, process, reserved,
- * allocated)], oldest first; None where a figure was not read. The ring is
- * copied under the lock and converted after, so no Python code runs while
- * the lock is held. */
+ * allocated)], oldest first; None where a figure was not read. */
 static PyObject *py_monitor_samples(PyObject *self, PyObject *capsule)
 {
     oc_monitor *m = get_monitor(capsule);
@@ -456,14 +472,9 @@ static PyObject *py_monitor_samples(PyObject *self, PyObject *capsule)
     (void)self;
     if (m == NULL)
         return NULL;
-    copy = malloc(m->cap * sizeof *copy);
+    copy = copy_ring(m, m->ring, &m->head, &m->count, m->cap, sizeof *copy, &n);
     if (copy == NULL)
         return PyErr_NoMemory();
-    pthread_mutex_lock(&m->lock);
-    n = m->count;
-    for (size_t i = 0; i < n; i++)
-        copy[i] = m->ring[(m->head + i) % m->cap];
-    pthread_mutex_unlock(&m->lock);
     list = PyList_New((Py_ssize_t)n);
     if (list == NULL)
         goto error;
@@ -493,14 +504,9 @@ static PyObject *py_monitor_events(PyObject *self, PyObject *capsule)
     (void)self;
     if (m == NULL)
         return NULL;
-    copy = malloc(EVENTS_MAX * sizeof *copy);
+    copy = copy_ring(m, m->events, &m->ev_head, &m->ev_count, EVENTS_MAX, sizeof *copy, &n);
     if (copy == NULL)
         return PyErr_NoMemory();
-    pthread_mutex_lock(&m->lock);
-    n = m->ev_count;
-    for (size_t i = 0; i < n; i++)
-        copy[i] = m->events[(m->ev_head + i) % EVENTS_MAX];
-    pthread_mutex_unlock(&m->lock);
     list = PyList_New(0);
     for (size_t i = 0; list != NULL && i < n; i++) {
         PyObject *d = event_dict(m, &copy[i]);
