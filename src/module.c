@@ -191,20 +191,27 @@ static PyObject *oc_config_py(PyObject *self, PyObject *unused)
     return dict_from_config(oc_config_get());
 }
 
+typedef struct {
+    PyObject *mapping; /* the dict standing in for the environment */
+    PyObject *keep;    /* list of bytes that back the returned pointers */
+} dict_env;
+
+/* Looks name up in the dict; the UTF-8 copy lives as long as ctx->keep.
+ * Limited API 3.9 has no PyUnicode_AsUTF8, hence the bytes objects. */
 static const char *dict_getenv(const char *name, void *ctx)
 {
-    PyObject *v = PyDict_GetItemString((PyObject *)ctx, name);
+    dict_env *env = ctx;
+    PyObject *v = PyDict_GetItemString(env->mapping, name), *b;
     if (v == NULL || !PyUnicode_Check(v))
         return NULL;
-    /* Limited API before 3.10 has no PyUnicode_AsUTF8; keep the bytes alive in
-     * a side dict owned by the caller's mapping. */
-    {
-        static char slots[24][2048];
-        static int next;
-        char *buf = slots[next++ % 24];
-        oc_utf8(v, buf, 2048);
-        return buf;
+    b = PyUnicode_AsEncodedString(v, "utf-8", "surrogateescape");
+    if (b == NULL || PyList_Append(env->keep, b) < 0) {
+        Py_XDECREF(b);
+        PyErr_Clear();
+        return NULL;
     }
+    Py_DECREF(b);
+    return PyBytes_AsString(b);
 }
 
 /* _parse_config(mapping) -> dict: the pure-C parser run over a dict instead of
@@ -212,18 +219,25 @@ static const char *dict_getenv(const char *name, void *ctx)
 static PyObject *oc_parse_config_py(PyObject *self, PyObject *arg)
 {
     oc_config *c;
+    dict_env env;
     PyObject *res;
     (void)self;
     if (!PyDict_Check(arg)) {
         PyErr_SetString(PyExc_TypeError, "_parse_config expects a dict of str to str");
         return NULL;
     }
+    env.mapping = arg;
+    env.keep = PyList_New(0);
     c = PyMem_Malloc(sizeof *c);
-    if (c == NULL)
+    if (c == NULL || env.keep == NULL) {
+        PyMem_Free(c);
+        Py_XDECREF(env.keep);
         return PyErr_NoMemory();
-    oc_config_load(c, dict_getenv, arg);
+    }
+    oc_config_load(c, dict_getenv, &env);
     res = dict_from_config(c);
     PyMem_Free(c);
+    Py_DECREF(env.keep);
     return res;
 }
 

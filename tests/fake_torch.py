@@ -1,0 +1,183 @@
+"""Builds stand-ins for torch releases this machine cannot install (CUDA
+builds of 2.0 ... newest). Each package exposes exactly the `torch._C` names,
+allocator variables and warnings that release has, as read from its sources
+and wheels; every call is recorded so a test can see what outofcuda did.
+
+RELEASES is the table the issue asks for: which `_C` names and allocator keys
+exist in 2.0, 2.1, 2.4, 2.9.0, 2.9.1, 2.11 and the newest release checked.
+"""
+import textwrap
+from pathlib import Path
+
+BASE_C = {"_set_cublas_allow_tf32", "_get_cublas_allow_tf32", "_set_cudnn_allow_tf32",
+          "_get_cudnn_allow_tf32", "_set_cudnn_benchmark", "_get_cudnn_benchmark",
+          "_set_cudnn_deterministic", "_get_cudnn_deterministic", "_set_sdp_use_flash",
+          "_set_sdp_use_mem_efficient", "_set_sdp_use_math",
+          # CUDA-build-only names
+          "_cuda_setMemoryFraction", "_cuda_getDeviceCount", "_cuda_getDevice",
+          "_cuda_attach_out_of_memory_observer"}
+KEYS_20 = {"max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions", "backend"}
+
+RELEASES = {
+    "2.0.0": dict(c=BASE_C | {"_cuda_cudaCachingAllocator_set_allocator_settings"},
+                  keys=KEYS_20, autocast_new=False, annotated_version=False,
+                  warns=set(), env=("PYTORCH_CUDA_ALLOC_CONF",)),
+    "2.1.0": dict(c=BASE_C | {"_cuda_cudaCachingAllocator_set_allocator_settings"},
+                  keys=KEYS_20 | {"expandable_segments"}, autocast_new=False,
+                  annotated_version=False, warns=set(), env=("PYTORCH_CUDA_ALLOC_CONF",)),
+    "2.4.0": dict(c=BASE_C | {"_set_sdp_use_cudnn", "_cuda_cudaCachingAllocator_set_allocator_settings"},
+                  keys=KEYS_20 | {"expandable_segments", "release_lock_on_cudamalloc",
+                                  "pinned_use_cuda_host_register", "pinned_num_register_threads"},
+                  autocast_new=True, annotated_version=True, warns=set(),
+                  env=("PYTORCH_CUDA_ALLOC_CONF",)),
+    # 2.9.0 alone warns on the cuDNN TF32 setter and the legacy getters.
+    "2.9.0": dict(c=BASE_C | {"_set_sdp_use_cudnn", "_cuda_cudaCachingAllocator_set_allocator_settings",
+                              "_accelerator_setAllocatorSettings"},
+                  keys=KEYS_20 | {"expandable_segments", "release_lock_on_cudamalloc",
+                                  "pinned_use_cuda_host_register", "pinned_num_register_threads",
+                                  "max_non_split_rounding_mb", "pinned_use_background_threads",
+                                  "graph_capture_record_stream_reuse"},
+                  autocast_new=True, annotated_version=True,
+                  warns={"_set_cudnn_allow_tf32", "_get_cublas_allow_tf32", "_get_cudnn_allow_tf32"},
+                  env=("PYTORCH_CUDA_ALLOC_CONF",)),
+    "2.9.1": dict(c=BASE_C | {"_set_sdp_use_cudnn", "_cuda_cudaCachingAllocator_set_allocator_settings",
+                              "_accelerator_setAllocatorSettings"},
+                  keys=KEYS_20 | {"expandable_segments", "release_lock_on_cudamalloc",
+                                  "pinned_use_cuda_host_register", "pinned_num_register_threads",
+                                  "max_non_split_rounding_mb", "pinned_use_background_threads",
+                                  "graph_capture_record_stream_reuse"},
+                  autocast_new=True, annotated_version=True, warns=set(),
+                  env=("PYTORCH_CUDA_ALLOC_CONF",)),
+    "2.11.0": dict(c=BASE_C | {"_set_sdp_use_cudnn", "_accelerator_setAllocatorSettings"},
+                   keys=KEYS_20 | {"expandable_segments", "release_lock_on_cudamalloc",
+                                   "pinned_use_cuda_host_register", "pinned_num_register_threads",
+                                   "max_non_split_rounding_mb", "pinned_use_background_threads",
+                                   "graph_capture_record_stream_reuse", "large_segment_size_mb",
+                                   "pinned_reserve_segment_size_mb", "per_process_memory_fraction"},
+                   autocast_new=True, annotated_version=True, warns=set(),
+                   env=("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")),
+    "2.14.1": dict(c=BASE_C | {"_set_sdp_use_cudnn", "_accelerator_setAllocatorSettings"},
+                   keys=KEYS_20 | {"expandable_segments", "release_lock_on_cudamalloc",
+                                   "pinned_use_cuda_host_register", "pinned_num_register_threads",
+                                   "max_non_split_rounding_mb", "pinned_use_background_threads",
+                                   "graph_capture_record_stream_reuse", "large_segment_size_mb",
+                                   "pinned_reserve_segment_size_mb", "per_process_memory_fraction"},
+                   autocast_new=True, annotated_version=True, warns=set(),
+                   env=("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")),
+}
+
+_INIT = '''
+import os, warnings
+from torch import version
+from torch import _C
+__version__ = version.__version__
+# What the allocator would read when torch's libraries load.
+_C.ENV_AT_LOAD = {{k: os.environ.get(k) for k in
+                   ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}}
+ALLOC_ENV_ORDER = {env!r}
+ALLOC_KEYS = {keys!r}
+
+def _alloc_conf():
+    """The string this release's CUDA allocator would parse."""
+    for name in ALLOC_ENV_ORDER:
+        if _C.ENV_AT_LOAD.get(name):
+            return _C.ENV_AT_LOAD[name]
+    return ""
+
+# Like the real parser: an unknown key raises when the allocator first reads it.
+for _item in filter(None, _alloc_conf().split(",")):
+    if ":" in _item and not _item.startswith(("[", ">")) and _item.split(":")[0] not in ALLOC_KEYS \\
+            and not _item.split(":")[0].isdigit():
+        raise RuntimeError("Unrecognized CachingAllocator option: " + _item.split(":")[0])
+
+float16, bfloat16, float32 = "torch.float16", "torch.bfloat16", "torch.float32"
+
+def _record(name, *args):
+    _C.calls.append((name,) + args)
+
+{autocast}
+from torch import backends, cuda
+'''
+
+_AUTOCAST_NEW = '''
+def set_autocast_dtype(device, dtype):
+    _record("set_autocast_dtype", device, dtype)
+
+def set_autocast_gpu_dtype(dtype):
+    warnings.warn("torch.set_autocast_gpu_dtype is deprecated", DeprecationWarning)
+    _record("set_autocast_gpu_dtype", dtype)
+'''
+_AUTOCAST_OLD = '''
+def set_autocast_gpu_dtype(dtype):
+    _record("set_autocast_gpu_dtype", dtype)
+'''
+
+_C_MODULE = '''
+import warnings
+calls = []
+_WARNS = {warns!r}
+def _make(name):
+    def fn(*args):
+        if name in _WARNS:
+            warnings.warn(name + " is deprecated in this release", UserWarning)
+        calls.append((name,) + args)
+        if name == "_cuda_getDeviceCount":
+            return 4
+        if name == "_cuda_getDevice":
+            return 0
+        if name.startswith("_get_"):
+            return True
+        return None
+    fn.__name__ = name
+    return fn
+for _name in {names!r}:
+    globals()[_name] = _make(_name)
+'''
+
+_BACKENDS = '''
+_frozen = False
+def flags_frozen():
+    return _frozen
+def disable_global_flags():
+    global _frozen
+    _frozen = True
+'''
+
+_CUDA = '''
+import torch
+_queued_calls = []
+class OutOfMemoryError(RuntimeError):
+    pass
+def _lazy_call(callable, **kwargs):
+    _queued_calls.append(callable)
+def _fake_cuda_init():
+    """What torch.cuda._lazy_init does with the queue once CUDA is up."""
+    for fn in _queued_calls:
+        fn()
+def is_initialized():
+    return False
+'''
+
+
+def make_fake_torch(root: Path, release: str, cuda: bool = True) -> Path:
+    """Writes a fake torch `release` under root and returns the directory to
+    put first on PYTHONPATH."""
+    spec = RELEASES[release]
+    pkg = root / "torch"
+    (pkg / "backends").mkdir(parents=True)
+    (pkg / "cuda").mkdir()
+    cuda_value = "'12.1'" if cuda else "None"
+    if spec["annotated_version"]:
+        version = (f"from typing import Optional\n__version__ = '{release}'\n"
+                   f"cuda: Optional[str] = {cuda_value}\nhip: Optional[str] = None\n")
+    else:
+        version = f"__version__ = '{release}'\ncuda = {cuda_value}\nhip = None\n"
+    (pkg / "version.py").write_text(version)
+    (pkg / "__init__.py").write_text(_INIT.format(
+        env=spec["env"], keys=sorted(spec["keys"]),
+        autocast=_AUTOCAST_NEW if spec["autocast_new"] else _AUTOCAST_OLD))
+    (pkg / "_C.py").write_text(textwrap.dedent(_C_MODULE.format(
+        warns=sorted(spec["warns"]), names=sorted(spec["c"]))))
+    (pkg / "backends" / "__init__.py").write_text(_BACKENDS)
+    (pkg / "cuda" / "__init__.py").write_text(_CUDA)
+    return root
