@@ -1,0 +1,138 @@
+"""The pure-C configuration parser and allocator merge (driven through the
+extension's test entry points), and bad environment values end to end."""
+import json
+
+import pytest
+
+PARSE = """
+import json, sys, _outofcuda
+cases = json.loads(sys.stdin.read())
+print(json.dumps([_outofcuda._parse_config(c) for c in cases]))
+"""
+
+
+def parse_many(venv, cases):
+    r = venv.run(PARSE, input=json.dumps(cases))
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_defaults_match_the_product_table(venv):
+    (c,) = parse_many(venv, [{}])
+    assert c == {
+        "disable": False, "verbose": False, "tf32": True, "cudnn_benchmark": True,
+        "cudnn_deterministic": False, "channels_last": True, "compile": False,
+        "compile_mode": "reduce-overhead", "compile_fullgraph": False, "amp_dtype": "auto",
+        "memory_fraction": 0.95,
+        "alloc_conf": "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True",
+        "gc_collect": True, "flash_attn": True, "mem_eff_attn": True, "math_attn": True,
+        "pin_memory": True, "num_workers": 4, "prefetch_factor": 2, "warnings": [],
+    }
+
+
+@pytest.mark.parametrize("word,value", [("1", True), ("0", False), ("TRUE", True), ("false", False),
+                                        ("Yes", True), ("no", False), (" on ", True), ("OFF", False)])
+def test_boolean_words(venv, word, value):
+    (c,) = parse_many(venv, [{"OUTOFCUDA_TF32": word}])
+    assert c["tf32"] is value and c["warnings"] == []
+
+
+def test_every_bad_value_gets_one_named_warning_and_the_default(venv):
+    cases = [
+        {"OUTOFCUDA_MEMORY_FRACTION": "1.7"}, {"OUTOFCUDA_MEMORY_FRACTION": "abc"},
+        {"OUTOFCUDA_MEMORY_FRACTION": "0"}, {"OUTOFCUDA_MEMORY_FRACTION": "nan"},
+        {"OUTOFCUDA_TF32": "maybe"}, {"OUTOFCUDA_TF32": ""}, {"OUTOFCUDA_TF32": "x" * 10240},
+        {"OUTOFCUDA_NUM_WORKERS": "-1"}, {"OUTOFCUDA_NUM_WORKERS": "4.5"},
+        {"OUTOFCUDA_PREFETCH_FACTOR": "0"}, {"OUTOFCUDA_AMP_DTYPE": "float64"},
+        {"OUTOFCUDA_COMPILE_MODE": "fast"}, {"OUTOFCUDA_ALLOC_CONF": "expandable_segments"},
+        {"OUTOFCUDA_ALLOC_CONF": "a:b,,c:d"}, {"OUTOFCUDA_ALLOC_CONF": "x:[1,2"},
+    ]
+    (defaults,) = parse_many(venv, [{}])
+    for case, c in zip(cases, parse_many(venv, cases)):
+        (name, value), = case.items()
+        assert len(c["warnings"]) == 1, case
+        msg = c["warnings"][0]
+        assert name in msg and "expected" in msg and len(msg) < 320
+        assert (value[:20] in msg) if value else "(empty)" in msg
+        key = name[len("OUTOFCUDA_"):].lower()
+        assert c[key] == defaults[key], case
+
+
+def test_good_values_are_taken(venv):
+    (c,) = parse_many(venv, [{
+        "OUTOFCUDA_MEMORY_FRACTION": " 0.5 ", "OUTOFCUDA_NUM_WORKERS": "0",
+        "OUTOFCUDA_AMP_DTYPE": "BF16", "OUTOFCUDA_COMPILE_MODE": "max-autotune",
+        "OUTOFCUDA_ALLOC_CONF": "roundup_power2_divisions:[256:1,512:2,>:4],backend:native",
+    }])
+    assert c["memory_fraction"] == 0.5 and c["num_workers"] == 0
+    assert c["amp_dtype"] == "bfloat16" and c["compile_mode"] == "max-autotune"
+    assert c["alloc_conf"].startswith("roundup_power2_divisions:[256:1")
+    assert c["warnings"] == []
+
+
+MERGE = """
+import json, sys, _outofcuda
+out = []
+for args in json.loads(sys.stdin.read()):
+    try:
+        out.append(list(_outofcuda._merge_alloc_conf(*args)))
+    except ValueError as exc:
+        out.append(str(exc))
+print(json.dumps(out))
+"""
+DEFAULTS = "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True"
+
+
+def merge_many(venv, cases):
+    r = venv.run(MERGE, input=json.dumps(cases))
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_merge_user_keys_win_key_by_key(venv):
+    got = merge_many(venv, [
+        [DEFAULTS, ""],
+        [DEFAULTS, "expandable_segments:False"],
+        [DEFAULTS, " max_split_size_mb : 512 , backend:cudaMallocAsync"],
+        [DEFAULTS, "roundup_power2_divisions:[256:1,512:2,>:4]"],
+        [DEFAULTS, "max_split_size_mb:1,max_split_size_mb:2"],
+        [DEFAULTS, "", "2.0.1+cu118"],
+        [DEFAULTS, "", "2.1.0"],
+        [DEFAULTS + ",per_process_memory_fraction:0.9", "", "2.9.1"],
+        [DEFAULTS + ",per_process_memory_fraction:0.9", "", "2.11.0"],
+    ])
+    assert got[0] == [DEFAULTS, ""]
+    assert got[1] == ["expandable_segments:False,max_split_size_mb:128,garbage_collection_threshold:0.8", ""]
+    assert got[2] == ["max_split_size_mb:512,backend:cudaMallocAsync,garbage_collection_threshold:0.8,"
+                      "expandable_segments:True", ""]
+    assert got[3][0] == "roundup_power2_divisions:[256:1,512:2,>:4]," + DEFAULTS
+    assert got[4][0].startswith("max_split_size_mb:2,") and got[4][0].count("max_split") == 1
+    assert got[5] == ["max_split_size_mb:128,garbage_collection_threshold:0.8", "expandable_segments"]
+    assert got[6] == [DEFAULTS, ""]
+    assert got[7] == [DEFAULTS, "per_process_memory_fraction"]
+    assert got[8] == [DEFAULTS + ",per_process_memory_fraction:0.9", ""]
+
+
+def test_merge_rejects_malformed_strings(venv):
+    got = merge_many(venv, [[DEFAULTS, "nocolon"], [DEFAULTS, "a:[1"], [DEFAULTS, "a:1]"],
+                            [DEFAULTS, "A:1"], [DEFAULTS, "a:1;rm"], [DEFAULTS, "k:" + "9" * 300]])
+    assert all(isinstance(g, str) and g.startswith("bad allocator configuration") for g in got)
+
+
+def test_bad_environment_values_end_to_end(venv, workdir):
+    r = venv.run("""
+import torch, _outofcuda, json
+print(json.dumps(_outofcuda.status()))
+print(torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32)
+""", env={"OUTOFCUDA_MEMORY_FRACTION": "1.7", "OUTOFCUDA_TF32": "maybe",
+          "OUTOFCUDA_NUM_WORKERS": "x" * 10240}, cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    warnings = [ln for ln in r.stderr.splitlines() if "UserWarning" in ln]
+    assert len(warnings) == 3
+    assert any("OUTOFCUDA_MEMORY_FRACTION='1.7'" in w for w in warnings)
+    assert any("OUTOFCUDA_TF32='maybe'" in w for w in warnings)
+    st = json.loads(r.stdout.splitlines()[0])
+    assert len(st["config_warnings"]) == 3
+    # The defaults were used and nothing else was skipped.
+    assert r.stdout.splitlines()[1] == "True True"
+    assert st["optimizations"]["tf32"]["applied"] and st["optimizations"]["sdpa"]["applied"]
