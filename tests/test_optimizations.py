@@ -1,0 +1,100 @@
+"""What a plain `import torch` gets, read back through torch's public getters
+(torch 2.13.0 CPU build; each scenario a fresh interpreter, no `import outofcuda`)."""
+import json
+
+FLAGS = """
+import json, sys, torch
+b = torch.backends
+print('FLAGS=' + json.dumps({
+    'matmul_tf32': b.cuda.matmul.allow_tf32,
+    'cudnn_tf32': b.cudnn.allow_tf32,
+    'benchmark': b.cudnn.benchmark,
+    'deterministic': b.cudnn.deterministic,
+    'flash': b.cuda.flash_sdp_enabled(),
+    'mem_efficient': b.cuda.mem_efficient_sdp_enabled(),
+    'math': b.cuda.math_sdp_enabled(),
+    'excepthook': getattr(sys.excepthook, '__name__', ''),
+    'cuda_initialized': torch.cuda.is_initialized(),
+}))
+"""
+
+
+def flags(venv, workdir, env=None):
+    r = venv.check(FLAGS, env=env, cwd=workdir)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("FLAGS=")][-1]
+    return json.loads(line[6:]), r
+
+
+def test_defaults_applied_through_torch_getters(venv, workdir):
+    f, r = flags(venv, workdir)
+    assert f == {"matmul_tf32": True, "cudnn_tf32": True, "benchmark": True, "deterministic": False,
+                 "flash": True, "mem_efficient": True, "math": True,
+                 "excepthook": "outofcuda_excepthook", "cuda_initialized": False}
+    assert r.stderr == ""
+
+
+def test_baseline_without_outofcuda_differs(venv, workdir):
+    # Shows the test above can fail: torch's own defaults are different.
+    f, _ = flags(venv, workdir, env={"OUTOFCUDA_DISABLE": "1"})
+    assert f["matmul_tf32"] is False and f["benchmark"] is False
+    assert f["excepthook"] == "excepthook"
+
+
+def test_every_off_switch(venv, workdir):
+    f, _ = flags(venv, workdir, env={
+        "OUTOFCUDA_TF32": "0", "OUTOFCUDA_CUDNN_BENCHMARK": "off", "OUTOFCUDA_FLASH_ATTN": "0",
+        "OUTOFCUDA_MEM_EFF_ATTN": "no", "OUTOFCUDA_MATH_ATTN": "false"})
+    assert f["matmul_tf32"] is False and f["benchmark"] is False
+    assert (f["flash"], f["mem_efficient"], f["math"]) == (False, False, False)
+
+
+def test_deterministic_forces_benchmark_off(venv, workdir):
+    f, _ = flags(venv, workdir, env={"OUTOFCUDA_CUDNN_DETERMINISTIC": "1"})
+    assert f["deterministic"] is True and f["benchmark"] is False
+
+
+def test_nvidia_tf32_override(venv, workdir):
+    f, _ = flags(venv, workdir, env={"NVIDIA_TF32_OVERRIDE": "0"})
+    assert f["matmul_tf32"] is False and f["benchmark"] is True
+
+
+def test_verbose_table_names_every_optimisation(venv, workdir):
+    r = venv.check("import torch", env={"OUTOFCUDA_VERBOSE": "1"}, cwd=workdir)
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("outofcuda 0.1.0: torch 2.13.0")
+    for name in ("tf32", "cudnn_benchmark", "cudnn_deterministic", "allocator", "memory_fraction",
+                 "sdpa", "amp_dtype", "oom_handler"):
+        row = next(ln for ln in lines if ln.split()[:1] == [name])
+        assert row.split()[1] in ("yes", "no")
+    assert "this torch build has no CUDA" in r.stderr
+
+
+def test_status_is_json_and_importing_outofcuda_changes_nothing(venv, workdir):
+    r = venv.check("""
+import json, torch, _outofcuda
+before = json.dumps(_outofcuda.status(), sort_keys=True)
+torch.backends.cudnn.benchmark = False           # the user's own setting after import
+import outofcuda
+after = json.dumps(outofcuda.status(), sort_keys=True)
+print(before == after, torch.backends.cudnn.benchmark)
+""", cwd=workdir)
+    assert r.stdout.split() == ["True", "False"]
+
+
+def test_oom_handler_chains_the_earlier_hook(venv, workdir):
+    r = venv.run("""
+import sys
+def mine(t, v, tb):
+    print('earlier hook saw', t.__name__)
+sys.excepthook = mine
+import torch
+raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')
+""", cwd=workdir)
+    assert r.returncode == 1
+    assert "earlier hook saw OutOfMemoryError" in r.stdout
+    assert "outofcuda" in r.stderr
+
+
+def test_non_oom_exception_is_untouched(venv, workdir):
+    r = venv.run("import torch\nraise ValueError('plain')", cwd=workdir)
+    assert r.returncode == 1 and "ValueError: plain" in r.stderr and "outofcuda" not in r.stderr
