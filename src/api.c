@@ -228,9 +228,9 @@ static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
     oc_utf8(arg, dev, sizeof dev);
     if (cfg->amp_dtype != OC_AMP_AUTO) {
         const char *name = cfg->amp_dtype == OC_AMP_BFLOAT16 ? "bfloat16" : "float16";
-        return Py_BuildValue("(ss)", name, cfg->amp_dtype == OC_AMP_BFLOAT16
-                                               ? "OUTOFCUDA_AMP_DTYPE=bfloat16"
-                                               : "OUTOFCUDA_AMP_DTYPE=float16");
+        return Py_BuildValue("(ss)", name,
+                             cfg->amp_dtype == OC_AMP_BFLOAT16 ? "OUTOFCUDA_AMP_DTYPE=bfloat16"
+                                                               : "OUTOFCUDA_AMP_DTYPE=float16");
     }
     if (strcmp(dev, "cpu") == 0)
         return Py_BuildValue("(ss)", "bfloat16", "CPU autocast computes in bfloat16");
@@ -246,8 +246,8 @@ static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
     if (cc < 0)
         return Py_BuildValue("(ss)", "float16",
                              "compute capability unknown; float16 runs on every GPU");
-    snprintf(reason, sizeof reason, "compute capability %d.%d %s 8.0 (from NVML)", cc / 10,
-             cc % 10, cc >= 80 ? ">=" : "<");
+    snprintf(reason, sizeof reason, "compute capability %d.%d %s 8.0 (from NVML)", cc / 10, cc % 10,
+             cc >= 80 ? ">=" : "<");
     return Py_BuildValue("(ss)", cc >= 80 ? "bfloat16" : "float16", reason);
 }
 
@@ -266,8 +266,7 @@ static long usable_cpus(void)
     if (f != NULL) {
         char quota[32] = "";
         long period = 0;
-        if (fscanf(f, "%31s %ld", quota, &period) == 2 && strcmp(quota, "max") != 0 &&
-            period > 0) {
+        if (fscanf(f, "%31s %ld", quota, &period) == 2 && strcmp(quota, "max") != 0 && period > 0) {
             long q = atol(quota);
             long cap = (q + period - 1) / period;
             if (cap >= 1 && cap < n)
@@ -326,8 +325,8 @@ static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
                      "fail. Mount a tmpfs there or set num_workers=0",
                      shm_path);
     }
-    return Py_BuildValue("{s:l,s:l,s:O,s:O,s:l,s:K,s:s}", "num_workers", workers,
-                         "prefetch_factor", cfg->prefetch_factor, "persistent_workers",
+    return Py_BuildValue("{s:l,s:l,s:O,s:O,s:l,s:K,s:s}", "num_workers", workers, "prefetch_factor",
+                         cfg->prefetch_factor, "persistent_workers",
                          workers > 0 ? Py_True : Py_False, "pin_memory",
                          (cfg->pin_memory && cuda_available) ? Py_True : Py_False, "cpus", cpus,
                          "shm_bytes", shm_total, "shm_warning", warning);
@@ -384,10 +383,9 @@ static PyObject *py_memory_report(PyObject *self, PyObject *unused)
         snprintf(key, sizeof key, "cuda:%d", t);
         d = Py_BuildValue("{s:s,s:d,s:d,s:d,s:d,s:d,s:d,s:i}", "name", g.name, "total_gb",
                           gb(g.total), "allocated_gb", gb((unsigned long long)m.allocated),
-                          "reserved_gb", gb((unsigned long long)m.reserved), "free_gb",
-                          gb(g.free), "peak_allocated_gb",
-                          gb((unsigned long long)m.peak_allocated), "used_gb", gb(g.used),
-                          "nvml_index", map[t]);
+                          "reserved_gb", gb((unsigned long long)m.reserved), "free_gb", gb(g.free),
+                          "peak_allocated_gb", gb((unsigned long long)m.peak_allocated), "used_gb",
+                          gb(g.used), "nvml_index", map[t]);
         if (d == NULL || PyDict_SetItemString(report, key, d) < 0) {
             Py_XDECREF(d);
             Py_DECREF(report);
@@ -412,9 +410,9 @@ static PyObject *py_clear_cache(PyObject *self, PyObject *unused)
 PyMethodDef oc_api_methods[] = {
     {"_api_autocast_dtype", py_autocast_dtype, METH_O,
      "_api_autocast_dtype(device_type)\n--\n\n(dtype name or None, reason) for torch.autocast."},
-    {"_api_loader_plan", (PyCFunction)(void (*)(void))py_loader_plan,
-     METH_VARARGS | METH_KEYWORDS,
-     "_api_loader_plan(cuda_available, num_workers=-1, shm_path='/dev/shm', shm_min_bytes=...)\n--\n\n"
+    {"_api_loader_plan", (PyCFunction)(void (*)(void))py_loader_plan, METH_VARARGS | METH_KEYWORDS,
+     "_api_loader_plan(cuda_available, num_workers=-1, shm_path='/dev/shm', "
+     "shm_min_bytes=...)\n--\n\n"
      "DataLoader arguments outofcuda proposes."},
     {"_api_memory_format", py_memory_format, METH_VARARGS,
      "_api_memory_format(has_4d, has_5d)\n--\n\n(memory format or None, reason)."},

@@ -32,28 +32,28 @@ typedef struct {
 
 typedef struct {
     double t;
-    int error;                 /* 0: cleared above the threshold; 1: on_high raised */
+    int error; /* 0: cleared above the threshold; 1: on_high raised */
     long long used, total, used_after, released;
     char message[200];
 } mon_event;
 
 typedef struct oc_monitor {
-    pthread_mutex_t lock;      /* guards everything below that the thread writes */
+    pthread_mutex_t lock; /* guards everything below that the thread writes */
     pthread_cond_t wake;
     pthread_t thread;
-    pid_t pid;                 /* the process that owns the thread */
+    pid_t pid; /* the process that owns the thread */
     int running, stop_requested;
     int torch_index, nvml_index, allocator_stats;
     double threshold, interval, cooldown, t0;
-    PyObject *on_high;         /* strong ref or NULL; touched only with the GIL */
-    char source[512];          /* test source file ("used total [process]") or "" */
-    char why[240];             /* why nothing is watched, or "" */
+    PyObject *on_high; /* strong ref or NULL; touched only with the GIL */
+    char source[512];  /* test source file ("used total [process]") or "" */
+    char why[240];     /* why nothing is watched, or "" */
     mon_sample *ring;
     size_t cap, head, count;
     unsigned long long dropped;
     mon_event events[EVENTS_MAX];
     size_t ev_head, ev_count;
-    struct oc_monitor *next;   /* every live monitor; changed only with the GIL */
+    struct oc_monitor *next; /* every live monitor; changed only with the GIL */
 } oc_monitor;
 
 static oc_monitor *all_monitors;
@@ -327,8 +327,8 @@ static PyObject *py_monitor_start(PyObject *self, PyObject *args)
     int device, alloc_stats, rc;
     double threshold, interval, cooldown;
     (void)self;
-    if (!PyArg_ParseTuple(args, "idddOnps", &device, &threshold, &interval, &cooldown,
-                          &on_high, &capacity, &alloc_stats, &source))
+    if (!PyArg_ParseTuple(args, "idddOnps", &device, &threshold, &interval, &cooldown, &on_high,
+                          &capacity, &alloc_stats, &source))
         return NULL;
     if (!(threshold > 0.0 && threshold <= 1.0) || !(interval > 0.0) || !(cooldown >= 0.0) ||
         capacity < 1 || device < 0 || strlen(source) >= sizeof m->source) {
@@ -431,9 +431,9 @@ static PyObject *py_monitor_info(PyObject *self, PyObject *capsule)
     dropped = m->dropped;
     count = m->count;
     pthread_mutex_unlock(&m->lock);
-    return Py_BuildValue("{s:O,s:s,s:K,s:i,s:n}", "running", m->running ? Py_True : Py_False,
-                         "why", m->why, "dropped", dropped, "nvml_index", m->nvml_index,
-                         "count", (Py_ssize_t)count);
+    return Py_BuildValue("{s:O,s:s,s:K,s:i,s:n}", "running", m->running ? Py_True : Py_False, "why",
+                         m->why, "dropped", dropped, "nvml_index", m->nvml_index, "count",
+                         (Py_ssize_t)count);
 }
 
 static PyObject *none_if_negative(long long x)
@@ -479,10 +479,9 @@ static PyObject *py_monitor_samples(PyObject *self, PyObject *capsule)
     if (list == NULL)
         goto error;
     for (size_t i = 0; i < n; i++) {
-        PyObject *t = Py_BuildValue("(dLLNNN)", copy[i].t, copy[i].used, copy[i].total,
-                                    none_if_negative(copy[i].process),
-                                    none_if_negative(copy[i].reserved),
-                                    none_if_negative(copy[i].allocated));
+        PyObject *t = Py_BuildValue(
+            "(dLLNNN)", copy[i].t, copy[i].used, copy[i].total, none_if_negative(copy[i].process),
+            none_if_negative(copy[i].reserved), none_if_negative(copy[i].allocated));
         if (t == NULL) {
             Py_CLEAR(list);
             goto error;

@@ -172,10 +172,15 @@ extern PyMethodDef oc_oom_methods[];
 
 /* api.c */
 extern PyMethodDef oc_api_methods[];
-typedef struct { long long allocated, reserved, peak_allocated; } oc_torch_mem;
-int oc_api_nvml_index(int torch_index);          /* NVML index of torch's cuda:N, or -1 */
-int oc_api_torch_stats(int torch_index, oc_torch_mem *out); /* 1 filled, 0 CUDA not initialised */
-int oc_api_clear_cache(long long *released);     /* gc + empty_cache; 0 ok, -1 with exception */
+typedef struct {
+    long long allocated, reserved, peak_allocated;
+} oc_torch_mem;
+/* NVML index of torch's cuda:N, or -1. */
+int oc_api_nvml_index(int torch_index);
+/* 1 filled, 0 when torch has not initialised CUDA (nothing is asked then). */
+int oc_api_torch_stats(int torch_index, oc_torch_mem *out);
+/* gc.collect (if configured) + empty_cache; 0 ok, -1 with an exception set. */
+int oc_api_clear_cache(long long *released);
 
 /* monitor.c */
 int oc_monitor_add_type(PyObject *module);
