@@ -48,8 +48,8 @@ static int valid_value(const char *v)
         return 0;
     for (; *v; v++) {
         unsigned char c = (unsigned char)*v;
-        if (!(isalnum(c) || c == '_' || c == '.' || c == ':' || c == '[' || c == ']' ||
-              c == ',' || c == '>' || c == '-' || c == '+'))
+        if (!(isalnum(c) || c == '_' || c == '.' || c == ':' || c == '[' || c == ']' || c == ',' ||
+              c == '>' || c == '-' || c == '+'))
             return 0;
     }
     return 1;
@@ -162,9 +162,9 @@ static int append_word(char *out, size_t outsz, const char *word)
     return (n < 0 || (size_t)n >= outsz - len) ? -1 : 0;
 }
 
-int oc_alloc_merge(const char *defaults, const char *user, oc_key_allowed_fn allowed,
-                   void *ctx, char *out, size_t outsz, char *dropped, size_t droppedsz,
-                   char *err, size_t errsz)
+int oc_alloc_merge(const char *defaults, const char *user, oc_key_allowed_fn allowed, void *ctx,
+                   char *out, size_t outsz, char *dropped, size_t droppedsz, char *err,
+                   size_t errsz)
 {
     /* static keeps two 10 kB lists off small native stacks; the merge runs
      * under the GIL or in single-threaded tests, never concurrently. */

@@ -26,7 +26,8 @@ static void version_field(const char *text, const char *name, char *out, size_t 
 {
     size_t n = strlen(name);
     out[0] = '\0';
-    for (const char *line = text; line && *line; line = strchr(line, '\n'), line = line ? line + 1 : NULL) {
+    for (const char *line = text; line && *line;
+         line = strchr(line, '\n'), line = line ? line + 1 : NULL) {
         const char *p = line, *eq, *q;
         if (strncmp(p, name, n) != 0 || !(p[n] == ' ' || p[n] == ':' || p[n] == '='))
             continue;
@@ -197,8 +198,8 @@ static void prepare_allocator(const oc_config *cfg)
     }
     snprintf(oc_g.alloc_env_name, sizeof oc_g.alloc_env_name, "%s", name);
     oc_g.alloc_applied = 1;
-    snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
-             "%s set before torch loaded%s%s%.200s", name, user[0] ? "; the user's keys kept" : "",
+    snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "%s set before torch loaded%s%s%.200s",
+             name, user[0] ? "; the user's keys kept" : "",
              dropped[0] ? "; left out (unknown to this torch): " : "", dropped);
 }
 
@@ -273,8 +274,9 @@ static void apply_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
         return;
     }
     /* cuDNN TF32 is on by default; 2.9.0 alone warns on its setter. */
-    cudnn = (tv.ver >= 20900 && tv.ver < 20901) ? 0
-                                                : set_flag(c_mod, "_set_cudnn_allow_tf32", 1, "tf32");
+    cudnn = (tv.ver >= 20900 && tv.ver < 20901)
+                ? 0
+                : set_flag(c_mod, "_set_cudnn_allow_tf32", 1, "tf32");
     value = Py_BuildValue("{s:O,s:O}", "matmul", Py_True, "cudnn", Py_True);
     oc_result_set("tf32", 1, value,
                   cudnn == 1 ? "cuBLAS and cuDNN may use TF32 for float32"
@@ -303,7 +305,8 @@ static void apply_cudnn(const oc_config *cfg, PyObject *c_mod)
         oc_result_set("cudnn_benchmark", 1, Py_True,
                       "autotunes convolutions per input shape (slow with changing shapes)");
     else
-        oc_result_set("cudnn_benchmark", 0, NULL, "this torch has no torch._C._set_cudnn_benchmark");
+        oc_result_set("cudnn_benchmark", 0, NULL,
+                      "this torch has no torch._C._set_cudnn_benchmark");
 }
 
 static void apply_sdpa(const oc_config *cfg, PyObject *c_mod)
@@ -542,7 +545,7 @@ static void record_allocator(PyObject *torch)
 
 static void skip_all(const char *reason)
 {
-    static const char *const names[] = {"tf32", "cudnn_benchmark", "cudnn_deterministic",
+    static const char *const names[] = {"tf32",      "cudnn_benchmark", "cudnn_deterministic",
                                         "allocator", "memory_fraction", "sdpa",
                                         "amp_dtype", "oom_handler"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)

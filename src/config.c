@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define OC_DEFAULT_ALLOC_CONF \
+#define OC_DEFAULT_ALLOC_CONF                                                                      \
     "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True"
 
 /* Copies at most 40 characters of a value for a message, so a 10 kB value
@@ -39,9 +39,8 @@ static void add_warning(oc_config *cfg, const char *name, const char *value, con
         return;
     shorten(value, shown, sizeof shown);
     snprintf(cfg->warnings[cfg->n_warnings++], OC_WARN_LEN,
-             "outofcuda: ignoring %s=%s%s%s: expected %s; using the default",
-             name, value[0] ? "'" : "", value[0] ? shown : "(empty)", value[0] ? "'" : "",
-             accepts);
+             "outofcuda: ignoring %s=%s%s%s: expected %s; using the default", name,
+             value[0] ? "'" : "", value[0] ? shown : "(empty)", value[0] ? "'" : "", accepts);
 }
 
 /* Copies s without leading and trailing blanks into buf (lower-cased when
@@ -161,8 +160,8 @@ static void load_choice(oc_config *cfg, oc_getenv_fn get, void *ctx, const char 
 static void load_amp_dtype(oc_config *cfg, oc_getenv_fn get, void *ctx)
 {
     static const char *const words[] = {"auto", "float16", "fp16", "half", "bfloat16", "bf16"};
-    static const int values[] = {OC_AMP_AUTO,     OC_AMP_FLOAT16,  OC_AMP_FLOAT16,
-                                 OC_AMP_FLOAT16,  OC_AMP_BFLOAT16, OC_AMP_BFLOAT16};
+    static const int values[] = {OC_AMP_AUTO,    OC_AMP_FLOAT16,  OC_AMP_FLOAT16,
+                                 OC_AMP_FLOAT16, OC_AMP_BFLOAT16, OC_AMP_BFLOAT16};
     int slot = (int)cfg->amp_dtype;
     load_choice(cfg, get, ctx, "OUTOFCUDA_AMP_DTYPE", words, values, 6, &slot,
                 "auto, float16 or bfloat16");

@@ -155,8 +155,8 @@ static PyObject *dict_from_config(const oc_config *c)
     if (warnings == NULL)
         return NULL;
     for (int i = 0; i < c->n_warnings; i++) {
-        PyObject *s = PyUnicode_DecodeUTF8(c->warnings[i], (Py_ssize_t)strlen(c->warnings[i]),
-                                           "replace");
+        PyObject *s =
+            PyUnicode_DecodeUTF8(c->warnings[i], (Py_ssize_t)strlen(c->warnings[i]), "replace");
         if (s == NULL || PyList_Append(warnings, s) < 0) {
             Py_XDECREF(s);
             Py_DECREF(warnings);
@@ -177,8 +177,7 @@ static PyObject *dict_from_config(const oc_config *c)
         c->gc_collect ? Py_True : Py_False, "flash_attn", c->flash_attn ? Py_True : Py_False,
         "mem_eff_attn", c->mem_eff_attn ? Py_True : Py_False, "math_attn",
         c->math_attn ? Py_True : Py_False, "pin_memory", c->pin_memory ? Py_True : Py_False,
-        "num_workers", c->num_workers, "prefetch_factor", c->prefetch_factor, "warnings",
-        warnings);
+        "num_workers", c->num_workers, "prefetch_factor", c->prefetch_factor, "warnings", warnings);
     return d;
 }
 

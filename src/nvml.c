@@ -197,8 +197,8 @@ static PyObject *py_nvml_devices(PyObject *self, PyObject *unused)
         if (oc_nvml_device_info(i, &g) != 0)
             continue;
         d = Py_BuildValue("{s:i,s:s,s:s,s:(ii),s:K,s:K,s:K,s:s}", "index", i, "name", g.name,
-                          "uuid", g.uuid, "compute_capability", g.cc_major, g.cc_minor,
-                          "total", g.total, "free", g.free, "used", g.used, "driver", driver);
+                          "uuid", g.uuid, "compute_capability", g.cc_major, g.cc_minor, "total",
+                          g.total, "free", g.free, "used", g.used, "driver", driver);
         if (d == NULL || PyList_Append(list, d) < 0) {
             Py_XDECREF(d);
             Py_DECREF(list);

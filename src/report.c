@@ -6,8 +6,8 @@
 #include <string.h>
 
 static const char *const opt_names[] = {
-    "tf32", "cudnn_benchmark", "cudnn_deterministic", "allocator",
-    "memory_fraction", "sdpa", "amp_dtype", "oom_handler",
+    "tf32", "cudnn_benchmark", "cudnn_deterministic", "allocator", "memory_fraction",
+    "sdpa", "amp_dtype",       "oom_handler",
 };
 #define N_OPTS (sizeof opt_names / sizeof opt_names[0])
 
@@ -99,10 +99,9 @@ PyObject *oc_status(PyObject *self, PyObject *unused)
     }
     res = Py_BuildValue("{s:s,s:{s:O,s:O,s:O},s:O,s:N,s:N}", "version", OC_VERSION, "hook",
                         "installed", oc_g.installed ? Py_True : Py_False, "fired",
-                        oc_g.fired ? Py_True : Py_False, "error",
-                        oc_g.error ? oc_g.error : Py_None, "torch",
-                        oc_g.torch_version ? oc_g.torch_version : Py_None, "optimizations", opts,
-                        "config_warnings", warnings);
+                        oc_g.fired ? Py_True : Py_False, "error", oc_g.error ? oc_g.error : Py_None,
+                        "torch", oc_g.torch_version ? oc_g.torch_version : Py_None, "optimizations",
+                        opts, "config_warnings", warnings);
     return res;
 }
 

@@ -206,8 +206,7 @@ static PyObject *make_proxy(PyObject *loader)
 
 /* Asks the other meta-path finders, in order, for the spec of `name`.
  * Returns a new reference (Py_None when none found) or NULL with an error. */
-static PyObject *find_with_others(PyObject *self, PyObject *name, PyObject *path,
-                                  PyObject *target)
+static PyObject *find_with_others(PyObject *self, PyObject *name, PyObject *path, PyObject *target)
 {
     PyObject *meta_path = PySys_GetObject("meta_path"); /* borrowed */
     PyObject *snapshot, *spec = NULL;
@@ -339,11 +338,8 @@ static PyType_Slot finder_slots[] = {
 };
 
 static PyType_Spec finder_spec = {
-    "_outofcuda.TorchImportWatcher",
-    sizeof(finder_object),
-    0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    finder_slots,
+    "_outofcuda.TorchImportWatcher",         sizeof(finder_object), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, finder_slots,
 };
 
 int oc_watcher_install(void)
