@@ -86,9 +86,9 @@ typedef int (*oc_key_allowed_fn)(const char *key, void *ctx);
  * entry whose key the user did not set and `allowed` accepts (NULL: all).
  * Keys of defaults that were dropped as unknown go to `dropped` (comma list).
  * Returns 0, or -1 when a string is malformed or the output does not fit. */
-int oc_alloc_merge(const char *defaults, const char *user, oc_key_allowed_fn allowed,
-                   void *ctx, char *out, size_t outsz, char *dropped, size_t droppedsz,
-                   char *err, size_t errsz);
+int oc_alloc_merge(const char *defaults, const char *user, oc_key_allowed_fn allowed, void *ctx,
+                   char *out, size_t outsz, char *dropped, size_t droppedsz, char *err,
+                   size_t errsz);
 
 /* torch release number from a version string ("2.9.1+cu128" -> 20901). Returns
  * 0 when it cannot be read. */
@@ -111,18 +111,18 @@ const char *oc_alloc_env_name(long ver);
 
 /* Process-wide state: the hook fires once per process, whatever imports it. */
 typedef struct {
-    int installed;        /* install() put the finder on sys.meta_path */
-    int fired;            /* the torch callback ran */
-    int prepared;         /* pre-import work (config, allocator env) done */
+    int installed; /* install() put the finder on sys.meta_path */
+    int fired;     /* the torch callback ran */
+    int prepared;  /* pre-import work (config, allocator env) done */
     int config_loaded;
     oc_config cfg;
-    PyObject *finder;     /* strong ref; the finder instance on sys.meta_path */
+    PyObject *finder; /* strong ref; the finder instance on sys.meta_path */
     PyObject *finder_type;
     PyObject *proxy_type;
-    PyObject *error;      /* str or NULL: what went wrong inside outofcuda */
-    PyObject *results;    /* dict: optimisation name -> dict(applied, value, reason) */
+    PyObject *error;         /* str or NULL: what went wrong inside outofcuda */
+    PyObject *results;       /* dict: optimisation name -> dict(applied, value, reason) */
     PyObject *torch_version; /* str or NULL */
-    char alloc_env_name[32];  /* variable written before torch loaded, or "" */
+    char alloc_env_name[32]; /* variable written before torch loaded, or "" */
     char alloc_value[OC_ALLOC_CONF_MAX];
     char alloc_reason[600];
     int alloc_applied;
@@ -131,13 +131,13 @@ typedef struct {
 extern oc_state oc_g;
 
 /* module.c */
-const oc_config *oc_config_get(void);            /* loads once, emits warnings */
-void oc_warn(const char *msg);                  /* one warning; never raises */
-void oc_set_error(const char *where);            /* keeps the current exception text */
+const oc_config *oc_config_get(void); /* loads once, emits warnings */
+void oc_warn(const char *msg);        /* one warning; never raises */
+void oc_set_error(const char *where); /* keeps the current exception text */
 int oc_disabled_by_env(void);
 
 /* watcher.c */
-int oc_watcher_install(void);                    /* 0 ok, -1 with exception */
+int oc_watcher_install(void); /* 0 ok, -1 with exception */
 int oc_watcher_fire_if_imported(void);
 
 /* bridge.c: called with torch imported. Never raises. */
@@ -158,11 +158,14 @@ typedef struct {
     unsigned long long total, free, used;
     char uuid[96];
 } oc_gpu_info;
-int oc_nvml_available(char *why, size_t whysz);  /* 1 yes, 0 no (why filled) */
-int oc_nvml_device_count(void);                  /* -1 when unavailable */
-int oc_nvml_device_info(int index, oc_gpu_info *out);  /* 0 ok, -1 */
+int oc_nvml_available(char *why, size_t whysz);       /* 1 yes, 0 no (why filled) */
+int oc_nvml_device_count(void);                       /* -1 when unavailable */
+int oc_nvml_device_info(int index, oc_gpu_info *out); /* 0 ok, -1 */
 int oc_nvml_driver_version(char *buf, size_t sz);
-typedef struct { unsigned int pid; unsigned long long used; } oc_gpu_proc;
+typedef struct {
+    unsigned int pid;
+    unsigned long long used;
+} oc_gpu_proc;
 int oc_nvml_processes(int index, oc_gpu_proc *out, int max); /* count or -1 */
 extern PyMethodDef oc_nvml_methods[];
 
@@ -186,8 +189,8 @@ int oc_api_clear_cache(long long *released);
 int oc_monitor_add_type(PyObject *module);
 
 /* small helpers (module.c) */
-PyObject *oc_getattr_chain(PyObject *obj, const char *dotted); /* new ref or NULL, no exception */
-int oc_call_bool(PyObject *owner, const char *name, int value);  /* 1 called, 0 missing, -1 error */
-const char *oc_utf8(PyObject *str, char *buf, size_t sz);        /* copy of str into buf */
-#endif /* OC_PURE_C */
-#endif /* OC_H */
+PyObject *oc_getattr_chain(PyObject *obj, const char *dotted);  /* new ref or NULL, no exception */
+int oc_call_bool(PyObject *owner, const char *name, int value); /* 1 called, 0 missing, -1 error */
+const char *oc_utf8(PyObject *str, char *buf, size_t sz);       /* copy of str into buf */
+#endif                                                          /* OC_PURE_C */
+#endif                                                          /* OC_H */
