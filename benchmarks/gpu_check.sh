@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one go (< 8 minutes on an H200): installs this
+# checkout, runs every GPU test (tests/gpu) against the installed package, then
+# the gain benchmark. Logs and results go to $OUT, flat, 8 files: summary.txt,
+# install.log, status.txt, gpu_tests.log, gain.log, gain.json, gain.md, gain.png.
+#
+#   OUT=/tmp/out bash benchmarks/gpu_check.sh
+set -u
+OUT="${OUT:-$PWD/gpu-check-out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python}"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+if ! "$PY" -c "import torch" >> "$SUMMARY" 2>&1; then
+    note "torch is not importable (error above)"
+    exit 1
+fi
+"$PY" - >> "$SUMMARY" 2>&1 <<'EOF'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda,
+      "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+EOF
+note "nvidia-smi: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1)"
+
+# Installed, not in place: the hook file only exists in an installed package.
+if ! timeout 240 "$PY" -m pip install -q --no-deps --force-reinstall . > "$OUT/install.log" 2>&1; then
+    note "pip install . failed: see install.log"
+    exit 1
+fi
+note "installed: $("$PY" -c 'import _outofcuda; print(_outofcuda.__file__)' 2>&1)"
+"$PY" -m outofcuda status > "$OUT/status.txt" 2>&1
+note "outofcuda status exit $?"
+
+rc=0
+# From a folder outside the checkout so `import outofcuda` is the installed one.
+TESTS="$PWD/tests/gpu"
+if [ -d "$TESTS" ]; then
+    (cd "$OUT" && timeout 200 "$PY" -m pytest "$TESTS" -q -p no:cacheprovider \
+        > "$OUT/gpu_tests.log" 2>&1)
+    t=$?
+    note "gpu tests exit $t: $(tail -1 "$OUT/gpu_tests.log")"
+    [ "$t" -ne 0 ] && rc=1
+else
+    note "no tests/gpu folder"
+fi
+
+timeout 300 "$PY" benchmarks/gain.py --out "$OUT" --timeout 120 > "$OUT/gain.log" 2>&1
+g=$?
+note "gain benchmark exit $g (table: gain.md, data: gain.json, chart: gain.png if matplotlib)"
+[ "$g" -ne 0 ] && rc=1
+grep -E "^\| (gpt|cnn|mlp)" "$OUT/gain.md" 2>/dev/null | head -30 >> "$SUMMARY"
+exit $rc
