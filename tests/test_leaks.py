@@ -18,7 +18,7 @@ MAX_GC_OBJECTS = 20
 MAX_BLOCKS = 200
 MAX_RSS_BYTES = 1 << 20
 
-CHILD = r"""
+CHILD_TEMPLATE = r"""
 import gc, json, os, sys, tempfile, warnings
 warnings.simplefilter("ignore")          # the no-GPU RuntimeWarning of MemoryMonitor, once
 import torch, _outofcuda, outofcuda
@@ -96,7 +96,8 @@ out["_env_refcount"] = sys.getrefcount(env)
 out["_meta_path_growth"] = len(sys.meta_path) - meta_len
 os.unlink(src.name)
 print(json.dumps(out))
-""".replace("CALLS", str(CALLS))
+"""
+CHILD = CHILD_TEMPLATE.replace("CALLS", str(CALLS))
 
 
 @pytest.fixture(scope="module")
