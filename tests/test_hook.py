@@ -73,7 +73,7 @@ def test_dev_mode_with_warnings_as_errors_is_silent(venv, workdir):
 def test_pth_and_start_files_are_constant_and_short(venv):
     pth = (venv.site / "outofcuda_hook.pth").read_text()
     start = (venv.site / "outofcuda_hook.start").read_text()
-    assert pth.count("\n") == 1 and pth.startswith("import os;")
+    assert pth.count("\n") == 1 and pth.startswith("import sys;")
     assert len(pth) < 300
     assert start.strip() == "_outofcuda:install"
 
