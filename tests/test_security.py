@@ -209,9 +209,17 @@ def test_pth_and_start_are_constant_and_short(venv, wheel):
     for c in calls:
         assert all(isinstance(a, ast.Constant) for a in c.args), ast.dump(c)
         code = c.args[0].value
-        assert "environ" not in code and "open(" not in code and "import _outofcuda" in code
+        assert "open(" not in code and "import _outofcuda" in code
+        # The guard reads one variable, by a constant name, as data.
+        inner = ast.parse(code)
+        reads = [n for n in ast.walk(inner) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Attribute) and n.func.attr in ("getenv", "get")]
+        assert all(isinstance(r.args[0], ast.Constant) and r.args[0].value == "OUTOFCUDA_DISABLE"
+                   for r in reads)
+        assert not any(isinstance(n, ast.Name) and n.id in ("eval", "exec", "compile")
+                       for n in ast.walk(inner))
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert imported <= {"os"}
+    assert imported <= {"os", "sys"}
     # The wheel's RECORD vouches for exactly these bytes.
     with zipfile.ZipFile(wheel) as zf:
         record = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD")))
