@@ -5,9 +5,21 @@ applies the optimisations. This module is for people who want to look
 (:func:`status`) or to do more (the API below). Importing it changes nothing the
 hook did, imports no torch and never initialises CUDA.
 """
-from ._native import core as _core
+try:
+    from ._native import core as _core
+except ImportError as _exc:  # the extension is missing or damaged
+    # `import outofcuda` still works so that the command line can explain;
+    # every function that needs the core raises this error.
+    _core = None
+    _core_error = _exc
 
-__version__ = _core.__version__
+__version__ = _core.__version__ if _core is not None else "unknown"
+
+
+def _need_core():
+    if _core is None:
+        raise ImportError(str(_core_error)) from _core_error
+    return _core
 
 __all__ = [
     "status",
@@ -47,12 +59,12 @@ def status():
     >>> outofcuda.status()["optimizations"]["tf32"]["applied"]
     True
     """
-    return _core.status()
+    return _need_core().status()
 
 
 def config():
     """The ``OUTOFCUDA_*`` settings as read from the environment (a dict)."""
-    return _core.config()
+    return _need_core().config()
 
 
 def __getattr__(name):

@@ -258,6 +258,14 @@ static void apply_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
         oc_result_set("tf32", 0, NULL, "OUTOFCUDA_TF32=0: torch's defaults kept");
         return;
     }
+    /* On a CPU-only build the legacy flag still moves torch's float32 matmul
+     * precision to "high", which made CPU matmuls slower here: no gain, only
+     * harm. */
+    if (!tv.cuda_build) {
+        oc_result_set("tf32", 0, NULL,
+                      "this torch build has no CUDA (TF32 would only slow CPU matmuls)");
+        return;
+    }
     if (override != NULL && strcmp(override, "0") == 0) {
         oc_result_set("tf32", 0, NULL, "NVIDIA_TF32_OVERRIDE=0 asks for no TF32");
         return;

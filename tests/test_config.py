@@ -123,7 +123,7 @@ def test_bad_environment_values_end_to_end(venv, workdir):
     r = venv.run("""
 import torch, _outofcuda, json
 print(json.dumps(_outofcuda.status()))
-print(torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32)
+print(torch.backends.cudnn.benchmark, torch.backends.cuda.flash_sdp_enabled())
 """, env={"OUTOFCUDA_MEMORY_FRACTION": "1.7", "OUTOFCUDA_TF32": "maybe",
           "OUTOFCUDA_NUM_WORKERS": "x" * 10240}, cwd=workdir)
     assert r.returncode == 0, r.stderr
@@ -135,4 +135,4 @@ print(torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32)
     assert len(st["config_warnings"]) == 3
     # The defaults were used and nothing else was skipped.
     assert r.stdout.splitlines()[1] == "True True"
-    assert st["optimizations"]["tf32"]["applied"] and st["optimizations"]["sdpa"]["applied"]
+    assert st["optimizations"]["cudnn_benchmark"]["applied"] and st["optimizations"]["sdpa"]["applied"]

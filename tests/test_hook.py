@@ -241,9 +241,11 @@ def test_damaged_extension_never_breaks_start_up(venv, workdir, damage):
             so.write_bytes(so.read_bytes()[:100])
         r = venv.check("import torch; print(torch.ones(2).sum().item())", cwd=workdir)
         assert r.stdout.strip() == "2.0" and r.stderr == ""
-        r = venv.run("import outofcuda", cwd=workdir)
+        r = venv.run("import outofcuda; outofcuda.status()", cwd=workdir)
         assert r.returncode == 1
         assert "reinstall outofcuda" in r.stderr
+        r = venv.run(None, args=("-m", "outofcuda", "doctor"), cwd=workdir)
+        assert r.returncode == 1 and "reinstall outofcuda" in r.stderr
     finally:
         shutil.copy2(backup, so)
 
