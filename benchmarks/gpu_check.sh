@@ -25,7 +25,8 @@ EOF
 note "nvidia-smi: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1)"
 
 # Installed, not in place: the hook file only exists in an installed package.
-if ! timeout 240 "$PY" -m pip install -q --no-deps --force-reinstall . > "$OUT/install.log" 2>&1; then
+# No network there: build with the setuptools already installed.
+if ! timeout 240 "$PY" -m pip install -q --no-deps --no-build-isolation --force-reinstall . > "$OUT/install.log" 2>&1; then
     note "pip install . failed: see install.log"
     exit 1
 fi
@@ -37,7 +38,7 @@ rc=0
 # From a folder outside the checkout so `import outofcuda` is the installed one.
 TESTS="$PWD/tests/gpu"
 if [ -d "$TESTS" ]; then
-    (cd "$OUT" && timeout 200 "$PY" -m pytest "$TESTS" -q -p no:cacheprovider \
+    (cd "$OUT" && OUTOFCUDA_TEST_PYTHON="$(command -v "$PY")" timeout 200 "$PY" -m pytest "$TESTS" -q -p no:cacheprovider \
         > "$OUT/gpu_tests.log" 2>&1)
     t=$?
     note "gpu tests exit $t: $(tail -1 "$OUT/gpu_tests.log")"

@@ -59,12 +59,18 @@ def base_venv(tmp_path_factory):
 
 
 class Venv:
-    def __init__(self, path):
+    def __init__(self, path, python=None):
         self.path = Path(path)
-        self.python = self.path / "bin" / "python"
+        self.python = Path(python) if python else self.path / "bin" / "python"
         out = subprocess.run([str(self.python), "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
                              check=True, capture_output=True, text=True)
         self.site = Path(out.stdout.strip())
+
+    @classmethod
+    def from_python(cls, python):
+        prefix = subprocess.run([python, "-c", "import sys; print(sys.prefix)"], check=True,
+                                capture_output=True, text=True).stdout.strip()
+        return cls(prefix, python)
 
     def run(self, code="", *, env=None, args=(), cwd=None, timeout=120, input=None):
         """Runs `python [args] -c code` in a fresh interpreter, clean environment."""
@@ -81,9 +87,18 @@ class Venv:
 
 
 @pytest.fixture(scope="session")
-def venv(base_venv, wheel):
+def venv(request):
     """The base environment with the built wheel installed (re-installed once
-    per session, so a reused environment always holds this checkout's build)."""
+    per session, so a reused environment always holds this checkout's build).
+
+    OUTOFCUDA_TEST_PYTHON names an interpreter that already has outofcuda and a
+    CUDA torch installed (the GPU machine, which cannot download torch): then
+    that one is used as it is."""
+    given = os.environ.get("OUTOFCUDA_TEST_PYTHON")
+    if given:
+        return Venv.from_python(given)
+    base_venv = request.getfixturevalue("base_venv")
+    wheel = request.getfixturevalue("wheel")
     _pip(base_venv / "bin" / "python", "install", "--force-reinstall", "--no-deps", str(wheel))
     return Venv(base_venv)
 
