@@ -14,9 +14,29 @@ ROOT = Path(__file__).resolve().parent.parent
 TORCH_SPEC = os.environ.get("OUTOFCUDA_TEST_TORCH", "torch==2.13.0")
 
 
+# OUTOFCUDA_SANITIZE=1: the wheel is built with AddressSanitizer and
+# UndefinedBehaviorSanitizer and every scenario interpreter runs with the ASan
+# runtime preloaded (Python itself is not instrumented) and PYTHONMALLOC=malloc
+# so ASan sees Python's allocations. Leak detection stays off: torch and
+# CPython keep allocations until exit by design.
+SANITIZE = os.environ.get("OUTOFCUDA_SANITIZE") == "1"
+
+
+def _sanitizer_env():
+    runtime = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True,
+                             text=True).stdout.strip()
+    return {
+        "LD_PRELOAD": runtime,
+        "PYTHONMALLOC": "malloc",
+        "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1:exitcode=86:detect_stack_use_after_return=0",
+        "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1:exitcode=87",
+    }
+
+
 def _clean_env(extra=None):
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OUTOFCUDA_", "PYTORCH_", "PYTHON", "NVIDIA_TF32", "LOCAL_RANK"))}
+           if not k.startswith(("OUTOFCUDA_", "PYTORCH_", "PYTHON", "NVIDIA_TF32", "LOCAL_RANK",
+                                "ASAN_", "UBSAN_", "LD_PRELOAD"))}
     env["PYTHONUNBUFFERED"] = "1"
     if extra:
         env.update({k: v for k, v in extra.items() if v is not None})
@@ -24,8 +44,10 @@ def _clean_env(extra=None):
 
 
 def _pip(python, *args):
+    # Once a sanitizer build is installed, its hook loads in every interpreter
+    # of that environment, pip's included: the runtime must be preloaded.
     subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", "-q", *args],
-                   check=True, env=_clean_env())
+                   check=True, env=_clean_env(_sanitizer_env() if SANITIZE else None))
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +61,7 @@ def wheel(tmp_path_factory):
         ".git", "build", "dist", "*.egg-info", "*.so", ".venv*", "__pycache__", ".pytest_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                     "--no-build-isolation", "-w", str(out), str(src)],
-                   check=True, env=_clean_env())
+                   check=True, env=_clean_env({"OUTOFCUDA_SANITIZE": "1" if SANITIZE else None}))
     (whl,) = out.glob("outofcuda-*.whl")
     return whl
 
@@ -63,7 +85,8 @@ class Venv:
         self.path = Path(path)
         self.python = Path(python) if python else self.path / "bin" / "python"
         out = subprocess.run([str(self.python), "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True)
+                             check=True, capture_output=True, text=True,
+                             env=_clean_env(_sanitizer_env() if SANITIZE else None))
         self.site = Path(out.stdout.strip())
 
     @classmethod
@@ -77,7 +100,8 @@ class Venv:
         cmd = [str(self.python), *args]
         if code is not None:
             cmd += ["-c", textwrap.dedent(code)]
-        return subprocess.run(cmd, env=_clean_env(env), cwd=cwd, capture_output=True,
+        full = dict(_sanitizer_env(), **(env or {})) if SANITIZE else env
+        return subprocess.run(cmd, env=_clean_env(full), cwd=cwd, capture_output=True,
                               text=True, timeout=timeout, input=input)
 
     def check(self, code, **kw):

@@ -302,3 +302,22 @@ def test_no_torch_scenario_with_leak_detection(san, tmp_path):
     """, env={"ASAN_OPTIONS": "detect_leaks=1:halt_on_error=1:exitcode=86",
               "OUTOFCUDA_TF32": "maybe"}, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-6000:]
+
+
+def test_core_suites_under_sanitizers(tmp_path):
+    """The C-heavy test files (hook and watcher on real torch, release gating
+    over every release, configuration) rerun whole against the sanitizer build, every scenario
+    interpreter with the ASan runtime preloaded (tests/conftest.py,
+    OUTOFCUDA_SANITIZE=1). The other files run against the normal build."""
+    if os.environ.get("OUTOFCUDA_SANITIZE") == "1":
+        pytest.skip("already running under the sanitizer build")
+    env = _clean_env({"OUTOFCUDA_SANITIZE": "1",
+                      "OUTOFCUDA_TEST_VENV": str(tmp_path / "venv"),
+                      "PYTHONDONTWRITEBYTECODE": "1"})
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/test_hook.py", "tests/test_gating.py", "tests/test_config.py",
+                        "-k", "not collect_env"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    tail = "\n".join(r.stdout.splitlines()[-15:])
+    assert r.returncode == 0, tail + r.stderr[-3000:]
+    assert " passed" in tail and "failed" not in tail
