@@ -102,13 +102,7 @@ def _nvml_index(device):
                     return d["index"], d
         except Exception:  # noqa: BLE001 - a figure, never a failure
             pass
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    index = device
-    if visible is not None:
-        parts = [p.strip() for p in visible.split(",") if p.strip()]
-        if not all(p.isdigit() for p in parts) or device >= len(parts):
-            return None, None
-        index = int(parts[device])
+    index = core.nvml_index(device)
     for d in devices:
         if d["index"] == index:
             return index, d

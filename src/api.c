@@ -5,7 +5,6 @@
  * asked once torch.cuda.is_initialized() says CUDA is already up. */
 #include "oc.h"
 
-#include <ctype.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,65 +16,6 @@
  * prefetch_factor batches of images exhaust anything this small ("bus error"
  * or "unable to write to file </torch_...>"). */
 #define OC_SHM_MIN_BYTES (512ULL * 1024 * 1024)
-#define OC_MAX_DEVICES 64
-
-/* ---- device numbering ---- */
-
-/* Writes the NVML index of each device CUDA shows this process, in torch's
- * order, into map. Returns how many, or -1 without NVML. CUDA_VISIBLE_DEVICES
- * as indices or GPU-UUID prefixes is honoured; CUDA stops at the first entry
- * it cannot resolve, and so does this. (CUDA's default FASTEST_FIRST order
- * equals NVML's PCI order on machines with one GPU model.) */
-static int visible_map(int *map, int max)
-{
-    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
-    int n = oc_nvml_device_count(), count = 0;
-    if (n < 0)
-        return -1;
-    if (vis == NULL) {
-        for (int i = 0; i < n && i < max; i++)
-            map[count++] = i;
-        return count;
-    }
-    while (*vis && count < max) {
-        char entry[100];
-        size_t len = strcspn(vis, ",");
-        size_t a = 0, b = len;
-        int found = -1;
-        while (a < b && isspace((unsigned char)vis[a]))
-            a++;
-        while (b > a && isspace((unsigned char)vis[b - 1]))
-            b--;
-        if (b - a == 0 || b - a >= sizeof entry)
-            break;
-        memcpy(entry, vis + a, b - a);
-        entry[b - a] = '\0';
-        if (isdigit((unsigned char)entry[0])) {
-            char *end;
-            long x = strtol(entry, &end, 10);
-            if (*end == '\0' && x >= 0 && x < n)
-                found = (int)x;
-        } else if (strncmp(entry, "GPU-", 4) == 0) {
-            for (int i = 0; i < n && found < 0; i++) {
-                oc_gpu_info g;
-                if (oc_nvml_device_info(i, &g) == 0 && strncmp(g.uuid, entry, strlen(entry)) == 0)
-                    found = i;
-            }
-        }
-        if (found < 0)
-            break;
-        map[count++] = found;
-        vis += len + (vis[len] == ',' ? 1 : 0);
-    }
-    return count;
-}
-
-int oc_api_nvml_index(int torch_index)
-{
-    int map[OC_MAX_DEVICES];
-    int n = visible_map(map, OC_MAX_DEVICES);
-    return (torch_index >= 0 && torch_index < n) ? map[torch_index] : -1;
-}
 
 /* ---- torch's allocator, only when CUDA is already initialised ---- */
 
@@ -147,7 +87,7 @@ static long long total_reserved(PyObject *cuda)
     long long sum = 0;
     Py_XDECREF(r);
     PyErr_Clear();
-    for (long i = 0; i < n && i < OC_MAX_DEVICES; i++) {
+    for (long i = 0; i < n && i < OC_NVML_MAX_DEVICES; i++) {
         oc_torch_mem m;
         if (oc_api_torch_stats((int)i, &m))
             sum += m.reserved;
@@ -189,20 +129,6 @@ int oc_api_clear_cache(long long *released)
 
 /* ---- autocast dtype ---- */
 
-/* Lowest compute capability (major*10+minor) among visible GPUs; -1 unknown. */
-static int min_visible_cc(void)
-{
-    int map[OC_MAX_DEVICES], n = visible_map(map, OC_MAX_DEVICES), best = -1;
-    for (int i = 0; i < n; i++) {
-        oc_gpu_info g;
-        if (oc_nvml_device_info(map[i], &g) != 0 || g.cc_major < 0)
-            return -1;
-        if (best < 0 || g.cc_major * 10 + g.cc_minor < best)
-            best = g.cc_major * 10 + g.cc_minor;
-    }
-    return best;
-}
-
 /* The dtype the start-up hook chose for CUDA (borrowed str) or NULL. */
 static PyObject *hook_amp_choice(void)
 {
@@ -242,7 +168,7 @@ static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
     hook = hook_amp_choice();
     if (hook != NULL)
         return Py_BuildValue("(Os)", hook, "the start-up hook's choice");
-    cc = min_visible_cc();
+    cc = oc_nvml_min_visible_cc();
     if (cc < 0)
         return Py_BuildValue("(ss)", "float16",
                              "compute capability unknown; float16 runs on every GPU");
@@ -365,13 +291,13 @@ static double gb(unsigned long long bytes)
 /* _api_memory_report() -> {"cuda:N": {...}}; {} without a GPU or NVML. */
 static PyObject *py_memory_report(PyObject *self, PyObject *unused)
 {
-    int map[OC_MAX_DEVICES], n;
+    int map[OC_NVML_MAX_DEVICES], n;
     PyObject *report = PyDict_New();
     (void)self;
     (void)unused;
     if (report == NULL)
         return NULL;
-    n = visible_map(map, OC_MAX_DEVICES);
+    n = oc_nvml_visible_map(map, OC_NVML_MAX_DEVICES);
     for (int t = 0; t < n; t++) {
         oc_gpu_info g;
         oc_torch_mem m;

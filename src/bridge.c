@@ -5,7 +5,6 @@
  * and records why it was applied or skipped. */
 #include "oc.h"
 
-#include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -437,50 +436,6 @@ static void apply_memory_fraction(const oc_config *cfg, PyObject *torch)
 
 /* ---- autocast dtype ---- */
 
-/* Lowest compute capability (major*10+minor) among the GPUs this process may
- * see; -1 when unknown. CUDA_VISIBLE_DEVICES as indices narrows the set. */
-static int visible_min_cc(char *why, size_t whysz)
-{
-    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
-    int n = oc_nvml_device_count(), best = -1;
-    if (!oc_nvml_available(why, whysz) || n <= 0) {
-        if (n == 0)
-            snprintf(why, whysz, "NVML reports no GPU");
-        return -1;
-    }
-    for (int i = 0; i < n; i++) {
-        oc_gpu_info g;
-        if (vis != NULL) {
-            /* Only plain index lists are matched; UUID or MIG lists fall back
-             * to every GPU, the safe (lowest) answer. */
-            int listed = 0, all_digits = 1;
-            for (const char *p = vis; *p; p++)
-                if (!(isdigit((unsigned char)*p) || *p == ',' || *p == ' '))
-                    all_digits = 0;
-            if (all_digits) {
-                for (const char *p = vis; *p;) {
-                    char *end;
-                    long x = strtol(p, &end, 10);
-                    if (end == p)
-                        break;
-                    if (x == i)
-                        listed = 1;
-                    p = (*end == ',') ? end + 1 : end;
-                }
-                if (!listed)
-                    continue;
-            }
-        }
-        if (oc_nvml_device_info(i, &g) != 0 || g.cc_major < 0)
-            continue;
-        if (best < 0 || g.cc_major * 10 + g.cc_minor < best)
-            best = g.cc_major * 10 + g.cc_minor;
-    }
-    if (best < 0)
-        snprintf(why, whysz, "no visible GPU reported a compute capability");
-    return best;
-}
-
 static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
 {
     char why[200] = "", reason[300];
@@ -492,7 +447,9 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
         return;
     }
     if (cfg->amp_dtype == OC_AMP_AUTO) {
-        cc = visible_min_cc(why, sizeof why);
+        cc = oc_nvml_available(why, sizeof why) ? oc_nvml_min_visible_cc() : -1;
+        if (cc < 0 && why[0] == '\0')
+            snprintf(why, sizeof why, "no visible GPU reported a compute capability");
         if (cc < 0) {
             oc_result_setf("amp_dtype", 0, NULL, "compute capability unknown: %s", why);
             return;

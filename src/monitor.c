@@ -370,7 +370,7 @@ static PyObject *py_monitor_start(PyObject *self, PyObject *args)
         free(m);
         return NULL;
     }
-    m->nvml_index = m->source[0] ? 0 : oc_api_nvml_index(device);
+    m->nvml_index = m->source[0] ? 0 : oc_nvml_index(device);
     if (m->nvml_index < 0) {
         char why[200] = "";
         if (!oc_nvml_available(why, sizeof why))

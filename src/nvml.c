@@ -3,9 +3,11 @@
  * nothing here can create one. The prototypes are declared by hand. */
 #include "oc.h"
 
+#include <ctype.h>
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef int nvml_return;
@@ -175,6 +177,78 @@ int oc_nvml_processes(int index, oc_gpu_proc *out, int max)
     return (int)n < max ? (int)n : max;
 }
 
+/* ---- CUDA's device numbering in NVML's terms ---- */
+
+/* Writes the NVML index of each device CUDA shows this process, in torch's
+ * order, into map. Returns how many, or -1 without NVML. CUDA_VISIBLE_DEVICES
+ * as indices or GPU-UUID prefixes is honoured; CUDA stops at the first entry
+ * it cannot resolve, and so does this. (CUDA's default FASTEST_FIRST order
+ * equals NVML's PCI order on machines with one GPU model.) */
+int oc_nvml_visible_map(int *map, int max)
+{
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    int n = oc_nvml_device_count(), count = 0;
+    if (n < 0)
+        return -1;
+    if (vis == NULL) {
+        for (int i = 0; i < n && i < max; i++)
+            map[count++] = i;
+        return count;
+    }
+    while (*vis && count < max) {
+        char entry[100];
+        size_t len = strcspn(vis, ",");
+        size_t a = 0, b = len;
+        int found = -1;
+        while (a < b && isspace((unsigned char)vis[a]))
+            a++;
+        while (b > a && isspace((unsigned char)vis[b - 1]))
+            b--;
+        if (b - a == 0 || b - a >= sizeof entry)
+            break;
+        memcpy(entry, vis + a, b - a);
+        entry[b - a] = '\0';
+        if (isdigit((unsigned char)entry[0])) {
+            char *end;
+            long x = strtol(entry, &end, 10);
+            if (*end == '\0' && x >= 0 && x < n)
+                found = (int)x;
+        } else if (strncmp(entry, "GPU-", 4) == 0) {
+            for (int i = 0; i < n && found < 0; i++) {
+                oc_gpu_info g;
+                if (oc_nvml_device_info(i, &g) == 0 && strncmp(g.uuid, entry, strlen(entry)) == 0)
+                    found = i;
+            }
+        }
+        if (found < 0)
+            break;
+        map[count++] = found;
+        vis += len + (vis[len] == ',' ? 1 : 0);
+    }
+    return count;
+}
+
+int oc_nvml_index(int torch_index)
+{
+    int map[OC_NVML_MAX_DEVICES];
+    int n = oc_nvml_visible_map(map, OC_NVML_MAX_DEVICES);
+    return (torch_index >= 0 && torch_index < n) ? map[torch_index] : -1;
+}
+
+/* Lowest compute capability (major*10+minor) among visible GPUs; -1 unknown. */
+int oc_nvml_min_visible_cc(void)
+{
+    int map[OC_NVML_MAX_DEVICES], n = oc_nvml_visible_map(map, OC_NVML_MAX_DEVICES), best = -1;
+    for (int i = 0; i < n; i++) {
+        oc_gpu_info g;
+        if (oc_nvml_device_info(map[i], &g) != 0 || g.cc_major < 0)
+            return -1;
+        if (best < 0 || g.cc_major * 10 + g.cc_minor < best)
+            best = g.cc_major * 10 + g.cc_minor;
+    }
+    return best;
+}
+
 /* nvml_devices() -> (list of dicts, reason or None). Never creates a CUDA
  * context; an empty list with a reason where there is no driver. */
 static PyObject *py_nvml_devices(PyObject *self, PyObject *unused)
@@ -235,7 +309,24 @@ static PyObject *py_nvml_processes(PyObject *self, PyObject *arg)
     return list;
 }
 
+/* nvml_index(torch_index) -> NVML's index of torch's cuda:N, or None. */
+static PyObject *py_nvml_index(PyObject *self, PyObject *arg)
+{
+    long index = PyLong_AsLong(arg);
+    int found;
+    (void)self;
+    if (index == -1 && PyErr_Occurred())
+        return NULL;
+    found = (index >= 0 && index < OC_NVML_MAX_DEVICES) ? oc_nvml_index((int)index) : -1;
+    if (found < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLong(found);
+}
+
 PyMethodDef oc_nvml_methods[] = {
+    {"nvml_index", py_nvml_index, METH_O,
+     "nvml_index(torch_index)\n--\n\nNVML's index of torch's cuda:N (CUDA_VISIBLE_DEVICES "
+     "applied), or None."},
     {"nvml_devices", py_nvml_devices, METH_NOARGS,
      "nvml_devices()\n--\n\n(devices, reason): every GPU NVML reports, without a CUDA context."},
     {"nvml_processes", py_nvml_processes, METH_O,

@@ -167,6 +167,12 @@ typedef struct {
     unsigned long long used;
 } oc_gpu_proc;
 int oc_nvml_processes(int index, oc_gpu_proc *out, int max); /* count or -1 */
+#define OC_NVML_MAX_DEVICES 64
+/* NVML indices of the devices CUDA shows this process, in torch's order
+ * (CUDA_VISIBLE_DEVICES as indices or GPU-UUID prefixes). Count or -1. */
+int oc_nvml_visible_map(int *map, int max);
+int oc_nvml_index(int torch_index); /* NVML index of torch's cuda:N, or -1 */
+int oc_nvml_min_visible_cc(void);   /* lowest major*10+minor of those, or -1 */
 extern PyMethodDef oc_nvml_methods[];
 
 /* oom.c */
@@ -178,8 +184,6 @@ extern PyMethodDef oc_api_methods[];
 typedef struct {
     long long allocated, reserved, peak_allocated;
 } oc_torch_mem;
-/* NVML index of torch's cuda:N, or -1. */
-int oc_api_nvml_index(int torch_index);
 /* 1 filled, 0 when torch has not initialised CUDA (nothing is asked then). */
 int oc_api_torch_stats(int torch_index, oc_torch_mem *out);
 /* gc.collect (if configured) + empty_cache; 0 ok, -1 with an exception set. */
