@@ -247,9 +247,15 @@ static PyObject *finder_find_spec(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"fullname", "path", "target", NULL};
     PyObject *name, *path = Py_None, *target = Py_None, *spec, *loader, *proxy;
+    PyObject *first = PyTuple_Size(args) > 0 ? PyTuple_GetItem(args, 0) : NULL;
+    /* Every import of the process passes here (importlib calls positionally):
+     * answer "not torch" before any argument parsing. */
+    if (oc_g.fired || (first != NULL && PyUnicode_Check(first) &&
+                       PyUnicode_CompareWithASCIIString(first, "torch") != 0))
+        Py_RETURN_NONE;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "U|OO:find_spec", kwlist, &name, &path, &target))
         return NULL;
-    if (oc_g.fired || PyUnicode_CompareWithASCIIString(name, "torch") != 0)
+    if (PyUnicode_CompareWithASCIIString(name, "torch") != 0)
         Py_RETURN_NONE;
     if (guard_enter())
         Py_RETURN_NONE;
