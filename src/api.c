@@ -23,10 +23,8 @@
  * else NULL with no exception: asking earlier would initialise CUDA. */
 static PyObject *initialised_torch_cuda(void)
 {
-    PyObject *name = PyUnicode_FromString("torch");
-    PyObject *torch = name ? PyImport_GetModule(name) : NULL;
+    PyObject *torch = oc_sys_module("torch");
     PyObject *cuda = NULL, *r = NULL;
-    Py_XDECREF(name);
     if (torch == NULL)
         goto error;
     cuda = PyObject_GetAttrString(torch, "cuda");

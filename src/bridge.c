@@ -362,11 +362,7 @@ static PyObject *fraction_callback(PyObject *self, PyObject *unused)
     long rank = local_rank(), count = 0, device = 0;
     (void)self;
     (void)unused;
-    {
-        PyObject *name = PyUnicode_FromString("torch");
-        torch = name ? PyImport_GetModule(name) : NULL;
-        Py_XDECREF(name);
-    }
+    torch = oc_sys_module("torch");
     c_mod = torch ? PyObject_GetAttrString(torch, "_C") : NULL;
     if (c_mod == NULL)
         goto error;
@@ -508,15 +504,6 @@ static void record_allocator(PyObject *torch)
     Py_XDECREF(v);
 }
 
-static void skip_all(const char *reason)
-{
-    static const char *const names[] = {"tf32",      "cudnn_benchmark", "cudnn_deterministic",
-                                        "allocator", "memory_fraction", "sdpa",
-                                        "amp_dtype", "oom_handler"};
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        oc_result_set(names[i], 0, NULL, reason);
-}
-
 void oc_bridge_after_torch(PyObject *torch)
 {
     const oc_config *cfg = oc_config_get();
@@ -530,7 +517,7 @@ void oc_bridge_after_torch(PyObject *torch)
     }
     PyErr_Clear();
     if (cfg->disable) {
-        skip_all("outofcuda is disabled (OUTOFCUDA_DISABLE)");
+        oc_result_set_all("outofcuda is disabled (OUTOFCUDA_DISABLE)");
         return;
     }
     if (!oc_g.prepared || !tv.known)
@@ -540,7 +527,7 @@ void oc_bridge_after_torch(PyObject *torch)
         /* A `torch.py` of the user's own (or a stub) is not PyTorch: that is
          * no failure of outofcuda's, so no warning, only the record. */
         PyErr_Clear();
-        skip_all("the imported `torch` is not PyTorch (it has no torch._C)");
+        oc_result_set_all("the imported `torch` is not PyTorch (it has no torch._C)");
         return;
     }
     apply_tf32(cfg, torch, c_mod);

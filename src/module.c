@@ -72,6 +72,16 @@ const oc_config *oc_config_get(void)
     return &oc_g.cfg;
 }
 
+PyObject *oc_sys_module(const char *name)
+{
+    PyObject *key = PyUnicode_FromString(name);
+    PyObject *mod = key ? PyImport_GetModule(key) : NULL;
+    Py_XDECREF(key);
+    if (mod == NULL)
+        PyErr_Clear();
+    return mod;
+}
+
 PyObject *oc_getattr_chain(PyObject *obj, const char *dotted)
 {
     char part[128];

@@ -147,6 +147,7 @@ void oc_bridge_after_torch(PyObject *torch);
 /* report.c */
 int oc_result_set(const char *name, int applied, PyObject *value, const char *reason);
 int oc_result_setf(const char *name, int applied, PyObject *value, const char *fmt, ...);
+void oc_result_set_all(const char *reason); /* every optimisation skipped for reason */
 PyObject *oc_status(PyObject *self, PyObject *unused);
 void oc_report_verbose(void);
 extern PyMethodDef oc_report_methods[];
@@ -193,7 +194,9 @@ int oc_api_clear_cache(long long *released);
 int oc_monitor_add_type(PyObject *module);
 
 /* small helpers (module.c) */
-PyObject *oc_getattr_chain(PyObject *obj, const char *dotted);  /* new ref or NULL, no exception */
+PyObject *oc_getattr_chain(PyObject *obj, const char *dotted);
+/* sys.modules[name] (new ref), or NULL with no exception: never imports. */
+PyObject *oc_sys_module(const char *name);                      /* new ref or NULL, no exception */
 int oc_call_bool(PyObject *owner, const char *name, int value); /* 1 called, 0 missing, -1 error */
 const char *oc_utf8(PyObject *str, char *buf, size_t sz);       /* copy of str into buf */
 #endif                                                          /* OC_PURE_C */

@@ -36,16 +36,6 @@ static struct {
     char snapshot_error[300];
 } seen = {0, 0.0, -1, 0, 0, 0, NULL, -1, 0, ""};
 
-static PyObject *torch_module(void)
-{
-    PyObject *name = PyUnicode_FromString("torch");
-    PyObject *torch = name ? PyImport_GetModule(name) : NULL;
-    Py_XDECREF(name);
-    if (torch == NULL)
-        PyErr_Clear();
-    return torch;
-}
-
 /* Copies the current exception's text into buf and clears it. */
 static void take_error(char *buf, size_t sz, const char *what)
 {
@@ -127,7 +117,7 @@ static PyObject *oom_observer(PyObject *self, PyObject *args)
     seen.snapshot_written = 0;
     seen.snapshot_error[0] = '\0';
     Py_CLEAR(seen.stats);
-    torch = torch_module();
+    torch = oc_sys_module("torch");
     if (torch == NULL)
         goto done;
     {
@@ -190,7 +180,7 @@ static int start_history(PyObject *torch)
  * initialised, hence the deferral. */
 static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
 {
-    PyObject *torch = torch_module(), *attach = NULL, *obs = NULL, *r = NULL;
+    PyObject *torch = oc_sys_module("torch"), *attach = NULL, *obs = NULL, *r = NULL;
     (void)self;
     (void)unused;
     if (torch == NULL)
@@ -351,11 +341,7 @@ static int package_beside_extension(void)
     char ext_dir[PATH_MAX], want[PATH_MAX + 32], got[PATH_MAX];
     char *slash;
     int ok = 0;
-    {
-        PyObject *name = PyUnicode_FromString("_outofcuda");
-        ext = name ? PyImport_GetModule(name) : NULL;
-        Py_XDECREF(name);
-    }
+    ext = oc_sys_module("_outofcuda");
     file = ext ? PyObject_GetAttrString(ext, "__file__") : NULL;
     if (file == NULL || !PyUnicode_Check(file))
         goto error;
@@ -385,10 +371,8 @@ error:
  * here when the program never imported it). Returns 1 when it printed. */
 static int print_report(PyObject *value)
 {
-    PyObject *name = PyUnicode_FromString("outofcuda._oom"), *mod = NULL, *r = NULL;
+    PyObject *mod = oc_sys_module("outofcuda._oom"), *r = NULL;
     int printed = 0;
-    mod = name ? PyImport_GetModule(name) : NULL;
-    PyErr_Clear();
     if (mod == NULL && package_beside_extension())
         mod = PyImport_ImportModule("outofcuda._oom");
     if (mod != NULL)
@@ -397,7 +381,6 @@ static int print_report(PyObject *value)
     PyErr_Clear();
     Py_XDECREF(r);
     Py_XDECREF(mod);
-    Py_XDECREF(name);
     return printed;
 }
 

@@ -29,6 +29,12 @@ int oc_result_set(const char *name, int applied, PyObject *value, const char *re
     return rc;
 }
 
+void oc_result_set_all(const char *reason)
+{
+    for (size_t i = 0; i < N_OPTS; i++)
+        oc_result_set(opt_names[i], 0, NULL, reason);
+}
+
 int oc_result_setf(const char *name, int applied, PyObject *value, const char *fmt, ...)
 {
     char reason[400];

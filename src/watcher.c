@@ -107,13 +107,8 @@ static void fire(PyObject *fallback_module)
         return;
     oc_g.fired = 1;
     /* torch may have replaced itself in sys.modules; prefer that object. */
-    {
-        PyObject *name = PyUnicode_FromString("torch");
-        torch = name ? PyImport_GetModule(name) : NULL;
-        Py_XDECREF(name);
-    }
+    torch = oc_sys_module("torch");
     if (torch == NULL) {
-        PyErr_Clear();
         torch = fallback_module;
         Py_XINCREF(torch);
     }
