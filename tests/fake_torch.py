@@ -16,54 +16,40 @@ BASE_C = {"_set_cublas_allow_tf32", "_get_cublas_allow_tf32", "_set_cudnn_allow_
           # CUDA-build-only names
           "_cuda_setMemoryFraction", "_cuda_getDeviceCount", "_cuda_getDevice",
           "_cuda_attach_out_of_memory_observer"}
+# Allocator keys, each release adding to the one before.
 KEYS_20 = {"max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions", "backend"}
+KEYS_21 = KEYS_20 | {"expandable_segments"}
+KEYS_24 = KEYS_21 | {"release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
+                     "pinned_num_register_threads"}
+KEYS_29 = KEYS_24 | {"max_non_split_rounding_mb", "pinned_use_background_threads",
+                     "graph_capture_record_stream_reuse"}
+KEYS_211 = KEYS_29 | {"large_segment_size_mb", "pinned_reserve_segment_size_mb",
+                      "per_process_memory_fraction"}
+
+LEGACY_SETTER = "_cuda_cudaCachingAllocator_set_allocator_settings"  # CUDA builds, until 2.10
+ACCEL_SETTER = "_accelerator_setAllocatorSettings"                    # from 2.9
+CUDA_ONLY_VAR = ("PYTORCH_CUDA_ALLOC_CONF",)
+VARS_211 = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def _release(c, keys, modern, env, warns=frozenset()):
+    # modern: 2.4+ (set_autocast_dtype, annotated version.py)
+    return dict(c=BASE_C | c, keys=keys, autocast_new=modern, annotated_version=modern,
+                warns=set(warns), env=env)
+
 
 RELEASES = {
-    "2.0.0": dict(c=BASE_C | {"_cuda_cudaCachingAllocator_set_allocator_settings"},
-                  keys=KEYS_20, autocast_new=False, annotated_version=False,
-                  warns=set(), env=("PYTORCH_CUDA_ALLOC_CONF",)),
-    "2.1.0": dict(c=BASE_C | {"_cuda_cudaCachingAllocator_set_allocator_settings"},
-                  keys=KEYS_20 | {"expandable_segments"}, autocast_new=False,
-                  annotated_version=False, warns=set(), env=("PYTORCH_CUDA_ALLOC_CONF",)),
-    "2.4.0": dict(c=BASE_C | {"_set_sdp_use_cudnn", "_cuda_cudaCachingAllocator_set_allocator_settings"},
-                  keys=KEYS_20 | {"expandable_segments", "release_lock_on_cudamalloc",
-                                  "pinned_use_cuda_host_register", "pinned_num_register_threads"},
-                  autocast_new=True, annotated_version=True, warns=set(),
-                  env=("PYTORCH_CUDA_ALLOC_CONF",)),
+    "2.0.0": _release({LEGACY_SETTER}, KEYS_20, False, CUDA_ONLY_VAR),
+    "2.1.0": _release({LEGACY_SETTER}, KEYS_21, False, CUDA_ONLY_VAR),
+    "2.4.0": _release({"_set_sdp_use_cudnn", LEGACY_SETTER}, KEYS_24, True, CUDA_ONLY_VAR),
     # 2.9.0 alone warns on the cuDNN TF32 setter and the legacy getters.
-    "2.9.0": dict(c=BASE_C | {"_set_sdp_use_cudnn", "_cuda_cudaCachingAllocator_set_allocator_settings",
-                              "_accelerator_setAllocatorSettings"},
-                  keys=KEYS_20 | {"expandable_segments", "release_lock_on_cudamalloc",
-                                  "pinned_use_cuda_host_register", "pinned_num_register_threads",
-                                  "max_non_split_rounding_mb", "pinned_use_background_threads",
-                                  "graph_capture_record_stream_reuse"},
-                  autocast_new=True, annotated_version=True,
-                  warns={"_set_cudnn_allow_tf32", "_get_cublas_allow_tf32", "_get_cudnn_allow_tf32"},
-                  env=("PYTORCH_CUDA_ALLOC_CONF",)),
-    "2.9.1": dict(c=BASE_C | {"_set_sdp_use_cudnn", "_cuda_cudaCachingAllocator_set_allocator_settings",
-                              "_accelerator_setAllocatorSettings"},
-                  keys=KEYS_20 | {"expandable_segments", "release_lock_on_cudamalloc",
-                                  "pinned_use_cuda_host_register", "pinned_num_register_threads",
-                                  "max_non_split_rounding_mb", "pinned_use_background_threads",
-                                  "graph_capture_record_stream_reuse"},
-                  autocast_new=True, annotated_version=True, warns=set(),
-                  env=("PYTORCH_CUDA_ALLOC_CONF",)),
-    "2.11.0": dict(c=BASE_C | {"_set_sdp_use_cudnn", "_accelerator_setAllocatorSettings"},
-                   keys=KEYS_20 | {"expandable_segments", "release_lock_on_cudamalloc",
-                                   "pinned_use_cuda_host_register", "pinned_num_register_threads",
-                                   "max_non_split_rounding_mb", "pinned_use_background_threads",
-                                   "graph_capture_record_stream_reuse", "large_segment_size_mb",
-                                   "pinned_reserve_segment_size_mb", "per_process_memory_fraction"},
-                   autocast_new=True, annotated_version=True, warns=set(),
-                   env=("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")),
-    "2.14.1": dict(c=BASE_C | {"_set_sdp_use_cudnn", "_accelerator_setAllocatorSettings"},
-                   keys=KEYS_20 | {"expandable_segments", "release_lock_on_cudamalloc",
-                                   "pinned_use_cuda_host_register", "pinned_num_register_threads",
-                                   "max_non_split_rounding_mb", "pinned_use_background_threads",
-                                   "graph_capture_record_stream_reuse", "large_segment_size_mb",
-                                   "pinned_reserve_segment_size_mb", "per_process_memory_fraction"},
-                   autocast_new=True, annotated_version=True, warns=set(),
-                   env=("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")),
+    "2.9.0": _release({"_set_sdp_use_cudnn", LEGACY_SETTER, ACCEL_SETTER}, KEYS_29, True,
+                      CUDA_ONLY_VAR, {"_set_cudnn_allow_tf32", "_get_cublas_allow_tf32",
+                                      "_get_cudnn_allow_tf32"}),
+    "2.9.1": _release({"_set_sdp_use_cudnn", LEGACY_SETTER, ACCEL_SETTER}, KEYS_29, True,
+                      CUDA_ONLY_VAR),
+    "2.11.0": _release({"_set_sdp_use_cudnn", ACCEL_SETTER}, KEYS_211, True, VARS_211),
+    "2.14.1": _release({"_set_sdp_use_cudnn", ACCEL_SETTER}, KEYS_211, True, VARS_211),
 }
 
 _INIT = '''
