@@ -3,12 +3,27 @@ without a GPU. The watchdog's memory source is NVML; where no GPU exists the
 tests feed it from a file (`_source`, "used total process") so the real C
 thread, its threshold logic, its GIL hand-off and its joins all run."""
 import json
+import os
+import random
+import selectors
+import signal
+import subprocess
 import textwrap
+import time
 
 import pytest
 
+from conftest import SANITIZE, _clean_env, _sanitizer_env
+
 PRELUDE = """
-import json, os, sys, threading, time
+import faulthandler, json, os, signal, sys, threading, time
+# A scenario that hangs fails fast with every thread's traceback instead of
+# running into the runner's timeout.
+faulthandler.dump_traceback_later(GUARD_S, exit=True)
+# Ctrl-C behaves the same however the test run was started: a background job
+# without job control inherits SIGINT ignored, and Python then never raises
+# KeyboardInterrupt.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import outofcuda
 from outofcuda import MemoryMonitor
 SRC = sys.argv[1] if len(sys.argv) > 1 else "src.txt"
@@ -19,19 +34,26 @@ def feed(used, total=1000, process=100):
     os.replace(tmp, SRC)
 def tasks():
     return len(os.listdir("/proc/self/task"))
-def wait_for(pred, timeout=5.0):
+def wait_for(pred, timeout=10.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if pred():
             return True
         time.sleep(0.01)
     return False
+def need(pred, what, timeout=10.0):
+    \"\"\"Waits for pred; exits with a clear message when it does not come.\"\"\"
+    if not wait_for(pred, timeout):
+        sys.stderr.write(f"timed out after {timeout} s waiting for: {what}\\n")
+        sys.stderr.flush()
+        os._exit(3)
 feed(100)
 """
+GUARD_S = 40
 
 
-def _script(body):
-    return PRELUDE + textwrap.dedent(body)
+def _script(body, guard=GUARD_S):
+    return PRELUDE.replace("GUARD_S", str(guard)) + textwrap.dedent(body)
 
 
 def _run(venv, workdir, body, **kw):
@@ -182,22 +204,162 @@ def test_repeated_start_stop_leaks_no_threads_and_joins_promptly(venv, workdir):
     assert "already running" in double
 
 
-def test_keyboard_interrupt_stops_the_watchdog(venv, workdir):
-    _, res = _run(venv, workdir, """
-        import signal
+def _run_sigint_ignored(venv, workdir, body, timeout=60):
+    """Runs a scenario the way a background job without job control starts:
+    SIGINT inherited as ignored (`nohup cmd &`, `trap "" INT`)."""
+    env = dict(_sanitizer_env()) if SANITIZE else {}
+    return subprocess.run([str(venv.python), "-c", _script(body)], cwd=workdir,
+                          env=_clean_env(env), capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+
+
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_keyboard_interrupt_stops_the_watchdog(venv, workdir, inherited):
+    body = """
         base = tasks()
         m = MemoryMonitor(interval=0.01, _source=SRC)
         caught = False
         try:
             with m:
-                wait_for(lambda: len(m.samples()) > 2)
+                need(lambda: len(m.samples()) > 2, "three samples from the watchdog")
                 os.kill(os.getpid(), signal.SIGINT)   # the watchdog blocks signals:
-                time.sleep(5)                         # Python's main thread gets it
+                need(lambda: False, "SIGINT to arrive as KeyboardInterrupt")  # main gets it
         except KeyboardInterrupt:
             caught = True
+        need(lambda: tasks() == base, "the watchdog thread to end")
         print(json.dumps([caught, m.running, tasks() - base]))
-    """)
+    """
+    if inherited == "default":
+        _, res = _run(venv, workdir, body)
+    else:
+        r = _run_sigint_ignored(venv, workdir, body)
+        assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+        res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res == [True, False, 0]
+
+
+def test_on_high_may_stop_its_own_monitor(venv, workdir):
+    """stop() from the watchdog's own thread cannot join that thread: it asks
+    it to end, and the thread is joined later by another thread."""
+    _, res = _run(venv, workdir, """
+        base = tasks()
+        seen = []
+        def on_high(ev):
+            seen.append(threading.get_ident())
+            m.stop()                      # from the watchdog's own thread
+            seen.append(m.running)
+        m = MemoryMonitor(threshold=0.5, interval=0.005, cooldown=0, on_high=on_high,
+                          _source=SRC).start()
+        feed(900)
+        need(lambda: len(seen) == 2, "on_high to run and return")
+        need(lambda: tasks() == base, "the self-stopped watchdog thread to end")
+        t = time.monotonic()
+        m.stop()                          # idempotent; joins what is left
+        again = MemoryMonitor(interval=0.01, _source=SRC).start()
+        need(lambda: len(again.samples()) > 1, "a new monitor to poll")
+        again.stop()
+        print(json.dumps([seen[1], seen[0] != threading.get_ident(), m.running,
+                          [e["kind"] for e in m.events], tasks() - base]))
+    """)
+    assert res == [False, True, False, ["high"], 0]
+
+
+def test_monitors_that_stop_each_other_from_on_high_do_not_deadlock(venv, workdir):
+    """Two watchdogs each stopping the other from on_high: a watchdog never
+    waits for another thread, so neither can wait on the other."""
+    _, res = _run(venv, workdir, """
+        base = tasks()
+        mons = {}
+        calls = []
+        def stopper(other):
+            def on_high(ev):
+                calls.append(other)
+                mons[other].stop()
+            return on_high
+        for rounds in range(20):
+            mons["a"] = MemoryMonitor(threshold=0.5, interval=0.001, cooldown=0,
+                                      on_high=stopper("b"), _source=SRC)
+            mons["b"] = MemoryMonitor(threshold=0.5, interval=0.001, cooldown=0,
+                                      on_high=stopper("a"), _source=SRC)
+            feed(900)
+            mons["a"].start(); mons["b"].start()
+            need(lambda: not (mons["a"].running and mons["b"].running),
+                 "one watchdog to stop the other")
+            mons["a"].stop(); mons["b"].stop()
+            feed(100)
+        need(lambda: tasks() == base, "every watchdog thread to end")
+        print(json.dumps([len(calls) >= 20, tasks() - base]))
+    """)
+    assert res == [True, 0]
+
+
+# The watchdog drops the last reference to its own monitor: from on_high, and
+# through its gc.collect() when the monitor sits in a reference cycle that
+# nothing else collects. The thread must not touch the freed monitor (the
+# sanitizer build checks that) and must not be left behind.
+DROPPED_IN_OWN_THREAD = """
+    import gc
+    gc.disable()                      # only the watchdog's gc.collect() collects
+    base = tasks()
+    done = []
+    holder = []
+    def drop(ev):
+        holder.clear()                # the last reference, dropped in the watchdog
+        done.append("dropped")
+    holder.append(MemoryMonitor(threshold=0.5, interval=0.002, cooldown=0, on_high=drop,
+                                _source=SRC).start())
+    feed(900)
+    need(lambda: done, "on_high to drop its monitor")
+    need(lambda: tasks() == base, "the watchdog of the dropped monitor to end")
+    for i in range(5):
+        def count(ev, i=i):
+            done.append(i)
+        m = MemoryMonitor(threshold=0.5, interval=0.002, cooldown=0, on_high=count, _source=SRC)
+        m.start()
+        m.cycle = [m]                 # garbage only the cycle collector frees
+        need(lambda: len(m.events) > 1, "the watchdog to act")
+        del m
+        # Its own watchdog's gc.collect() frees it, in that watchdog's thread.
+        need(lambda: tasks() == base, "the watchdog of the collected monitor to end")
+        junk = [bytearray(4096) for _ in range(200)]   # reuse freed memory
+    feed(100)
+    gc.enable()
+    gc.collect()
+    outofcuda.monitor.core._monitor_stop_all()
+    need(lambda: tasks() == base, "every watchdog thread to end")
+    print(json.dumps([done[0], tasks() - base]))
+"""
+
+
+def test_a_monitor_dropped_by_its_own_watchdog_is_freed_safely(venv, workdir):
+    _, res = _run(venv, workdir, DROPPED_IN_OWN_THREAD)
+    assert res == ["dropped", 0]
+
+
+def test_an_absurd_interval_is_refused_and_bounded_in_c(venv, workdir):
+    _, res = _run(venv, workdir, """
+        refused = []
+        for interval in (1e19, float("inf"), 86400.001):
+            try:
+                MemoryMonitor(interval=interval)
+                refused.append(None)
+            except ValueError as e:
+                refused.append(str(e))
+        ok = MemoryMonitor(interval=86400).interval
+        core = outofcuda.monitor.core
+        stopped = []
+        for interval in (1e19, float("inf"), 1e300, 9.3e18):
+            # The C layer clamps what the Python layer would refuse: no
+            # overflowed deadline, no spinning wait holding the lock.
+            h = core._monitor_start(0, 0.5, interval, 0.0, None, 10, False, SRC)
+            need(lambda: core._monitor_info(h)["count"] >= 1, f"a first sample at {interval}")
+            core._monitor_stop(h)
+            stopped.append(core._monitor_info(h)["running"])
+        print(json.dumps([refused, ok, stopped]))
+    """)
+    refused, ok, stopped = res
+    assert all(r and "interval must be" in r and "86400" in r for r in refused), refused
+    assert ok == 86400.0 and stopped == [False] * 4
 
 
 def test_interpreter_exit_joins_a_running_monitor(venv, workdir):
@@ -276,3 +438,114 @@ def test_allocator_stats_do_not_initialise_cuda(venv, workdir):
         print(json.dumps([s[-1].reserved, s[-1].allocated, torch.cuda.is_initialized()]))
     """)
     assert res == [None, None, False]
+
+
+STRESS_CHILD = """
+    import gc, random
+    feed(900)            # above the threshold: each poll takes the GIL and calls on_high
+    base = tasks()
+    rng = random.Random(os.getpid())
+    stop_file = sys.argv[2]
+    def make():
+        state = {"n": 0}
+        def on_high(ev):
+            state["n"] += 1
+            if state["n"] % 5 == 0 and "mon" in state:
+                state["mon"].stop()    # now and then from the watchdog's own thread
+        m = MemoryMonitor(threshold=0.5, interval=0.002, cooldown=0, on_high=on_high,
+                          _source=SRC)
+        if rng.random() < 0.5:
+            state["mon"] = m
+        m.cycle = [m]                  # freed by whichever gc.collect() comes first
+        return m
+    caught = 0
+    print("ready", flush=True)
+    while not os.path.exists(stop_file):
+        try:
+            while not os.path.exists(stop_file):
+                if rng.random() < 0.3:
+                    # Dropped while running: garbage that a gc.collect() frees,
+                    # in the main thread or in some watchdog's own thread.
+                    make().start()
+                    time.sleep(rng.random() * 0.01)
+                    continue
+                with make() as m:
+                    for _ in range(rng.randint(0, 30)):
+                        m.samples(); m.events; m.running
+                        time.sleep(rng.random() * 0.002)
+                if rng.random() < 0.2:
+                    gc.collect()
+        except KeyboardInterrupt:
+            caught += 1
+            print("caught", caught, flush=True)
+    gc.collect()
+    outofcuda.monitor.core._monitor_stop_all()
+    need(lambda: tasks() == base, "every watchdog thread to end")
+    print(json.dumps({"caught": caught, "leaked": tasks() - base}), flush=True)
+"""
+
+
+def _read_line(proc, sel, deadline, what):
+    """The child's next stdout line, or a clear failure naming what was awaited."""
+    line = b""
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not sel.select(left):
+            pytest.fail(f"child {proc.pid}: nothing within the bound while waiting for {what}")
+        chunk = os.read(proc.stdout.fileno(), 1)
+        if not chunk:
+            proc.wait(10)
+            pytest.fail(f"child {proc.pid} ended (exit {proc.returncode}) while waiting for "
+                        f"{what}:\n{proc.stderr.read().decode()[-4000:]}")
+        line += chunk
+    return line.decode().strip()
+
+
+def test_many_interrupts_under_load_never_hang(venv, workdir):
+    """Ctrl-C at random moments (inside start, stop, the with-body, gc) while
+    watchdogs take the GIL, stop themselves and are collected, and two
+    busy processes load the cores: every interrupt arrives, every child ends
+    cleanly, and no watchdog thread is left."""
+    rng = random.Random(1234)
+    env = _clean_env(_sanitizer_env() if SANITIZE else None)
+    busy = [subprocess.Popen([str(venv.python), "-S", "-c",
+                              "import time\nend = time.monotonic() + 120\n"
+                              "while time.monotonic() < end: pass"], env=env)
+            for _ in range(2)]
+    kids = []
+    try:
+        for i in range(3):
+            d = workdir / f"kid{i}"
+            d.mkdir()
+            p = subprocess.Popen([str(venv.python), "-c", _script(STRESS_CHILD, guard=150),
+                                  str(d / "src.txt"), str(d / "stop")], cwd=d, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            sel = selectors.DefaultSelector()
+            sel.register(p.stdout, selectors.EVENT_READ)
+            kids.append([p, sel, d, 0])
+        for p, sel, _, _ in kids:
+            assert _read_line(p, sel, time.monotonic() + 60, "ready") == "ready"
+        for n in range(40):
+            kid = rng.choice(kids)
+            p, sel = kid[0], kid[1]
+            time.sleep(rng.random() * 0.05)     # a random moment, not a synchronisation
+            p.send_signal(signal.SIGINT)
+            kid[3] += 1
+            got = _read_line(p, sel, time.monotonic() + 30, f"interrupt {kid[3]} to be caught")
+            assert got == f"caught {kid[3]}", got
+        for p, sel, d, sent in kids:
+            (d / "stop").write_text("")
+            res = json.loads(_read_line(p, sel, time.monotonic() + 60, "the final report"))
+            assert p.wait(30) == 0, p.stderr.read().decode()[-4000:]
+            assert res == {"caught": sent, "leaked": 0}
+            err = p.stderr.read().decode()
+            assert "Traceback" not in err and "Fatal" not in err, err[-4000:]
+    finally:
+        for p in busy + [k[0] for k in kids]:
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+        for k in kids:
+            k[1].close()
+            k[0].stdout.close()
+            k[0].stderr.close()

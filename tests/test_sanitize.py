@@ -229,29 +229,73 @@ def test_leak_loop_under_sanitizers(san, tmp_path):
 
 def test_monitor_interrupt_and_exit(san, tmp_path):
     code = """
-        import os, signal, threading, time, inspect, warnings
+        import faulthandler, os, signal, sys, time, warnings
+        faulthandler.dump_traceback_later(120, exit=True)   # a hang fails fast, with tracebacks
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # not inherited as ignored
         warnings.simplefilter("ignore")
         import torch, outofcuda
         src = os.path.abspath("mem.txt")
         open(src, "w").write("900 1000 10\\n")
-        kw = {"_source": src} if "_source" in inspect.signature(outofcuda.MemoryMonitor).parameters else {}
+        def need(pred, what, timeout=60.0):
+            end = time.monotonic() + timeout
+            while not pred():
+                if time.monotonic() > end:
+                    sys.stderr.write(f"timed out after {timeout} s waiting for: {what}\\n")
+                    os._exit(3)
+                time.sleep(0.01)
         events = []
         try:
             with outofcuda.MemoryMonitor(threshold=0.85, interval=0.02, cooldown=0,
-                                         on_high=events.append, **kw) as mon:
-                threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
-                while True:
-                    time.sleep(0.01)
+                                         on_high=events.append, _source=src) as mon:
+                need(lambda: len(events) >= 1, "the watchdog to act")
+                os.kill(os.getpid(), signal.SIGINT)
+                need(lambda: False, "SIGINT to arrive as KeyboardInterrupt")
         except KeyboardInterrupt:
             pass
         assert not mon.running
+        n = len(events)
         left = outofcuda.MemoryMonitor(threshold=0.85, interval=0.02, cooldown=0,
-                                       on_high=events.append, **kw).start()
-        time.sleep(0.2)
-        print("ok", len(events) > 0 or not kw)
+                                       on_high=events.append, _source=src).start()
+        need(lambda: len(events) > n, "the monitor left running to act")
+        print("ok", len(events) > n)
     """
     r = _run(san, code, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == "ok True", r.stderr[-4000:]
+
+
+def test_monitor_freed_by_its_own_watchdog(san, tmp_path):
+    """Use-after-free guard: the watchdog drops the last reference to its own
+    monitor (from on_high, and through its gc.collect() on a cycle)."""
+    from test_monitor import DROPPED_IN_OWN_THREAD, _script
+    r = _run(san, _script(DROPPED_IN_OWN_THREAD, guard=120), cwd=tmp_path,
+             env={"PYTHONWARNINGS": "ignore::RuntimeWarning"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == ["dropped", 0]
+
+
+def test_monitor_stopped_from_its_own_thread(san, tmp_path):
+    """on_high stops its own monitor, then the monitor is dropped at once."""
+    from test_monitor import _script
+    r = _run(san, _script("""
+        base = tasks()
+        for i in range(10):
+            done = []
+            def on_high(ev):
+                m.stop()
+                done.append(1)
+            m = MemoryMonitor(threshold=0.5, interval=0.002, cooldown=0, on_high=on_high,
+                              _source=SRC)
+            feed(900)
+            m.start()
+            need(lambda: done, "on_high to stop its monitor")
+            del m                     # freed while its thread may still be ending
+            feed(100)
+        import gc; gc.collect()
+        outofcuda.monitor.core._monitor_stop_all()
+        need(lambda: tasks() == base, "every watchdog thread to end")
+        print("ok")
+    """, guard=120), cwd=tmp_path, env={"PYTHONWARNINGS": "ignore::RuntimeWarning"})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]
 
 
 def test_sanitizer_catches_a_bad_read(san, tmp_path):
