@@ -24,8 +24,14 @@ device bytes (NVML, every process); ``process``: bytes NVML charges to this proc
 _warned_no_gpu = False
 
 # Interpreter shutdown: join every watchdog while Python still runs, before
-# finalisation makes taking the GIL from another thread unsafe.
-atexit.register(core._monitor_stop_all)
+# finalisation makes taking the GIL from another thread unsafe; from then on
+# no watchdog starts.
+atexit.register(core._monitor_shutdown)
+
+# Bounds the C thread relies on: its longest wait (the C layer clamps there
+# too) and a timeline that fits in memory (56 bytes a sample).
+INTERVAL_MAX = 86400.0
+CAPACITY_MAX = 10_000_000
 
 
 def _device_index(device):
@@ -63,12 +69,13 @@ class MemoryMonitor:
 
     ``threshold``: fraction of the device's memory in use (NVML, all
     processes) that triggers action, in (0, 1]. ``interval``: seconds between
-    polls (> 0). ``device``: None (the current device when CUDA is up, else
+    polls (> 0, at most 86400). ``device``: None (the current device when CUDA is up, else
     0), an index, ``"cuda:N"`` or a ``torch.device``. ``on_high(event)`` is
     called from the watchdog thread with a dict (time, used, total, fraction,
     released, ...). It acts once per upward crossing and, while usage stays
     high, again only after ``cooldown`` seconds (emptying the cache in a loop
-    slows training). ``capacity`` bounds the timeline (oldest dropped).
+    slows training). ``capacity`` bounds the timeline (oldest dropped; at
+    most 10,000,000).
     ``allocator_stats=True`` also records torch's reserved/allocated bytes,
     taking the GIL briefly at each poll; by default the poll never takes it.
 
@@ -87,13 +94,16 @@ class MemoryMonitor:
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1] (a fraction of the device's memory), got {threshold}")
         interval = _number("interval", interval)
-        if not interval > 0.0:
-            raise ValueError(f"interval must be > 0 seconds, got {interval}")
+        if not 0.0 < interval <= INTERVAL_MAX:
+            raise ValueError(f"interval must be > 0 and <= {INTERVAL_MAX:.0f} seconds (one day), "
+                             f"got {interval}")
         cooldown = _number("cooldown", cooldown)
         if cooldown < 0.0:
             raise ValueError(f"cooldown must be >= 0 seconds, got {cooldown}")
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be a whole number >= 1, got {capacity!r}")
+        if (isinstance(capacity, bool) or not isinstance(capacity, int)
+                or not 1 <= capacity <= CAPACITY_MAX):
+            raise ValueError(f"capacity must be a whole number from 1 to {CAPACITY_MAX}, "
+                             f"got {capacity!r}")
         if on_high is not None and not callable(on_high):
             raise TypeError(f"on_high must be callable or None, got {on_high!r}")
         if not isinstance(allocator_stats, bool):
@@ -129,7 +139,10 @@ class MemoryMonitor:
         return self
 
     def stop(self):
-        """Stop and join the watchdog (idempotent); the timeline stays readable."""
+        """Stop and join the watchdog (idempotent); the timeline stays readable.
+
+        Called from ``on_high`` (the watchdog's own thread) it stops the
+        watchdog, which ends once ``on_high`` returns; the join follows later."""
         if self._handle is not None:
             core._monitor_stop(self._handle)
 

@@ -9,12 +9,25 @@
  *
  * The Python side holds each monitor through a capsule; module functions
  * (not a type) keep `import _outofcuda` cheap. Every monitor is also on a
- * list that _monitor_stop_all() walks at interpreter exit. A forked child
- * sees its pid differ from the owner's and treats the copy as stopped. */
+ * list that _monitor_shutdown() walks at interpreter exit. A forked child
+ * sees its pid differ from the owner's and treats the copy as stopped.
+ *
+ * Because the thread runs Python code (on_high, gc.collect()), it can stop,
+ * drop or collect its own monitor, or another monitor whose thread is busy
+ * stopping this one. So the struct is reference-counted (the capsule holds
+ * one reference, a running thread the other; the last one frees it), and a
+ * watchdog thread never joins a thread: it asks it to stop and leaves the
+ * join to the next non-watchdog caller (stop(), start(), interpreter exit).
+ * No thread waits on another watchdog, so no two can wait on each other.
+ *
+ * Locks: the GIL may be held when taking a monitor's lock, never the other
+ * way round; the thread takes the GIL only with no lock held. */
 #include "oc.h"
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +37,10 @@
 
 #define CAPSULE_NAME "_outofcuda.monitor"
 #define EVENTS_MAX 256
+/* The longest wait between polls the thread accepts (one day): longer
+ * intervals are clamped, so a deadline never overflows time_t. The Python
+ * layer refuses them with a ValueError. */
+#define INTERVAL_MAX_S 86400.0
 
 typedef struct {
     double t;
@@ -38,11 +55,14 @@ typedef struct {
 } mon_event;
 
 typedef struct oc_monitor {
+    atomic_int refs;      /* the capsule's and the running thread's; last frees */
     pthread_mutex_t lock; /* guards everything below that the thread writes */
     pthread_cond_t wake;
     pthread_t thread;
-    pid_t pid; /* the process that owns the thread */
-    int running, stop_requested;
+    pid_t pid;                        /* the process that owns the thread */
+    int running;                      /* a thread was started and not asked to stop (GIL) */
+    int stop_requested;               /* under lock */
+    int thread_started, thread_ended; /* under lock; ended: it dropped its reference */
     int torch_index, nvml_index, allocator_stats;
     double threshold, interval, cooldown, t0;
     PyObject *on_high; /* strong ref or NULL; touched only with the GIL */
@@ -58,6 +78,22 @@ typedef struct oc_monitor {
 
 static oc_monitor *all_monitors;
 
+/* Threads asked to stop by a watchdog thread, which must not join them: the
+ * next non-watchdog caller joins them. Guarded by the GIL. */
+typedef struct {
+    pthread_t thread;
+    pid_t pid;
+} pending_join;
+static pending_join *pending;
+static size_t pending_n, pending_cap;
+
+/* Set by _monitor_shutdown() at interpreter exit: from then on no thread
+ * starts, so none can take the GIL once finalisation has begun. */
+static atomic_int shutting_down;
+
+/* 1 in a watchdog thread, which never joins a thread. */
+static _Thread_local int in_watchdog;
+
 static double now_s(void)
 {
     struct timespec ts;
@@ -65,9 +101,50 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+/* Whether the interpreter has begun finalising; 0 where it cannot tell.
+ * Py_IsFinalizing (3.13) and _Py_IsFinalizing (3.9 - 3.12) are outside the
+ * Limited API, so they are looked up at run time and used only when present:
+ * a second guard behind _monitor_shutdown(), for an exit that skips atexit
+ * handlers. Safe without the GIL (it reads one word). */
+static int interpreter_finalizing(void)
+{
+    static int (*is_finalizing)(void);
+    static atomic_int looked_up;
+    if (!atomic_load(&looked_up)) {
+        void *f = dlsym(RTLD_DEFAULT, "Py_IsFinalizing");
+        if (f == NULL)
+            f = dlsym(RTLD_DEFAULT, "_Py_IsFinalizing");
+        /* A function pointer through void *: POSIX guarantees it for dlsym. */
+        memcpy(&is_finalizing, &f, sizeof f);
+        atomic_store(&looked_up, 1);
+    }
+    return is_finalizing != NULL && is_finalizing();
+}
+
+/* Frees m's memory. Called by whoever drops the last reference, the thread
+ * included, so it touches no Python object (on_high is cleared before the
+ * capsule's reference is dropped). */
+static void monitor_free(oc_monitor *m)
+{
+    pthread_mutex_destroy(&m->lock);
+    pthread_cond_destroy(&m->wake);
+    free(m->ring);
+    free(m);
+}
+
+/* Drops one reference to m (the capsule's or the thread's); frees it on the
+ * last. Any thread, GIL or not. */
+static void monitor_release(oc_monitor *m)
+{
+    if (atomic_fetch_sub(&m->refs, 1) == 1)
+        monitor_free(m);
+}
+
 /* A copy inherited through fork() has no thread and may hold a lock that
- * the parent's thread had taken: give it fresh primitives and mark it
- * stopped. Called with the GIL, before any other use of m. */
+ * the parent's thread had taken: give it fresh primitives, mark it stopped,
+ * and drop the reference of a thread that does not exist here (unless that
+ * thread had already dropped it when the process forked). Called with the
+ * GIL, before any other use of m. */
 static void adopt_after_fork(oc_monitor *m)
 {
     pthread_condattr_t ca;
@@ -81,8 +158,51 @@ static void adopt_after_fork(oc_monitor *m)
     m->pid = getpid();
     if (m->running)
         snprintf(m->why, sizeof m->why, "inherited across fork(): not running in this process");
+    if (m->thread_started && !m->thread_ended) {
+        m->thread_ended = 1;
+        atomic_fetch_sub(&m->refs, 1); /* the capsule's reference remains */
+    }
     m->running = 0;
     m->stop_requested = 1;
+}
+
+/* Joins every thread left by a watchdog's stop(), with the GIL released
+ * (a thread may still need it to finish). Called with the GIL, never from a
+ * watchdog thread; threads inherited across fork() are forgotten. */
+static void join_pending(void)
+{
+    pending_join *list = pending;
+    size_t n = pending_n;
+    /* Once finalising, a thread waiting for the GIL never gets it. */
+    if (in_watchdog || n == 0 || interpreter_finalizing())
+        return;
+    pending = NULL;
+    pending_n = pending_cap = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < n; i++)
+        if (list[i].pid == getpid())
+            pthread_join(list[i].thread, NULL);
+    Py_END_ALLOW_THREADS
+    free(list);
+}
+
+/* Leaves thread t, already asked to stop, for join_pending(); detaches it
+ * when the list cannot grow (it still ends on its own). GIL held. */
+static void defer_join(pthread_t t)
+{
+    if (pending_n == pending_cap) {
+        size_t cap = pending_cap ? 2 * pending_cap : 8;
+        pending_join *grown = realloc(pending, cap * sizeof *grown);
+        if (grown == NULL) {
+            pthread_detach(t);
+            return;
+        }
+        pending = grown;
+        pending_cap = cap;
+    }
+    pending[pending_n].thread = t;
+    pending[pending_n].pid = getpid();
+    pending_n++;
 }
 
 /* ---- the watchdog thread (no Python object is touched without the GIL) ---- */
@@ -146,7 +266,51 @@ static PyObject *event_dict(const oc_monitor *m, const mon_event *e)
                          e->used_after, "released", e->released, "message", e->message);
 }
 
-/* Above the threshold: empty the cache and call on_high, with the GIL. */
+/* Whether the thread should stop: stop() asked, or the interpreter is
+ * going away (no GIL may be taken then). Takes m's lock; any thread. */
+static int should_stop(oc_monitor *m)
+{
+    int stop;
+    pthread_mutex_lock(&m->lock);
+    stop = m->stop_requested;
+    pthread_mutex_unlock(&m->lock);
+    return stop || atomic_load(&shutting_down) || interpreter_finalizing();
+}
+
+/* Calls on_high(event) with the GIL held, through a reference of its own:
+ * the callback may stop or drop the monitor, which clears m->on_high. An
+ * exception is recorded in *err and reported as unraisable. */
+static void call_on_high(oc_monitor *m, const mon_event *e, mon_event *err)
+{
+    PyObject *cb = m->on_high, *d, *r;
+    if (cb == NULL)
+        return;
+    Py_INCREF(cb);
+    d = event_dict(m, e);
+    r = d ? PyObject_CallFunctionObjArgs(cb, d, NULL) : NULL;
+    Py_XDECREF(d);
+    if (r == NULL) {
+        PyObject *t, *v, *tb, *text;
+        *err = *e;
+        err->error = 1;
+        PyErr_Fetch(&t, &v, &tb);
+        text = v ? PyObject_Str(v) : NULL;
+        snprintf(err->message, sizeof err->message, "on_high raised: %s",
+                 text ? oc_utf8(text, (char[160]){0}, 160) : "?");
+        Py_XDECREF(text);
+        PyErr_Clear();
+        PyErr_Restore(t, v, tb);
+        /* The caller's thread cannot catch it: report it the way Python
+         * reports errors in callbacks nobody awaits. */
+        PyErr_WriteUnraisable(cb);
+    }
+    Py_XDECREF(r);
+    Py_DECREF(cb);
+}
+
+/* Above the threshold: empty the cache and call on_high, with the GIL, each
+ * step only while the monitor is not stopping. The thread holds its own
+ * reference to m, so m outlives whatever the Python code here frees. */
 static void act_on_high(oc_monitor *m, const mon_sample *s)
 {
     mon_event e, err;
@@ -157,6 +321,8 @@ static void act_on_high(oc_monitor *m, const mon_sample *s)
     e.t = s->t;
     e.used = s->used;
     e.total = s->total;
+    if (should_stop(m))
+        return;
     gil = PyGILState_Ensure();
     if (oc_api_clear_cache(&e.released) < 0) {
         PyErr_Clear();
@@ -168,29 +334,11 @@ static void act_on_high(oc_monitor *m, const mon_sample *s)
     if (!e.message[0])
         snprintf(e.message, sizeof e.message, "%.1f%% >= threshold %.1f%%: cache emptied",
                  100.0 * (double)e.used / (double)e.total, 100.0 * m->threshold);
-    gil = PyGILState_Ensure();
-    if (m->on_high != NULL) {
-        PyObject *d = event_dict(m, &e);
-        PyObject *r = d ? PyObject_CallFunctionObjArgs(m->on_high, d, NULL) : NULL;
-        Py_XDECREF(d);
-        if (r == NULL) {
-            PyObject *t, *v, *tb, *text;
-            err = e;
-            err.error = 1;
-            PyErr_Fetch(&t, &v, &tb);
-            text = v ? PyObject_Str(v) : NULL;
-            snprintf(err.message, sizeof err.message, "on_high raised: %s",
-                     text ? oc_utf8(text, (char[160]){0}, 160) : "?");
-            Py_XDECREF(text);
-            PyErr_Clear();
-            PyErr_Restore(t, v, tb);
-            /* The caller's thread cannot catch it: report it the way Python
-             * reports errors in callbacks nobody awaits. */
-            PyErr_WriteUnraisable(m->on_high);
-        }
-        Py_XDECREF(r);
+    if (!should_stop(m)) {
+        gil = PyGILState_Ensure();
+        call_on_high(m, &e, &err);
+        PyGILState_Release(gil);
     }
-    PyGILState_Release(gil);
     pthread_mutex_lock(&m->lock);
     push_event(m, &e);
     if (err.error)
@@ -198,11 +346,15 @@ static void act_on_high(oc_monitor *m, const mon_sample *s)
     pthread_mutex_unlock(&m->lock);
 }
 
-/* Reads torch's allocator figures (with the GIL) into s when asked to. */
+/* Reads torch's allocator figures (with the GIL) into s when asked to, and
+ * not while the monitor is stopping. */
 static void read_allocator(oc_monitor *m, mon_sample *s)
 {
     oc_torch_mem t;
-    PyGILState_STATE gil = PyGILState_Ensure();
+    PyGILState_STATE gil;
+    if (should_stop(m))
+        return;
+    gil = PyGILState_Ensure();
     if (oc_api_torch_stats(m->torch_index, &t)) {
         s->reserved = t.reserved;
         s->allocated = t.allocated;
@@ -210,16 +362,39 @@ static void read_allocator(oc_monitor *m, mon_sample *s)
     PyGILState_Release(gil);
 }
 
+/* Sleeps until the next poll is due or stop() wakes it. Called with m's lock
+ * held; returns with it held. The deadline is computed from an interval
+ * clamped at start, so it cannot overflow; any error from the wait ends it
+ * (only a wake-up before the deadline waits again), so a failing wait can
+ * never spin holding the lock. */
+static void wait_next_poll(oc_monitor *m)
+{
+    struct timespec deadline;
+    long long whole = (long long)m->interval;
+    long frac_ns = (long)((m->interval - (double)whole) * 1e9);
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += (time_t)whole;
+    deadline.tv_nsec += frac_ns < 0 ? 0 : frac_ns > 999999999L ? 999999999L : frac_ns;
+    if (deadline.tv_nsec >= 1000000000L) {
+        deadline.tv_sec++;
+        deadline.tv_nsec -= 1000000000L;
+    }
+    while (!m->stop_requested)
+        if (pthread_cond_timedwait(&m->wake, &m->lock, &deadline) != 0)
+            break;
+}
+
+/* The thread: polls until asked to stop, then drops its reference to m
+ * (freeing it when the capsule is already gone) and ends. */
 static void *watchdog(void *arg)
 {
     oc_monitor *m = arg;
     int armed = 1;
     double last_action = -1e300;
+    in_watchdog = 1;
     pthread_mutex_lock(&m->lock);
     while (!m->stop_requested) {
         mon_sample s;
-        struct timespec deadline;
-        double wake_at;
         pthread_mutex_unlock(&m->lock);
         s.t = now_s() - m->t0;
         if (read_memory(m, &s) == 0) {
@@ -239,39 +414,54 @@ static void *watchdog(void *arg)
                 armed = 1;
             }
         }
-        wake_at = now_s() + m->interval;
-        deadline.tv_sec = (time_t)wake_at;
-        deadline.tv_nsec = (long)((wake_at - (double)deadline.tv_sec) * 1e9);
         pthread_mutex_lock(&m->lock);
-        while (!m->stop_requested &&
-               pthread_cond_timedwait(&m->wake, &m->lock, &deadline) != ETIMEDOUT)
-            ;
+        if (atomic_load(&shutting_down) || interpreter_finalizing())
+            m->stop_requested = 1;
+        wait_next_poll(m);
     }
+    m->thread_ended = 1;
     pthread_mutex_unlock(&m->lock);
+    monitor_release(m);
     return NULL;
 }
 
 /* ---- lifecycle ---- */
 
-/* Asks the thread to stop and joins it with the GIL released (the thread may
- * be waiting for the GIL). Idempotent. */
+/* Asks m's thread to stop and joins it with the GIL released (the thread
+ * may be waiting for the GIL). From a watchdog thread (on_high, or a
+ * gc.collect() that frees a monitor), and once the interpreter finalises,
+ * it does not wait: the join is left to join_pending(). Afterwards on_high
+ * is never called again. Idempotent; GIL held; m stays valid (the caller
+ * holds the capsule's reference). */
 static void monitor_stop(oc_monitor *m)
 {
+    pthread_t t;
     adopt_after_fork(m);
-    if (!m->running)
+    if (!m->running) {
+        join_pending();
         return;
+    }
+    m->running = 0;
+    t = m->thread;
     pthread_mutex_lock(&m->lock);
     m->stop_requested = 1;
     pthread_cond_signal(&m->wake);
     pthread_mutex_unlock(&m->lock);
-    Py_BEGIN_ALLOW_THREADS
-    pthread_join(m->thread, NULL);
-    Py_END_ALLOW_THREADS
-    m->running = 0;
     /* Drops a likely reference cycle (on_high -> MemoryMonitor -> capsule). */
     Py_CLEAR(m->on_high);
+    if (in_watchdog || interpreter_finalizing()) {
+        defer_join(t);
+        return;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(t, NULL);
+    Py_END_ALLOW_THREADS
+    join_pending();
 }
 
+/* The capsule's destructor, from whichever thread drops the last reference
+ * (a watchdog's own included): stops the thread, unlists m, and drops the
+ * capsule's reference; the thread frees m if it still runs. GIL held. */
 static void capsule_free(PyObject *capsule)
 {
     oc_monitor *m = PyCapsule_GetPointer(capsule, CAPSULE_NAME), **pp;
@@ -286,11 +476,8 @@ static void capsule_free(PyObject *capsule)
             break;
         }
     }
-    Py_XDECREF(m->on_high);
-    pthread_mutex_destroy(&m->lock);
-    pthread_cond_destroy(&m->wake);
-    free(m->ring);
-    free(m);
+    Py_CLEAR(m->on_high);
+    monitor_release(m);
 }
 
 static oc_monitor *get_monitor(PyObject *capsule)
@@ -301,22 +488,31 @@ static oc_monitor *get_monitor(PyObject *capsule)
     return m;
 }
 
-/* Starts the thread with every signal blocked. Returns 0 or an errno. */
+/* Starts the thread with every signal blocked, handing it a reference to
+ * m. Returns 0 or an errno (then m keeps only the capsule's reference). */
 static int spawn(oc_monitor *m)
 {
     sigset_t all, old;
     int rc;
     sigfillset(&all);
+    atomic_fetch_add(&m->refs, 1);
+    m->thread_started = 1;
     pthread_sigmask(SIG_SETMASK, &all, &old);
     rc = pthread_create(&m->thread, NULL, watchdog, m);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {
+        m->thread_started = 0;
+        atomic_fetch_sub(&m->refs, 1);
+    }
     return rc;
 }
 
 /* _monitor_start(device, threshold, interval, cooldown, on_high, capacity,
  * allocator_stats, source) -> capsule. Arguments are validated by the Python
- * layer; without a device to watch the capsule holds a stopped monitor whose
- * info()["why"] says why. */
+ * layer; here NaN and out-of-range values raise ValueError and an interval
+ * above INTERVAL_MAX_S (inf included) is clamped to it. Without a device to
+ * watch, or once the interpreter is shutting down, the capsule holds a
+ * stopped monitor whose info()["why"] says why. */
 static PyObject *py_monitor_start(PyObject *self, PyObject *args)
 {
     oc_monitor *m = NULL;
@@ -331,10 +527,12 @@ static PyObject *py_monitor_start(PyObject *self, PyObject *args)
                           &capacity, &alloc_stats, &source))
         return NULL;
     if (!(threshold > 0.0 && threshold <= 1.0) || !(interval > 0.0) || !(cooldown >= 0.0) ||
-        capacity < 1 || device < 0 || strlen(source) >= sizeof m->source) {
+        capacity < 1 || (size_t)capacity > SIZE_MAX / sizeof(mon_sample) || device < 0 ||
+        strlen(source) >= sizeof m->source) {
         PyErr_SetString(PyExc_ValueError, "_monitor_start: argument out of range");
         return NULL;
     }
+    join_pending();
     m = calloc(1, sizeof *m);
     if (m == NULL)
         return PyErr_NoMemory();
@@ -343,6 +541,7 @@ static PyObject *py_monitor_start(PyObject *self, PyObject *args)
         free(m);
         return PyErr_NoMemory();
     }
+    atomic_init(&m->refs, 1);
     pthread_mutex_init(&m->lock, NULL);
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -352,7 +551,7 @@ static PyObject *py_monitor_start(PyObject *self, PyObject *args)
     m->cap = (size_t)capacity;
     m->torch_index = device;
     m->threshold = threshold;
-    m->interval = interval;
+    m->interval = interval < INTERVAL_MAX_S ? interval : INTERVAL_MAX_S;
     m->cooldown = cooldown;
     m->allocator_stats = alloc_stats;
     snprintf(m->source, sizeof m->source, "%s", source);
@@ -365,10 +564,13 @@ static PyObject *py_monitor_start(PyObject *self, PyObject *args)
     capsule = PyCapsule_New(m, CAPSULE_NAME, capsule_free);
     if (capsule == NULL) {
         all_monitors = m->next;
-        Py_XDECREF(m->on_high);
-        free(m->ring);
-        free(m);
+        Py_CLEAR(m->on_high);
+        monitor_free(m);
         return NULL;
+    }
+    if (atomic_load(&shutting_down)) {
+        snprintf(m->why, sizeof m->why, "the interpreter is shutting down");
+        return capsule;
     }
     m->nvml_index = m->source[0] ? 0 : oc_nvml_index(device);
     if (m->nvml_index < 0) {
@@ -391,7 +593,8 @@ static PyObject *py_monitor_start(PyObject *self, PyObject *args)
     return capsule;
 }
 
-/* _monitor_stop(capsule) -> None: stops and joins; idempotent. */
+/* _monitor_stop(capsule) -> None: stops and joins (from a watchdog thread:
+ * stops, and the join follows later); idempotent. */
 static PyObject *py_monitor_stop(PyObject *self, PyObject *capsule)
 {
     oc_monitor *m = get_monitor(capsule);
@@ -402,20 +605,44 @@ static PyObject *py_monitor_stop(PyObject *self, PyObject *capsule)
     Py_RETURN_NONE;
 }
 
-/* _monitor_stop_all() -> int: stops every running monitor (atexit). */
-static PyObject *py_monitor_stop_all(PyObject *self, PyObject *unused)
+/* Stops every running monitor; returns how many were running. The list may
+ * change while a join has the GIL released, so each stop starts the walk
+ * again (a stopped monitor is skipped, so the walk ends). GIL held. */
+static int stop_all(void)
 {
     int n = 0;
-    (void)self;
-    (void)unused;
-    for (oc_monitor *m = all_monitors; m; m = m->next) {
+    oc_monitor *m = all_monitors;
+    while (m != NULL) {
         adopt_after_fork(m);
         if (m->running) {
             monitor_stop(m);
             n++;
+            m = all_monitors;
+        } else {
+            m = m->next;
         }
     }
-    return PyLong_FromLong(n);
+    join_pending();
+    return n;
+}
+
+/* _monitor_stop_all() -> int: stops every running monitor. */
+static PyObject *py_monitor_stop_all(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(stop_all());
+}
+
+/* _monitor_shutdown() -> int: the atexit handler. Stops every running
+ * monitor and joins every thread while Python still runs, and from then on
+ * starts no thread, so no watchdog takes the GIL during finalisation. */
+static PyObject *py_monitor_shutdown(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    atomic_store(&shutting_down, 1);
+    return PyLong_FromLong(stop_all());
 }
 
 /* _monitor_info(capsule) -> dict(running, why, dropped, nvml_index, count). */
@@ -524,6 +751,8 @@ static PyMethodDef monitor_methods[] = {
     {"_monitor_stop", py_monitor_stop, METH_O, "Stop and join a watchdog (idempotent)."},
     {"_monitor_stop_all", py_monitor_stop_all, METH_NOARGS,
      "Stop every running watchdog; returns how many were running."},
+    {"_monitor_shutdown", py_monitor_shutdown, METH_NOARGS,
+     "Stop every watchdog and start no more (atexit); returns how many were running."},
     {"_monitor_info", py_monitor_info, METH_O, "State of a watchdog."},
     {"_monitor_samples", py_monitor_samples, METH_O, "The watchdog's timeline."},
     {"_monitor_events", py_monitor_events, METH_O, "What the watchdog did."},

@@ -63,9 +63,14 @@ def _run(venv, workdir, body, **kw):
 
 def test_arguments_are_validated(venv, workdir):
     _, errs = _run(venv, workdir, """
+        nan, inf = float("nan"), float("inf")
         cases = [dict(threshold=0), dict(threshold=1.5), dict(threshold=-0.1),
-                 dict(threshold=float("nan")), dict(interval=0), dict(interval=-1),
+                 dict(threshold=nan), dict(interval=0), dict(interval=-1),
                  dict(device="cpu"), dict(device=-1), dict(cooldown=-1), dict(capacity=0),
+                 dict(threshold=inf), dict(interval=nan), dict(interval=inf),
+                 dict(interval=-inf), dict(interval=1e19), dict(cooldown=nan),
+                 dict(cooldown=inf), dict(capacity=10**12), dict(capacity=-5),
+                 dict(capacity=2.5),
                  dict(threshold="high"), dict(on_high=42), dict(allocator_stats=1)]
         out = []
         for kw in cases:
@@ -79,10 +84,13 @@ def test_arguments_are_validated(venv, workdir):
         print(json.dumps(out))
     """)
     kinds = [e[0] if e else None for e in errs[:-1]]
-    assert kinds[:10] == ["ValueError"] * 10
-    assert kinds[10:] == ["TypeError"] * 3
+    assert kinds[:20] == ["ValueError"] * 20, errs
+    assert kinds[20:] == ["TypeError"] * 3
     assert "threshold must be in (0, 1]" in errs[0][1]
     assert "interval must be > 0" in errs[4][1]
+    assert "finite" in errs[11][1] and "finite" in errs[12][1]
+    assert "interval must be > 0 and <= 86400" in errs[14][1]
+    assert "capacity must be a whole number from 1 to 10000000" in errs[17][1]
     assert errs[-1] == [1.0, 0.5, 1]
 
 
@@ -358,7 +366,9 @@ def test_an_absurd_interval_is_refused_and_bounded_in_c(venv, workdir):
         print(json.dumps([refused, ok, stopped]))
     """)
     refused, ok, stopped = res
-    assert all(r and "interval must be" in r and "86400" in r for r in refused), refused
+    assert "interval must be > 0 and <= 86400" in refused[0], refused
+    assert "interval must be a finite number" in refused[1], refused
+    assert "interval must be > 0 and <= 86400" in refused[2], refused
     assert ok == 86400.0 and stopped == [False] * 4
 
 
