@@ -105,7 +105,8 @@ static double now_s(void)
  * Py_IsFinalizing (3.13) and _Py_IsFinalizing (3.9 - 3.12) are outside the
  * Limited API, so they are looked up at run time and used only when present:
  * a second guard behind _monitor_shutdown(), for an exit that skips atexit
- * handlers. Safe without the GIL (it reads one word). */
+ * handlers. The first call (py_monitor_start, with the GIL, before any
+ * thread exists) looks it up; later calls are safe without the GIL. */
 static int interpreter_finalizing(void)
 {
     static int (*is_finalizing)(void);
@@ -533,6 +534,8 @@ static PyObject *py_monitor_start(PyObject *self, PyObject *args)
         return NULL;
     }
     join_pending();
+    /* Looked up here, with the GIL, before any thread reads it. */
+    (void)interpreter_finalizing();
     m = calloc(1, sizeof *m);
     if (m == NULL)
         return PyErr_NoMemory();

@@ -384,6 +384,53 @@ def test_interpreter_exit_joins_a_running_monitor(venv, workdir):
     assert "Fatal" not in r.stderr and "Traceback" not in r.stderr
 
 
+def test_no_watchdog_starts_once_shutdown_began(venv, workdir):
+    """After the atexit handler has joined every watchdog, a monitor started
+    later (another atexit handler, a daemon thread) runs no thread, so none
+    can take the GIL while the interpreter finalises."""
+    r = venv.run(_script("""
+        import atexit, warnings
+        warnings.simplefilter("ignore")
+        def late():
+            m = MemoryMonitor(interval=0.01, threshold=0.01, on_high=print, _source=SRC).start()
+            print("late", m.running, m.reason, tasks() - base, flush=True)
+            keep.append(m)
+        keep = []
+        run_last.append(late)          # registered before outofcuda's handler: runs after it
+        base = tasks()
+        running = MemoryMonitor(interval=0.01, threshold=0.01, on_high=lambda e: None,
+                                _source=SRC).start()
+        feed(900)
+        need(lambda: len(running.events) > 0, "the watchdog to act")
+        print("exiting", running.running, flush=True)
+    """).replace("import outofcuda\n", "import atexit\nrun_last = []\n"
+                 "atexit.register(lambda: [f() for f in run_last])\nimport outofcuda\n", 1),
+        cwd=workdir, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "exiting True" in r.stdout
+    assert "late False the interpreter is shutting down 0" in r.stdout, r.stdout + r.stderr
+    assert "Fatal" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_exit_without_the_atexit_handler_does_not_hang(venv, workdir):
+    """If the atexit handler never runs (cleared by the program), the
+    monitors are still freed during finalisation without a hang or crash."""
+    r = venv.run(_script("""
+        import atexit
+        busy = MemoryMonitor(interval=0.001, threshold=0.01, cooldown=0,
+                             on_high=lambda e: None, _source=SRC).start()
+        idle = MemoryMonitor(interval=60, _source=SRC).start()
+        feed(900)
+        need(lambda: len(busy.events) > 2, "the watchdog to act")
+        atexit._clear()
+        faulthandler.dump_traceback_later(20, exit=True)
+        print("exiting", busy.running, idle.running, flush=True)
+    """), cwd=workdir, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "exiting True True" in r.stdout
+    assert "Fatal" not in r.stderr and "Timeout" not in r.stderr, r.stderr
+
+
 def test_a_forked_child_does_not_inherit_a_running_monitor(venv, workdir):
     _, res = _run(venv, workdir, """
         m = MemoryMonitor(threshold=0.5, interval=0.005, cooldown=0, on_high=lambda e: None,
