@@ -26,7 +26,7 @@ _warned_no_gpu = False
 # Interpreter shutdown: join every watchdog while Python still runs, before
 # finalisation makes taking the GIL from another thread unsafe; from then on
 # no watchdog starts.
-atexit.register(core._monitor_shutdown)
+atexit.register(core._monitor_stop_all, True)
 
 # Bounds the C thread relies on: its longest wait (the C layer clamps there
 # too) and a timeline that fits in memory (56 bytes a sample).

@@ -9,7 +9,7 @@
  *
  * The Python side holds each monitor through a capsule; module functions
  * (not a type) keep `import _outofcuda` cheap. Every monitor is also on a
- * list that _monitor_shutdown() walks at interpreter exit. A forked child
+ * list that _monitor_stop_all(True) walks at interpreter exit. A forked child
  * sees its pid differ from the owner's and treats the copy as stopped.
  *
  * Because the thread runs Python code (on_high, gc.collect()), it can stop,
@@ -87,7 +87,7 @@ typedef struct {
 static pending_join *pending;
 static size_t pending_n, pending_cap;
 
-/* Set by _monitor_shutdown() at interpreter exit: from then on no thread
+/* Set by _monitor_stop_all(True) at interpreter exit: from then on no thread
  * starts, so none can take the GIL once finalisation has begun. */
 static atomic_int shutting_down;
 
@@ -104,7 +104,7 @@ static double now_s(void)
 /* Whether the interpreter has begun finalising; 0 where it cannot tell.
  * Py_IsFinalizing (3.13) and _Py_IsFinalizing (3.9 - 3.12) are outside the
  * Limited API, so they are looked up at run time and used only when present:
- * a second guard behind _monitor_shutdown(), for an exit that skips atexit
+ * a second guard behind _monitor_stop_all(True), for an exit that skips atexit
  * handlers. The first call (py_monitor_start, with the GIL, before any
  * thread exists) looks it up; later calls are safe without the GIL. */
 static int interpreter_finalizing(void)
@@ -629,22 +629,18 @@ static int stop_all(void)
     return n;
 }
 
-/* _monitor_stop_all() -> int: stops every running monitor. */
-static PyObject *py_monitor_stop_all(PyObject *self, PyObject *unused)
+/* _monitor_stop_all(shutdown=False) -> int: stops every running monitor;
+ * returns how many were running. shutdown=True is the atexit handler: it
+ * joins every thread while Python still runs, and from then on no thread
+ * starts, so no watchdog takes the GIL during finalisation. */
+static PyObject *py_monitor_stop_all(PyObject *self, PyObject *args)
 {
+    int shutdown = 0;
     (void)self;
-    (void)unused;
-    return PyLong_FromLong(stop_all());
-}
-
-/* _monitor_shutdown() -> int: the atexit handler. Stops every running
- * monitor and joins every thread while Python still runs, and from then on
- * starts no thread, so no watchdog takes the GIL during finalisation. */
-static PyObject *py_monitor_shutdown(PyObject *self, PyObject *unused)
-{
-    (void)self;
-    (void)unused;
-    atomic_store(&shutting_down, 1);
+    if (!PyArg_ParseTuple(args, "|p", &shutdown))
+        return NULL;
+    if (shutdown)
+        atomic_store(&shutting_down, 1);
     return PyLong_FromLong(stop_all());
 }
 
@@ -752,10 +748,10 @@ static PyMethodDef monitor_methods[] = {
      "_monitor_start(device, threshold, interval, cooldown, on_high, capacity, "
      "allocator_stats, source)\n--\n\nStart a native watchdog; returns its handle."},
     {"_monitor_stop", py_monitor_stop, METH_O, "Stop and join a watchdog (idempotent)."},
-    {"_monitor_stop_all", py_monitor_stop_all, METH_NOARGS,
-     "Stop every running watchdog; returns how many were running."},
-    {"_monitor_shutdown", py_monitor_shutdown, METH_NOARGS,
-     "Stop every watchdog and start no more (atexit); returns how many were running."},
+    {"_monitor_stop_all", py_monitor_stop_all, METH_VARARGS,
+     "_monitor_stop_all(shutdown=False)\n--\n\n"
+     "Stop every running watchdog; returns how many were running. shutdown=True (atexit) "
+     "also starts no watchdog from then on."},
     {"_monitor_info", py_monitor_info, METH_O, "State of a watchdog."},
     {"_monitor_samples", py_monitor_samples, METH_O, "The watchdog's timeline."},
     {"_monitor_events", py_monitor_events, METH_O, "What the watchdog did."},
