@@ -123,14 +123,14 @@ def test_crossing_the_threshold_clears_calls_on_high_and_records(venv, workdir):
         m = MemoryMonitor(threshold=0.8, interval=0.01, cooldown=3600, on_high=on_high,
                           capacity=100000, _source=SRC)
         with m:
-            wait_for(lambda: len(m.samples()) >= 3)
+            need(lambda: len(m.samples()) >= 3, "len(m.samples()) >= 3")
             feed(900)                                    # crossing 1
-            wait_for(lambda: len(m.events) >= 1)
+            need(lambda: len(m.events) >= 1, "len(m.events) >= 1")
             time.sleep(0.1)                              # still high: cooldown, no action
             feed(500)                                    # back below: re-armed
-            wait_for(lambda: m.samples()[-1].used == 500)
+            need(lambda: m.samples()[-1].used == 500, "m.samples()[-1].used == 500")
             feed(850)                                    # crossing 2
-            wait_for(lambda: len(m.events) >= 2)
+            need(lambda: len(m.events) >= 2, "len(m.events) >= 2")
             time.sleep(0.05)
         ev = m.events
         s = m.samples()
@@ -158,7 +158,8 @@ def test_on_high_errors_are_reported_and_the_watchdog_survives(venv, workdir):
         m = MemoryMonitor(threshold=0.5, interval=0.01, cooldown=0, on_high=boom, _source=SRC)
         with m:
             feed(900)
-            wait_for(lambda: sum(e["kind"] == "on_high_error" for e in m.events) >= 2)
+            need(lambda: sum(e["kind"] == "on_high_error" for e in m.events) >= 2,
+                 "two on_high_error events")
             alive = m.running
         print(json.dumps([alive, [e["kind"] for e in m.events][:2], m.events[1]["message"]]))
     """)
@@ -173,7 +174,8 @@ def test_timeline_is_bounded(venv, workdir):
     _, res = _run(venv, workdir, """
         m = MemoryMonitor(interval=0.001, capacity=5, _source=SRC)
         with m:
-            wait_for(lambda: outofcuda.monitor.core._monitor_info(m._handle)["dropped"] > 20)
+            need(lambda: outofcuda.monitor.core._monitor_info(m._handle)["dropped"] > 20,
+                 "more than 20 dropped samples")
         info = outofcuda.monitor.core._monitor_info(m._handle)
         print(json.dumps([len(m.samples()), info["count"], info["dropped"] > 20]))
     """)
@@ -207,7 +209,9 @@ def test_repeated_start_stop_leaks_no_threads_and_joins_promptly(venv, workdir):
     """)
     peak, slowest, py_leak, native_leak, double = res
     assert peak == 1
-    assert slowest < 1.0           # interval is 60 s: stop() wakes the thread
+    # interval is 60 s: without stop() waking the thread each stop would take
+    # about 60 s (a bound far from both, not a speed figure).
+    assert slowest < 30.0
     assert py_leak == 0 and native_leak == 0
     assert "already running" in double
 
@@ -436,7 +440,7 @@ def test_a_forked_child_does_not_inherit_a_running_monitor(venv, workdir):
         m = MemoryMonitor(threshold=0.5, interval=0.005, cooldown=0, on_high=lambda e: None,
                           _source=SRC).start()
         feed(900)          # the parent's watchdog keeps taking the GIL and its lock
-        wait_for(lambda: len(m.events) > 3)
+        need(lambda: len(m.events) > 3, "len(m.events) > 3")
         results = []
         for i in range(5):
             r, w = os.pipe()
@@ -472,7 +476,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(venv, workdir):
     _, res = _run(venv, workdir, """
         m = MemoryMonitor(interval=0.01, _source=SRC)
         with m:
-            wait_for(lambda: len(m.samples()) > 1)
+            need(lambda: len(m.samples()) > 1, "len(m.samples()) > 1")
         try:
             m.plot("out.png")
             err = None
@@ -490,7 +494,7 @@ def test_allocator_stats_do_not_initialise_cuda(venv, workdir):
         import torch
         m = MemoryMonitor(interval=0.01, allocator_stats=True, _source=SRC)
         with m:
-            wait_for(lambda: len(m.samples()) > 3)
+            need(lambda: len(m.samples()) > 3, "len(m.samples()) > 3")
         s = m.samples()
         print(json.dumps([s[-1].reserved, s[-1].allocated, torch.cuda.is_initialized()]))
     """)
