@@ -367,9 +367,21 @@ def test_an_absurd_interval_is_refused_and_bounded_in_c(venv, workdir):
             need(lambda: core._monitor_info(h)["count"] >= 1, f"a first sample at {interval}")
             core._monitor_stop(h)
             stopped.append(core._monitor_info(h)["running"])
-        print(json.dumps([refused, ok, stopped]))
+        nan, inf = float("nan"), float("inf")
+        c_refused = []
+        for args in [(nan, 1.0, 0.0, 10), (inf, 1.0, 0.0, 10), (0.5, nan, 0.0, 10),
+                     (0.5, -inf, 0.0, 10), (0.5, -1.0, 0.0, 10), (0.5, 1.0, nan, 10),
+                     (0.5, 1.0, -1.0, 10), (0.5, 1.0, 0.0, 0), (0.5, 1.0, 0.0, -5)]:
+            threshold, interval, cooldown, capacity = args
+            try:
+                core._monitor_start(0, threshold, interval, cooldown, None, capacity, False, SRC)
+                c_refused.append(None)
+            except ValueError as e:
+                c_refused.append(str(e))
+        print(json.dumps([refused, ok, stopped, c_refused]))
     """)
-    refused, ok, stopped = res
+    refused, ok, stopped, c_refused = res
+    assert all(e and "out of range" in e for e in c_refused), c_refused
     assert "interval must be > 0 and <= 86400" in refused[0], refused
     assert "interval must be a finite number" in refused[1], refused
     assert "interval must be > 0 and <= 86400" in refused[2], refused
