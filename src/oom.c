@@ -696,12 +696,16 @@ static unsigned long long kw_bytes(PyObject *kw, const char *key)
     return x;
 }
 
+/* 1, 0, or -1 for None/missing; -2 with an exception set when the value's
+ * truth cannot be told. */
 static int kw_tristate(PyObject *kw, const char *key)
 {
     PyObject *v = kw ? PyDict_GetItemString(kw, key) : NULL;
+    int r;
     if (v == NULL || v == Py_None)
         return -1;
-    return PyObject_IsTrue(v) == 1;
+    r = PyObject_IsTrue(v);
+    return r < 0 ? -2 : r;
 }
 
 /* _oom_advice(**figures) -> list of str, most useful first. Keys (all
@@ -726,9 +730,13 @@ static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
     f.allocated = kw_bytes(kw, "allocated");
     f.reserved = kw_bytes(kw, "reserved");
     f.inactive_split = kw_bytes(kw, "inactive_split");
-    f.expandable = kw_tristate(kw, "expandable") == 1;
+    f.expandable = kw_tristate(kw, "expandable");
     f.autocast = kw_tristate(kw, "autocast");
-    f.exhausted = kw_tristate(kw, "exhausted") == 1;
+    f.exhausted = kw_tristate(kw, "exhausted");
+    if (f.expandable == -2 || f.autocast == -2 || f.exhausted == -2)
+        return NULL;
+    f.expandable = f.expandable == 1;
+    f.exhausted = f.exhausted == 1;
     fr = kw ? PyDict_GetItemString(kw, "fraction") : NULL;
     if (fr != NULL && fr != Py_None) {
         f.fraction = PyFloat_AsDouble(fr);
