@@ -589,3 +589,26 @@ def test_snapshot_variable_is_checked(venv, workdir):
         entry = json.loads(r.stdout)
         assert entry["applied"] is False and entry["value"] is None
         assert "CPU-only build" in entry["reason"]
+
+
+def test_gpu_checks_take_the_gpu_fixture():
+    """Each GPU check asks for the `gpu` fixture (tests/gpu/conftest.py), which
+    skips for the true reason (no GPU, or no CUDA in the test environment)
+    and runs on a GPU machine; a module-level importorskip in the runner's own
+    interpreter would skip them everywhere for a reason that is not the one."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "gpu"
+    files = sorted(folder.glob("test_*.py"))
+    assert folder / "test_oom.py" in files
+    for path in files:
+        tree = ast.parse(path.read_text())
+        calls = [n.func.attr for n in ast.walk(tree)
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+        assert "importorskip" not in calls, path.name
+        tests = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+                 and n.name.startswith("test_")]
+        assert tests, path.name
+        for fn in tests:
+            assert "gpu" in [a.arg for a in fn.args.args], f"{path.name}::{fn.name}"
