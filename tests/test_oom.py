@@ -509,6 +509,23 @@ def _fake_cuda(venv, tmp_path, workdir, body, input=None, disable=False):
     return venv.run(FAKE_CUDA_PRELUDE + textwrap.dedent(body), env=env, cwd=workdir)
 
 
+def test_cuda_build_where_cuda_never_starts_is_plain_python(venv, tmp_path, workdir):
+    """A CUDA build on a machine without a GPU: torch never runs its lazy-init
+    queue (torch._C._cuda_init raises first), so an uncaught OOM, in a thread
+    or the main thread, prints exactly what it prints without outofcuda."""
+    body = """
+        print(hooks())
+        th = threading.Thread(target=lambda: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("t")))
+        th.start(); th.join()
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    """
+    mine = _fake_cuda(venv, tmp_path, workdir, body)
+    plain = _fake_cuda(venv, tmp_path, workdir, body, disable=True)
+    assert mine.stdout == "[True, True]\n", mine.stderr
+    assert "Exception in thread" in plain.stderr and "outofcuda" not in mine.stderr
+    assert (mine.returncode, mine.stdout, mine.stderr) == (1, plain.stdout, plain.stderr)
+
+
 def test_uncaught_oom_report_once_cuda_initialised_then_chains(venv, tmp_path, workdir):
     r = _fake_cuda(venv, tmp_path, workdir, """
         def earlier(t, v, tb):
