@@ -191,8 +191,9 @@ static void install_hooks(void);
  * into DeferredCudaCallError and the initialisation fails) and must not call
  * torch.cuda._lazy_call: from torch 2.6 (still so in 2.13) _lazy_init runs
  * the queue while holding _initialization_lock, a plain threading.Lock that
- * _lazy_call takes too, so the thread would wait on itself for ever. torch 2.0 crashed when the
- * observer was attached before CUDA initialised, hence the deferral. */
+ * _lazy_call takes too, so the thread would wait on itself for ever. torch
+ * 2.0 crashed when the observer was attached before CUDA initialised, hence
+ * the deferral. */
 static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
 {
     PyObject *torch = oc_sys_module("torch"), *attach = NULL, *obs = NULL, *r = NULL;
@@ -214,8 +215,12 @@ static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
     attach = oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
     obs = attach ? PyCFunction_NewEx(&observer_def, NULL, NULL) : NULL;
     r = obs ? PyObject_CallFunctionObjArgs(attach, obs, NULL) : NULL;
-    if (r == NULL)
+    if (r == NULL) {
         oc_set_error("attaching the CUDA OOM observer");
+        observer_state = "none: attaching it at CUDA initialisation failed";
+    } else {
+        observer_state = "attached";
+    }
     PyErr_Clear();
     Py_XDECREF(r);
     Py_XDECREF(obs);

@@ -564,11 +564,13 @@ def test_uncaught_oom_report_once_cuda_initialised_then_chains(venv, tmp_path, w
     assert out["before"]["hooks"] == [False, True] and out["before"]["earlier"] is True
     assert out["before"]["status"]["applied"] is True
     assert out["before"]["status"]["value"]["hooks"] == "installed when CUDA initialises"
+    assert out["before"]["status"]["value"]["observer"] == "attached when CUDA initialises"
     # At CUDA initialisation: both installed once, the observer attached once.
     assert out["after"]["hooks"] == [False, False]
     assert out["after"]["sys"] == "outofcuda_excepthook"
     assert out["after"]["observer"] == ["_cuda_attach_out_of_memory_observer"]
     assert out["after"]["status"]["value"]["hooks"] == "sys.excepthook + threading.excepthook"
+    assert out["after"]["status"]["value"]["observer"] == "attached"
     thread_report = err.index("outofcuda: CUDA out of memory on cuda:0")
     assert "  requested          512 MiB" in err
     assert thread_report < err.index("Exception in thread") < err.index("THREAD DONE")
