@@ -3,8 +3,12 @@ report and the uncaught-exception hook.
 
 OOMs are provoked by a test-only memory budget (BUDGET below, never in the
 product) that raises the real ``torch.cuda.OutOfMemoryError`` when a forward
-pass sees more samples than it allows. Each scenario runs in a fresh
-interpreter of the built wheel's environment.
+pass sees more samples than it allows. The exception hooks are checked on the
+real CPU build (Python's own, output byte-identical to a run with
+OUTOFCUDA_DISABLE=1) and on the stand-in CUDA build of tests/fake_torch.py,
+whose torch.cuda._fake_cuda_init() runs the lazy-init queue as CUDA's
+initialisation does. Each scenario runs in a fresh interpreter of the built
+wheel's environment.
 """
 import json
 import textwrap
@@ -580,6 +584,25 @@ def test_uncaught_oom_report_once_cuda_initialised_then_chains(venv, tmp_path, w
     assert "what to try, most useful first:" in err[main:]
     # One report per OOM: a second pass over the queue did not chain twice.
     assert err.count("outofcuda: CUDA out of memory on cuda:0") == 2, err
+
+
+def test_uncaught_report_never_imports_a_planted_outofcuda(venv, tmp_path, workdir):
+    """An `outofcuda` folder in the working directory (first on sys.path for
+    `python -c`) is never imported by the hook: the report falls back to
+    the one line the C core prints."""
+    planted = workdir / "outofcuda"
+    planted.mkdir()
+    marker = tmp_path / "MARKER"
+    for name in ("__init__.py", "_oom.py"):
+        (planted / name).write_text(f"open({str(marker)!r}, 'a').write({name!r})\n")
+    r = _fake_cuda(venv, tmp_path, workdir, """
+        torch.cuda._fake_cuda_init()
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    """)
+    assert r.returncode == 1, r.stderr
+    assert not marker.exists(), marker.read_text()
+    assert r.stderr.startswith("outofcuda: CUDA out of memory (allocated 0.00 GiB, reserved "
+                               "0.00 GiB by this process).\nTraceback"), r.stderr
 
 
 def test_cuda_init_inside_a_console_leaves_its_output_alone(venv, tmp_path, workdir):
