@@ -177,7 +177,7 @@ int oc_nvml_min_visible_cc(void);   /* lowest major*10+minor of those, or -1 */
 extern PyMethodDef oc_nvml_methods[];
 
 /* oom.c */
-void oc_oom_install(PyObject *torch); /* chained excepthooks; never raises */
+void oc_oom_install(PyObject *torch); /* queues observer + hooks for CUDA init; never raises */
 extern PyMethodDef oc_oom_methods[];
 
 /* api.c */

@@ -1,9 +1,11 @@
 /* oom.c - what outofcuda does when CUDA runs out of memory: torch's OOM
- * observer (attached when CUDA initialises) records the figures at the moment
- * of failure and optionally dumps an allocator snapshot; the chained
- * sys.excepthook / threading.excepthook print the report for an uncaught OOM;
- * oc_oom_advise ranks the actions that fit the figures. The report itself is
- * assembled and formatted by outofcuda/_oom.py. */
+ * observer records the figures at the moment of failure and optionally dumps
+ * an allocator snapshot; the chained sys.excepthook / threading.excepthook
+ * print the report for an uncaught OOM; oc_oom_advise ranks the actions that
+ * fit the figures. The report itself is assembled and formatted by
+ * outofcuda/_oom.py. Observer and hooks are set when CUDA initialises (from
+ * torch's lazy-init queue), never at import: until then, and for good on a
+ * CPU-only build, the process looks as without outofcuda. */
 #include "oc.h"
 
 #include <errno.h>
@@ -20,6 +22,15 @@
 #define SNAPSHOT_MAX_ENTRIES 100000
 
 static PyObject *prev_sys_hook, *prev_thread_hook, *oom_type;
+
+/* Set by the first run of at_cuda_init. torch runs its queue once, but a
+ * second run (a stand-in torch, a queue run by hand) must not attach a second
+ * observer or chain our own hook behind itself, which would print every report
+ * twice. Guarded by the GIL. */
+static int cuda_init_seen;
+
+/* What status() says about the observer (static storage). */
+static const char *observer_state = "none";
 
 /* OUTOFCUDA_OOM_SNAPSHOT, checked and made absolute at install ("" = off). */
 static char snapshot_path[PATH_MAX];
@@ -173,18 +184,26 @@ static int start_history(PyObject *torch)
     return 0;
 }
 
+static void install_hooks(void);
+
 /* Queued with torch.cuda._lazy_call: runs inside CUDA's initialisation, on
- * whichever thread first touches CUDA. It must not raise (that would fail
- * the initialisation) and must not queue another lazy call (deadlock, see
- * DESIGN.md). torch 2.0 crashed when the observer was attached before CUDA
- * initialised, hence the deferral. */
+ * whichever thread first touches CUDA. It must not raise (torch turns that
+ * into DeferredCudaCallError and the initialisation fails) and must not call
+ * torch.cuda._lazy_call: from torch 2.6 (still so in 2.13) _lazy_init runs
+ * the queue while holding _initialization_lock, a plain threading.Lock that
+ * _lazy_call takes too, so the thread would wait on itself for ever. torch
+ * 2.0 crashed when the observer was attached before CUDA initialised, hence
+ * the deferral. */
 static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
 {
     PyObject *torch = oc_sys_module("torch"), *attach = NULL, *obs = NULL, *r = NULL;
     (void)self;
     (void)unused;
-    if (torch == NULL)
+    if (torch == NULL || cuda_init_seen) {
+        Py_XDECREF(torch);
         Py_RETURN_NONE;
+    }
+    cuda_init_seen = 1;
     if (snapshot_path[0] && start_history(torch) < 0) {
         char msg[400];
         take_error(msg, sizeof msg,
@@ -196,13 +215,18 @@ static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
     attach = oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
     obs = attach ? PyCFunction_NewEx(&observer_def, NULL, NULL) : NULL;
     r = obs ? PyObject_CallFunctionObjArgs(attach, obs, NULL) : NULL;
-    if (r == NULL)
+    if (r == NULL) {
         oc_set_error("attaching the CUDA OOM observer");
+        observer_state = "none: attaching it at CUDA initialisation failed";
+    } else {
+        observer_state = "attached";
+    }
     PyErr_Clear();
     Py_XDECREF(r);
     Py_XDECREF(obs);
     Py_XDECREF(attach);
     Py_DECREF(torch);
+    install_hooks();
     Py_RETURN_NONE;
 }
 
@@ -269,6 +293,8 @@ static const char *queue_observer(PyObject *torch)
     PyObject *cb = NULL, *r = NULL;
     const char *what;
     if (attach == NULL) {
+        /* Every CUDA (and ROCm) build has it; a CPU-only build has no CUDA
+         * to report on, so nothing is queued and no hook is ever set. */
         what = "none: this torch build has no CUDA OOM observer";
         goto done;
     }
@@ -448,67 +474,99 @@ static PyMethodDef sys_hook_def = {"outofcuda_excepthook", sys_excepthook, METH_
 static PyMethodDef thread_hook_def = {"outofcuda_threading_excepthook", thread_excepthook, METH_O,
                                       "outofcuda's OOM handler; chains to the previous hook."};
 
-/* Chains sys.excepthook and threading.excepthook. Returns 0, or -1 when
- * sys.excepthook could not be set (recorded). */
-static int install_hooks(void)
+/* status()'s entry for the handler; `hooks` says which hooks are set. */
+static void record_status(const char *hooks)
 {
-    PyObject *threading, *hook;
-    prev_sys_hook = PySys_GetObject("excepthook");
-    Py_XINCREF(prev_sys_hook);
-    hook = PyCFunction_NewEx(&sys_hook_def, NULL, NULL);
-    if (hook == NULL || PySys_SetObject("excepthook", hook) < 0) {
+    PyObject *value = Py_BuildValue("{s:s,s:s,s:z}", "hooks", hooks, "observer", observer_state,
+                                    "snapshot", snapshot_path[0] ? snapshot_path : NULL);
+    oc_result_set("oom_handler", 1, value,
+                  "once CUDA initialises, on a CUDA OOM: record the figures (observer), print a "
+                  "report and ranked actions before the traceback of an uncaught one, then empty "
+                  "the cache");
+    Py_XDECREF(value);
+    PyErr_Clear();
+}
+
+/* Sets `name` (an attribute of `owner`) to a new hook made from `def`,
+ * keeping the current one in *prev to chain to. Returns 1 when set. */
+static int chain_hook(PyObject *owner, const char *name, PyMethodDef *def, PyObject **prev)
+{
+    PyObject *current = PyObject_GetAttrString(owner, name);
+    PyObject *hook = current ? PyCFunction_NewEx(def, NULL, NULL) : NULL;
+    if (hook == NULL || PyObject_SetAttrString(owner, name, hook) < 0) {
         Py_XDECREF(hook);
-        oc_set_error("installing sys.excepthook");
-        return -1;
+        Py_XDECREF(current);
+        PyErr_Clear();
+        return 0;
     }
     Py_DECREF(hook);
+    *prev = current;
+    return 1;
+}
+
+/* Runs once, at CUDA initialisation (at_cuda_init). A hook the program set
+ * earlier is chained, not replaced: it still receives every exception with
+ * the same arguments, after the report. sys.excepthook is left alone while an
+ * interactive console built on the `code` module runs (it sets sys.ps1): its
+ * showtraceback writes through the console only while sys.excepthook is
+ * sys.__excepthook__, so any other hook would take its output away. */
+static void install_hooks(void)
+{
+    PyObject *sys = NULL, *threading = NULL;
+    int sys_set = 0, thread_set = 0, console;
+    console = PySys_GetObject("ps1") != NULL;
+    sys = PyImport_ImportModule("sys");
+    if (sys != NULL && !console)
+        sys_set = chain_hook(sys, "excepthook", &sys_hook_def, &prev_sys_hook);
     /* threading is imported by torch already; this only looks it up. */
     threading = PyImport_ImportModule("threading");
-    if (threading != NULL) {
-        prev_thread_hook = PyObject_GetAttrString(threading, "excepthook");
-        hook = prev_thread_hook ? PyCFunction_NewEx(&thread_hook_def, NULL, NULL) : NULL;
-        if (hook == NULL || PyObject_SetAttrString(threading, "excepthook", hook) < 0)
-            PyErr_Clear();
-        Py_XDECREF(hook);
-        Py_DECREF(threading);
-    }
+    if (threading != NULL)
+        thread_set = chain_hook(threading, "excepthook", &thread_hook_def, &prev_thread_hook);
     PyErr_Clear();
-    return 0;
+    Py_XDECREF(threading);
+    Py_XDECREF(sys);
+    record_status(sys_set && thread_set ? "sys.excepthook + threading.excepthook"
+                  : thread_set
+                      ? (console ? "threading.excepthook (sys.excepthook left to the "
+                                   "interactive console)"
+                                 : "threading.excepthook (sys.excepthook could not be set)")
+                  : sys_set ? "sys.excepthook (threading.excepthook could not be set)"
+                            : "none: the exception hooks could not be set");
 }
 
 void oc_oom_install(PyObject *torch)
 {
-    const char *observer;
-    PyObject *value;
     int snapshot;
     oom_type = oc_getattr_chain(torch, "cuda.OutOfMemoryError");
     if (oom_type == NULL) {
+        PyErr_Clear();
         oc_result_set("oom_handler", 0, NULL, "this torch has no torch.cuda.OutOfMemoryError");
         return;
     }
-    if (install_hooks() < 0) {
-        oc_result_set("oom_handler", 0, NULL, "sys.excepthook could not be set");
+    snapshot = read_snapshot_env();
+    observer_state = queue_observer(torch);
+    if (strncmp(observer_state, "none", 4) == 0) {
+        if (snapshot) {
+            char msg[OC_WARN_LEN];
+            snprintf(msg, sizeof msg,
+                     "outofcuda: OUTOFCUDA_OOM_SNAPSHOT is set but no snapshot "
+                     "can be written (%s)",
+                     observer_state + 6);
+            snapshot_path[0] = '\0';
+            oc_warn(msg);
+        }
+        /* Nothing will ever run at CUDA initialisation: Python's exception
+         * hooks stay its own for the life of the process. */
+        if (strstr(observer_state, "no CUDA OOM observer") != NULL)
+            oc_result_set("oom_handler", 0, NULL,
+                          "CPU-only build of torch (no CUDA OOM observer): no CUDA to report on, "
+                          "Python's exception hooks left alone");
+        else
+            oc_result_setf("oom_handler", 0, NULL, "%s: Python's exception hooks left alone",
+                           observer_state + 6);
         return;
     }
-    snapshot = read_snapshot_env();
-    observer = queue_observer(torch);
-    if (snapshot && strncmp(observer, "none", 4) == 0) {
-        char msg[OC_WARN_LEN];
-        snprintf(msg, sizeof msg,
-                 "outofcuda: OUTOFCUDA_OOM_SNAPSHOT is set but no snapshot "
-                 "can be written (%s)",
-                 observer + 6);
-        snapshot_path[0] = '\0';
-        oc_warn(msg);
-    }
-    value =
-        Py_BuildValue("{s:s,s:s,s:z}", "hooks", "sys.excepthook + threading.excepthook", "observer",
-                      observer, "snapshot", snapshot_path[0] ? snapshot_path : NULL);
-    oc_result_set("oom_handler", 1, value,
-                  "on a CUDA OOM: record the figures (observer), print a report and ranked "
-                  "actions before the traceback of an uncaught one, then empty the cache");
-    Py_XDECREF(value);
-    PyErr_Clear();
+    record_status("installed when CUDA initialises");
 }
 
 /* ---- the ranked actions ---- */
@@ -643,12 +701,16 @@ static unsigned long long kw_bytes(PyObject *kw, const char *key)
     return x;
 }
 
+/* 1, 0, or -1 for None/missing; -2 with an exception set when the value's
+ * truth cannot be told. */
 static int kw_tristate(PyObject *kw, const char *key)
 {
     PyObject *v = kw ? PyDict_GetItemString(kw, key) : NULL;
+    int r;
     if (v == NULL || v == Py_None)
         return -1;
-    return PyObject_IsTrue(v) == 1;
+    r = PyObject_IsTrue(v);
+    return r < 0 ? -2 : r;
 }
 
 /* _oom_advice(**figures) -> list of str, most useful first. Keys (all
@@ -673,9 +735,13 @@ static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
     f.allocated = kw_bytes(kw, "allocated");
     f.reserved = kw_bytes(kw, "reserved");
     f.inactive_split = kw_bytes(kw, "inactive_split");
-    f.expandable = kw_tristate(kw, "expandable") == 1;
+    f.expandable = kw_tristate(kw, "expandable");
     f.autocast = kw_tristate(kw, "autocast");
-    f.exhausted = kw_tristate(kw, "exhausted") == 1;
+    f.exhausted = kw_tristate(kw, "exhausted");
+    if (f.expandable == -2 || f.autocast == -2 || f.exhausted == -2)
+        return NULL;
+    f.expandable = f.expandable == 1;
+    f.exhausted = f.exhausted == 1;
     fr = kw ? PyDict_GetItemString(kw, "fraction") : NULL;
     if (fr != NULL && fr != Py_None) {
         f.fraction = PyFloat_AsDouble(fr);

@@ -46,6 +46,19 @@ def error(fn, *a, **k):
         return
     raise AssertionError(f"{fn} accepted {a} {k}")
 
+class NoTruth:
+    def __bool__(self):
+        raise ValueError("no truth value")
+
+GIB = 1 << 30
+
+def oom_advice_errors():
+    error(_outofcuda._oom_advice, 1)
+    error(_outofcuda._oom_advice, others=[("pid", "name", 1)])
+    error(_outofcuda._oom_advice, others=5)
+    error(_outofcuda._oom_advice, fraction="half")
+    error(_outofcuda._oom_advice, autocast=NoTruth())
+
 env = {"OUTOFCUDA_TF32": "0", "OUTOFCUDA_NUM_WORKERS": "bad", "OUTOFCUDA_ALLOC_CONF": "a:["}
 cases = {
     "_outofcuda.install": _outofcuda.install,
@@ -66,6 +79,13 @@ cases = {
     "_outofcuda._api_clear_cache": _outofcuda._api_clear_cache,
     "_outofcuda._oom_observed": _outofcuda._oom_observed,
     "_outofcuda._oom_observer": lambda: _outofcuda._oom_observer(0, 1 << 30, 8 << 30, 1 << 20),
+    # Every branch of the ranking: another process, fragmentation, the fraction,
+    # the batch, autocast; a nameless process and a tenth one past the 8 kept.
+    "_outofcuda._oom_advice": lambda: _outofcuda._oom_advice(
+        request=GIB, total=80 * GIB, allocated=40 * GIB, reserved=60 * GIB,
+        inactive_split=5 * GIB, fraction=0.5, expandable=False, autocast=False, exhausted=False,
+        others=[(4242, "python", 30 * GIB), (7, None, 2 * GIB)] + [(i, "x", GIB) for i in range(8)]),
+    "_outofcuda._oom_advice(error)": oom_advice_errors,
     "_outofcuda._monitor_start..stop": monitor_cycle,
     "_outofcuda._monitor_stop_all": _outofcuda._monitor_stop_all,
     "outofcuda.status": outofcuda.status,
@@ -117,6 +137,7 @@ CASES = [
     "_outofcuda._api_autocast_dtype", "_outofcuda._api_loader_plan",
     "_outofcuda._api_memory_format", "_outofcuda._api_memory_report",
     "_outofcuda._api_clear_cache", "_outofcuda._oom_observed", "_outofcuda._oom_observer",
+    "_outofcuda._oom_advice", "_outofcuda._oom_advice(error)",
     "_outofcuda._monitor_start..stop", "_outofcuda._monitor_stop_all", "outofcuda.status",
     "outofcuda.config", "outofcuda.memory_report", "outofcuda.clear_cache", "outofcuda.last_oom",
     "outofcuda.autocast_context",
@@ -146,8 +167,7 @@ def test_every_public_function_is_covered(venv):
                    "n for n in dir(_outofcuda) if callable(getattr(_outofcuda, n)))))")
     names = json.loads(r.stdout)
     covered = {c.split("(")[0].split("..")[0].removeprefix("_outofcuda.") for c in CASES}
-    covered |= {"_monitor_stop", "_monitor_info", "_monitor_samples", "_monitor_events",
-                "_oom_advice"}
+    covered |= {"_monitor_stop", "_monitor_info", "_monitor_samples", "_monitor_events"}
     missing = [n for n in names if n not in covered]
     assert not missing, f"no leak case for {missing}"
 

@@ -3,8 +3,12 @@ report and the uncaught-exception hook.
 
 OOMs are provoked by a test-only memory budget (BUDGET below, never in the
 product) that raises the real ``torch.cuda.OutOfMemoryError`` when a forward
-pass sees more samples than it allows. Each scenario runs in a fresh
-interpreter of the built wheel's environment.
+pass sees more samples than it allows. The exception hooks are checked on the
+real CPU build (Python's own, output byte-identical to a run with
+OUTOFCUDA_DISABLE=1) and on the stand-in CUDA build of tests/fake_torch.py,
+whose torch.cuda._fake_cuda_init() runs the lazy-init queue as CUDA's
+initialisation does. Each scenario runs in a fresh interpreter of the built
+wheel's environment.
 """
 import json
 import textwrap
@@ -390,14 +394,162 @@ def test_report_from_observer_and_ranked_advice(venv, workdir):
     assert "bad" in out
 
 
-def test_uncaught_oom_prints_report_then_chains(venv, workdir):
-    r = venv.run("""
-        import sys, threading
+# ---- the exception hooks: Python's own until CUDA initialises -------------
+
+# A console session: a traceback, then whether both hooks are still Python's.
+CONSOLE_INPUT = """import torch
+1/0
+import sys, threading
+print(sys.excepthook is sys.__excepthook__, threading.excepthook is threading.__excepthook__)
+"""
+
+# code.InteractiveConsole with its output captured through write(), as IDLE,
+# pdb's interact and embedding applications do.
+CAPTURED_CONSOLE = """
+import code, json, sys
+
+class Captured(code.InteractiveConsole):
+    def __init__(self):
+        super().__init__()
+        self.out = []
+
+    def write(self, data):
+        self.out.append(data)
+
+c = Captured()
+for line in ("import torch", "1/0",
+             "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')"):
+    c.push(line)
+print(json.dumps({"captured": "".join(c.out), "sys": sys.excepthook is sys.__excepthook__}))
+"""
+
+
+def _same_as_without_outofcuda(venv, workdir, **kw):
+    """Runs one scenario with outofcuda and with OUTOFCUDA_DISABLE=1; returns
+    both results (each as stdout + stderr)."""
+    env = kw.pop("env", {})
+    mine = venv.run(cwd=workdir, env=env, **kw)
+    plain = venv.run(cwd=workdir, env=dict(env, OUTOFCUDA_DISABLE="1"), **kw)
+    return mine, plain
+
+
+def test_console_output_is_byte_identical_after_import_torch(venv, workdir):
+    mine, plain = _same_as_without_outofcuda(venv, workdir, code=None, args=("-m", "code"),
+                                             input=CONSOLE_INPUT)
+    assert "ZeroDivisionError: division by zero" in plain.stderr
+    assert "True True" in plain.stdout
+    assert (mine.stdout, mine.stderr) == (plain.stdout, plain.stderr)
+
+    mine, plain = _same_as_without_outofcuda(venv, workdir, code=CAPTURED_CONSOLE)
+    out = json.loads(mine.stdout.strip().splitlines()[-1])
+    assert out["sys"] is True
+    # Every traceback went through the console's write(), none to stderr.
+    assert "ZeroDivisionError" in out["captured"] and "OutOfMemoryError" in out["captured"]
+    assert "code.py" not in out["captured"]
+    assert (mine.stdout, mine.stderr) == (plain.stdout, plain.stderr)
+
+
+def test_hooks_are_pythons_own_after_import_torch(venv, workdir):
+    r = venv.check("""
+        import json, sys, threading, torch, outofcuda, _outofcuda
+        print(json.dumps({
+            "sys": sys.excepthook is sys.__excepthook__,
+            "thread": threading.excepthook is threading.__excepthook__,
+            "queued": [getattr(fn, "__name__", "") for fn, _ in torch.cuda._queued_calls],
+            "status": _outofcuda.status()["optimizations"]["oom_handler"]}))
+    """, cwd=workdir)
+    out = json.loads(r.stdout)
+    assert out["sys"] is True and out["thread"] is True
+    # A CPU-only build: nothing is queued for a CUDA that cannot start.
+    assert not any(name.startswith("outofcuda") for name in out["queued"]), out["queued"]
+    st = out["status"]
+    assert st["applied"] is False and "CPU-only build" in st["reason"], st
+
+
+def test_cpu_build_uncaught_oom_prints_pythons_traceback_only(venv, workdir):
+    """torch.OutOfMemoryError raised by hand on a CPU-only build (no CUDA to
+    report on): in the main thread and in a thread, the output is exactly
+    that of a run without outofcuda."""
+    script = """
+        import sys, threading, torch
+        th = threading.Thread(target=lambda: (_ for _ in ()).throw(torch.OutOfMemoryError("t")))
+        th.start(); th.join()
+        sys.stderr.write("THREAD DONE\\n")
+        raise torch.OutOfMemoryError("x")
+    """
+    mine, plain = _same_as_without_outofcuda(venv, workdir, code=script)
+    assert plain.returncode == 1 and plain.stderr.endswith("torch.OutOfMemoryError: x\n")
+    assert "THREAD DONE" in plain.stderr and "Exception in thread" in plain.stderr
+    assert "outofcuda" not in mine.stderr
+    assert (mine.returncode, mine.stdout, mine.stderr) == (1, plain.stdout, plain.stderr)
+
+
+# A CUDA build (the stand-in of tests/fake_torch.py): CUDA initialises when
+# the script calls torch.cuda._fake_cuda_init(), which runs the callbacks
+# queued with torch.cuda._lazy_call as torch.cuda._lazy_init does.
+FAKE_CUDA_PRELUDE = """
+import json, sys, threading
+import torch
+# The stand-in has no autocast state; the report asks for it.
+torch.is_autocast_enabled = lambda *a: False
+
+def hooks():
+    return [sys.excepthook is sys.__excepthook__,
+            threading.excepthook is threading.__excepthook__]
+"""
+
+
+def _fake_cuda(venv, tmp_path, workdir, body, input=None, disable=False):
+    from fake_torch import make_fake_torch
+
+    root = tmp_path / "fake"
+    if not root.exists():
+        make_fake_torch(root, "2.14.1")
+    env = {"PYTHONPATH": str(root)}
+    if disable:
+        env["OUTOFCUDA_DISABLE"] = "1"
+    if input is not None:
+        return venv.run(None, args=("-m", "code"), input=input, env=env, cwd=workdir)
+    return venv.run(FAKE_CUDA_PRELUDE + textwrap.dedent(body), env=env, cwd=workdir)
+
+
+def test_cuda_build_where_cuda_never_starts_is_plain_python(venv, tmp_path, workdir):
+    """A CUDA build on a machine without a GPU: torch never runs its lazy-init
+    queue (torch._C._cuda_init raises first), so an uncaught OOM, in a thread
+    or the main thread, prints exactly what it prints without outofcuda."""
+    body = """
+        print(hooks())
+        th = threading.Thread(target=lambda: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("t")))
+        th.start(); th.join()
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    """
+    mine = _fake_cuda(venv, tmp_path, workdir, body)
+    plain = _fake_cuda(venv, tmp_path, workdir, body, disable=True)
+    assert mine.stdout == "[True, True]\n", mine.stderr
+    assert "Exception in thread" in plain.stderr and "outofcuda" not in mine.stderr
+    assert (mine.returncode, mine.stdout, mine.stderr) == (1, plain.stdout, plain.stderr)
+
+
+def test_uncaught_oom_report_once_cuda_initialised_then_chains(venv, tmp_path, workdir):
+    r = _fake_cuda(venv, tmp_path, workdir, """
         def earlier(t, v, tb):
             sys.stderr.write("EARLIER HOOK " + t.__name__ + "\\n")
+        before_user = hooks()
         sys.excepthook = earlier
-        import torch
         assert "outofcuda._oom" not in sys.modules
+        import _outofcuda
+        before = {"hooks": hooks(), "earlier": sys.excepthook is earlier,
+                  "status": _outofcuda.status()["optimizations"]["oom_handler"]}
+        # CUDA initialises on whichever thread touches it first; torch may
+        # run its queue again (the stand-in does on every call).
+        th = threading.Thread(target=torch.cuda._fake_cuda_init)
+        th.start(); th.join()
+        torch.cuda._fake_cuda_init()
+        after = {"hooks": hooks(), "sys": getattr(sys.excepthook, "__name__", ""),
+                 "status": _outofcuda.status()["optimizations"]["oom_handler"],
+                 "observer": [c[0] for c in torch._C.calls
+                              if c[0] == "_cuda_attach_out_of_memory_observer"]}
+        print(json.dumps({"before_user": before_user, "before": before, "after": after}))
 
         def worker():
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB. "
@@ -407,9 +559,22 @@ def test_uncaught_oom_prints_report_then_chains(venv, workdir):
         sys.stderr.write("THREAD DONE\\n")
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB. "
                                           "GPU 0 has a total capacity of 10.00 GiB")
-    """, cwd=workdir)
+    """)
     err = r.stderr
     assert r.returncode == 1, err
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    # Before CUDA initialises: Python's own hooks, and the user's hook untouched.
+    assert out["before_user"] == [True, True]
+    assert out["before"]["hooks"] == [False, True] and out["before"]["earlier"] is True
+    assert out["before"]["status"]["applied"] is True
+    assert out["before"]["status"]["value"]["hooks"] == "installed when CUDA initialises"
+    assert out["before"]["status"]["value"]["observer"] == "attached when CUDA initialises"
+    # At CUDA initialisation: both installed once, the observer attached once.
+    assert out["after"]["hooks"] == [False, False]
+    assert out["after"]["sys"] == "outofcuda_excepthook"
+    assert out["after"]["observer"] == ["_cuda_attach_out_of_memory_observer"]
+    assert out["after"]["status"]["value"]["hooks"] == "sys.excepthook + threading.excepthook"
+    assert out["after"]["status"]["value"]["observer"] == "attached"
     thread_report = err.index("outofcuda: CUDA out of memory on cuda:0")
     assert "  requested          512 MiB" in err
     assert thread_report < err.index("Exception in thread") < err.index("THREAD DONE")
@@ -417,6 +582,39 @@ def test_uncaught_oom_prints_report_then_chains(venv, workdir):
     assert "  requested          3.00 GiB" in err[main:]
     assert main < err.index("EARLIER HOOK OutOfMemoryError")
     assert "what to try, most useful first:" in err[main:]
+    # One report per OOM: a second pass over the queue did not chain twice.
+    assert err.count("outofcuda: CUDA out of memory on cuda:0") == 2, err
+
+
+def test_uncaught_report_never_imports_a_planted_outofcuda(venv, tmp_path, workdir):
+    """An `outofcuda` folder in the working directory (first on sys.path for
+    `python -c`) is never imported by the hook: the report falls back to
+    the one line the C core prints."""
+    planted = workdir / "outofcuda"
+    planted.mkdir()
+    marker = tmp_path / "MARKER"
+    for name in ("__init__.py", "_oom.py"):
+        (planted / name).write_text(f"open({str(marker)!r}, 'a').write({name!r})\n")
+    r = _fake_cuda(venv, tmp_path, workdir, """
+        torch.cuda._fake_cuda_init()
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    """)
+    assert r.returncode == 1, r.stderr
+    assert not marker.exists(), marker.read_text()
+    assert r.stderr.startswith("outofcuda: CUDA out of memory (allocated 0.00 GiB, reserved "
+                               "0.00 GiB by this process).\nTraceback"), r.stderr
+
+
+def test_cuda_init_inside_a_console_leaves_its_output_alone(venv, tmp_path, workdir):
+    """CUDA initialising inside a `code` console (sys.ps1 is set) does not
+    take sys.excepthook from it: the console stays byte-identical."""
+    session = ("import torch\ntorch.cuda._fake_cuda_init()\n1/0\n"
+               "raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 2 MiB')\n"
+               "import sys\nprint(sys.excepthook is sys.__excepthook__)\n")
+    mine = _fake_cuda(venv, tmp_path, workdir, None, input=session)
+    plain = _fake_cuda(venv, tmp_path, workdir, None, input=session, disable=True)
+    assert "ZeroDivisionError" in plain.stderr and "True" in plain.stdout
+    assert (mine.stdout, mine.stderr) == (plain.stdout, plain.stderr)
 
 
 def test_snapshot_variable_is_checked(venv, workdir):
@@ -431,5 +629,28 @@ def test_snapshot_variable_is_checked(venv, workdir):
         """, env={"OUTOFCUDA_OOM_SNAPSHOT": value}, cwd=workdir)
         assert "OUTOFCUDA_OOM_SNAPSHOT" in r.stderr and words in r.stderr, (value, r.stderr)
         entry = json.loads(r.stdout)
-        assert entry["applied"] is True and entry["value"]["snapshot"] is None
-        assert entry["value"]["observer"].startswith("none: this torch build has no CUDA")
+        assert entry["applied"] is False and entry["value"] is None
+        assert "CPU-only build" in entry["reason"]
+
+
+def test_gpu_checks_take_the_gpu_fixture():
+    """Each GPU check asks for the `gpu` fixture (tests/gpu/conftest.py), which
+    skips for the true reason (no GPU, or no CUDA in the test environment)
+    and runs on a GPU machine; a module-level importorskip in the runner's own
+    interpreter would skip them everywhere for a reason that is not the one."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "gpu"
+    files = sorted(folder.glob("test_*.py"))
+    assert folder / "test_oom.py" in files
+    for path in files:
+        tree = ast.parse(path.read_text())
+        calls = [n.func.attr for n in ast.walk(tree)
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+        assert "importorskip" not in calls, path.name
+        tests = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+                 and n.name.startswith("test_")]
+        assert tests, path.name
+        for fn in tests:
+            assert "gpu" in [a.arg for a in fn.args.args], f"{path.name}::{fn.name}"

@@ -1,16 +1,14 @@
-"""OOM on a real GPU: training survives a memory cap through auto_microbatch
-with the same losses as an uncapped run, and a deliberate OOM's report agrees
-with torch.cuda.memory_stats(), NVML and a second process holding memory.
+"""OOM on a real GPU (run on an H200 by benchmarks/gpu_check.sh): training
+survives a memory cap through auto_microbatch with the same losses as an
+uncapped run; a deliberate OOM's report agrees with torch.cuda.memory_stats(),
+NVML and a second process holding memory; the exception hooks are Python's
+own until CUDA initialises, and then print the report for an uncaught OOM.
 
-Skips cleanly where torch or CUDA is missing. Every scenario runs in a fresh
-interpreter (the hook and the OOM observer are process-wide)."""
+The `gpu` fixture (tests/gpu/conftest.py) skips where there is no NVIDIA GPU
+or torch cannot use CUDA. Every scenario runs in a fresh interpreter (the hook
+and the OOM observer are process-wide)."""
 import json
 import textwrap
-
-import pytest
-
-torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # 20 SGD steps of an MLP whose full batch needs more than the cap allows.
 TRAIN = """
@@ -25,7 +23,7 @@ model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(4096
                             torch.nn.Linear(4096, 10)).to(dev)
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 g = torch.Generator(device="cpu").manual_seed(1)
-data = [(torch.randn(65536, 4096, generator=g), torch.randint(0, 10, (65536,), generator=g))
+data = [(torch.randn(32768, 4096, generator=g), torch.randint(0, 10, (32768,), generator=g))
         for _ in range(2)]
 step = outofcuda.auto_microbatch(
     lambda b: torch.nn.functional.cross_entropy(model(b[0]), b[1]))
@@ -45,24 +43,25 @@ def _json(r):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_training_survives_a_memory_cap_with_the_same_losses(venv, workdir):
-    free = _json(venv.run("import json, torch; print(json.dumps(torch.cuda.mem_get_info()))"))
+def test_training_survives_a_memory_cap_with_the_same_losses(gpu, workdir):
+    free = _json(gpu.run("import json, torch; print(json.dumps(torch.cuda.mem_get_info()))"))
     total = free[1]
-    # About 4 GiB: the weights, gradients and a micro-batch fit; the full
-    # batch (1 GiB of input, 1 GiB per saved activation) does not.
+    # About 4 GiB: the weights and gradients (0.5 GiB), the batch's input
+    # (0.5 GiB) and a micro-batch's activations fit; the full batch's nine
+    # saved activations of 0.5 GiB each do not.
     fraction = f"{4 * 1024 ** 3 / total:.4f}"
-    capped = _json(venv.run(TRAIN, cwd=workdir, timeout=600,
-                            env={"OUTOFCUDA_MEMORY_FRACTION": fraction}))
-    free_run = _json(venv.run(TRAIN, cwd=workdir, timeout=600,
-                              env={"OUTOFCUDA_MEMORY_FRACTION": "1.0"}))
+    capped = _json(gpu.run(TRAIN, cwd=workdir, timeout=600,
+                           env={"OUTOFCUDA_MEMORY_FRACTION": fraction}))
+    free_run = _json(gpu.run(TRAIN, cwd=workdir, timeout=600,
+                             env={"OUTOFCUDA_MEMORY_FRACTION": "1.0"}))
     assert capped["splits"] >= 1 and capped["pieces"] >= 2
     assert free_run["pieces"] == 1
-    assert capped["peak"] < 4 * 1024 ** 3
+    assert capped["peak"] <= float(fraction) * total
     for a, b in zip(capped["losses"], free_run["losses"]):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (capped["losses"], free_run["losses"])
 
 
-def test_report_agrees_with_memory_stats_nvml_and_other_process(venv, workdir):
+def test_report_agrees_with_memory_stats_nvml_and_other_process(gpu, workdir):
     holder = textwrap.dedent("""
         import sys, time, torch
         x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
@@ -70,7 +69,7 @@ def test_report_agrees_with_memory_stats_nvml_and_other_process(venv, workdir):
         print("ready", flush=True)
         sys.stdin.read()
     """)
-    r = venv.run(f"""
+    r = gpu.run(f"""
         import json, os, pickle, subprocess, sys, torch, outofcuda, _outofcuda
         holder = subprocess.Popen([sys.executable, "-c", {holder!r}], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)
@@ -97,10 +96,12 @@ def test_report_agrees_with_memory_stats_nvml_and_other_process(venv, workdir):
     assert rep["request_bytes"] == 1 << 50
     assert rep["allocated_bytes"] == out["stats_alloc"] == 1024 ** 3
     assert rep["reserved_bytes"] == out["stats_reserved"]
-    assert rep["total_bytes"] == out["total"]
+    # NVML's total counts memory the driver reserves, cudaMemGetInfo's does
+    # not (80 GiB against 79.2 GiB on an A100): the same device within 3 %.
+    assert abs(rep["total_bytes"] - out["total"]) <= 0.03 * out["total"], rep
     assert rep["snapshot"] and rep["snapshot"].endswith("/snap.pickle")
     assert "segments" in out["snap_keys"]
-    assert out["status"]["value"]["observer"] == "attached when CUDA initialises"
+    assert out["status"]["value"]["observer"] == "attached"
     # NVML reports host pids; inside a pid namespace the holder's pid differs,
     # so accept it by pid or, failing that, by its 2 GiB.
     others = rep["other_processes"]
@@ -108,12 +109,19 @@ def test_report_agrees_with_memory_stats_nvml_and_other_process(venv, workdir):
         p["used_bytes"] >= 2 * 1024 ** 3 for p in others), others
 
 
-def test_uncaught_oom_prints_gpu_figures(venv, workdir):
-    r = venv.run("""
-        import torch
+def test_uncaught_oom_prints_gpu_figures(gpu, workdir):
+    r = gpu.run("""
+        import sys, threading, torch
+        # Python's own hooks until CUDA initialises (torch 2.11 runs
+        # outofcuda's callback from its lazy-init queue).
+        assert sys.excepthook is sys.__excepthook__
+        assert threading.excepthook is threading.__excepthook__
+        torch.cuda.init()
+        assert sys.excepthook.__name__ == "outofcuda_excepthook", sys.excepthook
         torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
     """, cwd=workdir, timeout=300)
-    assert r.returncode == 1
+    assert r.returncode == 1, r.stderr
+    assert "AssertionError" not in r.stderr, r.stderr
     head = r.stderr[:r.stderr.index("Traceback")]
     assert "outofcuda: CUDA out of memory on cuda:0 (" in head
     assert "(NVML)" in head and "what to try" in head
