@@ -300,6 +300,14 @@ def test_memory_report_from_nvml_with_processes(venv, workdir, tmp_path, nvml):
         {"pid": 4000001, "name": None, "used_gb": 1.0, "this_process": False}]
     assert v100["processes"] == [
         {"pid": d["ppid"], "name": d["pcomm"], "used_gb": 0.5, "this_process": False}]
+    # The type stubs name exactly these keys.
+    import ast
+    stubs = ast.parse((Path(__file__).resolve().parent.parent / "outofcuda" / "__init__.pyi")
+                      .read_text())
+    fields = {c.name: [a.target.id for a in c.body if isinstance(a, ast.AnnAssign)]
+              for c in stubs.body if isinstance(c, ast.ClassDef)}
+    assert fields["DeviceMemory"] == list(a100)
+    assert fields["GpuProcess"] == list(a100["processes"][0])
 
 
 def test_report_command_lists_the_processes(venv, workdir, tmp_path, nvml):
