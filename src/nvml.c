@@ -260,9 +260,10 @@ static int read_processes(nvml_procs_fn fn, nvml_device dev, unsigned long long 
             free(buf);
             if (cap >= PROC_CAP_MAX)
                 return -1;
-            cap = n > cap ? n + n / 4 + 8 : cap * 2;
-            if (cap > PROC_CAP_MAX)
+            if (n >= PROC_CAP_MAX / 2)
                 cap = PROC_CAP_MAX;
+            else
+                cap = n > cap ? n + n / 4 + 8 : cap * 2;
             continue;
         }
         if (rc != 0 || n > cap) {
