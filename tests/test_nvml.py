@@ -458,6 +458,9 @@ def test_nvml_unusable(venv, workdir, tmp_path, nvml, variant, errors, why):
     assert d["devices"][0] == [] and d["devices"][1].startswith(why)
     assert d["report"] == {} and d["procs"] == [] and d["index"] is None
     assert d["dtype"][0] == "float16" and "unknown" in d["dtype"][1]
+    r = venv.run(None, args=("-m", "outofcuda", "status"), env=nvml(cfg, variant), cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    assert f"GPUs            none ({why}" in r.stdout, r.stdout
 
 
 def test_device_count_fails(venv, workdir, tmp_path, nvml):
@@ -483,7 +486,7 @@ def test_one_call_fails(venv, workdir, tmp_path, nvml, function):
                  errors=errors)
     code = ERRORS + """
 import os
-os.environ["CUDA_VISIBLE_DEVICES"] = "GPU-0a1b"
+os.environ["CUDA_VISIBLE_DEVICES"] = "GPU-9f8e"   # GPU 1's UUID prefix
 uuid_prefix = _outofcuda.nvml_index(0)
 print(json.dumps({"uuid_prefix": uuid_prefix, "procs1": _outofcuda.nvml_processes(1)}))
 """
@@ -502,7 +505,7 @@ print(json.dumps({"uuid_prefix": uuid_prefix, "procs1": _outofcuda.nvml_processe
     elif name == "nvmlDeviceGetName":
         assert devices[1]["name"] == "" and rep["cuda:1"]["total_gb"] == 16.0
     elif name == "nvmlDeviceGetUUID":
-        assert devices[1]["uuid"] == "" and extra["uuid_prefix"] == 0
+        assert devices[1]["uuid"] == ""
     elif name == "nvmlDeviceGetMemoryInfo":
         assert devices[1]["total"] == 0 and rep["cuda:1"]["total_gb"] == 0.0
         assert extra["procs1"] == [[4343, GIB]]
@@ -512,6 +515,9 @@ print(json.dumps({"uuid_prefix": uuid_prefix, "procs1": _outofcuda.nvml_processe
         assert extra["procs1"] == [] and rep["cuda:1"]["processes"] is None
     elif name == "nvmlSystemGetDriverVersion":
         assert devices[0]["driver"] == "" and devices[1]["driver"] == ""
+    # GPU 1 found by its UUID prefix unless its UUID (or GPU 1 itself) is unreadable.
+    unreadable = name in ("nvmlDeviceGetUUID", "nvmlDeviceGetHandleByIndex_v2")
+    assert extra["uuid_prefix"] == (None if unreadable else 1)
     if name in ("nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetCudaComputeCapability"):
         # One device unreadable: its capability is unknown, so float16.
         assert d["dtype"] == ["float16", "compute capability unknown; float16 runs on every GPU"]
