@@ -391,9 +391,9 @@ static int mig_parent_index(const char *entry, int n)
 /* Writes the NVML index of each device CUDA shows this process, in torch's
  * order, into map. Returns how many, or -1 without NVML. CUDA_VISIBLE_DEVICES
  * as indices, GPU-UUID prefixes or MIG instances (mapped to their GPU) is
- * honoured; CUDA stops at the first entry
- * it cannot resolve, and so does this. (CUDA's default FASTEST_FIRST order
- * equals NVML's PCI order on machines with one GPU model.) */
+ * honoured; CUDA stops at the first entry it cannot resolve, and so does
+ * this. (CUDA's default FASTEST_FIRST order equals NVML's PCI order on
+ * machines with one GPU model.) */
 int oc_nvml_visible_map(int *map, int max)
 {
     const char *vis = getenv("CUDA_VISIBLE_DEVICES");

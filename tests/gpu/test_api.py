@@ -56,6 +56,32 @@ def test_memory_report_matches_torch_and_nvml(gpu, workdir):
     assert rep["total_gb"] > 100       # an H200 has about 140 GB
 
 
+def test_memory_report_lists_this_process(gpu, workdir):
+    """The real driver's process list read through outofcuda's entry-layout
+    inference: this process, holding 3 GiB, is listed with its name."""
+    r = gpu.check("""
+        import json, os, torch, outofcuda, _outofcuda
+        x = torch.empty(3 << 30, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        rep = outofcuda.memory_report()["cuda:0"]
+        print(json.dumps({"procs": rep["processes"], "pid": os.getpid(),
+                          "raw": _outofcuda.nvml_processes(rep["nvml_index"]),
+                          "comm": open("/proc/self/comm").read().strip()}))
+    """, cwd=workdir)
+    d = _json(r)
+    procs = d["procs"]
+    assert procs is not None, "NVML could not list the processes of this GPU"
+    assert len(procs) == len(d["raw"])
+    for p in procs:      # plausible entries: a wrong entry size reads garbage
+        assert 0 < p["pid"] <= 4194304 and (p["used_gb"] is None or p["used_gb"] < 1000), p
+    mine = [p for p in procs if p["this_process"]]
+    if not mine:
+        pytest.skip(f"NVML lists {len(procs)} process(es), none with this pid {d['pid']} "
+                    "(another pid namespace): this process's entry unverified")
+    assert len(mine) == 1 and mine[0]["name"] == d["comm"]
+    assert mine[0]["used_gb"] is None or mine[0]["used_gb"] >= 3.0, mine
+
+
 def test_clear_cache_returns_the_bytes_released(gpu, workdir):
     r = gpu.check("""
         import json, torch, outofcuda
