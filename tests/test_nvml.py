@@ -348,11 +348,12 @@ def test_report_command_without_processes_says_none(venv, workdir, tmp_path, nvm
 
 def test_monitor_crosses_its_threshold_through_nvml(venv, workdir, tmp_path, nvml):
     """The watchdog's real NVML source (no _source file): memory use rises past
-    the threshold while it watches; the stand-in's file is replaced to do so."""
-    cfg_path = tmp_path / "nvml.cfg"
-    config(cfg_path, [device(total=80 * GIB, used=8 * GIB)], procs=[(0, "self", 3 * GIB)])
-    go = tmp_path / "go"
-    _raise_when(go, cfg_path)
+    the threshold while it watches. The script renames a prepared answer file
+    (60 of 80 GiB in use) over the stand-in's, which re-reads it."""
+    cfg_path = config(tmp_path / "nvml.cfg", [device(total=80 * GIB, used=8 * GIB)],
+                      procs=[(0, "self", 3 * GIB)])
+    high = config(tmp_path / "high.cfg", [device(total=80 * GIB, used=60 * GIB)],
+                  procs=[(0, "self", 3 * GIB)])
     d = last_json(venv.run(f"""
 import json, os, time
 from outofcuda import MemoryMonitor
@@ -364,10 +365,9 @@ def wait(what, cond, limit=30):
         if time.monotonic() > end:
             raise SystemExit(f"timed out waiting for {{what}}: {{m.reason}} {{m.samples()[-3:]}}")
         time.sleep(0.01)
-wait("a first sample", lambda: len(m.samples()) >= 2)
+wait("two samples", lambda: len(m.samples()) >= 2)
 early = m.events
-open({str(go)!r}, "w").close()
-wait("the test to raise memory use", lambda: not os.path.exists({str(go)!r}))
+os.replace({str(high)!r}, {str(cfg_path)!r})
 wait("a 'high' event", lambda: m.events)
 m.stop()
 s = m.samples()
@@ -382,23 +382,6 @@ print(json.dumps({{"early": early, "events": m.events, "calls": len(calls), "rea
     e = d["events"][0]
     assert e["kind"] == "high" and e["fraction"] == 0.75 and e["used"] == 60 * GIB
     assert d["calls"] >= 1
-
-
-def _raise_when(go, cfg_path):
-    """Starts a thread that, once the child asks (the file `go`), replaces the
-    stand-in's answers with 60 of 80 GiB in use and removes `go`."""
-    import threading
-
-    def act():
-        import time
-        end = time.monotonic() + 60
-        while not go.exists():
-            if time.monotonic() > end:
-                return
-            time.sleep(0.01)
-        config(cfg_path, [device(total=80 * GIB, used=60 * GIB)], procs=[(0, "self", 3 * GIB)])
-        go.unlink()
-    threading.Thread(target=act, daemon=True).start()
 
 
 # ---- the OOM report from NVML's figures ----
