@@ -413,6 +413,40 @@ print(json.dumps({"rep": {k: rep[k] for k in ("total_bytes", "device_name", "oth
     assert f"pid {d['ppid']} ({d['pcomm']}) 30.00 GiB, pid 4000001 (?) 9.00 GiB" in d["text"]
 
 
+# ---- no leak on the NVML paths ----
+
+def test_nvml_paths_do_not_leak(venv, workdir, tmp_path, nvml):
+    """3000 calls each with two GPUs and 100 processes (the list is read twice
+    per call: the first buffer is too small): gc objects, pymalloc blocks and
+    RSS stay flat, so neither the Python objects nor the C buffers leak."""
+    procs = [(0, "self", GIB), (0, 4000001, GIB)] + [(i % 2, 200000 + i, MIB) for i in range(98)]
+    cfg = config(tmp_path / "nvml.cfg", MIXED, procs=procs, stride=32)
+    d = last_json(venv.run("""
+import gc, json, os, sys, _outofcuda, outofcuda
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+cases = {"memory_report": outofcuda.memory_report, "nvml_devices": _outofcuda.nvml_devices,
+         "nvml_processes": lambda: _outofcuda.nvml_processes(0),
+         "autocast_dtype": lambda: _outofcuda._api_autocast_dtype("cuda")}
+out = {}
+for name, fn in cases.items():
+    for _ in range(300):
+        fn()
+    gc.collect()
+    o0, b0, r0 = len(gc.get_objects()), sys.getallocatedblocks(), rss()
+    for _ in range(3000):
+        fn()
+    gc.collect()
+    out[name] = [len(gc.get_objects()) - o0, sys.getallocatedblocks() - b0, rss() - r0]
+out["sample"] = len(outofcuda.memory_report()["cuda:0"]["processes"])
+print(json.dumps(out))
+""", env=nvml(cfg), cwd=workdir, timeout=300))
+    assert d.pop("sample") == 51
+    for name, (objects, blocks, rss) in d.items():
+        assert objects <= 20 and blocks <= 200 and rss <= 1 << 20, (name, objects, blocks, rss)
+
+
 # ---- every NVML error path ----
 
 ERRORS = """
