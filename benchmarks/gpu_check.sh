@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one go (< 8 minutes on an H200): installs this
 # checkout, runs every GPU test (tests/gpu) against the installed package, then
-# the gain benchmark. Logs and results go to $OUT, flat, 8 files: summary.txt,
+# the gain benchmark. Exits 1 when there is no usable GPU, when a GPU test fails
+# or none passed (skips are listed in summary.txt with their reasons). Logs and results go to $OUT, flat, 8 files: summary.txt,
 # install.log, status.txt, gpu_tests.log, gain.log, gain.json, gain.md, gain.png.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh
@@ -23,6 +24,12 @@ print("torch", torch.__version__, "cuda", torch.version.cuda,
       "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 EOF
 note "nvidia-smi: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1)"
+# This script is the proof that the GPU paths work: without a usable GPU it
+# fails instead of reporting skipped tests as a pass.
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >> "$SUMMARY" 2>&1; then
+    note "FAIL: torch.cuda.is_available() is False: nothing here can be verified"
+    exit 1
+fi
 
 # Installed, not in place: the hook file only exists in an installed package.
 # No network there: build with the setuptools already installed.
@@ -38,11 +45,18 @@ rc=0
 # From a folder outside the checkout so `import outofcuda` is the installed one.
 TESTS="$PWD/tests/gpu"
 if [ -d "$TESTS" ]; then
-    (cd "$OUT" && OUTOFCUDA_TEST_PYTHON="$(command -v "$PY")" timeout 200 "$PY" -m pytest "$TESTS" -q -p no:cacheprovider \
-        > "$OUT/gpu_tests.log" 2>&1)
+    # OUTOFCUDA_REQUIRE_GPU=1: the `gpu` fixture fails where it would skip.
+    (cd "$OUT" && OUTOFCUDA_REQUIRE_GPU=1 OUTOFCUDA_TEST_PYTHON="$(command -v "$PY")" timeout 200 \
+        "$PY" -m pytest "$TESTS" -q -rs -p no:cacheprovider --continue-on-collection-errors > "$OUT/gpu_tests.log" 2>&1)
     t=$?
-    note "gpu tests exit $t: $(tail -1 "$OUT/gpu_tests.log")"
+    last="$(tail -1 "$OUT/gpu_tests.log")"
+    note "gpu tests exit $t: $last"
+    grep -E "^SKIPPED" "$OUT/gpu_tests.log" | tee -a "$SUMMARY"
     [ "$t" -ne 0 ] && rc=1
+    if ! echo "$last" | grep -q " passed"; then
+        note "FAIL: no GPU test passed"
+        rc=1
+    fi
 else
     note "no tests/gpu folder"
 fi

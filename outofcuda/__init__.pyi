@@ -9,6 +9,7 @@ from typing import (
     Literal,
     NamedTuple,
     Optional,
+    TypedDict,
     TypeVar,
     Union,
     overload,
@@ -36,7 +37,26 @@ def autocast_context(
 ) -> torch.autocast: ...
 def compile_model(model: _M) -> _M: ...
 def smart_dataloader(dataset: Any, **kwargs: Any) -> DataLoader[Any]: ...
-def memory_report() -> Dict[str, Dict[str, Any]]: ...
+class GpuProcess(TypedDict):
+    """A process holding memory on a GPU, as NVML lists it."""
+
+    pid: int
+    name: Optional[str]        # /proc/<pid>/comm (or cmdline); None if unreadable
+    used_gb: Optional[float]   # None where the driver cannot tell
+    this_process: bool
+
+class DeviceMemory(TypedDict):
+    name: str
+    total_gb: float
+    allocated_gb: float
+    reserved_gb: float
+    free_gb: float
+    peak_allocated_gb: float
+    used_gb: float
+    nvml_index: int
+    processes: Optional[List[GpuProcess]]  # largest first; None where NVML cannot list them
+
+def memory_report() -> Dict[str, DeviceMemory]: ...
 def clear_cache() -> int: ...
 
 class CudaOptimizer:

@@ -180,7 +180,10 @@ def memory_report():
 
     Each entry holds ``name``, ``total_gb``, ``allocated_gb``, ``reserved_gb``,
     ``free_gb``, ``peak_allocated_gb`` (plus ``used_gb``, all processes, and
-    ``nvml_index``), in GiB. Device figures come from NVML, which needs no
+    ``nvml_index``), in GiB, and ``processes``: who holds memory on that GPU,
+    largest first, as dicts ``pid``, ``name`` (None if unreadable), ``used_gb``
+    (None where the driver cannot tell) and ``this_process``; None where NVML
+    cannot list them. Device figures come from NVML, which needs no
     CUDA context; the allocator figures are torch's and stay 0.0 until this
     process has initialised CUDA. Never initialises CUDA; ``{}`` without a GPU.
 

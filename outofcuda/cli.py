@@ -462,11 +462,28 @@ def _render_doctor(d):
 # ---------------------------------------------------------------- report / bench
 
 
+def _render_processes(procs, indent):
+    """memory_report()'s `processes` of one device, one line each."""
+    lines = []
+    for p in procs:
+        used = "? GiB" if p["used_gb"] is None else f"{p['used_gb']:.3f} GiB"
+        lines.append(f"{' ' * indent}{p['pid']:>8}  {p['name'] or '(unknown)':<20}{used:>14}"
+                     + ("  (this process)" if p["this_process"] else ""))
+    return lines
+
+
 def _render_tree(d, indent=0):
     lines = []
     width = max((len(str(k)) for k in d), default=0) + 2
     for k, v in d.items():
-        if isinstance(v, dict):
+        if k == "processes" and (v is None or isinstance(v, list)):
+            if v:
+                lines.append(" " * indent + f"{k}")
+                lines += _render_processes(v, indent + 2)
+            else:
+                lines.append(" " * indent + f"{k:<{width}}"
+                             + ("none" if v == [] else "unknown (NVML cannot list them)"))
+        elif isinstance(v, dict):
             lines.append(" " * indent + f"{k}")
             lines += _render_tree(v, indent + 2)
         else:

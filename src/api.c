@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 #define GIB (1024.0 * 1024.0 * 1024.0)
 /* Docker's default /dev/shm is 64 MiB; a few workers each holding
@@ -286,6 +287,49 @@ static double gb(unsigned long long bytes)
     return (double)(long long)((double)bytes / GIB * 1000.0 + 0.5) / 1000.0;
 }
 
+static int by_used_desc(const void *a, const void *b)
+{
+    const oc_gpu_proc *x = a, *y = b;
+    /* Unknown sizes (NOT_AVAILABLE) last. */
+    unsigned long long ux = x->used == OC_NVML_NOT_AVAILABLE ? 0 : x->used;
+    unsigned long long uy = y->used == OC_NVML_NOT_AVAILABLE ? 0 : y->used;
+    return ux < uy ? 1 : ux > uy ? -1 : (x->pid > y->pid) - (x->pid < y->pid);
+}
+
+/* The processes holding memory on NVML device `index`, largest first, as
+ * [{pid, name, used_gb, this_process}]; None where NVML cannot list them. */
+static PyObject *process_dicts(int index)
+{
+    oc_gpu_proc *procs;
+    unsigned int me = (unsigned int)getpid();
+    int n = oc_nvml_process_list(index, &procs);
+    PyObject *list;
+    if (n < 0)
+        Py_RETURN_NONE;
+    qsort(procs, (size_t)n, sizeof *procs, by_used_desc);
+    list = PyList_New(0);
+    for (int i = 0; list != NULL && i < n; i++) {
+        char name[256];
+        PyObject *pname, *used, *d;
+        pname = oc_proc_name(procs[i].pid, name, sizeof name) == 0
+                    ? PyUnicode_DecodeUTF8(name, (Py_ssize_t)strlen(name), "replace")
+                    : (Py_INCREF(Py_None), Py_None);
+        used = procs[i].used == OC_NVML_NOT_AVAILABLE ? (Py_INCREF(Py_None), Py_None)
+                                                      : PyFloat_FromDouble(gb(procs[i].used));
+        d = (pname && used)
+                ? Py_BuildValue("{s:I,s:O,s:O,s:O}", "pid", procs[i].pid, "name", pname, "used_gb",
+                                used, "this_process", procs[i].pid == me ? Py_True : Py_False)
+                : NULL;
+        Py_XDECREF(pname);
+        Py_XDECREF(used);
+        if (d == NULL || PyList_Append(list, d) < 0)
+            Py_CLEAR(list);
+        Py_XDECREF(d);
+    }
+    free(procs);
+    return list;
+}
+
 /* _api_memory_report() -> {"cuda:N": {...}}; {} without a GPU or NVML. */
 static PyObject *py_memory_report(PyObject *self, PyObject *unused)
 {
@@ -300,7 +344,7 @@ static PyObject *py_memory_report(PyObject *self, PyObject *unused)
         oc_gpu_info g;
         oc_torch_mem m;
         char key[32];
-        PyObject *d;
+        PyObject *d, *procs;
         if (oc_nvml_device_info(map[t], &g) != 0)
             continue;
         oc_api_torch_stats(t, &m);
@@ -310,11 +354,15 @@ static PyObject *py_memory_report(PyObject *self, PyObject *unused)
                           "reserved_gb", gb((unsigned long long)m.reserved), "free_gb", gb(g.free),
                           "peak_allocated_gb", gb((unsigned long long)m.peak_allocated), "used_gb",
                           gb(g.used), "nvml_index", map[t]);
-        if (d == NULL || PyDict_SetItemString(report, key, d) < 0) {
+        procs = d ? process_dicts(map[t]) : NULL;
+        if (procs == NULL || PyDict_SetItemString(d, "processes", procs) < 0 ||
+            PyDict_SetItemString(report, key, d) < 0) {
+            Py_XDECREF(procs);
             Py_XDECREF(d);
             Py_DECREF(report);
             return NULL;
         }
+        Py_DECREF(procs);
         Py_DECREF(d);
     }
     return report;

@@ -9,23 +9,30 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef int nvml_return;
 typedef void *nvml_device;
 typedef struct {
     unsigned long long total, free, used;
 } nvml_memory;
-/* nvmlProcessInfo_t as the _v2/_v3 entry points fill it. */
-typedef struct {
-    unsigned int pid;
-    unsigned long long used;
-    unsigned int gpu_instance_id, compute_instance_id;
-} nvml_process_v2;
-/* nvmlProcessInfo_v1_t for the unsuffixed entry point of old drivers. */
-typedef struct {
-    unsigned int pid;
-    unsigned long long used;
-} nvml_process_v1;
+/* The driver returns this when a buffer is too small, with the count needed. */
+#define NVML_ERROR_INSUFFICIENT_SIZE 7
+/* usedGpuMemory when the driver cannot tell (NVML_VALUE_NOT_AVAILABLE). */
+#define NVML_NOT_AVAILABLE OC_NVML_NOT_AVAILABLE
+/* Process entries are 16, 24 or 32 bytes depending on the driver branch, not
+ * on the entry point's suffix (see oc_nvml_process_list): buffers are sized
+ * for the largest. Every layout starts with pid (u32, padded to 8) and
+ * usedGpuMemory (u64 at offset 8). */
+#define PROC_ENTRY_MAX 32
+#define PROC_USED_OFFSET 8
+/* At most this many processes are read (2 MiB of buffer). */
+#define PROC_CAP_MAX 65536u
+/* PID_MAX_LIMIT of 64-bit Linux: no pid is larger. */
+#define PID_LIMIT 4194304u
+/* Bytes the buffer is filled with before the driver writes into it. */
+#define UNTOUCHED 0xA5
+typedef nvml_return (*nvml_procs_fn)(nvml_device, unsigned int *, void *);
 
 static struct {
     void *lib;
@@ -39,8 +46,10 @@ static struct {
     nvml_return (*memory)(nvml_device, nvml_memory *);
     nvml_return (*cc)(nvml_device, int *, int *);
     nvml_return (*driver)(char *, unsigned int);
-    nvml_return (*procs_v2)(nvml_device, unsigned int *, nvml_process_v2 *);
-    nvml_return (*procs_v1)(nvml_device, unsigned int *, nvml_process_v1 *);
+    nvml_procs_fn procs[3]; /* _v3, _v2, unsuffixed; NULL where absent */
+    nvml_return (*by_uuid)(const char *, nvml_device *);
+    nvml_return (*mig_parent)(nvml_device, nvml_device *);
+    nvml_return (*get_index)(nvml_device, unsigned int *);
 } nv;
 
 static pthread_once_t nv_once = PTHREAD_ONCE_INIT;
@@ -67,9 +76,13 @@ static void nv_load(void)
     static const char *const n_mem[] = {"nvmlDeviceGetMemoryInfo", NULL};
     static const char *const n_cc[] = {"nvmlDeviceGetCudaComputeCapability", NULL};
     static const char *const n_drv[] = {"nvmlSystemGetDriverVersion", NULL};
-    static const char *const n_p2[] = {"nvmlDeviceGetComputeRunningProcesses_v3",
-                                       "nvmlDeviceGetComputeRunningProcesses_v2", NULL};
-    static const char *const n_p1[] = {"nvmlDeviceGetComputeRunningProcesses", NULL};
+    static const char *const n_procs[3][2] = {{"nvmlDeviceGetComputeRunningProcesses_v3", NULL},
+                                              {"nvmlDeviceGetComputeRunningProcesses_v2", NULL},
+                                              {"nvmlDeviceGetComputeRunningProcesses", NULL}};
+    static const char *const n_by_uuid[] = {"nvmlDeviceGetHandleByUUID", NULL};
+    static const char *const n_mig_parent[] = {"nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
+                                               NULL};
+    static const char *const n_get_index[] = {"nvmlDeviceGetIndex", NULL};
     const char *err;
     /* Only the copy torch may already hold, or the bare driver soname through
      * the system loader: never a relative path or a directory of ours. */
@@ -90,8 +103,11 @@ static void nv_load(void)
     *(void **)&nv.memory = sym(n_mem);
     *(void **)&nv.cc = sym(n_cc);
     *(void **)&nv.driver = sym(n_drv);
-    *(void **)&nv.procs_v2 = sym(n_p2);
-    *(void **)&nv.procs_v1 = sym(n_p1);
+    for (int i = 0; i < 3; i++)
+        *(void **)&nv.procs[i] = sym(n_procs[i]);
+    *(void **)&nv.by_uuid = sym(n_by_uuid);
+    *(void **)&nv.mig_parent = sym(n_mig_parent);
+    *(void **)&nv.get_index = sym(n_get_index);
     if (!nv.init || !nv.count || !nv.handle || !nv.memory) {
         snprintf(nv.why, sizeof nv.why, "NVML is missing a required function (driver too old?)");
         return;
@@ -149,41 +165,235 @@ int oc_nvml_driver_version(char *buf, size_t sz)
     return nv.driver(buf, (unsigned int)sz) == 0 ? 0 : -1;
 }
 
-int oc_nvml_processes(int index, oc_gpu_proc *out, int max)
+/* Are n entries `stride` bytes apart believable: a pid Linux can have, and
+ * no more memory than the device holds? */
+static int entries_plausible(const unsigned char *buf, unsigned int n, size_t stride,
+                             unsigned long long total)
+{
+    for (unsigned int i = 0; i < n; i++) {
+        unsigned int pid;
+        unsigned long long used;
+        memcpy(&pid, buf + i * stride, sizeof pid);
+        memcpy(&used, buf + i * stride + PROC_USED_OFFSET, sizeof used);
+        if (pid == 0 || pid > PID_LIMIT)
+            return 0;
+        if (used != NVML_NOT_AVAILABLE && total > 0 && used > total)
+            return 0;
+    }
+    return 1;
+}
+
+static int untouched_from(const unsigned char *buf, size_t from, size_t size)
+{
+    for (size_t o = from; o < size; o++)
+        if (buf[o] != UNTOUCHED)
+            return 0;
+    return 1;
+}
+
+static unsigned int live_pids(const unsigned char *buf, unsigned int n, size_t stride)
+{
+    unsigned int live = 0;
+    for (unsigned int i = 0; i < n; i++) {
+        unsigned int pid;
+        char path[32];
+        memcpy(&pid, buf + i * stride, sizeof pid);
+        snprintf(path, sizeof path, "/proc/%u", pid);
+        live += access(path, F_OK) == 0;
+    }
+    return live;
+}
+
+/* The entry size the driver used for the n entries it wrote into buf (size
+ * bytes, filled with UNTOUCHED beforehand), or 0 when no layout reads sensibly.
+ * The driver writes exactly n entries, so the smallest believable stride
+ * beyond whose entries every byte is still UNTOUCHED is the driver's: a
+ * smaller one leaves written bytes after its n-th entry, and a larger one is
+ * only reached after this one. A driver that wrote past its entries gets the
+ * believable stride with the most live pids (pids of another pid namespace
+ * are not visible), 24 bytes (the common layout) on a tie. */
+static size_t entry_stride(const unsigned char *buf, unsigned int n, size_t size,
+                           unsigned long long total)
+{
+    static const size_t by_size[] = {16, 24, 32}, by_likelihood[] = {24, 32, 16};
+    size_t best = 0;
+    unsigned int best_live = 0;
+    if (n == 0)
+        return PROC_ENTRY_MAX;
+    for (int i = 0; i < 3; i++)
+        if (entries_plausible(buf, n, by_size[i], total) &&
+            untouched_from(buf, n * by_size[i], size))
+            return by_size[i];
+    for (int i = 0; i < 3; i++) {
+        unsigned int live;
+        if (!entries_plausible(buf, n, by_likelihood[i], total))
+            continue;
+        live = live_pids(buf, n, by_likelihood[i]);
+        if (best == 0 || live > best_live) {
+            best = by_likelihood[i];
+            best_live = live;
+        }
+    }
+    return best;
+}
+
+/* Reads the processes through one entry point. Count, or -1 when it fails. */
+static int read_processes(nvml_procs_fn fn, nvml_device dev, unsigned long long total,
+                          oc_gpu_proc **out)
+{
+    unsigned int cap = 64;
+    for (int attempt = 0; attempt < 6; attempt++) {
+        /* The count handed over is the capacity in entries of the largest
+         * layout, so no driver branch can write past the buffer. */
+        size_t size = (size_t)cap * PROC_ENTRY_MAX, stride;
+        unsigned char *buf = malloc(size);
+        unsigned int n = cap;
+        nvml_return rc;
+        oc_gpu_proc *list;
+        if (buf == NULL)
+            return -1;
+        memset(buf, UNTOUCHED, size);
+        rc = fn(dev, &n, buf);
+        if (rc == NVML_ERROR_INSUFFICIENT_SIZE) {
+            /* More processes than room: the driver said how many (they may
+             * grow before the next call, hence the margin). */
+            free(buf);
+            if (cap >= PROC_CAP_MAX)
+                return -1;
+            if (n >= PROC_CAP_MAX / 2)
+                cap = PROC_CAP_MAX;
+            else
+                cap = n > cap ? n + n / 4 + 8 : cap * 2;
+            continue;
+        }
+        if (rc != 0 || n > cap) {
+            free(buf);
+            return -1;
+        }
+        stride = entry_stride(buf, n, size, total);
+        list = malloc((n ? n : 1) * sizeof *list);
+        if (stride == 0 || list == NULL) {
+            free(buf);
+            free(list);
+            return -1;
+        }
+        for (unsigned int i = 0; i < n; i++) {
+            memcpy(&list[i].pid, buf + i * stride, sizeof list[i].pid);
+            memcpy(&list[i].used, buf + i * stride + PROC_USED_OFFSET, sizeof list[i].used);
+        }
+        free(buf);
+        *out = list;
+        return (int)n;
+    }
+    return -1;
+}
+
+int oc_nvml_process_list(int index, oc_gpu_proc **out)
 {
     nvml_device dev;
-    unsigned int n = 64;
-    if (!oc_nvml_available(NULL, 0) || nv.handle((unsigned int)index, &dev) != 0)
+    nvml_memory mem;
+    unsigned long long total = 0;
+    *out = NULL;
+    if (!oc_nvml_available(NULL, 0) || index < 0 || nv.handle((unsigned int)index, &dev) != 0)
         return -1;
-    if (nv.procs_v2 != NULL) {
-        nvml_process_v2 buf[64];
-        if (nv.procs_v2(dev, &n, buf) != 0)
-            return -1;
-        for (unsigned int i = 0; i < n && (int)i < max; i++) {
-            out[i].pid = buf[i].pid;
-            out[i].used = buf[i].used;
-        }
-    } else if (nv.procs_v1 != NULL) {
-        nvml_process_v1 buf[64];
-        if (nv.procs_v1(dev, &n, buf) != 0)
-            return -1;
-        for (unsigned int i = 0; i < n && (int)i < max; i++) {
-            out[i].pid = buf[i].pid;
-            out[i].used = buf[i].used;
-        }
-    } else {
-        return -1;
+    if (nv.memory(dev, &mem) == 0)
+        total = mem.total;
+    /* Newest first; an older entry point where a newer one fails (some
+     * virtualised drivers answer NOT_SUPPORTED to _v3). */
+    for (int i = 0; i < 3; i++) {
+        int n = nv.procs[i] ? read_processes(nv.procs[i], dev, total, out) : -1;
+        if (n >= 0)
+            return n;
     }
-    return (int)n < max ? (int)n : max;
+    return -1;
+}
+
+int oc_nvml_processes(int index, oc_gpu_proc *out, int max)
+{
+    oc_gpu_proc *all;
+    int n = oc_nvml_process_list(index, &all);
+    if (n < 0)
+        return -1;
+    if (n > max)
+        n = max;
+    if (n > 0)
+        memcpy(out, all, (size_t)n * sizeof *out);
+    free(all);
+    return n;
+}
+
+int oc_proc_name(unsigned int pid, char *buf, size_t sz)
+{
+    char path[48];
+    size_t len;
+    FILE *f;
+    buf[0] = '\0';
+    snprintf(path, sizeof path, "/proc/%u/comm", pid);
+    f = fopen(path, "r");
+    if (f == NULL) {
+        /* comm can be hidden where cmdline is not (some hardened kernels):
+         * take the program's base name from there. */
+        char cmd[256];
+        const char *base;
+        snprintf(path, sizeof path, "/proc/%u/cmdline", pid);
+        f = fopen(path, "r");
+        if (f == NULL)
+            return -1;
+        len = fread(cmd, 1, sizeof cmd - 1, f);
+        fclose(f);
+        cmd[len] = '\0';
+        base = strrchr(cmd, '/');
+        snprintf(buf, sz, "%s", base ? base + 1 : cmd);
+        return buf[0] ? 0 : -1;
+    }
+    if (fgets(buf, (int)sz, f) == NULL)
+        buf[0] = '\0';
+    fclose(f);
+    len = strlen(buf);
+    while (len > 0 && (buf[len - 1] == '\n' || buf[len - 1] == '\r'))
+        buf[--len] = '\0';
+    return buf[0] ? 0 : -1;
 }
 
 /* ---- CUDA's device numbering in NVML's terms ---- */
 
+/* NVML index of the GPU whose UUID starts with the len bytes of prefix
+ * (CUDA takes unambiguous UUID prefixes), or -1. */
+static int uuid_prefix_index(const char *prefix, size_t len, int n)
+{
+    for (int i = 0; i < n; i++) {
+        oc_gpu_info g;
+        if (oc_nvml_device_info(i, &g) == 0 && strlen(g.uuid) >= len &&
+            strncmp(g.uuid, prefix, len) == 0)
+            return i;
+    }
+    return -1;
+}
+
+/* NVML index of the GPU a MIG instance belongs to, or -1. CUDA accepts
+ * MIG-<uuid> (R470 and later) and MIG-GPU-<gpu uuid>/<gi>/<ci> (R450). The
+ * figures outofcuda reads for it are then the whole GPU's. */
+static int mig_parent_index(const char *entry, int n)
+{
+    nvml_device mig, parent;
+    unsigned int index;
+    if (strncmp(entry, "MIG-GPU-", 8) == 0) {
+        const char *slash = strchr(entry, '/');
+        return slash ? uuid_prefix_index(entry + 4, (size_t)(slash - entry - 4), n) : -1;
+    }
+    if (nv.by_uuid == NULL || nv.mig_parent == NULL || nv.get_index == NULL ||
+        nv.by_uuid(entry, &mig) != 0 || nv.mig_parent(mig, &parent) != 0 ||
+        nv.get_index(parent, &index) != 0 || index >= (unsigned int)n)
+        return -1;
+    return (int)index;
+}
+
 /* Writes the NVML index of each device CUDA shows this process, in torch's
  * order, into map. Returns how many, or -1 without NVML. CUDA_VISIBLE_DEVICES
- * as indices or GPU-UUID prefixes is honoured; CUDA stops at the first entry
- * it cannot resolve, and so does this. (CUDA's default FASTEST_FIRST order
- * equals NVML's PCI order on machines with one GPU model.) */
+ * as indices, GPU-UUID prefixes or MIG instances (mapped to their GPU) is
+ * honoured; CUDA stops at the first entry it cannot resolve, and so does
+ * this. (CUDA's default FASTEST_FIRST order equals NVML's PCI order on
+ * machines with one GPU model.) */
 int oc_nvml_visible_map(int *map, int max)
 {
     const char *vis = getenv("CUDA_VISIBLE_DEVICES");
@@ -214,11 +424,9 @@ int oc_nvml_visible_map(int *map, int max)
             if (*end == '\0' && x >= 0 && x < n)
                 found = (int)x;
         } else if (strncmp(entry, "GPU-", 4) == 0) {
-            for (int i = 0; i < n && found < 0; i++) {
-                oc_gpu_info g;
-                if (oc_nvml_device_info(i, &g) == 0 && strncmp(g.uuid, entry, strlen(entry)) == 0)
-                    found = i;
-            }
+            found = uuid_prefix_index(entry, strlen(entry), n);
+        } else if (strncmp(entry, "MIG-", 4) == 0) {
+            found = mig_parent_index(entry, n);
         }
         if (found < 0)
             break;
@@ -283,10 +491,11 @@ static PyObject *py_nvml_devices(PyObject *self, PyObject *unused)
     return Py_BuildValue("(NO)", list, Py_None);
 }
 
-/* nvml_processes(index) -> list of (pid, used_bytes); [] without NVML. */
+/* nvml_processes(index) -> list of (pid, used_bytes), every process NVML
+ * lists on that GPU (used 0 where the driver cannot tell); [] without NVML. */
 static PyObject *py_nvml_processes(PyObject *self, PyObject *arg)
 {
-    oc_gpu_proc procs[64];
+    oc_gpu_proc *procs = NULL;
     long index = PyLong_AsLong(arg);
     PyObject *list;
     int n;
@@ -296,16 +505,19 @@ static PyObject *py_nvml_processes(PyObject *self, PyObject *arg)
     list = PyList_New(0);
     if (list == NULL)
         return NULL;
-    n = (index >= 0 && index < 4096) ? oc_nvml_processes((int)index, procs, 64) : -1;
+    n = (index >= 0 && index < 4096) ? oc_nvml_process_list((int)index, &procs) : -1;
     for (int i = 0; i < n; i++) {
-        PyObject *t = Py_BuildValue("(IK)", procs[i].pid, procs[i].used);
+        unsigned long long used = procs[i].used == NVML_NOT_AVAILABLE ? 0 : procs[i].used;
+        PyObject *t = Py_BuildValue("(IK)", procs[i].pid, used);
         if (t == NULL || PyList_Append(list, t) < 0) {
             Py_XDECREF(t);
             Py_DECREF(list);
+            free(procs);
             return NULL;
         }
         Py_DECREF(t);
     }
+    free(procs);
     return list;
 }
 

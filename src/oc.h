@@ -168,9 +168,15 @@ typedef struct {
     unsigned long long used;
 } oc_gpu_proc;
 int oc_nvml_processes(int index, oc_gpu_proc *out, int max); /* count or -1 */
+/* Every process NVML lists on GPU `index`, in *out (malloc'd, free() it);
+ * count or -1. used is OC_NVML_NOT_AVAILABLE where the driver cannot tell. */
+int oc_nvml_process_list(int index, oc_gpu_proc **out);
+#define OC_NVML_NOT_AVAILABLE 0xFFFFFFFFFFFFFFFFull
+int oc_proc_name(unsigned int pid, char *buf, size_t sz); /* /proc name: 0, or -1 */
 #define OC_NVML_MAX_DEVICES 64
 /* NVML indices of the devices CUDA shows this process, in torch's order
- * (CUDA_VISIBLE_DEVICES as indices or GPU-UUID prefixes). Count or -1. */
+ * (CUDA_VISIBLE_DEVICES as indices, GPU-UUID prefixes or MIG instances,
+ * which map to their GPU). Count or -1. */
 int oc_nvml_visible_map(int *map, int max);
 int oc_nvml_index(int torch_index); /* NVML index of torch's cuda:N, or -1 */
 int oc_nvml_min_visible_cc(void);   /* lowest major*10+minor of those, or -1 */

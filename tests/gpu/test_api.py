@@ -56,6 +56,32 @@ def test_memory_report_matches_torch_and_nvml(gpu, workdir):
     assert rep["total_gb"] > 100       # an H200 has about 140 GB
 
 
+def test_memory_report_lists_this_process(gpu, workdir):
+    """The real driver's process list read through outofcuda's entry-layout
+    inference: this process, holding 3 GiB, is listed with its name."""
+    r = gpu.check("""
+        import json, os, torch, outofcuda, _outofcuda
+        x = torch.empty(3 << 30, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        rep = outofcuda.memory_report()["cuda:0"]
+        print(json.dumps({"procs": rep["processes"], "pid": os.getpid(),
+                          "raw": _outofcuda.nvml_processes(rep["nvml_index"]),
+                          "comm": open("/proc/self/comm").read().strip()}))
+    """, cwd=workdir)
+    d = _json(r)
+    procs = d["procs"]
+    assert procs is not None, "NVML could not list the processes of this GPU"
+    assert len(procs) == len(d["raw"])
+    for p in procs:      # plausible entries: a wrong entry size reads garbage
+        assert 0 < p["pid"] <= 4194304 and (p["used_gb"] is None or p["used_gb"] < 1000), p
+    mine = [p for p in procs if p["this_process"]]
+    if not mine:
+        pytest.skip(f"NVML lists {len(procs)} process(es), none with this pid {d['pid']} "
+                    "(another pid namespace): this process's entry unverified")
+    assert len(mine) == 1 and mine[0]["name"] == d["comm"]
+    assert mine[0]["used_gb"] is None or mine[0]["used_gb"] >= 3.0, mine
+
+
 def test_clear_cache_returns_the_bytes_released(gpu, workdir):
     r = gpu.check("""
         import json, torch, outofcuda
@@ -93,18 +119,10 @@ def test_monitor_crosses_a_provoked_threshold_clears_and_records(gpu, workdir):
             time.sleep(0.3)
         samples = mon.samples()
         ev = mon.events
-        plotted = None
-        try:
-            import matplotlib  # noqa: F401
-            mon.plot("vram.png")
-            plotted = open("vram.png", "rb").read(8).hex()
-        except ImportError:
-            pass
         print(json.dumps({"threshold": threshold, "events": ev, "calls": len(calls),
                           "reserved_after": torch.cuda.memory_reserved(),
                           "max_sample_reserved": max((s.reserved or 0) for s in samples),
-                          "n": len(samples), "plotted": plotted,
-                          "csv_rows": mon.to_csv("vram.csv")}))
+                          "n": len(samples), "csv_rows": mon.to_csv("vram.csv")}))
     """, cwd=workdir, timeout=180)
     d = _json(r)
     assert d["n"] > 5
@@ -117,10 +135,30 @@ def test_monitor_crosses_a_provoked_threshold_clears_and_records(gpu, workdir):
     assert d["reserved_after"] < 0.5 * GIB
     assert d["max_sample_reserved"] >= 4 * GIB        # allocator_stats=True
     assert d["csv_rows"] == d["n"]
-    if d["plotted"] is None:
+
+
+def test_monitor_plot_of_a_gpu_timeline_is_a_png(gpu, workdir):
+    """Its own test, so a missing matplotlib skips only this check."""
+    if gpu.run("import matplotlib").returncode != 0:
         pytest.skip("matplotlib is not installed: the PNG check did not run "
                     "(pip install 'outofcuda[plot]' in the test environment)")
-    assert d["plotted"] == "89504e470d0a1a0a"          # PNG signature
+    r = gpu.check("""
+        import json, time, torch
+        from outofcuda import MemoryMonitor
+        torch.empty(1, device="cuda")
+        mon = MemoryMonitor(interval=0.02, allocator_stats=True).start()
+        x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        end = time.monotonic() + 10
+        while len(mon.samples()) < 5 and time.monotonic() < end:
+            time.sleep(0.02)
+        mon.stop()
+        mon.plot("vram.png")
+        print(json.dumps({"n": len(mon.samples()),
+                          "png": open("vram.png", "rb").read(8).hex()}))
+    """, cwd=workdir, timeout=120)
+    d = _json(r)
+    assert d["n"] >= 5
+    assert d["png"] == "89504e470d0a1a0a"          # PNG signature
 
 
 AUTOCAST = textwrap.dedent("""
