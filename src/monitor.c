@@ -224,16 +224,19 @@ static int read_memory(oc_monitor *m, mon_sample *s)
         return n >= 2 && s->total > 0 ? 0 : -1;
     } else {
         oc_gpu_info g;
-        oc_gpu_proc procs[64];
+        oc_gpu_proc *procs;
         int n;
         if (oc_nvml_device_info(m->nvml_index, &g) != 0 || g.total == 0)
             return -1;
         s->used = (long long)g.used;
         s->total = (long long)g.total;
-        n = oc_nvml_processes(m->nvml_index, procs, 64);
+        /* The whole list: on a busy GPU this process may come after the
+         * first few dozen entries. */
+        n = oc_nvml_process_list(m->nvml_index, &procs);
         for (int i = 0; i < n; i++)
-            if (procs[i].pid == (unsigned int)getpid())
+            if (procs[i].pid == (unsigned int)getpid() && procs[i].used != OC_NVML_NOT_AVAILABLE)
                 s->process = (long long)procs[i].used;
+        free(procs);
         return 0;
     }
 }

@@ -308,20 +308,6 @@ int oc_nvml_process_list(int index, oc_gpu_proc **out)
     return -1;
 }
 
-int oc_nvml_processes(int index, oc_gpu_proc *out, int max)
-{
-    oc_gpu_proc *all;
-    int n = oc_nvml_process_list(index, &all);
-    if (n < 0)
-        return -1;
-    if (n > max)
-        n = max;
-    if (n > 0)
-        memcpy(out, all, (size_t)n * sizeof *out);
-    free(all);
-    return n;
-}
-
 int oc_proc_name(unsigned int pid, char *buf, size_t sz)
 {
     char path[48];

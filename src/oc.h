@@ -167,7 +167,6 @@ typedef struct {
     unsigned int pid;
     unsigned long long used;
 } oc_gpu_proc;
-int oc_nvml_processes(int index, oc_gpu_proc *out, int max); /* count or -1 */
 /* Every process NVML lists on GPU `index`, in *out (malloc'd, free() it);
  * count or -1. used is OC_NVML_NOT_AVAILABLE where the driver cannot tell. */
 int oc_nvml_process_list(int index, oc_gpu_proc **out);
