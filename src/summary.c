@@ -120,9 +120,6 @@ static struct timespec deadline_after(long interval_ms)
 static void *sampler(void *arg)
 {
     (void)arg;
-#ifdef __linux__
-    pthread_setname_np(pthread_self(), "oc-summary");
-#endif
     pthread_mutex_lock(&S.lock);
     while (!S.stop_requested) {
         struct timespec deadline;
@@ -152,6 +149,11 @@ static int spawn(void)
     pthread_sigmask(SIG_SETMASK, &all, &old);
     rc = pthread_create(&S.thread, NULL, sampler, NULL);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
+#ifdef __linux__
+    /* Named before start returns, so `top -H` and tests see it at once. */
+    if (rc == 0)
+        pthread_setname_np(S.thread, "oc-summary");
+#endif
     return rc;
 }
 
@@ -469,13 +471,16 @@ done:
 
 typedef struct {
     double score; /* how far past its threshold the figure is; higher first */
+    int order;    /* ties: utilisation, then fragmentation, then memory */
     char text[HINT_LEN];
 } hint;
 
 static int by_score(const void *a, const void *b)
 {
-    double x = ((const hint *)a)->score, y = ((const hint *)b)->score;
-    return (x < y) - (x > y);
+    const hint *x = a, *y = b;
+    if (x->score != y->score)
+        return (x->score < y->score) - (x->score > y->score);
+    return x->order - y->order;
 }
 
 /* Up to HINTS_MAX hints for one device, highest score first. */
@@ -502,6 +507,7 @@ static int make_hints(const sum_device *d, long workers, hint *h)
                          "check the DataLoader (num_workers, pin_memory) and host-side "
                          "syncs with torch.profiler");
             h[n].score = (low > 1.0 - mean / 100.0 ? low : 1.0 - mean / 100.0) / 0.5;
+            h[n].order = 0;
             snprintf(h[n++].text, HINT_LEN,
                      "input pipeline: the GPU was under %d %% busy in %.0f %% of samples "
                      "(mean %.0f %%); %s",
@@ -512,6 +518,7 @@ static int make_hints(const sum_device *d, long workers, hint *h)
         (double)d->mem_peak < 0.5 * (double)d->mem_total) {
         double unused = 1.0 - (double)d->mem_peak / (double)d->mem_total;
         h[n].score = unused / 0.5;
+        h[n].order = 2;
         snprintf(h[n++].text, HINT_LEN,
                  "bigger batch: device memory peaked at %.2f of %.2f GiB (%.1f %%); a larger "
                  "batch would keep the GPU busier (outofcuda.find_batch_size finds the largest "
@@ -523,6 +530,7 @@ static int make_hints(const sum_device *d, long workers, hint *h)
         int expandable = strstr(oc_g.alloc_value, "expandable_segments:True") != NULL;
         if (frag >= 0.25) {
             h[n].score = frag / 0.25;
+            h[n].order = 1;
             snprintf(h[n++].text, HINT_LEN,
                      "fragmentation: torch reserved %.2f GiB at peak for %.2f GiB of tensors "
                      "(%.0f %% cached but unused); %s",
