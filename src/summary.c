@@ -272,8 +272,9 @@ static int summary_begin(const int *torch_index, int n, long interval_ms)
     pthread_condattr_destroy(&ca);
     S.pid = getpid();
     S.interval_ms = interval_ms;
-    S.n = n < SUMMARY_MAX_DEVICES ? n : SUMMARY_MAX_DEVICES;
-    for (int i = 0; i < S.n; i++) {
+    n = n < SUMMARY_MAX_DEVICES ? n : SUMMARY_MAX_DEVICES;
+    S.n = n;
+    for (int i = 0; i < n; i++) {
         S.dev[i].torch_index = torch_index[i];
         S.dev[i].nvml_index = oc_nvml_index(torch_index[i]);
         S.dev[i].peak_allocated = S.dev[i].peak_reserved = -1;
@@ -329,7 +330,7 @@ static int choose_devices(int *torch_index)
  * the initialisation) and must not queue another lazy call (DESIGN.md). */
 static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
 {
-    int devices[SUMMARY_MAX_DEVICES];
+    int devices[SUMMARY_MAX_DEVICES] = {0};
     int n = choose_devices(devices);
     (void)self;
     (void)unused;
@@ -784,7 +785,7 @@ static PyObject *py_summary_start(PyObject *self, PyObject *args)
 {
     PyObject *seq;
     Py_ssize_t count;
-    int devices[SUMMARY_MAX_DEVICES], n = 0;
+    int devices[SUMMARY_MAX_DEVICES] = {0}, n = 0;
     long interval_ms = DEFAULT_INTERVAL_MS;
     (void)self;
     if (!PyArg_ParseTuple(args, "O|l", &seq, &interval_ms))
