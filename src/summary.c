@@ -34,6 +34,7 @@
 #define FEW_WORKERS 2      /* DataLoader num_workers at or below: "few" */
 #define FRAG_MIN_RESERVED (256LL << 20)
 #define GIB (1024.0 * 1024.0 * 1024.0)
+#define JOIN_LIMIT_S 5
 
 typedef struct {
     int torch_index, nvml_index;
@@ -157,10 +158,25 @@ static int spawn(void)
     return rc;
 }
 
+/* Joins the sampler, waiting at most JOIN_LIMIT_S where glibc can bound the
+ * wait (an NVML call can hang in a broken driver). Returns 1 when joined. */
+static int join_bounded(void)
+{
+#ifdef __GLIBC__
+    struct timespec limit;
+    clock_gettime(CLOCK_REALTIME, &limit);
+    limit.tv_sec += JOIN_LIMIT_S;
+    return pthread_timedjoin_np(S.thread, NULL, &limit) == 0;
+#else
+    return pthread_join(S.thread, NULL) == 0;
+#endif
+}
+
 /* Stops and joins the sampler, with the GIL held on entry (released for the
  * join). A forked copy has no thread: only the owner joins. */
 static void sampler_stop(void)
 {
+    int joined;
     if (!S.running || S.pid != getpid() || pthread_equal(pthread_self(), S.thread))
         return;
     pthread_mutex_lock(&S.lock);
@@ -168,9 +184,11 @@ static void sampler_stop(void)
     pthread_cond_signal(&S.wake);
     pthread_mutex_unlock(&S.lock);
     Py_BEGIN_ALLOW_THREADS
-    pthread_join(S.thread, NULL);
+    joined = join_bounded();
     Py_END_ALLOW_THREADS
-    S.running = 0;
+    /* A thread stuck in a driver call is left behind rather than hang the
+     * exit; it writes only to this static state, under the lock. */
+    S.running = joined ? 0 : S.running;
 }
 
 /* ---- where the summary goes ---- */
@@ -379,7 +397,7 @@ static long long call_ll(PyObject *owner, const char *name, int arg)
 /* Peak figures per device when torch has initialised CUDA (never initialises
  * it). Without NVML devices, the devices come from torch. Drops devices this
  * process did not use. Returns 1 when torch's figures were read. */
-static int torch_figures(void)
+static int torch_figures(sum_device *dev, int *n)
 {
     PyObject *torch = oc_sys_module("torch");
     PyObject *cuda = torch ? PyObject_GetAttrString(torch, "cuda") : NULL;
@@ -391,16 +409,16 @@ static int torch_figures(void)
     if (!ok)
         goto done;
     current = call_ll(cuda, "current_device", -1);
-    for (int i = 0; i < S.n; i++) {
-        S.dev[i].peak_allocated = call_ll(cuda, "max_memory_allocated", S.dev[i].torch_index);
-        S.dev[i].peak_reserved = call_ll(cuda, "max_memory_reserved", S.dev[i].torch_index);
+    for (int i = 0; i < *n; i++) {
+        dev[i].peak_allocated = call_ll(cuda, "max_memory_allocated", dev[i].torch_index);
+        dev[i].peak_reserved = call_ll(cuda, "max_memory_reserved", dev[i].torch_index);
     }
     /* Devices this process used: memory reserved on it, or the current one. */
-    for (int i = 0; i < S.n; i++)
-        if (S.dev[i].peak_reserved > 0 || S.dev[i].torch_index == current)
-            S.dev[kept++] = S.dev[i];
+    for (int i = 0; i < *n; i++)
+        if (dev[i].peak_reserved > 0 || dev[i].torch_index == current)
+            dev[kept++] = dev[i];
     if (kept > 0)
-        S.n = kept;
+        *n = kept;
 done:
     Py_XDECREF(cuda);
     Py_XDECREF(torch);
@@ -704,18 +722,18 @@ done:
 }
 
 /* Builds the per-device text blocks and, in JSON mode, the document. */
-static void emit(const proc_figs *p)
+static void emit(const proc_figs *p, const sum_device *dev, int n)
 {
     text t = {malloc(65536), 0, 65536};
     PyObject *devices = out.mode == OC_SUMMARY_JSON ? PyList_New(0) : NULL;
     char err[PATH_MAX + 200];
-    for (int i = 0; i < S.n; i++) {
+    for (int i = 0; i < n; i++) {
         hint h[HINTS_MAX + 1];
-        int nh = make_hints(&S.dev[i], p->workers, h);
+        int nh = make_hints(&dev[i], p->workers, h);
         nh = nh < HINTS_MAX ? nh : HINTS_MAX;
-        format_block(&t, &S.dev[i], p, h, nh);
+        format_block(&t, &dev[i], p, h, nh);
         if (devices != NULL) {
-            PyObject *d = device_dict(&S.dev[i], h, nh);
+            PyObject *d = device_dict(&dev[i], h, nh);
             if (d == NULL || PyList_Append(devices, d) < 0)
                 Py_CLEAR(devices);
             Py_XDECREF(d);
@@ -737,7 +755,7 @@ static void emit(const proc_figs *p)
         /* Never lose the figures: print them where the file could not go. */
         PySys_FormatStderr("outofcuda: OUTOFCUDA_SUMMARY: could not write the JSON (%s); the "
                            "summary follows\n",
-                           devices ? err : "out of memory");
+                           devices ? err : "the JSON could not be built");
     }
     if (t.buf != NULL)
         PySys_FormatStderr("%s", t.buf);
@@ -751,6 +769,9 @@ done:
 static PyObject *at_exit(PyObject *self, PyObject *unused)
 {
     proc_figs p;
+    sum_device dev[SUMMARY_MAX_DEVICES];
+    int n;
+    double wall;
     PyObject *type, *value, *tb;
     (void)self;
     (void)unused;
@@ -760,16 +781,22 @@ static PyObject *at_exit(PyObject *self, PyObject *unused)
         Py_RETURN_NONE;
     S.started = 0;
     PyErr_Fetch(&type, &value, &tb);
+    wall = seconds_since(&S.t0);
     sampler_stop();
+    /* A copy: a thread that could not be joined may still write S.dev. */
+    pthread_mutex_lock(&S.lock);
+    n = S.n;
+    memcpy(dev, S.dev, sizeof dev);
+    pthread_mutex_unlock(&S.lock);
     memset(&p, 0, sizeof p);
-    p.wall = seconds_since(&S.t0);
+    p.wall = wall;
     p.rank = env_rank();
     p.ooms = oc_oom_count();
     p.splits = split_count();
-    p.torch_ok = torch_figures();
+    p.torch_ok = torch_figures(dev, &n);
     p.workers = dataloader_workers();
     if (out.mode != OC_SUMMARY_OFF)
-        emit(&p);
+        emit(&p, dev, n);
     PyErr_Clear();
     PyErr_Restore(type, value, tb);
     Py_RETURN_NONE;

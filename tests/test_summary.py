@@ -319,6 +319,18 @@ def test_bad_values_warn_once_and_leave_the_summary_off(venv, workdir, nvml_dir,
         assert "outofcuda summary" not in r.stderr
 
 
+def test_a_driver_call_that_never_returns_does_not_hang_the_exit(venv, workdir, nvml_dir):
+    # Two samples, then the third utilisation call blocks for ever: the join
+    # at exit gives up after its bound and the block still comes out.
+    env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 40 60 hang")
+    r = run(venv, workdir, """
+        _outofcuda._summary_start([0], 10)
+        wait_for("the stuck call", lambda: os.path.exists(os.environ["OC_FAKE_NVML_FILE"] + ".hanging"))
+    """, env, timeout=60)
+    (b,) = blocks(r.stderr)
+    assert "  utilisation    mean 50.0 %; under 50 % in 50.0 % of 2 samples (every 10 ms" in b[1]
+
+
 def test_without_nvml_the_block_says_why(venv, workdir):
     r = run(venv, workdir, """
         _outofcuda._summary_start([0], 10)

@@ -7,12 +7,16 @@
  *
  * Each nvmlDeviceGetUtilizationRates call on a device returns its next
  * utilisation value; after the last one it fails with NVML_ERROR_NOT_SUPPORTED,
- * or, when the line ends with "+", repeats the last value for ever. So a test
- * knows exactly which samples the sampler saw. */
+ * or, when the line ends with "+", repeats the last value for ever, or, when
+ * it ends with "hang", never returns (a driver call stuck in a broken driver)
+ * once it has created "<file>.hanging".
+ * So a test knows exactly which samples the sampler saw. */
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define OK 0
 #define ERROR_INVALID_ARGUMENT 2
@@ -30,7 +34,7 @@ typedef struct {
 static struct {
     unsigned long long used, total;
     unsigned values[MAX_VALUES];
-    int n_values, repeat;
+    int n_values, repeat, hang;
 } dev[MAX_DEVICES];
 static int n_dev = -1;
 static int served[MAX_DEVICES];
@@ -55,6 +59,8 @@ static void load(void)
                 dev[n_dev].total = strtoull(tok, NULL, 10);
             else if (strcmp(tok, "+") == 0)
                 dev[n_dev].repeat = 1;
+            else if (strcmp(tok, "hang") == 0)
+                dev[n_dev].hang = 1;
             else if (dev[n_dev].n_values < MAX_VALUES)
                 dev[n_dev].values[dev[n_dev].n_values++] = (unsigned)strtoul(tok, NULL, 10);
         }
@@ -63,6 +69,19 @@ static void load(void)
     }
     if (f)
         fclose(f);
+}
+
+/* Leaves "<file>.hanging" for the test to wait on, then never returns. */
+static void hang(void)
+{
+    char mark[4200];
+    FILE *f;
+    snprintf(mark, sizeof mark, "%s.hanging", getenv("OC_FAKE_NVML_FILE"));
+    f = fopen(mark, "w");
+    if (f)
+        fclose(f);
+    for (;;)
+        pause();
 }
 
 static int index_of(void *handle)
@@ -125,6 +144,8 @@ int nvmlDeviceGetUtilizationRates(void *handle, utilization_t *u)
         return ERROR_INVALID_ARGUMENT;
     k = served[i];
     if (k >= dev[i].n_values) {
+        if (dev[i].hang)
+            hang();
         if (!dev[i].repeat || dev[i].n_values == 0)
             return ERROR_NOT_SUPPORTED;
         k = dev[i].n_values - 1;
