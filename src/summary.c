@@ -395,8 +395,8 @@ static long long call_ll(PyObject *owner, const char *name, int arg)
 }
 
 /* Peak figures per device when torch has initialised CUDA (never initialises
- * it). Without NVML devices, the devices come from torch. Drops devices this
- * process did not use. Returns 1 when torch's figures were read. */
+ * it), and drops the devices this process did not use. Returns 1 when
+ * torch's figures were read. */
 static int torch_figures(sum_device *dev, int *n)
 {
     PyObject *torch = oc_sys_module("torch");
@@ -588,7 +588,6 @@ typedef struct {
     long rank, workers;
     unsigned long ooms;
     long long splits;
-    int torch_ok;
 } proc_figs;
 
 static void format_block(text *t, const sum_device *d, const proc_figs *p, const hint *h, int nh)
@@ -793,7 +792,7 @@ static PyObject *at_exit(PyObject *self, PyObject *unused)
     p.rank = env_rank();
     p.ooms = oc_oom_count();
     p.splits = split_count();
-    p.torch_ok = torch_figures(dev, &n);
+    torch_figures(dev, &n);
     p.workers = dataloader_workers();
     if (out.mode != OC_SUMMARY_OFF)
         emit(&p, dev, n);
