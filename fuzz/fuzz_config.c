@@ -55,6 +55,14 @@ static void check_config(const oc_config *c)
         abort();
     if ((c->disable | c->verbose | c->tf32 | c->cudnn_benchmark | c->channels_last) & ~1)
         abort();
+    /* The summary is off, on stderr, or a path that ends in ".json". */
+    if (c->summary < OC_SUMMARY_OFF || c->summary > OC_SUMMARY_JSON ||
+        memchr(c->summary_path, '\0', sizeof c->summary_path) == NULL)
+        abort();
+    if (c->summary == OC_SUMMARY_JSON &&
+        (strlen(c->summary_path) <= 5 ||
+         strcmp(c->summary_path + strlen(c->summary_path) - 5, ".json") != 0))
+        abort();
 }
 
 /* Normalised prefix: short names in the input map to the real variable
@@ -79,6 +87,7 @@ static const char *const names[] = {
     "OUTOFCUDA_PIN_MEMORY",
     "OUTOFCUDA_NUM_WORKERS",
     "OUTOFCUDA_PREFETCH_FACTOR",
+    "OUTOFCUDA_SUMMARY",
 };
 #define N_NAMES (sizeof names / sizeof names[0])
 

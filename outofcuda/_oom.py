@@ -446,6 +446,15 @@ def _check_min_size(min_size, who):
         raise ValueError(f"{who}: min_size must be an int >= 1, got {min_size!r}")
 
 
+# Micro-batch splits made in this process, every auto_microbatch together
+# (the OUTOFCUDA_SUMMARY block at exit reads it through _split_count).
+_splits_total = 0
+
+
+def _split_count():
+    return _splits_total
+
+
 def auto_microbatch(fn=None, *, scaler=None, min_size=1, retry_after=100):
     """Makes a training step survive CUDA out-of-memory by splitting the batch.
 
@@ -554,6 +563,8 @@ class _MicroBatcher:
             self.micro_size = size
             self.clean_calls = 0
             self.splits += 1
+            global _splits_total
+            _splits_total += 1
 
 
 def find_batch_size(fn, start, *, min_size=1, grow=False):

@@ -537,6 +537,8 @@ void oc_bridge_after_torch(PyObject *torch)
     apply_sdpa(cfg, c_mod);
     apply_amp_dtype(cfg, torch);
     oc_oom_install(torch);
+    if (tv.cuda_build)
+        oc_summary_queue(torch);
     Py_DECREF(c_mod);
     PyErr_Clear();
     if (cfg->verbose)

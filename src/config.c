@@ -196,6 +196,39 @@ static void load_alloc_conf(oc_config *cfg, oc_getenv_fn get, void *ctx)
     snprintf(cfg->alloc_conf, sizeof cfg->alloc_conf, "%s", v);
 }
 
+/* OUTOFCUDA_SUMMARY: a boolean word (1: the block on stderr), or the path of
+ * a JSON file to write instead, told apart by its ".json" ending so that a
+ * typo such as "ture" is a warning, not a file called "ture". Whether the
+ * directory exists is checked when the feature starts (summary.c). */
+static void load_summary(oc_config *cfg, oc_getenv_fn get, void *ctx)
+{
+    static const char name[] = "OUTOFCUDA_SUMMARY";
+    char buf[OC_SUMMARY_PATH_MAX];
+    const char *v = get(name, ctx), *p;
+    size_t n;
+    int b;
+    if (v == NULL)
+        return;
+    b = oc_parse_bool(v);
+    if (b >= 0) {
+        cfg->summary = b ? OC_SUMMARY_STDERR : OC_SUMMARY_OFF;
+        return;
+    }
+    p = trim_copy(v, buf, sizeof buf, 0);
+    n = p ? strlen(p) : 0;
+    for (size_t i = 0; p && i < n; i++)
+        if ((unsigned char)p[i] < 0x20 || p[i] == 0x7f)
+            p = NULL;
+    if (p == NULL || n <= 5 || strcmp(p + n - 5, ".json") != 0 || p[n - 6] == '/') {
+        add_warning(cfg, name, v,
+                    "1/0 (the summary on stderr at exit, or none) or the path of a .json "
+                    "file to write it to (under 1024 characters)");
+        return;
+    }
+    cfg->summary = OC_SUMMARY_JSON;
+    snprintf(cfg->summary_path, sizeof cfg->summary_path, "%s", p);
+}
+
 void oc_config_load(oc_config *cfg, oc_getenv_fn get, void *ctx)
 {
     memset(cfg, 0, sizeof *cfg);
@@ -233,4 +266,5 @@ void oc_config_load(oc_config *cfg, oc_getenv_fn get, void *ctx)
     load_bool(cfg, get, ctx, "OUTOFCUDA_PIN_MEMORY", &cfg->pin_memory);
     load_long(cfg, get, ctx, "OUTOFCUDA_NUM_WORKERS", 0, 1024, &cfg->num_workers);
     load_long(cfg, get, ctx, "OUTOFCUDA_PREFETCH_FACTOR", 1, 1024, &cfg->prefetch_factor);
+    load_summary(cfg, get, ctx);
 }

@@ -188,6 +188,14 @@ static PyObject *dict_from_config(const oc_config *c)
         "mem_eff_attn", c->mem_eff_attn ? Py_True : Py_False, "math_attn",
         c->math_attn ? Py_True : Py_False, "pin_memory", c->pin_memory ? Py_True : Py_False,
         "num_workers", c->num_workers, "prefetch_factor", c->prefetch_factor, "warnings", warnings);
+    if (d != NULL) {
+        static const char *const modes[] = {"off", "stderr", "json"};
+        const char *text = c->summary == OC_SUMMARY_JSON ? c->summary_path : modes[c->summary];
+        PyObject *v = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
+        if (v == NULL || PyDict_SetItemString(d, "summary", v) < 0)
+            Py_CLEAR(d);
+        Py_XDECREF(v);
+    }
     return d;
 }
 
@@ -300,7 +308,8 @@ static int module_exec(PyObject *m)
         PyModule_AddFunctions(m, oc_report_methods) < 0 ||
         PyModule_AddFunctions(m, oc_nvml_methods) < 0 ||
         PyModule_AddFunctions(m, oc_oom_methods) < 0 ||
-        PyModule_AddFunctions(m, oc_api_methods) < 0)
+        PyModule_AddFunctions(m, oc_api_methods) < 0 ||
+        PyModule_AddFunctions(m, oc_summary_methods) < 0)
         return -1;
     if (oc_monitor_add_type(m) < 0)
         return -1;

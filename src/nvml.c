@@ -531,3 +531,34 @@ PyMethodDef oc_nvml_methods[] = {
      "nvml_processes(index)\n--\n\nProcesses holding memory on GPU `index`: [(pid, bytes)]."},
     {NULL, NULL, 0, NULL},
 };
+
+/* ---- utilisation (looked up on first use, apart from the table above) ---- */
+
+/* nvmlUtilization_t */
+typedef struct {
+    unsigned int gpu, memory;
+} nvml_utilization;
+
+static nvml_return (*nv_utilization)(nvml_device, nvml_utilization *);
+static pthread_once_t nv_utilization_once = PTHREAD_ONCE_INIT;
+
+/* Optional: drivers before R270 and some virtual GPUs lack it. */
+static void nv_utilization_load(void)
+{
+    static const char *const n_util[] = {"nvmlDeviceGetUtilizationRates", NULL};
+    if (oc_nvml_available(NULL, 0))
+        *(void **)&nv_utilization = sym(n_util);
+}
+
+int oc_nvml_utilization(int index, unsigned *gpu, unsigned *mem)
+{
+    nvml_device dev;
+    nvml_utilization u;
+    pthread_once(&nv_utilization_once, nv_utilization_load);
+    if (nv_utilization == NULL || index < 0 || nv.handle((unsigned int)index, &dev) != 0 ||
+        nv_utilization(dev, &u) != 0)
+        return -1;
+    *gpu = u.gpu;
+    *mem = u.memory;
+    return 0;
+}

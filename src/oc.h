@@ -12,6 +12,7 @@
  *   (oc.h also lists which file owns each shared function)
  *   report.c   status dict and the verbose table
  *   monitor.c  the native watchdog thread behind MemoryMonitor
+ *   summary.c  OUTOFCUDA_SUMMARY: utilisation sampler and the at-exit block
  */
 #ifndef OC_H
 #define OC_H
@@ -27,6 +28,9 @@
 #define OC_WARN_LEN 320
 
 typedef enum { OC_AMP_AUTO = 0, OC_AMP_FLOAT16, OC_AMP_BFLOAT16 } oc_amp_dtype;
+
+#define OC_SUMMARY_PATH_MAX 1024
+typedef enum { OC_SUMMARY_OFF = 0, OC_SUMMARY_STDERR, OC_SUMMARY_JSON } oc_summary_mode;
 
 typedef struct {
     int disable;
@@ -50,6 +54,8 @@ typedef struct {
     long prefetch_factor;
     int n_warnings;
     char warnings[OC_WARN_MAX][OC_WARN_LEN];
+    oc_summary_mode summary;                /* OUTOFCUDA_SUMMARY */
+    char summary_path[OC_SUMMARY_PATH_MAX]; /* the JSON file, as given */
 } oc_config;
 
 /* Returns the value of an environment variable or NULL; lets tests and the
@@ -180,6 +186,9 @@ int oc_nvml_visible_map(int *map, int max);
 int oc_nvml_index(int torch_index); /* NVML index of torch's cuda:N, or -1 */
 int oc_nvml_min_visible_cc(void);   /* lowest major*10+minor of those, or -1 */
 extern PyMethodDef oc_nvml_methods[];
+/* Percent of the last sample period the GPU (gpu) and its memory bus (mem)
+ * were busy, all processes together. 0 ok, -1 (no NVML or no such figure). */
+int oc_nvml_utilization(int index, unsigned *gpu, unsigned *mem);
 
 /* oom.c */
 void oc_oom_install(PyObject *torch); /* queues observer + hooks for CUDA init; never raises */
@@ -204,5 +213,12 @@ PyObject *oc_getattr_chain(PyObject *obj, const char *dotted);
 PyObject *oc_sys_module(const char *name);                      /* new ref or NULL, no exception */
 int oc_call_bool(PyObject *owner, const char *name, int value); /* 1 called, 0 missing, -1 error */
 const char *oc_utf8(PyObject *str, char *buf, size_t sz);       /* copy of str into buf */
-#endif                                                          /* OC_PURE_C */
-#endif                                                          /* OC_H */
+
+/* oom.c: CUDA OOMs torch's observer reported in this process. */
+unsigned long oc_oom_count(void);
+
+/* summary.c: OUTOFCUDA_SUMMARY, what the GPU did, printed at exit */
+void oc_summary_queue(PyObject *torch); /* with torch imported; never raises */
+extern PyMethodDef oc_summary_methods[];
+#endif /* OC_PURE_C */
+#endif /* OC_H */

@@ -807,3 +807,10 @@ PyMethodDef oc_oom_methods[] = {
      "attaches with torch._C._cuda_attach_out_of_memory_observer."},
     {NULL, NULL, 0, NULL},
 };
+
+/* How many CUDA OOMs torch's observer reported in this process (for the
+ * exit summary); with the GIL. */
+unsigned long oc_oom_count(void)
+{
+    return seen.seq;
+}

@@ -27,6 +27,7 @@ def test_defaults_match_the_product_table(venv):
         "alloc_conf": "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True",
         "gc_collect": True, "flash_attn": True, "mem_eff_attn": True, "math_attn": True,
         "pin_memory": True, "num_workers": 4, "prefetch_factor": 2, "warnings": [],
+        "summary": "off",
     }
 
 

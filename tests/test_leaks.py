@@ -94,6 +94,10 @@ cases = {
     "outofcuda.clear_cache": outofcuda.clear_cache,
     "outofcuda.last_oom": outofcuda.last_oom,
     "outofcuda.autocast_context": autocast_cycle,
+    # Starts the exit summary once (no NVML here: no thread), then no-ops.
+    "_outofcuda._summary_start": lambda: _outofcuda._summary_start([0], 200),
+    "_outofcuda._summary_start(error)": lambda: error(_outofcuda._summary_start, [0], 1),
+    "_outofcuda._summary_stats": _outofcuda._summary_stats,
 }
 meta_len = len(sys.meta_path)
 out = {}
@@ -140,7 +144,8 @@ CASES = [
     "_outofcuda._oom_advice", "_outofcuda._oom_advice(error)",
     "_outofcuda._monitor_start..stop", "_outofcuda._monitor_stop_all", "outofcuda.status",
     "outofcuda.config", "outofcuda.memory_report", "outofcuda.clear_cache", "outofcuda.last_oom",
-    "outofcuda.autocast_context",
+    "outofcuda.autocast_context", "_outofcuda._summary_start",
+    "_outofcuda._summary_start(error)", "_outofcuda._summary_stats",
 ]
 
 

@@ -1,0 +1,44 @@
+"""GPU check for OUTOFCUDA_SUMMARY: a short CUDA matmul loop prints the exit
+block with a utilisation the real NVML measured, and the JSON form carries
+torch's peaks. Skips cleanly where there is no NVIDIA GPU."""
+import json
+import re
+
+LOOP = """
+import time, torch, _outofcuda
+assert not torch.cuda.is_initialized()
+a = torch.randn(4096, 4096, device="cuda")
+deadline = time.monotonic() + 60
+# Keep the GPU busy until the sampler (every 200 ms) has 10 samples.
+while time.monotonic() < deadline:
+    for _ in range(20):
+        b = a @ a
+    torch.cuda.synchronize()
+    devs = _outofcuda._summary_stats()["devices"]
+    if devs and devs[0]["util_samples"] >= 10:
+        break
+else:
+    raise SystemExit(f"the sampler took no 10 samples in 60 s: {_outofcuda._summary_stats()}")
+"""
+
+
+def test_matmul_loop_prints_the_block_with_utilisation(gpu, workdir):
+    r = gpu.check(LOOP, cwd=workdir, env={"OUTOFCUDA_SUMMARY": "1"})
+    header = [line for line in r.stderr.splitlines() if "outofcuda summary: cuda:0" in line]
+    assert len(header) == 1, r.stderr
+    m = re.search(r"utilisation    mean ([\d.]+) %; under 50 % in ([\d.]+) % of (\d+) samples",
+                  r.stderr)
+    assert m, r.stderr
+    assert float(m.group(1)) > 0 and int(m.group(3)) >= 10, r.stderr
+    assert re.search(r"this process   peak allocated [\d.]+ GiB, peak reserved [\d.]+ GiB",
+                     r.stderr), r.stderr
+
+
+def test_json_form_holds_utilisation_and_torch_peaks(gpu, workdir):
+    gpu.check(LOOP, cwd=workdir, env={"OUTOFCUDA_SUMMARY": str(workdir / "summary.json")})
+    doc = json.loads((workdir / "summary.json").read_text())
+    (d,) = doc["devices"]
+    assert d["device"] == 0 and d["samples"] >= 10 and d["utilization_mean"] > 0
+    # Three 64 MiB float32 matrices at most live at once.
+    assert d["peak_allocated"] >= 64 << 20 and d["peak_reserved"] >= d["peak_allocated"]
+    assert 0 < d["memory_used_peak"] <= d["memory_total"]

@@ -1,0 +1,359 @@
+"""OUTOFCUDA_SUMMARY: the utilisation sampler and the block printed at exit.
+
+No GPU or driver exists here, so NVML is a stand-in libnvidia-ml.so.1 built
+from tests/summary_nvml/fake_nvml.c that serves a known sequence of
+utilisation values and memory figures from a file; the real C thread samples
+it. Scenarios where CUDA initialises use the fake CUDA-build torch of
+tests/fake_torch.py (its ``torch.cuda._fake_cuda_init()`` runs the lazy-init
+queue as torch does); the rest use the real torch 2.13 CPU build with the
+test-only ``_outofcuda._summary_start``. Every scenario is a fresh interpreter.
+"""
+import json
+import re
+import subprocess
+import textwrap
+
+import pytest
+
+from conftest import ROOT
+from fake_torch import make_fake_torch
+
+GIB = 1024 ** 3
+
+PRELUDE = """
+import atexit, json, os, sys, time
+import _outofcuda
+
+def threads():
+    return sorted(open(f"/proc/self/task/{t}/comm").read().strip()
+                  for t in os.listdir("/proc/self/task"))
+
+def wait_for(what, pred, timeout=20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.005)
+    sys.exit(f"timed out waiting for {what}: {_outofcuda._summary_stats()}")
+
+def samples(device=0):
+    devs = _outofcuda._summary_stats()["devices"]
+    return devs[device] if len(devs) > device else {"ticks": 0, "util_samples": 0}
+"""
+
+
+@pytest.fixture(scope="module")
+def nvml_dir(tmp_path_factory):
+    """A directory holding the stand-in libnvidia-ml.so.1."""
+    d = tmp_path_factory.mktemp("summary_nvml")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-o",
+                    str(d / "libnvidia-ml.so.1"), str(ROOT / "tests/summary_nvml/fake_nvml.c")],
+                   check=True)
+    return d
+
+
+def gpus(nvml_dir, workdir, *lines, **env):
+    """Environment that makes the stand-in serve `lines` (one per device)."""
+    f = workdir / "gpus.txt"
+    f.write_text("\n".join(lines) + "\n")
+    return dict({"LD_LIBRARY_PATH": str(nvml_dir), "OC_FAKE_NVML_FILE": str(f)}, **env)
+
+
+def run(venv, workdir, body, env, **kw):
+    return venv.check(PRELUDE + textwrap.dedent(body), env=env, cwd=workdir, **kw)
+
+
+def blocks(stderr):
+    """stderr's summary blocks: lists of lines, each opening with the header."""
+    out = []
+    for line in stderr.splitlines():
+        if "outofcuda summary: " in line:
+            out.append([line])
+        elif out and re.sub(r"^\[rank \d+\] ", "", line).startswith("  "):
+            out[-1].append(line)
+    return out
+
+
+def test_mean_and_share_under_50_are_what_nvml_served(venv, workdir, nvml_dir):
+    # Device 0 serves 10, 30, 60, 100 then nothing; device 1 serves 90, 90, 90, 40.
+    env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 10 30 60 100",
+               f"{6 * GIB} {8 * GIB} 90 90 90 40")
+    r = run(venv, workdir, """
+        assert _outofcuda._summary_start([0, 1], 10) is True
+        assert "oc-summary" in threads(), threads()
+        # Every value served, then a few ticks that get no utilisation.
+        wait_for("all values sampled", lambda: samples(0)["ticks"] >= 7 and samples(1)["ticks"] >= 7)
+        print(json.dumps(_outofcuda._summary_stats()))
+    """, env)
+    stats = json.loads(r.stdout)
+    d0, d1 = stats["devices"]
+    assert (d0["util_samples"], d0["util_sum"], d0["under_50"]) == (4, 200.0, 2)
+    assert (d1["util_samples"], d1["util_sum"], d1["under_50"]) == (4, 310.0, 1)
+    assert (d0["mem_peak"], d0["mem_total"]) == (GIB, 8 * GIB)
+    b = blocks(r.stderr)
+    assert len(b) == 2, r.stderr
+    assert b[0][0].startswith("outofcuda summary: cuda:0 Stand-in GPU 0 (NVML 0), ")
+    assert "  utilisation    mean 50.0 %; under 50 % in 50.0 % of 4 samples (every 10 ms" in b[0][1]
+    assert "  utilisation    mean 77.5 %; under 50 % in 25.0 % of 4 samples" in b[1][1]
+    assert "  device memory  peak 1.00 of 8.00 GiB (12.5 %, all processes)" in b[0]
+    assert "  device memory  peak 6.00 of 8.00 GiB (75.0 %, all processes)" in b[1]
+    # Device 1: busy and 75 % full: nothing to suggest.
+    assert not any("hint" in line for line in b[1]), b[1]
+
+
+@pytest.mark.parametrize("workers,advice", [
+    (0, "the DataLoader has num_workers=0: raise it"),
+    (4, "with num_workers=4, profile the host side"),
+])
+def test_block_at_exit_ranks_number_backed_hints(venv, workdir, nvml_dir, workers, advice):
+    env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 20 +")
+    r = run(venv, workdir, f"""
+        import torch, outofcuda
+
+        class MyLoader(torch.utils.data.DataLoader):
+            pass
+
+        # Alive at exit (no worker process starts before iteration).
+        loader = MyLoader(torch.utils.data.TensorDataset(torch.zeros(8, 2)), num_workers={workers})
+        tries = []
+
+        @outofcuda.auto_microbatch
+        def step(batch):
+            tries.append(len(batch))
+            if len(batch) > 4:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 MiB")
+            return batch.sum() * 0
+
+        step(torch.ones(8, 2, requires_grad=True))
+        assert tries == [8, 4, 4], tries
+        _outofcuda._summary_start([0], 10)
+        wait_for("5 utilisation samples", lambda: samples()["util_samples"] >= 5)
+    """, env)
+    (b,) = blocks(r.stderr)
+    assert "  events         0 CUDA OOMs, 1 micro-batch split" in b
+    hints = [line for line in b if line.startswith("  hint ")]
+    assert len(hints) == 2, b
+    # Every sample was under 50 % (score 2.0) ranks above 87.5 % of memory
+    # unused (score 1.75).
+    assert hints[0].startswith("  hint 1         input pipeline: the GPU was under 50 % busy in "
+                               "100 % of samples (mean 20 %); ")
+    assert advice in hints[0]
+    assert hints[1].startswith("  hint 2         bigger batch: device memory peaked at 1.00 of "
+                               "8.00 GiB (12.5 %)")
+
+
+def test_json_path_form_resolved_at_start_and_rank_file(venv, workdir, nvml_dir):
+    (workdir / "out").mkdir()
+    env = gpus(nvml_dir, workdir, f"{2 * GIB} {8 * GIB} 70 20 +",
+               OUTOFCUDA_SUMMARY="out/run.json")
+    run(venv, workdir, """
+        _outofcuda._summary_start([0], 10)
+        os.chdir("/")  # the path was made absolute when the summary started
+        wait_for("6 samples", lambda: samples()["util_samples"] >= 6)
+    """, env)
+    doc = json.loads((workdir / "out" / "run.json").read_text())
+    assert doc["version"] == 1 and doc["rank"] is None and doc["interval_ms"] == 10
+    assert doc["ooms"] == 0 and doc["microbatch_splits"] == 0 and doc["dataloader_workers"] is None
+    (d,) = doc["devices"]
+    n = d["samples"]
+    assert n >= 6 and d["device"] == 0 and d["nvml_index"] == 0 and d["name"] == "Stand-in GPU 0"
+    assert d["utilization_mean"] == pytest.approx((70 + 20 * (n - 1)) / n)
+    assert d["utilization_under_50_share"] == pytest.approx((n - 1) / n)
+    assert (d["memory_used_peak"], d["memory_total"]) == (2 * GIB, 8 * GIB)
+    assert d["peak_allocated"] is None and d["peak_reserved"] is None
+    assert d["hints"][0].startswith("input pipeline:") and d["hints"][1].startswith("bigger batch:")
+    assert not list((workdir / "out").glob("*.tmp*"))
+
+    # Under torchrun each rank writes its own file.
+    env.update(RANK="3", LOCAL_RANK="1", WORLD_SIZE="4")
+    r = run(venv, workdir, """
+        _outofcuda._summary_start([0], 10)
+        wait_for("1 sample", lambda: samples()["util_samples"] >= 1)
+    """, env)
+    assert "outofcuda summary" not in r.stderr
+    assert json.loads((workdir / "out" / "run.rank3.json").read_text())["rank"] == 3
+
+
+def test_every_line_carries_the_rank_under_torchrun(venv, workdir, nvml_dir):
+    env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 20 +", OUTOFCUDA_SUMMARY="1", RANK="5",
+               LOCAL_RANK="1", WORLD_SIZE="8")
+    r = run(venv, workdir, """
+        _outofcuda._summary_start([0], 10)
+        wait_for("5 samples", lambda: samples()["util_samples"] >= 5)
+    """, env)
+    lines = r.stderr.strip().splitlines()
+    assert lines[0].startswith("[rank 5] outofcuda summary: cuda:0 Stand-in GPU 0"), r.stderr
+    assert len(lines) >= 6 and all(line.startswith("[rank 5] ") for line in lines), r.stderr
+    assert any(line.startswith("[rank 5]   hint 1         input pipeline") for line in lines)
+
+
+FAKE_CUDA_INIT = """
+import torch
+queued = [getattr(f, "__name__", "") for f in torch.cuda._queued_calls]
+before = threads()
+torch.cuda._fake_cuda_init()
+wait_for("the sampler", lambda: samples(0)["util_samples"] >= 5 and samples(1)["ticks"] >= 1)
+after = threads()
+print(json.dumps([queued, before, after, _outofcuda._summary_stats()]))
+"""
+
+
+def test_cuda_initialisation_starts_the_sampler_and_exit_reads_torch_peaks(
+        venv, workdir, nvml_dir, tmp_path):
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    env = gpus(nvml_dir, workdir, f"{GIB} {80 * GIB} 30 +", f"{GIB} {80 * GIB} 30 +",
+               OUTOFCUDA_SUMMARY="1", PYTHONPATH=str(root))
+    r = run(venv, workdir, FAKE_CUDA_INIT + textwrap.dedent("""
+        # What a CUDA torch reports once initialised: 3 GiB of tensors in 6 GiB
+        # reserved on cuda:0, nothing on cuda:1.
+        torch.cuda.is_initialized = lambda: True
+        torch.cuda.current_device = lambda: 0
+        torch.cuda.max_memory_allocated = lambda d=None: 3 * 2**30 if d == 0 else 0
+        torch.cuda.max_memory_reserved = lambda d=None: 6 * 2**30 if d == 0 else 0
+        _outofcuda._oom_observer(0, 2**20, 2**30, 0)  # torch's observer saw one OOM
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # atexit runs in the child: it has no sampler and says nothing
+        assert os.waitpid(pid, 0)[1] == 0
+    """), env)
+    queued, before, after, stats = json.loads(r.stdout)
+    assert "outofcuda_summary_at_cuda_init" in queued
+    assert "oc-summary" not in before and "oc-summary" in after
+    # No LOCAL_RANK: every visible device is sampled.
+    assert [d["device"] for d in stats["devices"]] == [0, 1] and stats["interval_ms"] == 200
+    (b,) = blocks(r.stderr)  # cuda:1 held nothing: no block; the child printed none
+    assert b[0].startswith("outofcuda summary: cuda:0 Stand-in GPU 0 (NVML 0), ")
+    assert "  this process   peak allocated 3.00 GiB, peak reserved 6.00 GiB" in b
+    assert "  events         1 CUDA OOM, 0 micro-batch splits" in b
+    hints = [line[17:] for line in b if line.startswith("  hint ")]
+    # Scores: under 50 % every time 2.0, 98.8 % memory unused 1.98, 50 % cached 2.0.
+    assert [h.split(":")[0] for h in hints] == ["input pipeline", "fragmentation", "bigger batch"]
+    assert ("fragmentation: torch reserved 6.00 GiB at peak for 3.00 GiB of tensors (50 % cached "
+            "but unused); expandable_segments is on") in hints[1]
+
+
+def test_local_rank_picks_the_one_device_sampled(venv, workdir, nvml_dir, tmp_path):
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 30 +", f"{GIB} {8 * GIB} 30 +",
+               OUTOFCUDA_SUMMARY="1", PYTHONPATH=str(root), LOCAL_RANK="1", RANK="1")
+    r = run(venv, workdir, """
+        import torch
+        torch.cuda._fake_cuda_init()
+        wait_for("the sampler", lambda: samples(0)["util_samples"] >= 1)
+        print(json.dumps(_outofcuda._summary_stats()))
+    """, env)
+    assert [d["device"] for d in json.loads(r.stdout)["devices"]] == [1]
+    assert blocks(r.stderr)[0][0].startswith("[rank 1] outofcuda summary: cuda:1 Stand-in GPU 1")
+
+
+@pytest.mark.parametrize("value", [None, "0", "off"])
+def test_unset_or_off_queues_nothing_starts_nothing_prints_nothing(
+        venv, workdir, nvml_dir, tmp_path, value):
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 30 +", OUTOFCUDA_SUMMARY=value,
+               PYTHONPATH=str(root))
+    r = run(venv, workdir, """
+        n = atexit._ncallbacks()
+        import torch
+        queued = [getattr(f, "__name__", "") for f in torch.cuda._queued_calls]
+        torch.cuda._fake_cuda_init()
+        print(json.dumps([queued, threads(), atexit._ncallbacks() - n,
+                          _outofcuda._summary_stats()]))
+    """, env)
+    queued, names, new_callbacks, stats = json.loads(r.stdout)
+    assert "outofcuda_summary_at_cuda_init" not in queued
+    assert "oc-summary" not in names and not stats["running"] and stats["devices"] == []
+    assert new_callbacks == 0
+    assert r.stderr == ""
+
+
+def test_real_cpu_torch_never_initialises_cuda_so_no_thread_and_no_block(venv, workdir, nvml_dir):
+    code = """
+        n = atexit._ncallbacks()
+        import torch
+        ds = torch.utils.data.TensorDataset(torch.randn(64, 8))
+        loader = torch.utils.data.DataLoader(ds, batch_size=16, num_workers=2)
+        total = sum(float((b[0] @ torch.randn(8, 8)).sum()) for b in loader)
+        print(json.dumps([threads(), atexit._ncallbacks() - n, torch.cuda.is_initialized()]))
+    """
+    results = {}
+    for value in ("1", None):
+        env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 30 +", OUTOFCUDA_SUMMARY=value)
+        r = run(venv, workdir, code, env)
+        results[value] = json.loads(r.stdout)
+        assert "outofcuda summary" not in r.stderr
+    names, new_callbacks, initialised = results["1"]
+    assert "oc-summary" not in names and not initialised
+    # No atexit work beyond what the same program registers without the variable.
+    assert new_callbacks == results[None][1]
+
+
+def test_bad_values_warn_once_and_leave_the_summary_off(venv, workdir, nvml_dir, tmp_path):
+    cases = ["1", "yes", " OFF ", "  /tmp/run.json ", "maybe", "2", "", "out.txt", ".json",
+             "dir/.json", "run\x01.json", "/" + "x" * 1100 + ".json"]
+    r = venv.check(
+        "import json, _outofcuda\n"
+        f"cases = {cases!r}\n"
+        "print(json.dumps([_outofcuda._parse_config({'OUTOFCUDA_SUMMARY': c}) for c in cases]))")
+    got = json.loads(r.stdout)
+    assert [g["summary"] for g in got[:4]] == ["stderr", "stderr", "off", "/tmp/run.json"]
+    assert all(g["warnings"] == [] for g in got[:4])
+    for value, g in zip(cases[4:], got[4:]):
+        assert g["summary"] == "off", value
+        (w,) = g["warnings"]
+        assert w.startswith("outofcuda: ignoring OUTOFCUDA_SUMMARY=") and ".json" in w, w
+
+    # End to end: a word it does not know, and a directory that does not exist.
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    for value, says in [("maybe", "expected 1/0"), ("no/such/dir/run.json", "does not exist")]:
+        env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 30 +", OUTOFCUDA_SUMMARY=value,
+                   PYTHONPATH=str(root))
+        r = run(venv, workdir, """
+            import torch
+            torch.cuda._fake_cuda_init()
+            print(json.dumps([threads(), _outofcuda._summary_stats()["running"]]))
+        """, env)
+        names, running = json.loads(r.stdout)
+        assert "oc-summary" not in names and not running
+        assert r.stderr.count("OUTOFCUDA_SUMMARY") == 1 and says in r.stderr, r.stderr
+        assert "outofcuda summary" not in r.stderr
+
+
+def test_a_driver_call_that_never_returns_does_not_hang_the_exit(venv, workdir, nvml_dir):
+    # Two samples, then the third utilisation call blocks for ever: the join
+    # at exit gives up after its bound and the block still comes out.
+    env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 40 60 hang")
+    r = run(venv, workdir, """
+        _outofcuda._summary_start([0], 10)
+        wait_for("the stuck call", lambda: os.path.exists(os.environ["OC_FAKE_NVML_FILE"] + ".hanging"))
+    """, env, timeout=60)
+    (b,) = blocks(r.stderr)
+    assert "  utilisation    mean 50.0 %; under 50 % in 50.0 % of 2 samples (every 10 ms" in b[1]
+
+
+def test_without_nvml_the_block_says_why(venv, workdir):
+    r = run(venv, workdir, """
+        _outofcuda._summary_start([0], 10)
+        assert "oc-summary" not in threads()
+        print(json.dumps(_outofcuda._summary_stats()))
+    """, {"LD_LIBRARY_PATH": str(workdir)})
+    stats = json.loads(r.stdout)
+    assert not stats["running"] and "NVIDIA driver library not found" in stats["why"]
+    (b,) = blocks(r.stderr)
+    assert b[1].startswith("  utilisation    not sampled: NVIDIA driver library not found")
+
+
+def test_test_only_start_checks_its_arguments(venv):
+    r = venv.check("""
+import _outofcuda
+out = []
+for args in [("0",), ([0], 5), ([0], 70000), ([-1],), (["a"],), (list(range(17)),)]:
+    try:
+        _outofcuda._summary_start(*args)
+        out.append(None)
+    except (TypeError, ValueError) as e:
+        out.append(type(e).__name__)
+print(out)
+""")
+    assert r.stdout.strip() == str(["TypeError", "ValueError", "ValueError", "ValueError",
+                                    "TypeError", "TypeError"])
