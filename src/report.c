@@ -138,9 +138,9 @@ static void value_text(PyObject *v, char *buf, size_t sz)
 
 /* Writes text to stderr in lines of at most `first` bytes (the first line,
  * after what the caller wrote) and TABLE_WIDTH - indent bytes (the others,
- * indented). A line breaks at its last space, else after its last '/' (a
- * path), else, for a word longer than the line, at the width but never
- * inside a UTF-8 character. */
+ * indented). A line breaks at its last space, else after its last '/' or
+ * ',' (a path, an allocator string), else, for a word longer than the line,
+ * at the width but never inside a UTF-8 character. */
 static void write_wrapped(const char *text, size_t first, size_t indent)
 {
     size_t width = first, len = strlen(text);
@@ -153,7 +153,7 @@ static void write_wrapped(const char *text, size_t first, size_t indent)
         for (size_t n = width; n > 0 && cut == 0; n--) {
             if (text[n] == ' ')
                 cut = n, skip = 1;
-            else if (text[n - 1] == '/')
+            else if (text[n - 1] == '/' || text[n - 1] == ',')
                 cut = n;
         }
         if (cut == 0) {
