@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import site
 import subprocess
 import sys
@@ -486,6 +487,60 @@ def _check_installs():
     return _check("multiple_installs", True, f"one install: {found[0] if found else '?'}")
 
 
+# Another project's pure-Python package published as `outofcuda` 0.1.0, with
+# the same import name. pip replaces it cleanly on upgrade; what a partial
+# removal leaves (its .pth line importing outofcuda._hook, its modules inside
+# this package's folder, its metadata) would run, or fail, at every start-up.
+OLDER_PACKAGE_MODULES = ("_hook.py", "config.py", "optimizer.py")
+
+
+def _recorded_files(dist_info):
+    """Paths (relative to site-packages) listed in a dist-info's RECORD."""
+    try:
+        text = (dist_info / "RECORD").read_text(encoding="utf-8")
+    except OSError:
+        return set()
+    return {line.split(",", 1)[0] for line in text.splitlines() if line}
+
+
+def older_package_leftovers():
+    """Files of the older, unrelated `outofcuda` package found on the site dirs."""
+    found = []
+    for d in _site_dirs():
+        site_dir = Path(d)
+        for pth in sorted(site_dir.glob("*.pth")):
+            try:
+                text = pth.read_text(encoding="utf-8", errors="replace")
+            except OSError:
+                continue
+            # This project's hook imports `_outofcuda`; a line importing the
+            # package `outofcuda` is the older one's.
+            if re.search(r"(?<![\w.])outofcuda\b", text):
+                found.append(str(pth))
+        ours = set()
+        for info in sorted(site_dir.glob("outofcuda-*.dist-info")):
+            if info.name == f"outofcuda-{core.__version__}.dist-info":
+                ours = _recorded_files(info)
+            else:
+                found.append(str(info))
+        for name in OLDER_PACKAGE_MODULES:
+            path = site_dir / "outofcuda" / name
+            if path.is_file() and f"outofcuda/{name}" not in ours:
+                found.append(str(path))
+    return found
+
+
+def _check_older_package():
+    found = older_package_leftovers()
+    if found:
+        return _check("older_package", False,
+                      "files of an older, unrelated `outofcuda` package (0.1.0, pure Python) "
+                      f"are left beside this one: {', '.join(found)}",
+                      "rm -r " + " ".join(shlex.quote(f) for f in found)
+                      + "; then pip install --force-reinstall --no-deps 'outofcuda>=0.2'")
+    return _check("older_package", True, "no files of the older `outofcuda` package")
+
+
 def _check_no_site():
     if sys.flags.no_site:
         return _check("python_no_site", False, "Python runs with -S: no .pth hook runs",
@@ -515,6 +570,7 @@ def doctor_data():
         _check_visible_devices(len(devices)),
         _check_shm(int(_config()["num_workers"])),
         _check_installs(),
+        _check_older_package(),
         _check_no_site(),
         _check_config(pr),
     ]

@@ -11,7 +11,7 @@ STATUS_KEYS = {"version", "python", "executable", "hook", "torch", "torch_error"
                "cuda_initialized_by_import", "optimizations", "config_warnings", "gpus",
                "nvml_error"}
 CHECKS = ["hook_file", "extension", "torch", "alloc_conf", "nvidia_tf32_override",
-          "cuda_visible_devices", "dev_shm", "multiple_installs", "python_no_site",
+          "cuda_visible_devices", "dev_shm", "multiple_installs", "older_package", "python_no_site",
           "outofcuda_env"]
 
 
@@ -120,6 +120,45 @@ def test_doctor_finds_second_install(venv, workdir):
     r = cli(venv, "doctor", "--json", env={"PYTHONPATH": str(extra)}, cwd=workdir)
     assert r.returncode == 1
     assert str(extra) in _failed(r)["multiple_installs"]["message"]
+
+
+def test_doctor_finds_the_older_packages_leftovers(wheel, tmp_path):
+    """What another project's pure-Python `outofcuda` 0.1.0 leaves when it is
+    not removed cleanly: a .pth importing outofcuda._hook, its modules in the
+    package folder, its metadata. doctor names each and how to remove them."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import Venv, _clean_env
+
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "v")], check=True,
+                   env=_clean_env())
+    v = Venv(tmp_path / "v")
+    subprocess.run([str(v.python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
+                   check=True, env=_clean_env())
+    planted = [v.site / "outofcuda.pth", v.site / "outofcuda" / "_hook.py",
+               v.site / "outofcuda" / "optimizer.py", v.site / "outofcuda-0.1.0.dist-info"]
+    planted[0].write_text("import outofcuda._hook\n")
+    planted[1].write_text('"""The older package\'s start-up hook (stand-in)."""\n')
+    planted[2].write_text("")
+    planted[3].mkdir()
+    (planted[3] / "METADATA").write_text("Metadata-Version: 2.1\nName: outofcuda\nVersion: 0.1.0\n")
+    r = cli(v, "doctor", "--json", cwd=tmp_path)
+    check = {c["name"]: c for c in json.loads(r.stdout)["checks"]}["older_package"]
+    assert r.returncode == 1 and not check["ok"], check
+    for path in planted:
+        assert str(path) in check["message"] and str(path) in check["fix"], (path, check)
+    assert check["fix"].startswith("rm -r ")
+    # This package's own files are not named.
+    for own in ("outofcuda_hook.pth", "__init__.py", "monitor.py", "cli.py"):
+        assert f"/{own}" not in check["message"], check
+    # Doing what the fix says clears the check.
+    planted[0].unlink(), planted[1].unlink(), planted[2].unlink()
+    shutil.rmtree(planted[3])
+    r = cli(v, "doctor", "--json", cwd=tmp_path)
+    check = {c["name"]: c for c in json.loads(r.stdout)["checks"]}["older_package"]
+    assert check["ok"], check
 
 
 def test_report_json(venv, workdir):
