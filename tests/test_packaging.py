@@ -1,5 +1,7 @@
 """The wheel: one cp39-abi3 file with the hook at its root, clean install and
-uninstall (regular and editable), and the same binary on Python 3.9 to 3.13."""
+uninstall (regular and editable), and the same binary on Python 3.9 to 3.13;
+the source distribution builds and installs; sanitizer builds never reuse a
+plain build's objects."""
 import os
 import shutil
 import subprocess
@@ -103,3 +105,69 @@ def test_one_wheel_on_every_python(wheel, tmp_path, version):
                        capture_output=True, text=True, env=_clean_env(), cwd=tmp_path)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert r.stdout.split()[:2] == ["1", "True"]
+
+
+def clean_copy(dest):
+    """The checkout without its build outputs (as a fresh clone has it)."""
+    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "*.so", ".venv*", "__pycache__", ".pytest_cache",
+        ".hypothesis"))
+    return dest
+
+
+def test_sdist_builds_installs_and_hooks(tmp_path):
+    """`python -m build` makes an sdist and a wheel from that sdist, with no
+    setuptools deprecation warning; `pip install outofcuda-*.tar.gz` into a
+    fresh venv installs a working hook."""
+    try:
+        import build  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("the `build` package is required in CI (requirements-test.txt)")
+        pytest.skip("the `build` package is not installed (pip install build)")
+    src = clean_copy(tmp_path / "src")
+    dist = tmp_path / "dist"
+    r = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "-o", str(dist), str(src)],
+                       capture_output=True, text=True, env=_clean_env(), timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "deprecat" not in out.lower(), [ln for ln in out.splitlines() if "eprecat" in ln]
+    (sdist,) = dist.glob("outofcuda-*.tar.gz")
+    import tarfile
+
+    with tarfile.open(sdist) as tf:
+        names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+    assert {"outofcuda_hook.pth", "outofcuda_hook.start", "src/oc.h", "LICENSE"} <= names
+    py = make_venv(sys.executable, tmp_path / "v")
+    before = site_files(py)
+    pip(py, "install", "--no-deps", str(sdist))
+    assert HOOK_FILES <= site_files(py) - before
+    r = subprocess.run([str(py), "-c", WATCHING], capture_output=True, text=True,
+                       env=_clean_env(), cwd=tmp_path)
+    assert r.stdout.split() == ["1", "True"], r.stderr
+
+
+def _asan_symbols(wheel_dir, tmp):
+    (whl,) = Path(wheel_dir).glob("outofcuda-*.whl")
+    with zipfile.ZipFile(whl) as zf:
+        so = zf.extract("_outofcuda.abi3.so", tmp)
+    syms = subprocess.run(["nm", "-D", so], check=True, capture_output=True, text=True).stdout
+    return sum("__asan_" in line for line in syms.splitlines())
+
+
+def test_sanitize_build_over_an_existing_build_dir(tmp_path):
+    """OUTOFCUDA_SANITIZE=1 pip wheel . after a plain build in the same
+    folder gives an instrumented extension, and a plain build after it an
+    uninstrumented one: neither reuses the other's object files."""
+    src = clean_copy(tmp_path / "src")
+    kinds = [("plain", None), ("sanitize", "1"), ("plain-again", None)]
+    found = {}
+    for name, sanitize in kinds:
+        out = tmp_path / name
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                        "--no-build-isolation", "-w", str(out), "."], cwd=src, check=True,
+                       env=_clean_env({"OUTOFCUDA_SANITIZE": sanitize}), timeout=600)
+        assert (src / "build").is_dir()
+        found[name] = _asan_symbols(out, tmp_path / (name + "-so"))
+    assert found["plain"] == 0 and found["plain-again"] == 0, found
+    assert found["sanitize"] > 0, found
