@@ -171,3 +171,59 @@ def test_sanitize_build_over_an_existing_build_dir(tmp_path):
         found[name] = _asan_symbols(out, tmp_path / (name + "-so"))
     assert found["plain"] == 0 and found["plain-again"] == 0, found
     assert found["sanitize"] > 0, found
+
+
+SUBINTERPRETER = """
+try:
+    import _interpreters as interpreters  # 3.13+
+except ImportError:
+    import _xxsubinterpreters as interpreters
+code = (
+    "import outofcuda\\n"
+    "try:\\n"
+    "    outofcuda.status()\\n"
+    "except ImportError as exc:\\n"
+    "    print('ImportError:', exc)\\n"
+)
+iid = interpreters.create()
+interpreters.run_string(iid, code)
+interpreters.destroy(iid)
+"""
+
+
+@pytest.mark.parametrize("version", ["3.11", "3.12", "3.13"])
+def test_subinterpreter_gets_the_right_message(wheel, tmp_path, version):
+    """In a subinterpreter the extension refuses to load (3.12+ own-GIL
+    interpreters: CPython's own refusal; shared-GIL ones: outofcuda's). The
+    message says why, rather than calling the file missing or damaged."""
+    py = make_venv(pyenv_python(version), tmp_path / "v")
+    pip(py, "install", "--no-deps", str(wheel))
+    r = subprocess.run([str(py), "-c", SUBINTERPRETER], capture_output=True, text=True,
+                       env=_clean_env(), cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("ImportError:")]
+    assert "is present but cannot be loaded in this interpreter" in line, line
+    assert "works only in the main interpreter" in line, line
+    assert "missing" not in line, line
+
+
+MISSING = """
+import outofcuda
+try:
+    outofcuda.status()
+except ImportError as exc:
+    print(exc)
+"""
+
+
+def test_missing_extension_is_called_missing(wheel, tmp_path):
+    py = make_venv(sys.executable, tmp_path / "v")
+    pip(py, "install", "--no-deps", str(wheel))
+    site = subprocess.run([str(py), "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    (so,) = Path(site).glob("_outofcuda*.so")
+    so.unlink()
+    r = subprocess.run([str(py), "-c", MISSING], capture_output=True, text=True,
+                       env=_clean_env(), cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert "is missing from" in r.stdout and "cannot be loaded" not in r.stdout, r.stdout
