@@ -3,6 +3,7 @@ uninstall (regular and editable), and the same binary on Python 3.9 to 3.13;
 the source distribution builds and installs; sanitizer builds never reuse a
 plain build's objects."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -227,3 +228,49 @@ def test_missing_extension_is_called_missing(wheel, tmp_path):
                        env=_clean_env(), cwd=tmp_path)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert "is missing from" in r.stdout and "cannot be loaded" not in r.stdout, r.stdout
+
+
+def readme_commands():
+    """The two shell commands under README's "Two commands": install, test."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```sh\n(.*?)\n```", section, re.S)
+    assert len(blocks) == 2, blocks
+    return blocks, section
+
+
+def test_readme_setup_commands_are_what_ci_runs():
+    """The test command is the line .ci/run runs; both commands start from a
+    fresh clone (they make their own virtual environment, install nothing
+    into the system interpreter) and name one interpreter, python3."""
+    (install, tests), section = readme_commands()
+    ci = (ROOT / ".ci" / "run").read_text()
+    ci_lines = [ln.strip() for ln in ci.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert tests in ci_lines, tests
+    for cmd in (install, tests):
+        assert "\n" not in cmd and cmd.startswith("python3 -m venv "), cmd
+        assert not re.search(r"(?<![\w/.-])python(?![\w.])", cmd), cmd
+        assert "bin/pip " not in cmd and not re.search(r"(^|&& )pip", cmd), cmd
+    venv_dir = tests.split()[3]
+    assert all(part.startswith(f"{venv_dir}/bin/python3 ") for part in tests.split(" && ")[1:])
+    assert "C compiler" in section and "Python headers" in section
+    # Every tool CI installs is named where the README lists them.
+    (apt,) = re.findall(r"apt-get install -y -qq ([^>]*)", ci)
+    for package in apt.split():
+        named = "clang sanitizer runtime" if package.startswith("libclang-rt") else package
+        assert named in " ".join(section.split()), package
+
+
+def test_readme_install_command_works(tmp_path):
+    """The README's first command, run as written from a fresh copy of the
+    checkout (its venv path moved into tmp_path): the hook reports on stderr
+    and torch's autotuner is on."""
+    (install, _), _ = readme_commands()
+    src = clean_copy(tmp_path / "src")
+    cmd = install.replace("/tmp/oc", str(tmp_path / "oc"))
+    assert cmd != install
+    r = subprocess.run(["bash", "-c", cmd], cwd=src, capture_output=True, text=True,
+                       env=_clean_env(), timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.strip() == "cuDNN autotuner: True", r.stdout
+    assert "torch 2.13.0" in r.stderr and "cudnn_benchmark" in r.stderr, r.stderr

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +28,10 @@ DEFINES = ["-DPy_LIMITED_API=0x03090000", "-D_GNU_SOURCE"]
 def _tool(name, install=None):
     """The tool's path; skips when it is missing, except under CI (CI set),
     where a missing tool must fail rather than pass silently."""
-    path = shutil.which(name)
+    # Tools pip installed sit beside this interpreter, which is not on PATH
+    # when the tests run as `.venv-ci/bin/python3 -m pytest` (no activation).
+    beside = Path(sys.executable).parent / name
+    path = str(beside) if beside.is_file() else shutil.which(name)
     if path is None:
         how = install or f"apt-get install {name}"
         if os.environ.get("CI"):
