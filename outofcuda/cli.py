@@ -28,6 +28,8 @@ START_NAME = "outofcuda_hook.start"
 ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 MIN_TORCH = (2, 0)
 PROBE_TIMEOUT_S = 180
+# Versioned: the name `outofcuda` 0.1.0 on PyPI is an older, unrelated package.
+REINSTALL = "pip install --force-reinstall --no-deps 'outofcuda>=0.2'"
 
 # Runs in a fresh interpreter of the same Python. The working directory is
 # dropped from sys.path so a stray torch.py or _outofcuda.py there cannot
@@ -344,11 +346,11 @@ def _check_hook(files, pr):
         where = f" (only in {elsewhere[0]}, where site does not run .pth files)" if elsewhere else ""
         return _check("hook_file", False, f"{HOOK_NAME} is not in any site-packages "
                       f"directory{where}",
-                      "reinstall: pip install --force-reinstall --no-deps outofcuda")
+                      "reinstall: " + REINSTALL)
     bad = [f["path"] for f in pth if not f["loadable"]]
     if bad:
         return _check("hook_file", False, f"{bad[0]} is damaged (not one import line)",
-                      "reinstall: pip install --force-reinstall --no-deps outofcuda")
+                      "reinstall: " + REINSTALL)
     if os.environ.get("OUTOFCUDA_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
         return _check("hook_file", False, "OUTOFCUDA_DISABLE is set: the hook does nothing",
                       "unset OUTOFCUDA_DISABLE")
@@ -364,7 +366,7 @@ def _check_extension(pr):
     if pr.get("extension_error") or pr.get("error"):
         return _check("extension", False, "the C extension does not load in a fresh "
                       f"interpreter: {pr.get('extension_error') or pr.get('error')}",
-                      "reinstall: pip install --force-reinstall --no-deps outofcuda")
+                      "reinstall: " + REINSTALL)
     err = ((pr.get("status") or {}).get("hook") or {}).get("error")
     if err:
         return _check("extension", False, f"outofcuda recorded an error: {err}",
@@ -537,7 +539,7 @@ def _check_older_package():
                       "files of an older, unrelated `outofcuda` package (0.1.0, pure Python) "
                       f"are left beside this one: {', '.join(found)}",
                       "rm -r " + " ".join(shlex.quote(f) for f in found)
-                      + "; then pip install --force-reinstall --no-deps 'outofcuda>=0.2'")
+                      + "; then " + REINSTALL)
     return _check("older_package", True, "no files of the older `outofcuda` package")
 
 
