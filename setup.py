@@ -56,15 +56,19 @@ class editable_wheel_with_hook(editable_wheel):
         return wheel_path
 
 
+# OUTOFCUDA_SANITIZE=1: an AddressSanitizer + UndefinedBehaviorSanitizer build.
+SANITIZE = os.environ.get("OUTOFCUDA_SANITIZE", "") not in ("", "0")
+
+
 def extra_compile_args():
     args = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"]
-    if os.environ.get("OUTOFCUDA_SANITIZE"):
+    if SANITIZE:
         args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1", "-g"]
     return args
 
 
 def extra_link_args():
-    if os.environ.get("OUTOFCUDA_SANITIZE"):
+    if SANITIZE:
         return ["-fsanitize=address,undefined"]
     return []
 
@@ -80,9 +84,17 @@ ext = Extension(
     libraries=["dl", "pthread"] if sys.platform.startswith("linux") else [],
 )
 
+options = {"bdist_wheel": {"py_limited_api": "cp39"}}
+if SANITIZE:
+    # A build folder of its own: setuptools keeps object files and the linked
+    # extension that are newer than their sources whatever flags made them, so
+    # a sanitizer build over an existing build/ (or a plain one over a
+    # sanitizer build) would silently ship the other kind.
+    options["build"] = {"build_base": os.path.join("build", "sanitize")}
+
 setup(
     version=VERSION,
     ext_modules=[ext],
     cmdclass={"build_py": build_py_with_hook, "editable_wheel": editable_wheel_with_hook},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    options=options,
 )

@@ -57,7 +57,7 @@ static void run_merge(const char *defaults, const char *user, const char *versio
         size_t size;
         int filtered;
     } runs[] = {{16, 0}, {sizeof out, 0}, {sizeof out, 1}};
-    char dropped[512], err[160];
+    char dropped[512] = "", err[160] = "";
     long ver = oc_torch_version_number(version);
     int user_ok = oc_alloc_parse(user, &u, err, sizeof err) == 0;
     check_terminated(err, sizeof err);
@@ -91,7 +91,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         p = nl;
     }
     for (int i = 0; i < 2; i++) {
-        char err[160];
+        char err[160] = "";
         if (oc_alloc_parse(parts[i], &list, err, sizeof err) == 0) {
             if (list.n < 0 || list.n > OC_ALLOC_ENTRIES_MAX)
                 abort();

@@ -27,13 +27,17 @@ def _load():
                 spec.loader.exec_module(mod)
             except (ImportError, OSError) as exc:
                 raise ImportError(
-                    f"outofcuda's C extension at {path} cannot be loaded ({exc}); "
-                    "reinstall outofcuda: pip install --force-reinstall outofcuda"
+                    f"outofcuda's C extension at {path} is present but cannot be loaded "
+                    f"in this interpreter ({exc}). outofcuda works only in the main "
+                    "interpreter, not in a subinterpreter; in the main interpreter this "
+                    "means a damaged file or one built for another platform: "
+                    "pip install --force-reinstall --no-deps 'outofcuda>=0.2'"
                 ) from exc
             sys.modules["_outofcuda"] = mod
             return mod
     raise ImportError(
-        f"outofcuda's C extension (_outofcuda) is missing from {root}; reinstall outofcuda"
+        f"outofcuda's C extension (_outofcuda) is missing from {root}; reinstall "
+        "outofcuda: pip install --force-reinstall --no-deps 'outofcuda>=0.2'"
     )
 
 

@@ -14,9 +14,11 @@ import argparse
 import json
 import os
 import re
+import shlex
 import site
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 from ._native import core
@@ -26,6 +28,8 @@ START_NAME = "outofcuda_hook.start"
 ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 MIN_TORCH = (2, 0)
 PROBE_TIMEOUT_S = 180
+# Versioned: the name `outofcuda` 0.1.0 on PyPI is an older, unrelated package.
+REINSTALL = "pip install --force-reinstall --no-deps 'outofcuda>=0.2'"
 
 # Runs in a fresh interpreter of the same Python. The working directory is
 # dropped from sys.path so a stray torch.py or _outofcuda.py there cannot
@@ -165,6 +169,14 @@ def outofcuda_installs():
     return found
 
 
+def _config():
+    """core.config() without its warnings: the CLI shows bad OUTOFCUDA_*
+    values itself (doctor's outofcuda_env check), once."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return core.config()
+
+
 def _torch_tuple(version):
     m = re.match(r"(\d+)\.(\d+)", version or "")
     return (int(m.group(1)), int(m.group(2))) if m else None
@@ -204,55 +216,119 @@ def status_data():
     }
 
 
-def _value_text(v, width=34):
-    if v is None:
-        return "-"
-    text = ", ".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else str(v)
-    return text if len(text) <= width else text[: width - 3] + "..."
+# Text output fits 80 columns and cuts nothing: long values wrap onto
+# continuation lines (the same layout as the OUTOFCUDA_VERBOSE table).
+WIDTH = 80
+LABEL = 16  # "hook fires      yes"
+VALUE_COL = 32  # "  name(20) applied(8) value"
+REASON_INDENT = 6
+
+
+def _wrap(text, first, indent):
+    """Lines of at most ``first`` characters (the first) and WIDTH - indent
+    (the rest, prefixed with indent spaces). A line breaks at its last space,
+    else after its last '/' or ',' (a path, an allocator string), else at the
+    width."""
+    lines, width = [], first
+    while len(text) > width:
+        cut = skip = 0
+        for n in range(width, 0, -1):
+            if text[n] == " ":
+                cut, skip = n, 1
+                break
+            if text[n - 1] in "/,":
+                cut = n
+                break
+        cut = cut or width
+        lines.append(text[:cut])
+        text = text[cut + skip:]
+        width = WIDTH - indent
+    lines.append(text)
+    return [lines[0]] + [" " * indent + ln for ln in lines[1:]]
+
+
+def _row(label, value):
+    return _wrap(f"{label:<{LABEL}}{value}", WIDTH, LABEL)
+
+
+def _plain(v):
+    return "-" if v is None else str(v)
+
+
+def _value_lines(v):
+    """An optimisation's value from column VALUE_COL: a dict on one line when
+    it fits, else one key=value a line."""
+    width = WIDTH - VALUE_COL
+    if not isinstance(v, dict) or not v:
+        return _wrap(_plain(v), width, VALUE_COL)
+    items = [f"{k}={_plain(x)}" for k, x in v.items()]
+    if len(", ".join(items)) <= width:
+        return [", ".join(items)]
+    lines = []
+    for i, item in enumerate(items):
+        wrapped = _wrap(item, width, VALUE_COL + 2)
+        lines += [(" " * VALUE_COL if i else "") + wrapped[0]] + wrapped[1:]
+    return lines
 
 
 def _mib(n):
     return f"{n / 2**20:,.0f} MiB"
 
 
+def _render_optimizations(opts):
+    reasons = {e.get("reason", "") for e in opts.values()}
+    shared = len(reasons) == 1 and len(opts) > 1
+    lines = [f"  {'optimisation':<20} {'applied':<8} "
+             + ("value" if shared else "value (reason below)")]
+    for name, e in opts.items():
+        value = _value_lines(e.get("value"))
+        lines.append(f"  {name:<20} {'yes' if e.get('applied') else 'no':<8} {value[0]}")
+        lines += value[1:]
+        if not shared:
+            lines += _wrap(" " * REASON_INDENT + e.get("reason", ""), WIDTH, REASON_INDENT)
+    if shared:
+        lines += _wrap(f"  (all: {reasons.pop()})", WIDTH, REASON_INDENT)
+    return lines
+
+
+def _render_gpus(d):
+    if not d["gpus"]:
+        return _row("GPUs", f"none ({d['nvml_error']})")
+    # GPU 4, name 30, cc 5, memory 25, driver 16 = 80.
+    lines = [f"{'GPU':<4}{'name':<30}{'cc':<5}{'memory used / total':<25}driver"]
+    for g in d["gpus"]:
+        cc = ".".join(str(x) for x in g["compute_capability"])
+        mem = f"{_mib(g['used'])} / {_mib(g['total'])}"
+        name = _wrap(g["name"], 29, 0)
+        lines.append(f"{g['index']:<4}{name[0]:<30}{cc:<5}{mem:<25}{g['driver']}")
+        lines += [" " * 4 + part for part in name[1:]]
+    return lines
+
+
 def _render_status(d):
     h = d["hook"]
-    lines = [f"outofcuda {d['version']} (Python {d['python']}: {d['executable']})", ""]
-    files = ", ".join(f["path"] for f in h["files"]) or "not found"
+    lines = [f"outofcuda {d['version']}"]
+    lines += _row("Python", f"{d['python']}, {d['executable']}")
+    files = [f["path"] for f in h["files"]] or ["not found"]
+    for i, path in enumerate(files):
+        lines += _row("hook file" if i == 0 else "", path)
     fires = "yes" if h["fired"] else "no"
     if h["disabled_by_env"]:
         fires += " (OUTOFCUDA_DISABLE is set)"
-    rows = [("hook file", files), ("hook fires", fires)]
+    lines += _row("hook fires", fires)
     if h["error"]:
-        rows.append(("hook error", h["error"]))
-    torch_text = d["torch"] or f"not importable ({d['torch_error']})"
-    rows.append(("torch", torch_text))
-    rows.append(("CUDA (torch)", d["cuda"] or "none (CPU build)" if d["torch"] else "-"))
+        lines += _row("hook error", h["error"])
+    lines += _row("torch", d["torch"] or f"not importable ({d['torch_error']})")
+    lines += _row("CUDA (torch)", d["cuda"] or "none (CPU build)" if d["torch"] else "-")
     if d["cuda_initialized_by_import"] is not None:
-        rows.append(("CUDA at import", "initialised (unexpected)"
-                     if d["cuda_initialized_by_import"] else "not initialised"))
-    lines += [f"{k:<16}{v}" for k, v in rows]
-    reasons = {e.get("reason", "") for e in d["optimizations"].values()}
-    shared = len(reasons) == 1 and len(d["optimizations"]) > 1
-    lines += ["", f"{'optimisation':<22}{'applied':<9}{'value':<36}"
-              + ("" if shared else "reason")]
-    for name, e in d["optimizations"].items():
-        value = _value_text(e.get("value"))
-        lines.append(f"{name:<22}{'yes' if e.get('applied') else 'no':<9}{value:<36}"
-                     + ("" if shared else e.get("reason", "")))
-    if shared:
-        lines.append(f"(all: {reasons.pop()})")
-    for w in d["config_warnings"]:
-        lines.append(f"warning: {w}")
+        lines += _row("CUDA at import", "initialised (unexpected)"
+                      if d["cuda_initialized_by_import"] else "not initialised")
     lines.append("")
-    if d["gpus"]:
-        lines.append(f"{'GPU':<5}{'name':<34}{'cc':<7}{'memory used / total':<28}driver")
-        for g in d["gpus"]:
-            cc = ".".join(str(x) for x in g["compute_capability"])
-            mem = f"{_mib(g['used'])} / {_mib(g['total'])}"
-            lines.append(f"{g['index']:<5}{g['name'][:33]:<34}{cc:<7}{mem:<28}{g['driver']}")
-    else:
-        lines.append(f"{'GPUs':<16}none ({d['nvml_error']})")
+    lines += _render_optimizations(d["optimizations"])
+    for w in d["config_warnings"]:
+        lines += _wrap(f"warning: {w}", WIDTH, 9)
+    lines.append("")
+    lines += _render_gpus(d)
     return "\n".join(lines)
 
 
@@ -270,11 +346,11 @@ def _check_hook(files, pr):
         where = f" (only in {elsewhere[0]}, where site does not run .pth files)" if elsewhere else ""
         return _check("hook_file", False, f"{HOOK_NAME} is not in any site-packages "
                       f"directory{where}",
-                      "reinstall: pip install --force-reinstall --no-deps outofcuda")
+                      "reinstall: " + REINSTALL)
     bad = [f["path"] for f in pth if not f["loadable"]]
     if bad:
         return _check("hook_file", False, f"{bad[0]} is damaged (not one import line)",
-                      "reinstall: pip install --force-reinstall --no-deps outofcuda")
+                      "reinstall: " + REINSTALL)
     if os.environ.get("OUTOFCUDA_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
         return _check("hook_file", False, "OUTOFCUDA_DISABLE is set: the hook does nothing",
                       "unset OUTOFCUDA_DISABLE")
@@ -290,7 +366,7 @@ def _check_extension(pr):
     if pr.get("extension_error") or pr.get("error"):
         return _check("extension", False, "the C extension does not load in a fresh "
                       f"interpreter: {pr.get('extension_error') or pr.get('error')}",
-                      "reinstall: pip install --force-reinstall --no-deps outofcuda")
+                      "reinstall: " + REINSTALL)
     err = ((pr.get("status") or {}).get("hook") or {}).get("error")
     if err:
         return _check("extension", False, f"outofcuda recorded an error: {err}",
@@ -330,7 +406,7 @@ def _alloc_keys(conf):
 
 
 def _check_alloc_conf():
-    defaults = core.config()["alloc_conf"]
+    defaults = _config()["alloc_conf"]
     default_keys = set(_alloc_keys(defaults))
     notes, problems = [], []
     for var in ALLOC_VARS:
@@ -413,6 +489,60 @@ def _check_installs():
     return _check("multiple_installs", True, f"one install: {found[0] if found else '?'}")
 
 
+# Another project's pure-Python package published as `outofcuda` 0.1.0, with
+# the same import name. pip replaces it cleanly on upgrade; what a partial
+# removal leaves (its .pth line importing outofcuda._hook, its modules inside
+# this package's folder, its metadata) would run, or fail, at every start-up.
+OLDER_PACKAGE_MODULES = ("_hook.py", "config.py", "optimizer.py")
+
+
+def _recorded_files(dist_info):
+    """Paths (relative to site-packages) listed in a dist-info's RECORD."""
+    try:
+        text = (dist_info / "RECORD").read_text(encoding="utf-8")
+    except OSError:
+        return set()
+    return {line.split(",", 1)[0] for line in text.splitlines() if line}
+
+
+def older_package_leftovers():
+    """Files of the older, unrelated `outofcuda` package found on the site dirs."""
+    found = []
+    for d in _site_dirs():
+        site_dir = Path(d)
+        for pth in sorted(site_dir.glob("*.pth")):
+            try:
+                text = pth.read_text(encoding="utf-8", errors="replace")
+            except OSError:
+                continue
+            # This project's hook imports `_outofcuda`; a line importing the
+            # package `outofcuda` is the older one's.
+            if re.search(r"(?<![\w.])outofcuda\b", text):
+                found.append(str(pth))
+        ours = set()
+        for info in sorted(site_dir.glob("outofcuda-*.dist-info")):
+            if info.name == f"outofcuda-{core.__version__}.dist-info":
+                ours = _recorded_files(info)
+            else:
+                found.append(str(info))
+        for name in OLDER_PACKAGE_MODULES:
+            path = site_dir / "outofcuda" / name
+            if path.is_file() and f"outofcuda/{name}" not in ours:
+                found.append(str(path))
+    return found
+
+
+def _check_older_package():
+    found = older_package_leftovers()
+    if found:
+        return _check("older_package", False,
+                      "files of an older, unrelated `outofcuda` package (0.1.0, pure Python) "
+                      f"are left beside this one: {', '.join(found)}",
+                      "rm -r " + " ".join(shlex.quote(f) for f in found)
+                      + "; then " + REINSTALL)
+    return _check("older_package", True, "no files of the older `outofcuda` package")
+
+
 def _check_no_site():
     if sys.flags.no_site:
         return _check("python_no_site", False, "Python runs with -S: no .pth hook runs",
@@ -422,9 +552,9 @@ def _check_no_site():
 
 
 def _check_config(pr):
-    warnings = list(core.config()["warnings"])
-    if warnings:
-        return _check("outofcuda_env", False, "; ".join(warnings),
+    bad = list(_config()["warnings"])
+    if bad:
+        return _check("outofcuda_env", False, "; ".join(bad),
                       "fix the OUTOFCUDA_* value(s) named above")
     return _check("outofcuda_env", True, "OUTOFCUDA_* settings are valid")
 
@@ -440,8 +570,9 @@ def doctor_data():
         _check_alloc_conf(),
         _check_tf32_override(),
         _check_visible_devices(len(devices)),
-        _check_shm(int(core.config()["num_workers"])),
+        _check_shm(int(_config()["num_workers"])),
         _check_installs(),
+        _check_older_package(),
         _check_no_site(),
         _check_config(pr),
     ]
@@ -451,9 +582,9 @@ def doctor_data():
 def _render_doctor(d):
     lines = []
     for c in d["checks"]:
-        lines.append(f"{'ok' if c['ok'] else 'FIX':<5}{c['name']:<22}{c['message']}")
+        lines += _wrap(f"{'ok' if c['ok'] else 'FIX':<5}{c['name']:<22}{c['message']}", WIDTH, 27)
         if c["fix"]:
-            lines.append(f"{'':<27}fix: {c['fix']}")
+            lines += _wrap(f"{'':<27}fix: {c['fix']}", WIDTH, 32)
     lines.append("")
     lines.append("healthy" if d["healthy"] else "something needs attention (exit code 1)")
     return "\n".join(lines)
@@ -514,14 +645,17 @@ def _parser():
         description="Inspect outofcuda, check the environment, run the benchmarks. "
                     "Without a sub-command: status.")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.add_argument("--version", action="version", version=f"outofcuda {core.__version__}")
     sub = p.add_subparsers(dest="command", metavar="{status,doctor,report,bench}")
     sub.add_parser("status", parents=[common], help="what the hook does in a fresh interpreter",
                    description="Is the hook installed and would it fire; what every "
                    "optimisation does and why; torch/CUDA versions; GPUs (NVML, no CUDA context).")
     sub.add_parser("doctor", parents=[common], help="check the environment (exit 1: attention)",
                    description="Checks with a one-line fix each. Exit 0 healthy, 1 attention.")
-    sub.add_parser("report", parents=[common], help="memory_report() as JSON",
-                   description="Per-device memory figures (outofcuda.memory_report()).")
+    sub.add_parser("report", parents=[common],
+                   help="memory figures per GPU (text; JSON with --json)",
+                   description="Per-device memory figures from outofcuda.memory_report() "
+                   "(NVML, no CUDA context) as text; --json prints the same dict as JSON.")
     b = sub.add_parser("bench", parents=[common], help="run the gain benchmarks",
                        description="Runs benchmarks/gain.py: tiny CPU smoke sizes without a GPU, "
                        "full sizes on a GPU. --startup adds the start-up tax benchmark.")
@@ -531,6 +665,8 @@ def _parser():
                    help="also run benchmarks/startup.py (builds two venvs; minutes)")
     b.add_argument("--benchmarks-dir", help="folder holding gain.py (default: ./benchmarks, "
                    "then the checkout this package runs from)")
+    # Each sub-command answers a bad argument with its own usage line.
+    p.subcommands = sub.choices
     return p
 
 
@@ -565,7 +701,13 @@ def main(argv=None):
     >>> main(["doctor", "--json"])  # doctest: +SKIP
     0
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse leaves a sub-command's unknown options to the top-level
+        # parser, whose usage line does not name the sub-command.
+        which = parser.subcommands.get(args.command, parser)
+        which.error(f"unrecognized arguments: {' '.join(extra)}")
     command = args.command or "status"
     if command == "status":
         d = status_data()

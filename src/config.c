@@ -14,33 +14,74 @@
 #define OC_DEFAULT_ALLOC_CONF                                                                      \
     "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True"
 
-/* Copies at most 40 characters of a value for a message, so a 10 kB value
+/* Length of the well-formed UTF-8 sequence at s (1 to 4), or 0 when the
+ * bytes there are not one (a stray continuation byte, an overlong form, a
+ * surrogate, a sequence cut short). */
+static size_t utf8_len(const unsigned char *s)
+{
+    size_t n, i;
+    if (s[0] < 0x80)
+        return 1;
+    if (s[0] >= 0xc2 && s[0] <= 0xdf)
+        n = 2;
+    else if (s[0] >= 0xe0 && s[0] <= 0xef)
+        n = 3;
+    else if (s[0] >= 0xf0 && s[0] <= 0xf4)
+        n = 4;
+    else
+        return 0;
+    for (i = 1; i < n; i++) {
+        if ((s[i] & 0xc0) != 0x80)
+            return 0;
+    }
+    if ((s[0] == 0xe0 && s[1] < 0xa0) || (s[0] == 0xed && s[1] >= 0xa0) ||
+        (s[0] == 0xf0 && s[1] < 0x90) || (s[0] == 0xf4 && s[1] >= 0x90))
+        return 0;
+    return n;
+}
+
+/* Copies the start of a value for a message: printable text as it is,
+ * control characters and bytes that are not UTF-8 as \xNN, so that the
+ * message is valid UTF-8 whatever the environment held and a 10 kB value
  * still yields a short warning. */
 static void shorten(const char *value, char *out, size_t outsz)
 {
-    size_t n = strlen(value);
-    size_t keep = n > 40 ? 40 : n;
-    size_t i, j = 0;
-    for (i = 0; i < keep && j + 5 < outsz; i++) {
-        unsigned char c = (unsigned char)value[i];
-        out[j++] = (c >= 0x20 && c < 0x7f) ? (char)c : '?';
-    }
-    if (n > keep && j + 4 < outsz) {
-        memcpy(out + j, "...", 3);
-        j += 3;
+    const unsigned char *v = (const unsigned char *)value;
+    size_t i = 0, j = 0, shown = 0;
+    while (v[i] != '\0' && shown < 40) {
+        size_t n = utf8_len(v + i);
+        if (n == 1 && v[i] >= 0x20 && v[i] != 0x7f) {
+            if (j + 1 >= outsz)
+                break;
+            out[j++] = (char)v[i];
+        } else if (n > 1) {
+            if (j + n >= outsz)
+                break;
+            memcpy(out + j, v + i, n);
+            j += n;
+        } else {
+            if (j + 4 >= outsz)
+                break;
+            snprintf(out + j, outsz - j, "\\x%02x", v[i]);
+            j += 4;
+            n = 1;
+        }
+        i += n;
+        shown++;
     }
     out[j] = '\0';
+    if (v[i] != '\0' && j + 3 < outsz)
+        memcpy(out + j, "...", 4);
 }
 
 static void add_warning(oc_config *cfg, const char *name, const char *value, const char *accepts)
 {
-    char shown[64];
+    char shown[200];
     if (cfg->n_warnings >= OC_WARN_MAX)
         return;
     shorten(value, shown, sizeof shown);
     snprintf(cfg->warnings[cfg->n_warnings++], OC_WARN_LEN,
-             "outofcuda: ignoring %s=%s%s%s: expected %s; using the default", name,
-             value[0] ? "'" : "", value[0] ? shown : "(empty)", value[0] ? "'" : "", accepts);
+             "outofcuda: ignoring %s='%s': expected %s; using the default", name, shown, accepts);
 }
 
 /* Copies s without leading and trailing blanks into buf (lower-cased when
@@ -63,6 +104,15 @@ static const char *trim_copy(const char *s, char *buf, size_t sz, int lower)
     return buf;
 }
 
+/* The value of a variable, or NULL when it is unset or set to nothing:
+ * `OUTOFCUDA_X=` (an env file's blank entry, `docker run -e X=`) means
+ * "not set", not a bad value. */
+static const char *lookup(oc_getenv_fn get, void *ctx, const char *name)
+{
+    const char *v = get(name, ctx);
+    return (v == NULL || v[0] == '\0') ? NULL : v;
+}
+
 int oc_parse_bool(const char *s)
 {
     static const char *const yes[] = {"1", "true", "yes", "on"};
@@ -81,7 +131,7 @@ int oc_parse_bool(const char *s)
 
 static void load_bool(oc_config *cfg, oc_getenv_fn get, void *ctx, const char *name, int *slot)
 {
-    const char *v = get(name, ctx);
+    const char *v = lookup(get, ctx, name);
     int b;
     if (v == NULL)
         return;
@@ -96,7 +146,7 @@ static void load_long(oc_config *cfg, oc_getenv_fn get, void *ctx, const char *n
                       long hi, long *slot)
 {
     char buf[32], accepts[80];
-    const char *v = get(name, ctx);
+    const char *v = lookup(get, ctx, name);
     char *end;
     long x;
     if (v == NULL)
@@ -119,7 +169,7 @@ static void load_fraction(oc_config *cfg, oc_getenv_fn get, void *ctx)
 {
     static const char name[] = "OUTOFCUDA_MEMORY_FRACTION";
     char buf[32];
-    const char *v = get(name, ctx);
+    const char *v = lookup(get, ctx, name);
     char *end;
     double x;
     if (v == NULL)
@@ -143,7 +193,7 @@ static void load_choice(oc_config *cfg, oc_getenv_fn get, void *ctx, const char 
                         const char *accepts)
 {
     char buf[40];
-    const char *v = get(name, ctx);
+    const char *v = lookup(get, ctx, name);
     if (v == NULL)
         return;
     if (trim_copy(v, buf, sizeof buf, 1) != NULL) {
@@ -183,7 +233,7 @@ static void load_compile_mode(oc_config *cfg, oc_getenv_fn get, void *ctx)
 static void load_alloc_conf(oc_config *cfg, oc_getenv_fn get, void *ctx)
 {
     static const char name[] = "OUTOFCUDA_ALLOC_CONF";
-    const char *v = get(name, ctx);
+    const char *v = lookup(get, ctx, name);
     oc_alloc_list list;
     if (v == NULL)
         return;

@@ -19,17 +19,29 @@ int oc_disabled_by_env(void)
     return oc_parse_bool(getenv("OUTOFCUDA_DISABLE")) == 1;
 }
 
+/* Emits msg as one UserWarning of the module "outofcuda" (file "outofcuda",
+ * line 0), not of whichever frame runs, often importlib's bootstrap: so
+ * `-W ignore:::outofcuda` or warnings.filterwarnings(module="outofcuda")
+ * filters it. Bytes that are not UTF-8 (an environment value quoted in the
+ * message) are shown as \xNN. Never raises. */
 void oc_warn(const char *msg)
 {
-    PyObject *exc_type, *exc_value, *exc_tb;
+    PyObject *exc_type, *exc_value, *exc_tb, *text, *utf8 = NULL;
     /* Keep whatever exception is being handled: a warning must not replace it. */
     PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
-    if (PyErr_WarnEx(PyExc_UserWarning, msg, 1) < 0) {
+    text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "backslashreplace");
+    if (text != NULL)
+        utf8 = PyUnicode_AsUTF8String(text);
+    Py_XDECREF(text);
+    if (utf8 == NULL || PyErr_WarnExplicit(PyExc_UserWarning, PyBytes_AsString(utf8), "outofcuda",
+                                           0, "outofcuda", NULL) < 0) {
         /* -W error turned the warning into an exception; outofcuda must not
          * raise from an import, so the message goes to stderr instead. */
         PyErr_Clear();
-        PySys_WriteStderr("%.1000s\n", msg);
+        PySys_WriteStderr("%.1000s\n", utf8 != NULL ? PyBytes_AsString(utf8)
+                                                    : "outofcuda: a warning could not be shown");
     }
+    Py_XDECREF(utf8);
     PyErr_Restore(exc_type, exc_value, exc_tb);
 }
 

@@ -19,7 +19,7 @@
 
 #include <stddef.h>
 
-#define OC_VERSION "0.1.0"
+#define OC_VERSION "0.2.0"
 
 /* ---- pure C part: safe to include without Python (fuzzers, unit tests) ---- */
 

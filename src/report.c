@@ -111,7 +111,14 @@ PyObject *oc_status(PyObject *self, PyObject *unused)
     return res;
 }
 
-/* Short text of any value for the table. */
+/* The verbose table fits 80 columns: name and applied, then the value from
+ * column 32 (a dict one key=value a line when the items do not fit on one),
+ * then the reason on lines of its own, indented by 6. Nothing is cut off. */
+#define TABLE_WIDTH 80
+#define VALUE_COL 32
+#define REASON_INDENT 6
+
+/* Text of any value for the table: "-" for None, else str(). */
 static void value_text(PyObject *v, char *buf, size_t sz)
 {
     PyObject *s;
@@ -119,7 +126,7 @@ static void value_text(PyObject *v, char *buf, size_t sz)
         snprintf(buf, sz, "-");
         return;
     }
-    s = PyUnicode_Check(v) ? (Py_INCREF(v), v) : PyObject_Repr(v);
+    s = PyObject_Str(v);
     if (s == NULL) {
         PyErr_Clear();
         snprintf(buf, sz, "?");
@@ -129,23 +136,96 @@ static void value_text(PyObject *v, char *buf, size_t sz)
     Py_DECREF(s);
 }
 
+/* Writes text to stderr in lines of at most `first` bytes (the first line,
+ * after what the caller wrote) and TABLE_WIDTH - indent bytes (the others,
+ * indented). A line breaks at its last space, else after its last '/' or
+ * ',' (a path, an allocator string), else, for a word longer than the line,
+ * at the width but never inside a UTF-8 character. */
+static void write_wrapped(const char *text, size_t first, size_t indent)
+{
+    size_t width = first, len = strlen(text);
+    for (;;) {
+        size_t cut = 0, skip = 0;
+        if (len <= width) {
+            PySys_WriteStderr("%s\n", text);
+            return;
+        }
+        for (size_t n = width; n > 0 && cut == 0; n--) {
+            if (text[n] == ' ')
+                cut = n, skip = 1;
+            else if (text[n - 1] == '/' || text[n - 1] == ',')
+                cut = n;
+        }
+        if (cut == 0) {
+            cut = width;
+            while (cut > 1 && ((unsigned char)text[cut] & 0xc0) == 0x80)
+                cut--;
+        }
+        PySys_WriteStderr("%.*s\n%*s", (int)cut, text, (int)indent, "");
+        text += cut + skip;
+        len -= cut + skip;
+        width = TABLE_WIDTH - indent;
+    }
+}
+
+/* Writes an optimisation's value from column VALUE_COL on. */
+static void write_value(PyObject *v)
+{
+    char joined[1000], item[520], text[400];
+    Py_ssize_t pos = 0;
+    PyObject *key, *val;
+    size_t used = 0;
+    if (v == NULL || !PyDict_Check(v) || PyDict_Size(v) == 0) {
+        value_text(v, text, sizeof text);
+        write_wrapped(text, TABLE_WIDTH - VALUE_COL, VALUE_COL);
+        return;
+    }
+    joined[0] = '\0';
+    while (PyDict_Next(v, &pos, &key, &val)) {
+        char k[100];
+        value_text(key, k, sizeof k);
+        value_text(val, text, sizeof text);
+        used += (size_t)snprintf(joined + used, used < sizeof joined ? sizeof joined - used : 0,
+                                 "%s%s=%s", used ? ", " : "", k, text);
+        if (used >= sizeof joined)
+            break;
+    }
+    if (used <= TABLE_WIDTH - VALUE_COL) {
+        PySys_WriteStderr("%s\n", joined);
+        return;
+    }
+    /* One item a line, continuation lines two further in. */
+    pos = 0;
+    for (int i = 0; PyDict_Next(v, &pos, &key, &val); i++) {
+        char k[100];
+        value_text(key, k, sizeof k);
+        value_text(val, text, sizeof text);
+        snprintf(item, sizeof item, "%s=%s", k, text);
+        if (i > 0)
+            PySys_WriteStderr("%*s", VALUE_COL, "");
+        write_wrapped(item, TABLE_WIDTH - VALUE_COL, VALUE_COL + 2);
+    }
+}
+
 void oc_report_verbose(void)
 {
-    char tv[64], value[200], reason[400];
+    char tv[64], reason[400];
     value_text(oc_g.torch_version, tv, sizeof tv);
     PySys_WriteStderr("outofcuda %s: torch %s imported\n", OC_VERSION, tv);
-    PySys_WriteStderr("  %-20s %-8s %-34s %s\n", "optimisation", "applied", "value", "reason");
+    PySys_WriteStderr("  %-20s %-8s %s\n", "optimisation", "applied", "value (reason below)");
     for (size_t i = 0; i < N_OPTS; i++) {
         PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, opt_names[i]) : NULL;
         PyObject *applied = e ? PyDict_GetItemString(e, "applied") : NULL;
-        value_text(e ? PyDict_GetItemString(e, "value") : NULL, value, sizeof value);
+        PySys_WriteStderr("  %-20s %-8s ", opt_names[i], applied == Py_True ? "yes" : "no");
+        write_value(e ? PyDict_GetItemString(e, "value") : NULL);
         value_text(e ? PyDict_GetItemString(e, "reason") : NULL, reason, sizeof reason);
-        PySys_WriteStderr("  %-20s %-8s %-34.200s %.300s\n", opt_names[i],
-                          applied == Py_True ? "yes" : "no", value, reason);
+        PySys_WriteStderr("%*s", REASON_INDENT, "");
+        write_wrapped(reason, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
     }
     if (oc_g.error != NULL) {
         value_text(oc_g.error, reason, sizeof reason);
-        PySys_WriteStderr("  error: %.390s\n", reason);
+        PySys_WriteStderr("  error: ");
+        write_wrapped(reason, TABLE_WIDTH - 9, 9);
     }
 }
 

@@ -1,14 +1,17 @@
 """The command line, run as users run it: `python -m outofcuda ...` in a fresh
 interpreter of the test venv (built wheel + real torch)."""
 import json
+import re
 
 import pytest
+
+from conftest import ROOT
 
 STATUS_KEYS = {"version", "python", "executable", "hook", "torch", "torch_error", "cuda",
                "cuda_initialized_by_import", "optimizations", "config_warnings", "gpus",
                "nvml_error"}
 CHECKS = ["hook_file", "extension", "torch", "alloc_conf", "nvidia_tf32_override",
-          "cuda_visible_devices", "dev_shm", "multiple_installs", "python_no_site",
+          "cuda_visible_devices", "dev_shm", "multiple_installs", "older_package", "python_no_site",
           "outofcuda_env"]
 
 
@@ -119,6 +122,45 @@ def test_doctor_finds_second_install(venv, workdir):
     assert str(extra) in _failed(r)["multiple_installs"]["message"]
 
 
+def test_doctor_finds_the_older_packages_leftovers(wheel, tmp_path):
+    """What another project's pure-Python `outofcuda` 0.1.0 leaves when it is
+    not removed cleanly: a .pth importing outofcuda._hook, its modules in the
+    package folder, its metadata. doctor names each and how to remove them."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import Venv, _clean_env
+
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "v")], check=True,
+                   env=_clean_env())
+    v = Venv(tmp_path / "v")
+    subprocess.run([str(v.python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
+                   check=True, env=_clean_env())
+    planted = [v.site / "outofcuda.pth", v.site / "outofcuda" / "_hook.py",
+               v.site / "outofcuda" / "optimizer.py", v.site / "outofcuda-0.1.0.dist-info"]
+    planted[0].write_text("import outofcuda._hook\n")
+    planted[1].write_text('"""The older package\'s start-up hook (stand-in)."""\n')
+    planted[2].write_text("")
+    planted[3].mkdir()
+    (planted[3] / "METADATA").write_text("Metadata-Version: 2.1\nName: outofcuda\nVersion: 0.1.0\n")
+    r = cli(v, "doctor", "--json", cwd=tmp_path)
+    check = {c["name"]: c for c in json.loads(r.stdout)["checks"]}["older_package"]
+    assert r.returncode == 1 and not check["ok"], check
+    for path in planted:
+        assert str(path) in check["message"] and str(path) in check["fix"], (path, check)
+    assert check["fix"].startswith("rm -r ")
+    # This package's own files are not named.
+    for own in ("outofcuda_hook.pth", "__init__.py", "monitor.py", "cli.py"):
+        assert f"/{own}" not in check["message"], check
+    # Doing what the fix says clears the check.
+    planted[0].unlink(), planted[1].unlink(), planted[2].unlink()
+    shutil.rmtree(planted[3])
+    r = cli(v, "doctor", "--json", cwd=tmp_path)
+    check = {c["name"]: c for c in json.loads(r.stdout)["checks"]}["older_package"]
+    assert check["ok"], check
+
+
 def test_report_json(venv, workdir):
     r = cli(venv, "report", "--json", cwd=workdir)
     assert r.returncode == 0, r.stderr
@@ -131,6 +173,134 @@ def test_bad_arguments_exit_2(venv, workdir, args):
     r = cli(venv, *args, cwd=workdir)
     assert r.returncode == 2
     assert "usage: outofcuda" in r.stderr
+
+
+@pytest.mark.parametrize("command", ["status", "doctor", "report", "bench"])
+def test_bad_option_shows_the_subcommands_usage(venv, workdir, command):
+    r = cli(venv, command, "--bogus", cwd=workdir)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith(f"usage: outofcuda {command} "), r.stderr
+    assert f"outofcuda {command}: error: unrecognized arguments: --bogus" in r.stderr
+
+
+def test_version(venv, workdir):
+    version = re.search(r'#define OC_VERSION "([^"]+)"', (ROOT / "src" / "oc.h").read_text())[1]
+    r = cli(venv, "--version", cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"outofcuda {version}"
+
+
+def test_report_text_by_default_json_on_request(venv, workdir):
+    """What the help says is what it does: text, JSON with --json."""
+    help_text = cli(venv, "--help", cwd=workdir).stdout
+    (line,) = [ln for ln in help_text.splitlines() if ln.strip().startswith("report ")]
+    assert "text" in line and "--json" in line and "as JSON" not in line, line
+    assert "--json prints" in " ".join(cli(venv, "report", "--help", cwd=workdir).stdout.split())
+    plain = cli(venv, "report", cwd=workdir)
+    assert plain.returncode == 0 and plain.stdout.strip() == "no CUDA device", plain.stderr
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(plain.stdout)
+    assert json.loads(cli(venv, "report", "--json", cwd=workdir).stdout) == {}
+
+
+def test_doctor_names_a_bad_value_once_without_a_raw_warning(venv, workdir):
+    env = {"OUTOFCUDA_NUM_WORKERS": "many"}
+    r = cli(venv, "doctor", env=env, cwd=workdir)
+    assert r.returncode == 1
+    assert r.stderr == "", r.stderr
+    assert r.stdout.count("OUTOFCUDA_NUM_WORKERS='many'") == 1, r.stdout
+    assert "FIX  outofcuda_env" in r.stdout
+
+
+# ---- the text tables at 80 columns ----
+
+WIDTH = 80
+NAME_COL, APPLIED_COL, VALUE_COL, REASON_COL = 2, 23, 32, 6
+
+
+def _squash(text):
+    """Text without the blanks and commas a wrap may add or drop."""
+    return re.sub(r"[\s,]", "", text)
+
+
+def _plain(v):
+    return "-" if v is None else str(v)
+
+
+def parse_table(lines):
+    """{name: {applied, value, reason}} from the optimisation table: a row
+    per optimisation (name, applied, value at fixed columns), the value's
+    continuation lines from VALUE_COL, the reason below from REASON_COL."""
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("  optimisation "))
+    header = lines[start]
+    assert header.index("applied") == APPLIED_COL and header.index("value") == VALUE_COL, header
+    rows, cur = {}, None
+    for ln in lines[start + 1:]:
+        if not ln.strip() or ln.startswith("  error:"):
+            break
+        if ln[NAME_COL] != " ":
+            name = ln[NAME_COL:APPLIED_COL].strip()
+            assert re.fullmatch(r"\w+", name) and ln[APPLIED_COL - 1] == " ", ln
+            assert ln[APPLIED_COL:VALUE_COL].strip() in ("yes", "no"), ln
+            assert ln[VALUE_COL] != " " and ln[VALUE_COL - 1] == " ", ln
+            cur = rows[name] = {"applied": ln[APPLIED_COL:VALUE_COL].strip() == "yes",
+                                "value": [ln[VALUE_COL:]], "reason": []}
+        elif ln.startswith(" " * VALUE_COL) and not cur["reason"]:
+            cur["value"].append(ln.strip())
+        else:
+            assert ln.startswith(" " * REASON_COL) and ln[REASON_COL] != " ", ln
+            cur["reason"].append(ln[REASON_COL:])
+    return rows
+
+
+def check_table(lines, optimizations):
+    """Every line fits, columns line up, and nothing of status() is lost."""
+    long_lines = [ln for ln in lines if len(ln) > WIDTH]
+    assert not long_lines, long_lines
+    rows = parse_table(lines)
+    assert sorted(rows) == sorted(optimizations)
+    for name, e in optimizations.items():
+        row = rows[name]
+        assert row["applied"] is e["applied"], name
+        v = e["value"]
+        got = _squash("".join(row["value"]))
+        if isinstance(v, dict):
+            # In the table's key order (`status --json` sorts the keys).
+            assert all(f"{k}=" in got for k in v), (name, row["value"], v)
+            want = "".join(f"{k}={_plain(v[k])}" for k in sorted(v, key=lambda k: got.find(f"{k}=")))
+        else:
+            want = _plain(v)
+        assert got == _squash(want), (name, row["value"], v)
+        assert _squash("".join(row["reason"])) == _squash(e["reason"]), (name, row["reason"])
+    return rows
+
+
+def test_verbose_table_fits_80_columns(venv, workdir):
+    r = venv.run("import json, torch, _outofcuda; print(json.dumps(_outofcuda.status()))",
+                 env={"OUTOFCUDA_VERBOSE": "1"}, cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    lines = r.stderr.splitlines()
+    table = lines[next(i for i, ln in enumerate(lines) if ln.startswith("outofcuda ")):]
+    rows = check_table(table, st["optimizations"])
+    # The dict values are shown as key=value, never as a Python repr.
+    starts = [ln.split("=")[0] for ln in rows["oom_handler"]["value"] if "=" in ln]
+    assert starts == list(st["optimizations"]["oom_handler"]["value"]), rows["oom_handler"]
+    assert not any("{" in ln or "'" in ln for ln in table), table
+
+
+def test_status_text_fits_80_columns(venv, workdir):
+    st = json.loads(cli(venv, "status", "--json", cwd=workdir).stdout)
+    r = cli(venv, "status", cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    check_table(lines, st["optimizations"])
+    assert "..." not in r.stdout
+    # Hook file paths and the NVML reason wrap; nothing is cut.
+    flat = _squash(r.stdout)
+    for f in st["hook"]["files"]:
+        assert _squash(f["path"]) in flat
+    assert _squash(st["nvml_error"]) in flat
 
 
 @pytest.mark.parametrize("args", [[], ["status"], ["doctor"], ["report"], ["bench"]])

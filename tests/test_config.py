@@ -42,7 +42,7 @@ def test_every_bad_value_gets_one_named_warning_and_the_default(venv):
     cases = [
         {"OUTOFCUDA_MEMORY_FRACTION": "1.7"}, {"OUTOFCUDA_MEMORY_FRACTION": "abc"},
         {"OUTOFCUDA_MEMORY_FRACTION": "0"}, {"OUTOFCUDA_MEMORY_FRACTION": "nan"},
-        {"OUTOFCUDA_TF32": "maybe"}, {"OUTOFCUDA_TF32": ""}, {"OUTOFCUDA_TF32": "x" * 10240},
+        {"OUTOFCUDA_TF32": "maybe"}, {"OUTOFCUDA_TF32": " "}, {"OUTOFCUDA_TF32": "x" * 10240},
         {"OUTOFCUDA_NUM_WORKERS": "-1"}, {"OUTOFCUDA_NUM_WORKERS": "4.5"},
         {"OUTOFCUDA_PREFETCH_FACTOR": "0"}, {"OUTOFCUDA_AMP_DTYPE": "float64"},
         {"OUTOFCUDA_COMPILE_MODE": "fast"}, {"OUTOFCUDA_ALLOC_CONF": "expandable_segments"},
@@ -54,7 +54,7 @@ def test_every_bad_value_gets_one_named_warning_and_the_default(venv):
         assert len(c["warnings"]) == 1, case
         msg = c["warnings"][0]
         assert name in msg and "expected" in msg and len(msg) < 320
-        assert (value[:20] in msg) if value else "(empty)" in msg
+        assert f"{name}='{value[:20]}" in msg
         key = name[len("OUTOFCUDA_"):].lower()
         assert c[key] == defaults[key], case
 
@@ -137,3 +137,69 @@ print(torch.backends.cudnn.benchmark, torch.backends.cuda.flash_sdp_enabled())
     # The defaults were used and nothing else was skipped.
     assert r.stdout.splitlines()[1] == "True True"
     assert st["optimizations"]["cudnn_benchmark"]["applied"] and st["optimizations"]["sdpa"]["applied"]
+
+
+NAMES = ["OUTOFCUDA_DISABLE", "OUTOFCUDA_VERBOSE", "OUTOFCUDA_TF32", "OUTOFCUDA_CUDNN_BENCHMARK",
+         "OUTOFCUDA_CUDNN_DETERMINISTIC", "OUTOFCUDA_CHANNELS_LAST", "OUTOFCUDA_COMPILE",
+         "OUTOFCUDA_COMPILE_MODE", "OUTOFCUDA_COMPILE_FULLGRAPH", "OUTOFCUDA_AMP_DTYPE",
+         "OUTOFCUDA_MEMORY_FRACTION", "OUTOFCUDA_ALLOC_CONF", "OUTOFCUDA_GC_COLLECT",
+         "OUTOFCUDA_FLASH_ATTN", "OUTOFCUDA_MEM_EFF_ATTN", "OUTOFCUDA_MATH_ATTN",
+         "OUTOFCUDA_PIN_MEMORY", "OUTOFCUDA_NUM_WORKERS", "OUTOFCUDA_PREFETCH_FACTOR"]
+
+
+def test_empty_value_means_unset(venv, workdir):
+    """`OUTOFCUDA_X=` is "not set": the default, silently, for every variable."""
+    (defaults, empty) = parse_many(venv, [{}, {name: "" for name in NAMES}])
+    assert empty == defaults
+    env = {name: "" for name in NAMES + ["OUTOFCUDA_OOM_SNAPSHOT"]}
+    r = venv.run("import torch, _outofcuda; print(_outofcuda.status()['hook']['fired'])",
+                 env=env, cwd=workdir)
+    assert r.returncode == 0 and r.stdout.split() == ["True"], r.stderr
+    assert r.stderr == ""
+
+
+RECORD_WARNINGS = """
+import json, warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import torch
+print(json.dumps([{"category": w.category.__name__, "user": issubclass(w.category, UserWarning),
+                   "filename": w.filename, "lineno": w.lineno, "message": str(w.message)}
+                  for w in caught]))
+"""
+
+
+def _bad_bytes_env(tmp):
+    # Lone surrogates become the raw bytes 0xff/0xfe in the child's environment
+    # (os.fsencode): values that are not UTF-8.
+    return {"OUTOFCUDA_OOM_SNAPSHOT": f"{tmp}/missing\udcff/oom.pickle",
+            "OUTOFCUDA_TF32": "maybe\udcfe"}
+
+
+def test_warnings_are_filterable_entries_with_readable_text(venv, workdir):
+    """Each warning, non-UTF-8 values included, is a real `warnings` entry of
+    the module "outofcuda" (not of importlib's frames), with the bad bytes
+    shown as \\xNN; nothing reaches stderr on its own."""
+    r = venv.run(RECORD_WARNINGS, env=_bad_bytes_env(workdir), cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    caught = [w for w in json.loads(r.stdout) if w["message"].startswith("outofcuda")]
+    texts = [w["message"] for w in caught]
+    assert len(caught) == 2, texts
+    assert all(w["user"] and w["filename"] == "outofcuda" for w in caught), caught
+    assert any("OUTOFCUDA_TF32='maybe\\xfe'" in t for t in texts), texts
+    assert any("OUTOFCUDA_OOM_SNAPSHOT=" in t and "missing\\xff" in t for t in texts), texts
+
+
+def test_warnings_filtered_by_module_leave_stderr_clean(venv, workdir):
+    env = _bad_bytes_env(workdir)
+    shown = venv.run("import torch", env=env, cwd=workdir)
+    assert shown.returncode == 0
+    lines = shown.stderr.splitlines()
+    assert len(lines) == 2 and all(ln.startswith("outofcuda:0: UserWarning: outofcuda")
+                                   for ln in lines), shown.stderr
+    assert "\\xff" in shown.stderr and "\\xfe" in shown.stderr
+    quiet = venv.run("import torch, _outofcuda; print(len(_outofcuda.status()['config_warnings']))",
+                     args=["-W", "ignore:::outofcuda"], env=env, cwd=workdir)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    assert quiet.stdout.split() == ["1"]

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +28,10 @@ DEFINES = ["-DPy_LIMITED_API=0x03090000", "-D_GNU_SOURCE"]
 def _tool(name, install=None):
     """The tool's path; skips when it is missing, except under CI (CI set),
     where a missing tool must fail rather than pass silently."""
-    path = shutil.which(name)
+    # Tools pip installed sit beside this interpreter, which is not on PATH
+    # when the tests run as `.venv-ci/bin/python3 -m pytest` (no activation).
+    beside = Path(sys.executable).parent / name
+    path = str(beside) if beside.is_file() else shutil.which(name)
     if path is None:
         how = install or f"apt-get install {name}"
         if os.environ.get("CI"):
@@ -183,11 +187,44 @@ def test_c_source_rules_catch_violations():
     assert not dlopen_problems(checked)
 
 
-def test_every_c_file_is_seen_by_the_rules():
-    """The function splitter reads every C file (a style change that hides
-    bodies from it would silently weaken the rules)."""
-    for path in C_FILES:
-        text = path.read_text()
-        if re.search(r"^\{$", text, re.M):
-            assert list(_functions(_strip_comments(text))), path.name
+def unread_bodies(text):
+    """How many top-level bodies the function splitter does not read: every
+    body ends at a line that is only '}', whatever style its opening has."""
+    text = _strip_comments(text)
+    return len(re.findall(r"^\}$", text, re.M)) - len(list(_functions(text)))
 
+
+def _count(pattern, text):
+    return len(re.findall(pattern, _strip_comments(text)))
+
+
+def test_rules_read_the_whole_tree():
+    """The rules above see all the code: every function body of every C file
+    (a style change that hid a body would silently weaken them), and every
+    PyGILState_Ensure and dlopen of the tree, each inside a body they check."""
+    ensure, dlopen = r"\bPyGILState_Ensure\s*\(", r"\bdlopen\s*\("
+    totals = {"functions": 0, "ensure": 0, "ensure_read": 0, "release": 0, "dlopen": 0,
+              "dlopen_read": 0}
+    for path in C_FILES + [SRC / "oc.h"]:
+        text = path.read_text()
+        assert unread_bodies(text) == 0, f"{path.name}: function bodies the rules do not read"
+        bodies = [b for _, b in _functions(_strip_comments(text))]
+        totals["functions"] += len(bodies)
+        totals["ensure"] += _count(ensure, text)
+        totals["ensure_read"] += sum(len(re.findall(ensure, b)) for b in bodies)
+        totals["release"] += _count(r"\bPyGILState_Release\s*\(", text)
+        totals["dlopen"] += _count(dlopen, text)
+        totals["dlopen_read"] += sum(len(re.findall(dlopen, b)) for b in bodies)
+    # The native monitor thread takes the GIL and nvml.c opens NVML: if
+    # either count is 0 the rules check nothing at all.
+    assert totals["ensure"] > 0 and totals["ensure_read"] == totals["ensure"], totals
+    assert totals["release"] >= totals["ensure"], totals
+    assert totals["dlopen"] > 0 and totals["dlopen_read"] == totals["dlopen"], totals
+    assert totals["functions"] >= 100, totals
+
+
+def test_unread_bodies_catches_a_hidden_function():
+    seen = "static void f(void)\n{\n    g();\n}\n"
+    same_line = "static void h(void) {\n    PyGILState_Ensure();\n}\n"
+    assert unread_bodies(seen) == 0
+    assert unread_bodies(seen + same_line) == 1
