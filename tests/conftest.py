@@ -164,8 +164,9 @@ def stub_nvml(stub_nvml_libs):
     return stub_nvml_libs["full"]
 
 
-def stub_nvml_device(name="NVIDIA A100-SXM4-80GB", uuid="GPU-0a1b2c3d-0000-4000-8000-000000000000",
-                     cc="8.0", total=80 << 30, used=1 << 30, util="37,12"):
+def stub_nvml_device(name="NVIDIA A100-SXM4-80GB",
+                     uuid="GPU-0a1b2c3d-0000-4000-8000-000000000000", cc="8.0", total=80 << 30,
+                     used=1 << 30, util="37,12"):
     """One `device` line of the stand-in's configuration."""
     return (f"device name={name.replace(' ', '_')} uuid={uuid} cc={cc} total={total} "
             f"used={used} util={util}")
