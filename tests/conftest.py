@@ -133,3 +133,57 @@ def workdir(tmp_path):
     d = tmp_path / "work"
     d.mkdir()
     return d
+
+
+# The stand-in NVIDIA driver library (tests/stub_nvml/stub_nvml.c) shared by
+# every test that needs NVML without a GPU: built once per session, found only
+# through LD_LIBRARY_PATH, answering from the file named by STUB_NVML_CONFIG.
+STUB_NVML_SRC = ROOT / "tests" / "stub_nvml" / "stub_nvml.c"
+STUB_NVML_VARIANTS = {"full": [], "legacy": ["-DSTUB_LEGACY"], "no_memory": ["-DSTUB_NO_MEMORY"],
+                      "no_cc": ["-DSTUB_NO_CC"]}
+
+
+@pytest.fixture(scope="session")
+def stub_nvml_libs(tmp_path_factory):
+    """{variant: folder holding that build of the stand-in libnvidia-ml.so.1}."""
+    if shutil.which("gcc") is None:
+        pytest.fail("gcc is needed to build the stand-in NVIDIA library")
+    out = {}
+    for name, flags in STUB_NVML_VARIANTS.items():
+        d = tmp_path_factory.mktemp(f"stubnvml-{name}")
+        subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror",
+                        "-std=gnu11", *flags, "-o", str(d / "libnvidia-ml.so.1"),
+                        str(STUB_NVML_SRC)], check=True)
+        out[name] = d
+    return out
+
+
+@pytest.fixture(scope="session")
+def stub_nvml(stub_nvml_libs):
+    """The folder holding the stand-in libnvidia-ml.so.1 with every entry point."""
+    return stub_nvml_libs["full"]
+
+
+def stub_nvml_device(name="NVIDIA A100-SXM4-80GB",
+                     uuid="GPU-0a1b2c3d-0000-4000-8000-000000000000", cc="8.0", total=80 << 30,
+                     used=1 << 30, util="37,12"):
+    """One `device` line of the stand-in's configuration."""
+    return (f"device name={name.replace(' ', '_')} uuid={uuid} cc={cc} total={total} "
+            f"used={used} util={util}")
+
+
+def stub_nvml_config(path, devices, procs=(), stride=24, errors=(), migs=(), driver="550.54.15",
+                     utilseqs=()):
+    """Writes the stand-in's answers; procs: (device, pid, bytes); errors:
+    (function[@device], code); utilseqs: (device, [value, ...], end) with end
+    "", "+" or "hang". Replaces the file (the stand-in re-reads it)."""
+    lines = [f"driver {driver}", f"stride {stride}", *devices]
+    lines += [f"proc {d} {pid} {b}" for d, pid, b in procs]
+    lines += [f"error {fn} {code}" for fn, code in errors]
+    lines += [f"mig {uuid} {parent}" for uuid, parent in migs]
+    lines += [" ".join(["utilseq", str(d), *map(str, values), end]).rstrip()
+              for d, values, end in utilseqs]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -1,69 +1,34 @@
 """NVML on a machine without a GPU: a stand-in driver library
-(tests/stub_nvml/stub_nvml.c, built here with gcc as libnvidia-ml.so.1 and
-found only through LD_LIBRARY_PATH) answers from a file each test writes.
+(tests/stub_nvml/stub_nvml.c, built by tests/conftest.py with gcc as
+libnvidia-ml.so.1 and found only through LD_LIBRARY_PATH) answers from a
+file each test writes.
 Everything above the driver is the real product: the built wheel, real torch,
 a fresh interpreter per scenario."""
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import stub_nvml_config as config, stub_nvml_device as device
 from fake_torch import make_fake_torch
 
-STUB_SRC = Path(__file__).resolve().parent / "stub_nvml" / "stub_nvml.c"
 GIB = 1 << 30
 MIB = 1 << 20
-UUID0 = "GPU-0a1b2c3d-0000-4000-8000-000000000000"
+UUID0 = "GPU-0a1b2c3d-0000-4000-8000-000000000000"   # stub_nvml_device()'s default
 UUID1 = "GPU-9f8e7d6c-1111-4111-8111-111111111111"
 MIG1 = "MIG-5e5e5e5e-2222-4222-8222-222222222222"
-VARIANTS = {"full": [], "legacy": ["-DSTUB_LEGACY"], "no_memory": ["-DSTUB_NO_MEMORY"],
-            "no_cc": ["-DSTUB_NO_CC"]}
-
-
-@pytest.fixture(scope="session")
-def stub_libs(tmp_path_factory):
-    """{variant: folder holding that build of libnvidia-ml.so.1}."""
-    if shutil.which("gcc") is None:
-        pytest.fail("gcc is needed to build the stand-in NVIDIA library")
-    out = {}
-    for name, flags in VARIANTS.items():
-        d = tmp_path_factory.mktemp(f"stubnvml-{name}")
-        subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror",
-                        "-std=gnu11", *flags, "-o", str(d / "libnvidia-ml.so.1"), str(STUB_SRC)],
-                       check=True)
-        out[name] = d
-    return out
-
-
-def device(name="NVIDIA A100-SXM4-80GB", uuid=UUID0, cc="8.0", total=80 * GIB, used=GIB,
-           util="37,12"):
-    return (f"device name={name.replace(' ', '_')} uuid={uuid} cc={cc} total={total} "
-            f"used={used} util={util}")
-
-
-def config(path, devices, procs=(), stride=24, errors=(), migs=(), driver="550.54.15"):
-    """Writes the stand-in's answers; procs: (device, pid, bytes); errors:
-    (function[@device], code). Replaces the file (the stand-in re-reads it)."""
-    lines = [f"driver {driver}", f"stride {stride}", *devices]
-    lines += [f"proc {d} {pid} {b}" for d, pid, b in procs]
-    lines += [f"error {fn} {code}" for fn, code in errors]
-    lines += [f"mig {uuid} {parent}" for uuid, parent in migs]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
-    return path
 
 
 @pytest.fixture
-def nvml(stub_libs, tmp_path):
+def nvml(stub_nvml_libs, tmp_path):
     """Returns env(config_path, variant="full", **more) for venv.run."""
     def env(cfg, variant="full", **more):
-        return {"LD_LIBRARY_PATH": str(stub_libs[variant]), "STUB_NVML_CONFIG": str(cfg), **more}
+        return {"LD_LIBRARY_PATH": str(stub_nvml_libs[variant]), "STUB_NVML_CONFIG": str(cfg),
+                **more}
     return env
 
 
@@ -74,34 +39,57 @@ def last_json(r):
 
 # ---- the stand-in itself ----
 
-def test_stub_exports_what_outofcuda_looks_up(stub_libs):
+def test_stub_exports_what_outofcuda_looks_up(stub_nvml_libs):
     """Every NVML name src/nvml.c asks dlsym for exists in the stand-in (and
     nvmlDeviceGetUtilizationRates, for later sampling)."""
     src = (Path(__file__).resolve().parent.parent / "src" / "nvml.c").read_text()
     wanted = set(re.findall(r"\"(nvml[A-Z][A-Za-z0-9_]+)\"", src)) | {"nvmlDeviceGetUtilizationRates"}
     legacy = {"nvmlInit", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex"}
-    nm = subprocess.run(["nm", "-D", "--defined-only", str(stub_libs["full"] / "libnvidia-ml.so.1")],
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(stub_nvml_libs["full"] / "libnvidia-ml.so.1")],
                         capture_output=True, text=True, check=True).stdout
     exported = {line.split()[-1] for line in nm.splitlines() if " T " in line}
     assert wanted - legacy <= exported, wanted - legacy - exported
     nm = subprocess.run(["nm", "-D", "--defined-only",
-                         str(stub_libs["legacy"] / "libnvidia-ml.so.1")],
+                         str(stub_nvml_libs["legacy"] / "libnvidia-ml.so.1")],
                         capture_output=True, text=True, check=True).stdout
     exported = {line.split()[-1] for line in nm.splitlines() if " T " in line}
     assert legacy <= exported and "nvmlInit_v2" not in exported
 
 
-def test_stub_utilization_answers(stub_libs, tmp_path, monkeypatch):
+def test_stub_utilization_answers(stub_nvml_libs, tmp_path, monkeypatch):
     import ctypes
     cfg = config(tmp_path / "nvml.cfg", [device(util="63,21")])
     monkeypatch.setenv("STUB_NVML_CONFIG", str(cfg))
-    lib = ctypes.CDLL(str(stub_libs["full"] / "libnvidia-ml.so.1"))
+    lib = ctypes.CDLL(str(stub_nvml_libs["full"] / "libnvidia-ml.so.1"))
     assert lib.nvmlInit_v2() == 0
     handle = ctypes.c_void_p()
     assert lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)) == 0
     util = (ctypes.c_uint * 2)()
     assert lib.nvmlDeviceGetUtilizationRates(handle, util) == 0
     assert list(util) == [63, 21]
+
+
+def test_stub_utilization_sequences(stub_nvml, tmp_path, monkeypatch):
+    """utilseq: one value per call, then NOT_SUPPORTED (3) or, with "+", the
+    last value again; a device without one keeps its util= figures."""
+    import ctypes
+    cfg = config(tmp_path / "nvml.cfg", [device(), device(uuid=UUID1), device(util="5,6")],
+                 utilseqs=[(0, ["10,4", 30], ""), (1, [70], "+")])
+    monkeypatch.setenv("STUB_NVML_CONFIG", str(cfg))
+    lib = ctypes.CDLL(str(stub_nvml / "libnvidia-ml.so.1"))
+    assert lib.nvmlInit_v2() == 0
+
+    def served(index, calls):
+        handle, util, out = ctypes.c_void_p(), (ctypes.c_uint * 2)(), []
+        assert lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0
+        for _ in range(calls):
+            rc = lib.nvmlDeviceGetUtilizationRates(handle, util)
+            out.append(list(util) if rc == 0 else rc)
+        return out
+
+    assert served(0, 4) == [[10, 4], [30, 0], 3, 3]
+    assert served(1, 3) == [[70, 0], [70, 0], [70, 0]]
+    assert served(2, 2) == [[5, 6], [5, 6]]
 
 
 # ---- devices, status, doctor ----

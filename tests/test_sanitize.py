@@ -228,37 +228,28 @@ def test_leak_loop_under_sanitizers(san, tmp_path):
 
 
 def test_monitor_interrupt_and_exit(san, tmp_path):
-    code = """
-        import faulthandler, os, signal, sys, time, warnings
-        faulthandler.dump_traceback_later(120, exit=True)   # a hang fails fast, with tracebacks
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # not inherited as ignored
+    from test_monitor import _script   # its prelude: feed(), need(), SIGINT, a hang guard
+    code = _script("""
+        import warnings
         warnings.simplefilter("ignore")
-        import torch, outofcuda
-        src = os.path.abspath("mem.txt")
-        open(src, "w").write("900 1000 10\\n")
-        def need(pred, what, timeout=60.0):
-            end = time.monotonic() + timeout
-            while not pred():
-                if time.monotonic() > end:
-                    sys.stderr.write(f"timed out after {timeout} s waiting for: {what}\\n")
-                    os._exit(3)
-                time.sleep(0.01)
+        import torch
+        feed(900)                                   # 90 % used: above the threshold
         events = []
         try:
-            with outofcuda.MemoryMonitor(threshold=0.85, interval=0.02, cooldown=0,
-                                         on_high=events.append, _source=src) as mon:
-                need(lambda: len(events) >= 1, "the watchdog to act")
+            with MemoryMonitor(threshold=0.85, interval=0.02, cooldown=0,
+                               on_high=events.append, _source=SRC) as mon:
+                need(lambda: len(events) >= 1, "the watchdog to act", 60.0)
                 os.kill(os.getpid(), signal.SIGINT)
-                need(lambda: False, "SIGINT to arrive as KeyboardInterrupt")
+                need(lambda: False, "SIGINT to arrive as KeyboardInterrupt", 60.0)
         except KeyboardInterrupt:
             pass
         assert not mon.running
         n = len(events)
-        left = outofcuda.MemoryMonitor(threshold=0.85, interval=0.02, cooldown=0,
-                                       on_high=events.append, _source=src).start()
-        need(lambda: len(events) > n, "the monitor left running to act")
+        left = MemoryMonitor(threshold=0.85, interval=0.02, cooldown=0,
+                             on_high=events.append, _source=SRC).start()
+        need(lambda: len(events) > n, "the monitor left running to act", 60.0)
         print("ok", len(events) > n)
-    """
+    """, guard=120)
     r = _run(san, code, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == "ok True", r.stderr[-4000:]
 

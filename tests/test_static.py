@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 C_FILES = sorted(SRC.glob("*.c"))
 FORMATTED = C_FILES + [SRC / "oc.h"] + sorted((ROOT / "fuzz").glob("*.c"))
+# The stand-in NVIDIA library the tests build is C of this project too.
+FORMATTED += sorted((ROOT / "tests").glob("*/*.c"))
 DEFINES = ["-DPy_LIMITED_API=0x03090000", "-D_GNU_SOURCE"]
 
 

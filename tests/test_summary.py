@@ -1,21 +1,20 @@
 """OUTOFCUDA_SUMMARY: the utilisation sampler and the block printed at exit.
 
-No GPU or driver exists here, so NVML is a stand-in libnvidia-ml.so.1 built
-from tests/summary_nvml/fake_nvml.c that serves a known sequence of
-utilisation values and memory figures from a file; the real C thread samples
-it. Scenarios where CUDA initialises use the fake CUDA-build torch of
+No GPU or driver exists here, so NVML is the stand-in libnvidia-ml.so.1 of
+tests/stub_nvml/stub_nvml.c (built by tests/conftest.py) serving a known
+sequence of utilisation values and memory figures from a file; the real C
+thread samples it. Scenarios where CUDA initialises use the fake CUDA-build torch of
 tests/fake_torch.py (its ``torch.cuda._fake_cuda_init()`` runs the lazy-init
 queue as torch does); the rest use the real torch 2.13 CPU build with the
 test-only ``_outofcuda._summary_start``. Every scenario is a fresh interpreter.
 """
 import json
 import re
-import subprocess
 import textwrap
 
 import pytest
 
-from conftest import ROOT
+from conftest import stub_nvml_config, stub_nvml_device
 from fake_torch import make_fake_torch
 
 GIB = 1024 ** 3
@@ -42,21 +41,20 @@ def samples(device=0):
 """
 
 
-@pytest.fixture(scope="module")
-def nvml_dir(tmp_path_factory):
-    """A directory holding the stand-in libnvidia-ml.so.1."""
-    d = tmp_path_factory.mktemp("summary_nvml")
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-o",
-                    str(d / "libnvidia-ml.so.1"), str(ROOT / "tests/summary_nvml/fake_nvml.c")],
-                   check=True)
-    return d
-
-
-def gpus(nvml_dir, workdir, *lines, **env):
-    """Environment that makes the stand-in serve `lines` (one per device)."""
-    f = workdir / "gpus.txt"
-    f.write_text("\n".join(lines) + "\n")
-    return dict({"LD_LIBRARY_PATH": str(nvml_dir), "OC_FAKE_NVML_FILE": str(f)}, **env)
+def gpus(stub_nvml, workdir, *lines, **env):
+    """Environment that makes the stand-in serve `lines`, one per device:
+    "<used bytes> <total bytes> <util> <util> ... [+|hang]", each utilisation
+    value served once, in turn (after the last: none, or with "+" the last for
+    ever, or with "hang" a call that never returns)."""
+    devices, seqs = [], []
+    for i, line in enumerate(lines):
+        used, total, *utils = line.split()
+        end = utils.pop() if utils and utils[-1] in ("+", "hang") else ""
+        devices.append(stub_nvml_device(name=f"Stand-in GPU {i}", uuid=f"GPU-stand-in-{i}",
+                                        total=total, used=used))
+        seqs.append((i, utils, end))
+    cfg = stub_nvml_config(workdir / "nvml.cfg", devices, utilseqs=seqs)
+    return dict({"LD_LIBRARY_PATH": str(stub_nvml), "STUB_NVML_CONFIG": str(cfg)}, **env)
 
 
 def run(venv, workdir, body, env, **kw):
@@ -74,9 +72,9 @@ def blocks(stderr):
     return out
 
 
-def test_mean_and_share_under_50_are_what_nvml_served(venv, workdir, nvml_dir):
+def test_mean_and_share_under_50_are_what_nvml_served(venv, workdir, stub_nvml):
     # Device 0 serves 10, 30, 60, 100 then nothing; device 1 serves 90, 90, 90, 40.
-    env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 10 30 60 100",
+    env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 10 30 60 100",
                f"{6 * GIB} {8 * GIB} 90 90 90 40")
     r = run(venv, workdir, """
         assert _outofcuda._summary_start([0, 1], 10) is True
@@ -105,8 +103,8 @@ def test_mean_and_share_under_50_are_what_nvml_served(venv, workdir, nvml_dir):
     (0, "the DataLoader has num_workers=0: raise it"),
     (4, "with num_workers=4, profile the host side"),
 ])
-def test_block_at_exit_ranks_number_backed_hints(venv, workdir, nvml_dir, workers, advice):
-    env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 20 +")
+def test_block_at_exit_ranks_number_backed_hints(venv, workdir, stub_nvml, workers, advice):
+    env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 20 +")
     r = run(venv, workdir, f"""
         import torch, outofcuda
 
@@ -142,9 +140,9 @@ def test_block_at_exit_ranks_number_backed_hints(venv, workdir, nvml_dir, worker
                                "8.00 GiB (12.5 %)")
 
 
-def test_json_path_form_resolved_at_start_and_rank_file(venv, workdir, nvml_dir):
+def test_json_path_form_resolved_at_start_and_rank_file(venv, workdir, stub_nvml):
     (workdir / "out").mkdir()
-    env = gpus(nvml_dir, workdir, f"{2 * GIB} {8 * GIB} 70 20 +",
+    env = gpus(stub_nvml, workdir, f"{2 * GIB} {8 * GIB} 70 20 +",
                OUTOFCUDA_SUMMARY="out/run.json")
     run(venv, workdir, """
         _outofcuda._summary_start([0], 10)
@@ -174,8 +172,8 @@ def test_json_path_form_resolved_at_start_and_rank_file(venv, workdir, nvml_dir)
     assert json.loads((workdir / "out" / "run.rank3.json").read_text())["rank"] == 3
 
 
-def test_every_line_carries_the_rank_under_torchrun(venv, workdir, nvml_dir):
-    env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 20 +", OUTOFCUDA_SUMMARY="1", RANK="5",
+def test_every_line_carries_the_rank_under_torchrun(venv, workdir, stub_nvml):
+    env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 20 +", OUTOFCUDA_SUMMARY="1", RANK="5",
                LOCAL_RANK="1", WORLD_SIZE="8")
     r = run(venv, workdir, """
         _outofcuda._summary_start([0], 10)
@@ -199,9 +197,9 @@ print(json.dumps([queued, before, after, _outofcuda._summary_stats()]))
 
 
 def test_cuda_initialisation_starts_the_sampler_and_exit_reads_torch_peaks(
-        venv, workdir, nvml_dir, tmp_path):
+        venv, workdir, stub_nvml, tmp_path):
     root = make_fake_torch(tmp_path / "fake", "2.14.1")
-    env = gpus(nvml_dir, workdir, f"{GIB} {80 * GIB} 30 +", f"{GIB} {80 * GIB} 30 +",
+    env = gpus(stub_nvml, workdir, f"{GIB} {80 * GIB} 30 +", f"{GIB} {80 * GIB} 30 +",
                OUTOFCUDA_SUMMARY="1", PYTHONPATH=str(root))
     r = run(venv, workdir, FAKE_CUDA_INIT + textwrap.dedent("""
         # What a CUDA torch reports once initialised: 3 GiB of tensors in 6 GiB
@@ -232,9 +230,9 @@ def test_cuda_initialisation_starts_the_sampler_and_exit_reads_torch_peaks(
             "but unused); expandable_segments is on") in hints[1]
 
 
-def test_local_rank_picks_the_one_device_sampled(venv, workdir, nvml_dir, tmp_path):
+def test_local_rank_picks_the_one_device_sampled(venv, workdir, stub_nvml, tmp_path):
     root = make_fake_torch(tmp_path / "fake", "2.14.1")
-    env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 30 +", f"{GIB} {8 * GIB} 30 +",
+    env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 30 +", f"{GIB} {8 * GIB} 30 +",
                OUTOFCUDA_SUMMARY="1", PYTHONPATH=str(root), LOCAL_RANK="1", RANK="1")
     r = run(venv, workdir, """
         import torch
@@ -248,9 +246,9 @@ def test_local_rank_picks_the_one_device_sampled(venv, workdir, nvml_dir, tmp_pa
 
 @pytest.mark.parametrize("value", [None, "0", "off"])
 def test_unset_or_off_queues_nothing_starts_nothing_prints_nothing(
-        venv, workdir, nvml_dir, tmp_path, value):
+        venv, workdir, stub_nvml, tmp_path, value):
     root = make_fake_torch(tmp_path / "fake", "2.14.1")
-    env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 30 +", OUTOFCUDA_SUMMARY=value,
+    env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 30 +", OUTOFCUDA_SUMMARY=value,
                PYTHONPATH=str(root))
     r = run(venv, workdir, """
         n = atexit._ncallbacks()
@@ -267,7 +265,7 @@ def test_unset_or_off_queues_nothing_starts_nothing_prints_nothing(
     assert r.stderr == ""
 
 
-def test_real_cpu_torch_never_initialises_cuda_so_no_thread_and_no_block(venv, workdir, nvml_dir):
+def test_real_cpu_torch_never_initialises_cuda_so_no_thread_and_no_block(venv, workdir, stub_nvml):
     code = """
         n = atexit._ncallbacks()
         import torch
@@ -278,7 +276,7 @@ def test_real_cpu_torch_never_initialises_cuda_so_no_thread_and_no_block(venv, w
     """
     results = {}
     for value in ("1", None):
-        env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 30 +", OUTOFCUDA_SUMMARY=value)
+        env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 30 +", OUTOFCUDA_SUMMARY=value)
         r = run(venv, workdir, code, env)
         results[value] = json.loads(r.stdout)
         assert "outofcuda summary" not in r.stderr
@@ -288,7 +286,7 @@ def test_real_cpu_torch_never_initialises_cuda_so_no_thread_and_no_block(venv, w
     assert new_callbacks == results[None][1]
 
 
-def test_bad_values_warn_once_and_leave_the_summary_off(venv, workdir, nvml_dir, tmp_path):
+def test_bad_values_warn_once_and_leave_the_summary_off(venv, workdir, stub_nvml, tmp_path):
     cases = ["1", "yes", " OFF ", "  /tmp/run.json ", "maybe", "2", "", "out.txt", ".json",
              "dir/.json", "run\x01.json", "/" + "x" * 1100 + ".json"]
     r = venv.check(
@@ -306,7 +304,7 @@ def test_bad_values_warn_once_and_leave_the_summary_off(venv, workdir, nvml_dir,
     # End to end: a word it does not know, and a directory that does not exist.
     root = make_fake_torch(tmp_path / "fake", "2.14.1")
     for value, says in [("maybe", "expected 1/0"), ("no/such/dir/run.json", "does not exist")]:
-        env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 30 +", OUTOFCUDA_SUMMARY=value,
+        env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 30 +", OUTOFCUDA_SUMMARY=value,
                    PYTHONPATH=str(root))
         r = run(venv, workdir, """
             import torch
@@ -319,13 +317,13 @@ def test_bad_values_warn_once_and_leave_the_summary_off(venv, workdir, nvml_dir,
         assert "outofcuda summary" not in r.stderr
 
 
-def test_a_driver_call_that_never_returns_does_not_hang_the_exit(venv, workdir, nvml_dir):
+def test_a_driver_call_that_never_returns_does_not_hang_the_exit(venv, workdir, stub_nvml):
     # Two samples, then the third utilisation call blocks for ever: the join
     # at exit gives up after its bound and the block still comes out.
-    env = gpus(nvml_dir, workdir, f"{GIB} {8 * GIB} 40 60 hang")
+    env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 40 60 hang")
     r = run(venv, workdir, """
         _outofcuda._summary_start([0], 10)
-        wait_for("the stuck call", lambda: os.path.exists(os.environ["OC_FAKE_NVML_FILE"] + ".hanging"))
+        wait_for("the stuck call", lambda: os.path.exists(os.environ["STUB_NVML_CONFIG"] + ".hanging"))
     """, env, timeout=60)
     (b,) = blocks(r.stderr)
     assert "  utilisation    mean 50.0 %; under 50 % in 50.0 % of 2 samples (every 10 ms" in b[1]

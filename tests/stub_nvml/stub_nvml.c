@@ -11,12 +11,22 @@
  *   proc DEVICE PID BYTES           a process holding memory on device DEVICE
  *                                   (PID "self": the caller, "parent": its parent)
  *   mig MIG-UUID DEVICE             a MIG instance of device DEVICE
+ *   utilseq DEVICE GPU[,MEM] ... [+|hang]
+ *                                   utilisation served one value per call on
+ *                                   DEVICE (MEM: 0 when left out), so a test
+ *                                   knows exactly which samples a sampler saw;
+ *                                   after the last: NOT_SUPPORTED, or with "+"
+ *                                   the last value for ever, or with "hang" a
+ *                                   call that never returns (a stuck driver)
+ *                                   once it has created "<config file>.hanging"
  *
  * '_' in a device name stands for a space. The file is read again when it is
  * replaced (a new inode), so a test can change memory use while a process
- * watches: write a new file and rename it over the old one. Built with -DSTUB_LEGACY it exports
+ * watches: write a new file and rename it over the old one (a utilisation
+ * sequence then starts again). Built with -DSTUB_LEGACY it exports
  * only the unsuffixed entry points of old drivers; -DSTUB_NO_MEMORY leaves out
  * nvmlDeviceGetMemoryInfo, -DSTUB_NO_CC nvmlDeviceGetCudaComputeCapability. */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +38,7 @@
 #define MAX_PROCS 4096
 #define MAX_ERRORS 32
 #define MAX_MIGS 16
+#define MAX_UTIL_SEQ 256
 
 enum {
     OK = 0,
@@ -51,6 +62,10 @@ typedef struct {
     int cc_major, cc_minor;
     unsigned long long total, used;
     unsigned int util_gpu, util_mem;
+    /* utilseq: n_seq values (0: the fixed util= figures), next_seq the next to serve */
+    unsigned int seq_gpu[MAX_UTIL_SEQ], seq_mem[MAX_UTIL_SEQ];
+    int n_seq, next_seq;
+    enum { SEQ_FAIL, SEQ_REPEAT, SEQ_HANG } seq_end;
 } stub_device;
 typedef struct {
     int device;
@@ -80,10 +95,33 @@ static struct {
 
 static ino_t loaded_inode;
 
+/* "utilseq DEVICE v v ... [+|hang]": devices not yet declared are ignored. */
+static void parse_utilseq(char *line)
+{
+    char *tok, *save = NULL;
+    stub_device *d;
+    strtok_r(line, " \t\n", &save);
+    tok = strtok_r(NULL, " \t\n", &save);
+    if (tok == NULL || atoi(tok) < 0 || atoi(tok) >= st.ndev)
+        return;
+    d = &st.dev[atoi(tok)];
+    while ((tok = strtok_r(NULL, " \t\n", &save)) != NULL) {
+        if (strcmp(tok, "+") == 0) {
+            d->seq_end = SEQ_REPEAT;
+        } else if (strcmp(tok, "hang") == 0) {
+            d->seq_end = SEQ_HANG;
+        } else if (d->n_seq < MAX_UTIL_SEQ) {
+            d->seq_mem[d->n_seq] = 0;
+            sscanf(tok, "%u,%u", &d->seq_gpu[d->n_seq], &d->seq_mem[d->n_seq]);
+            d->n_seq++;
+        }
+    }
+}
+
 static void load_config(void)
 {
     const char *path = getenv("STUB_NVML_CONFIG");
-    char line[512];
+    char line[4096];
     struct stat info;
     FILE *f;
     memset(&st, 0, sizeof st);
@@ -130,6 +168,8 @@ static void load_config(void)
                 st.mig[st.nmig].parent = (int)x;
                 st.nmig++;
             }
+        } else if (strcmp(word, "utilseq") == 0) {
+            parse_utilseq(line);
         } else if (strcmp(word, "device") == 0 && st.ndev < MAX_DEVICES) {
             stub_device *d = &st.dev[st.ndev];
             char *tok, *save = NULL;
@@ -313,39 +353,34 @@ EXPORT int nvmlDeviceGetComputeRunningProcesses(void *h, unsigned int *c, void *
     return do_procs("nvmlDeviceGetComputeRunningProcesses", h, c, out, 16);
 }
 
+/* Copies a string answer the way the driver does: all of it, or nothing and
+ * INSUFFICIENT_SIZE when the caller's buffer is short. */
+static int copy_out(const char *value, char *buf, unsigned int len)
+{
+    if (strlen(value) + 1 > len)
+        return ERR_INSUFFICIENT_SIZE;
+    strcpy(buf, value);
+    return OK;
+}
+
 EXPORT int nvmlSystemGetDriverVersion(char *buf, unsigned int len)
 {
     int rc = chosen("nvmlSystemGetDriverVersion", -1);
-    if (rc)
-        return rc;
-    if (strlen(st.driver) + 1 > len)
-        return ERR_INSUFFICIENT_SIZE;
-    strcpy(buf, st.driver);
-    return OK;
+    return rc ? rc : copy_out(st.driver, buf, len);
 }
 
 EXPORT int nvmlDeviceGetName(void *h, char *buf, unsigned int len)
 {
     stub_device *d;
     int rc = do_simple("nvmlDeviceGetName", h, &d);
-    if (rc)
-        return rc;
-    if (strlen(d->name) + 1 > len)
-        return ERR_INSUFFICIENT_SIZE;
-    strcpy(buf, d->name);
-    return OK;
+    return rc ? rc : copy_out(d->name, buf, len);
 }
 
 EXPORT int nvmlDeviceGetUUID(void *h, char *buf, unsigned int len)
 {
     stub_device *d;
     int rc = do_simple("nvmlDeviceGetUUID", h, &d);
-    if (rc)
-        return rc;
-    if (strlen(d->uuid) + 1 > len)
-        return ERR_INSUFFICIENT_SIZE;
-    strcpy(buf, d->uuid);
-    return OK;
+    return rc ? rc : copy_out(d->uuid, buf, len);
 }
 
 #ifndef STUB_NO_MEMORY
@@ -377,14 +412,42 @@ EXPORT int nvmlDeviceGetCudaComputeCapability(void *h, int *major, int *minor)
 }
 #endif
 
+/* Leaves "<config file>.hanging" for the test to wait on, then never returns. */
+static void hang(void)
+{
+    char mark[4200];
+    FILE *f;
+    snprintf(mark, sizeof mark, "%s.hanging", getenv("STUB_NVML_CONFIG"));
+    f = fopen(mark, "w");
+    if (f)
+        fclose(f);
+    for (;;)
+        pause();
+}
+
 EXPORT int nvmlDeviceGetUtilizationRates(void *h, stub_util *u)
 {
     stub_device *d;
-    int rc = do_simple("nvmlDeviceGetUtilizationRates", h, &d);
+    int k, rc = do_simple("nvmlDeviceGetUtilizationRates", h, &d);
     if (rc)
         return rc;
-    u->gpu = d->util_gpu;
-    u->memory = d->util_mem;
+    if (d->n_seq == 0) {
+        u->gpu = d->util_gpu;
+        u->memory = d->util_mem;
+        return OK;
+    }
+    k = d->next_seq;
+    if (k >= d->n_seq) {
+        if (d->seq_end == SEQ_HANG)
+            hang();
+        if (d->seq_end != SEQ_REPEAT)
+            return ERR_NOT_SUPPORTED;
+        k = d->n_seq - 1;
+    } else {
+        d->next_seq++;
+    }
+    u->gpu = d->seq_gpu[k];
+    u->memory = d->seq_mem[k];
     return OK;
 }
 
