@@ -45,8 +45,26 @@ int oc_result_setf(const char *name, int applied, PyObject *value, const char *f
     return oc_result_set(name, applied, value, reason);
 }
 
+/* Returns 1 when sys.modules holds a torch that finished importing. */
+static int torch_imported(void)
+{
+    PyObject *torch = oc_sys_module("torch");
+    PyObject *spec = torch ? PyObject_GetAttrString(torch, "__spec__") : NULL;
+    PyObject *initializing =
+        spec && spec != Py_None ? PyObject_GetAttrString(spec, "_initializing") : NULL;
+    int done = torch != NULL && (initializing == NULL || PyObject_IsTrue(initializing) != 1);
+    PyErr_Clear();
+    Py_XDECREF(initializing);
+    Py_XDECREF(spec);
+    Py_XDECREF(torch);
+    return done;
+}
+
 static const char *pending_reason(void)
 {
+    if (oc_g.installed && !oc_g.fired && torch_imported())
+        return "torch was imported without passing outofcuda's import watcher (a finder ahead "
+               "of it on sys.meta_path loaded torch): nothing was applied";
     if (oc_g.installed && !oc_g.fired)
         return "torch has not been imported in this process yet";
     if (oc_disabled_by_env())
