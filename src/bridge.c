@@ -371,10 +371,18 @@ static int skip_without_cuda(const char *name)
     return 1;
 }
 
-static void apply_cudnn(const oc_config *cfg, PyObject *c_mod)
+static void apply_cudnn(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
 {
     if (skip_without_cuda("cudnn_benchmark") + skip_without_cuda("cudnn_deterministic"))
         return;
+    /* disable_global_flags() freezes torch.backends.cudnn's flags too. */
+    if (flags_frozen(torch)) {
+        oc_result_set("cudnn_benchmark", 0, NULL,
+                      "torch.backends.disable_global_flags() was called");
+        oc_result_set("cudnn_deterministic", 0, NULL,
+                      "torch.backends.disable_global_flags() was called");
+        return;
+    }
     if (cfg->cudnn_deterministic) {
         if (set_flag(c_mod, "_set_cudnn_deterministic", 1, "cudnn_deterministic") == 1)
             oc_result_set("cudnn_deterministic", 1, Py_True, "OUTOFCUDA_CUDNN_DETERMINISTIC=1");
@@ -663,7 +671,7 @@ void oc_bridge_after_torch(PyObject *torch)
         return;
     }
     apply_tf32(cfg, torch, c_mod);
-    apply_cudnn(cfg, c_mod);
+    apply_cudnn(cfg, torch, c_mod);
     record_allocator();
     apply_memory_fraction(cfg, torch);
     apply_sdpa(cfg, c_mod);
