@@ -215,3 +215,13 @@ assert sys.excepthook is sys.__excepthook__, sys.excepthook
 assert threading.excepthook is threading.__excepthook__, threading.excepthook
 """)
     assert r.stderr == ""
+
+
+def test_a_missing_cuda_build_skips_here_and_fails_in_ci(monkeypatch):
+    from conftest import _unavailable
+    monkeypatch.setenv("CI", "1")
+    with pytest.raises(pytest.fail.Exception, match="unavailable in CI: no disk"):
+        _unavailable("no disk")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="unavailable: no disk"):
+        _unavailable("no disk")
