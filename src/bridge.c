@@ -211,6 +211,15 @@ static int restore_allocator_env(void)
     return 0;
 }
 
+/* The words before the list of defaults' keys the merge left out. */
+static const char *dropped_note(const char *dropped, int async)
+{
+    if (!dropped[0])
+        return "";
+    return async ? "; left out (the cudaMallocAsync backend ignores them): "
+                 : "; left out (unknown to this torch): ";
+}
+
 static void prepare_allocator(const oc_config *cfg)
 {
     char dropped[256], err[160];
@@ -241,24 +250,26 @@ static void prepare_allocator(const oc_config *cfg)
         return;
     }
     snprintf(oc_g.alloc_env_name, sizeof oc_g.alloc_env_name, "%s", name);
-    if (strcmp(oc_g.alloc_value, user) != 0) {
+    if (strcmp(oc_g.alloc_value, user) == 0) {
+        /* Nothing to add: the variable stays exactly as the user set it. */
+        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "nothing added to %s%s%.200s", name,
+                 dropped_note(dropped, async), dropped);
+        return;
+    }
+    {
         const char *had = getenv(name);
         saved.had = had != NULL;
         snprintf(saved.value, sizeof saved.value, "%s", had ? had : "");
         snprintf(saved.name, sizeof saved.name, "%s", name);
-        if (set_environ(name, oc_g.alloc_value) < 0) {
-            oc_set_error("setting the allocator variable failed");
-            return;
-        }
-        saved.written = 1;
     }
+    if (set_environ(name, oc_g.alloc_value) < 0) {
+        oc_set_error("setting the allocator variable failed");
+        return;
+    }
+    saved.written = 1;
     oc_g.alloc_applied = 1;
     snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "%s set while torch loaded%s%s%.200s",
-             name, user[0] ? "; the user's keys kept" : "",
-             !dropped[0] ? ""
-                         : (async ? "; left out (the cudaMallocAsync backend ignores them): "
-                                  : "; left out (unknown to this torch): "),
-             dropped);
+             name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async), dropped);
 }
 
 void oc_bridge_before_torch(PyObject *spec)
