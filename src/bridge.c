@@ -187,9 +187,14 @@ static int set_environ(const char *name, const char *value)
     PyObject *environ = os ? PyObject_GetAttrString(os, "environ") : NULL;
     PyObject *v = value ? PyUnicode_FromString(value) : NULL;
     int rc = -1;
-    if (environ != NULL && value == NULL)
+    if (environ != NULL && value == NULL) {
         rc = PyMapping_DelItemString(environ, name);
-    else if (environ != NULL && v != NULL)
+        /* Already gone (something deleted it meanwhile) is what was asked. */
+        if (rc < 0 && PyErr_ExceptionMatches(PyExc_KeyError)) {
+            PyErr_Clear();
+            rc = 0;
+        }
+    } else if (environ != NULL && v != NULL)
         rc = PyMapping_SetItemString(environ, name, v);
     Py_XDECREF(v);
     Py_XDECREF(environ);

@@ -291,3 +291,14 @@ def test_bridge_has_no_branch_the_build_never_compiles():
     # in the bridge is never compiled, so never tested.
     src = (Path(__file__).resolve().parent.parent / "src" / "bridge.c").read_text()
     assert "_WIN32" not in src
+
+
+def test_a_variable_torch_removed_itself_is_no_error(venv, tmp_path):
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    init = root / "torch" / "__init__.py"
+    init.write_text(init.read_text() + "\nos.environ.pop('PYTORCH_ALLOC_CONF', None)\n")
+    r = venv.run("import torch, _outofcuda, os\n"
+                 "print(_outofcuda.status()['hook']['error'], os.environ.get('PYTORCH_ALLOC_CONF'))",
+                 env={"PYTHONPATH": str(root)}, args=("-W", "error"), cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.split() == ["None", "None"]
