@@ -389,46 +389,53 @@ def _check_torch(pr):
     return _check("torch", True, f"torch {version} is supported")
 
 
-def _alloc_keys(conf):
-    """Keys of an allocator string, with commas inside [...] kept in values."""
-    keys, depth, start = [], 0, 0
+def _alloc_items(conf):
+    """{key: value} of an allocator string (the last occurrence wins, as in torch)."""
+    items, depth, start = {}, 0, 0
     for i, ch in enumerate(conf + ","):
         if ch == "[":
             depth += 1
         elif ch == "]":
             depth -= 1
         elif ch == "," and depth == 0:
-            item = conf[start:i].strip()
-            if item:
-                keys.append(item.split(":", 1)[0].strip())
+            key, _, value = conf[start:i].partition(":")
+            if key.strip():
+                items[key.strip()] = value.strip()
             start = i + 1
-    return keys
+    return items
 
 
 def _check_alloc_conf():
-    defaults = _config()["alloc_conf"]
-    default_keys = set(_alloc_keys(defaults))
+    own = _config()["alloc_conf"]
+    defaults = _alloc_items(own)
     notes, problems = [], []
     for var in ALLOC_VARS:
         user = os.environ.get(var)
         if user is None:
             continue
         try:
-            merged, _dropped = core._merge_alloc_conf(defaults, user)
+            merged, _dropped = core._merge_alloc_conf(own, user)
         except ValueError as e:
             problems.append(f"{var} is malformed ({e})")
             continue
-        overridden = [k for k in _alloc_keys(user) if k in default_keys]
-        if overridden:
-            problems.append(f"{var} overrides outofcuda's default for "
-                            f"{', '.join(overridden)} (effective: {merged})")
-        else:
-            notes.append(f"{var}={user} adds to the defaults")
+        # A key set to outofcuda's own value changes nothing; another value is
+        # the user's choice (expandable_segments:False is the documented way
+        # out) and wins by design: both are notes, never something to fix.
+        items = _alloc_items(user)
+        kept = [f"{k}:{v} (default {defaults[k]})" for k, v in items.items()
+                if k in defaults and v != defaults[k]]
+        same = [k for k, v in items.items() if k in defaults and v == defaults[k]]
+        note = f"{var}={user}"
+        if kept:
+            note += f" keeps {', '.join(kept)} over outofcuda's defaults"
+        if same:
+            note += f"; {', '.join(same)} as outofcuda's defaults"
+        notes.append(f"{note} (effective: {merged})")
     if problems:
         return _check("alloc_conf", False, "; ".join(problems),
-                      "unset the key(s) to take outofcuda's defaults, or keep them on purpose")
+                      "fix the value (torch would raise on it) or unset the variable")
     return _check("alloc_conf", True, "; ".join(notes) or f"no user allocator settings "
-                  f"(defaults: {defaults or 'none'})")
+                  f"(defaults: {own or 'none'})")
 
 
 def _check_tf32_override():

@@ -58,6 +58,9 @@ static void read_version_file(PyObject *spec)
     FILE *f;
     size_t n;
     char *slash;
+    /* Facts of an earlier, failed attempt (another copy of torch) never
+     * carry over to this one. */
+    memset(&tv, 0, sizeof tv);
     o = spec ? PyObject_GetAttrString(spec, "origin") : NULL;
     if (o == NULL || !PyUnicode_Check(o)) {
         PyErr_Clear();
@@ -86,48 +89,62 @@ static void read_version_file(PyObject *spec)
     tv.known = tv.ver != 0;
 }
 
-/* Reads the same facts from an imported torch (the hook installed late). */
+/* Reads the same facts from the torch that executed: the one that counts,
+ * whatever version.py said before it ran. Keeps the earlier facts when the
+ * module has no version to read. */
 static void read_version_module(PyObject *torch)
 {
     PyObject *v = oc_getattr_chain(torch, "__version__");
-    PyObject *cuda = oc_getattr_chain(torch, "version.cuda");
-    PyObject *hip = oc_getattr_chain(torch, "version.hip");
+    PyObject *s = v ? PyObject_Str(v) : NULL;
+    PyObject *cuda, *hip;
     char buf[64];
-    if (v != NULL) {
-        PyObject *s = PyObject_Str(v);
-        if (s != NULL) {
-            tv.ver = oc_torch_version_number(oc_utf8(s, buf, sizeof buf));
-            Py_DECREF(s);
-        }
-        PyErr_Clear();
-    }
+    long ver = s ? oc_torch_version_number(oc_utf8(s, buf, sizeof buf)) : 0;
+    Py_XDECREF(s);
+    Py_XDECREF(v);
+    PyErr_Clear();
+    if (ver == 0)
+        return;
+    cuda = oc_getattr_chain(torch, "version.cuda");
+    hip = oc_getattr_chain(torch, "version.hip");
+    tv.ver = ver;
     tv.cuda_build = cuda != NULL && cuda != Py_None;
     tv.hip_build = hip != NULL && hip != Py_None;
-    tv.known = tv.ver != 0;
-    Py_XDECREF(v);
+    tv.known = 1;
     Py_XDECREF(cuda);
     Py_XDECREF(hip);
 }
 
 /* ---- allocator (before torch loads) ---- */
 
+/* ctx: int, non-zero when cudaMallocAsync is the backend. That backend
+ * ignores every native-allocator key and torch warns about each, so only
+ * `backend` itself may be added then. */
 static int key_allowed(const char *key, void *ctx)
 {
-    (void)ctx;
-    if (!oc_alloc_key_known(key, tv.ver))
+    if (*(const int *)ctx && strcmp(key, "backend") != 0)
         return 0;
-#ifdef _WIN32
-    /* Expandable segments need the CUDA virtual-memory API torch uses on Linux. */
-    if (strcmp(key, "expandable_segments") == 0)
+    return oc_alloc_key_known(key, tv.ver);
+}
+
+/* Returns 1 when the allocator string chooses backend:cudaMallocAsync. */
+static int async_backend(const char *conf)
+{
+    static oc_alloc_list l;
+    if (oc_alloc_parse(conf, &l, NULL, 0) != 0)
         return 0;
-#endif
-    return 1;
+    for (int i = 0; i < l.n; i++) {
+        if (strcmp(l.e[i].key, "backend") == 0)
+            return strcmp(l.e[i].value, "cudaMallocAsync") == 0;
+    }
+    return 0;
 }
 
 /* The allocator variable the user set, as the release reads it: up to 2.10
  * the CUDA allocator reads PYTORCH_CUDA_ALLOC_CONF only; from 2.11 the first
  * set of PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF, PYTORCH_ALLOC_CONF
- * wins whole. Returns the variable's name (where outofcuda writes) and its
+ * wins whole, and an empty value counts as set (c10::utils::get_env returns
+ * it; CUDAAllocatorConfig::instance() stops at the first that has a value,
+ * measured on 2.14.1). Returns the variable's name (where outofcuda writes) and its
  * value through *value ("" when unset). */
 static const char *user_alloc_var(const char **value)
 {
@@ -142,7 +159,7 @@ static const char *user_alloc_var(const char **value)
     }
     for (size_t i = 0; i < 3; i++) {
         v = getenv(order[i]);
-        if (v != NULL && *v) {
+        if (v != NULL) {
             *value = v;
             return order[i];
         }
@@ -150,15 +167,34 @@ static const char *user_alloc_var(const char **value)
     return oc_alloc_env_name(tv.ver);
 }
 
+/* The allocator variable as the user left it, so it can be given back once
+ * torch has read outofcuda's value: children (and programs started from
+ * this one, some of which refuse expandable segments) inherit os.environ
+ * and must see the user's environment, not outofcuda's merge. */
+static struct {
+    int written; /* outofcuda changed the variable and has not restored it */
+    int had;     /* the user had set it (possibly empty) */
+    char name[32];
+    char value[OC_ALLOC_CONF_MAX];
+} saved;
+
+/* Sets (value) or deletes (NULL) os.environ[name]: os.environ keeps
+ * Python's view and the C environment (what torch's getenv reads) in step;
+ * sys.modules has os since start-up. Returns 0, or -1 with an exception. */
 static int set_environ(const char *name, const char *value)
 {
-    /* os.environ keeps Python's view and the C environment (what torch's
-     * getenv reads) in step; sys.modules has os since start-up. */
     PyObject *os = PyImport_ImportModule("os");
     PyObject *environ = os ? PyObject_GetAttrString(os, "environ") : NULL;
-    PyObject *v = PyUnicode_FromString(value);
+    PyObject *v = value ? PyUnicode_FromString(value) : NULL;
     int rc = -1;
-    if (environ != NULL && v != NULL)
+    if (environ != NULL && value == NULL) {
+        rc = PyMapping_DelItemString(environ, name);
+        /* Already gone (something deleted it meanwhile) is what was asked. */
+        if (rc < 0 && PyErr_ExceptionMatches(PyExc_KeyError)) {
+            PyErr_Clear();
+            rc = 0;
+        }
+    } else if (environ != NULL && v != NULL)
         rc = PyMapping_SetItemString(environ, name, v);
     Py_XDECREF(v);
     Py_XDECREF(environ);
@@ -166,11 +202,37 @@ static int set_environ(const char *name, const char *value)
     return rc;
 }
 
+/* Gives the allocator variable back as the user had it (value or absence).
+ * Returns 0, or -1 when os.environ refused (recorded as outofcuda's error). */
+static int restore_allocator_env(void)
+{
+    if (!saved.written)
+        return 0;
+    saved.written = 0;
+    if (set_environ(saved.name, saved.had ? saved.value : NULL) < 0) {
+        oc_set_error("restoring the allocator variable failed");
+        return -1;
+    }
+    return 0;
+}
+
+/* The words before the list of defaults' keys the merge left out. */
+static const char *dropped_note(const char *dropped, int async)
+{
+    if (!dropped[0])
+        return "";
+    return async ? "; left out (the cudaMallocAsync backend ignores them): "
+                 : "; left out (unknown to this torch): ";
+}
+
 static void prepare_allocator(const oc_config *cfg)
 {
     char dropped[256], err[160];
     const char *name, *user;
+    int async;
     oc_g.alloc_applied = 0;
+    oc_g.alloc_env_name[0] = '\0';
+    oc_g.alloc_value[0] = '\0';
     if (!tv.known) {
         snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
                  "torch's version could not be read before it loaded");
@@ -183,7 +245,8 @@ static void prepare_allocator(const oc_config *cfg)
         return;
     }
     name = user_alloc_var(&user);
-    if (oc_alloc_merge(cfg->alloc_conf, user, key_allowed, NULL, oc_g.alloc_value,
+    async = async_backend(user) || (!user[0] && async_backend(cfg->alloc_conf));
+    if (oc_alloc_merge(cfg->alloc_conf, user, key_allowed, &async, oc_g.alloc_value,
                        sizeof oc_g.alloc_value, dropped, sizeof dropped, err, sizeof err) != 0) {
         /* A value outofcuda cannot parse is the user's business: leave it whole. */
         snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
@@ -191,15 +254,27 @@ static void prepare_allocator(const oc_config *cfg)
         oc_g.alloc_value[0] = '\0';
         return;
     }
+    snprintf(oc_g.alloc_env_name, sizeof oc_g.alloc_env_name, "%s", name);
+    if (strcmp(oc_g.alloc_value, user) == 0) {
+        /* Nothing to add: the variable stays exactly as the user set it. */
+        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "nothing added to %s%s%.200s", name,
+                 dropped_note(dropped, async), dropped);
+        return;
+    }
+    {
+        const char *had = getenv(name);
+        saved.had = had != NULL;
+        snprintf(saved.value, sizeof saved.value, "%s", had ? had : "");
+        snprintf(saved.name, sizeof saved.name, "%s", name);
+    }
     if (set_environ(name, oc_g.alloc_value) < 0) {
         oc_set_error("setting the allocator variable failed");
         return;
     }
-    snprintf(oc_g.alloc_env_name, sizeof oc_g.alloc_env_name, "%s", name);
+    saved.written = 1;
     oc_g.alloc_applied = 1;
-    snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "%s set before torch loaded%s%s%.200s",
-             name, user[0] ? "; the user's keys kept" : "",
-             dropped[0] ? "; left out (unknown to this torch): " : "", dropped);
+    snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "%s set while torch loaded%s%s%.200s",
+             name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async), dropped);
 }
 
 void oc_bridge_before_torch(PyObject *spec)
@@ -209,6 +284,15 @@ void oc_bridge_before_torch(PyObject *spec)
         return;
     read_version_file(spec);
     prepare_allocator(cfg);
+}
+
+void oc_bridge_import_failed(void)
+{
+    /* The next attempt may load another copy of torch: it is prepared
+     * afresh, from its own version file, with the user's environment. */
+    restore_allocator_env();
+    memset(&tv, 0, sizeof tv);
+    oc_g.prepared = 0;
 }
 
 /* ---- after torch executed ---- */
@@ -291,8 +375,30 @@ static void apply_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
     Py_XDECREF(value);
 }
 
-static void apply_cudnn(const oc_config *cfg, PyObject *c_mod)
+/* cuDNN and SDPA flags are plain fields of torch's context that a CPU-only
+ * build has too: libraries read them (Lightning's Trainer(benchmark=None)
+ * follows cudnn.benchmark) and users' tests assert torch's defaults, while no
+ * kernel of that build uses them. There outofcuda changes nothing readable. */
+static int skip_without_cuda(const char *name)
 {
+    if (tv.cuda_build)
+        return 0;
+    oc_result_set(name, 0, NULL, "this torch build has no CUDA: torch's default kept");
+    return 1;
+}
+
+static void apply_cudnn(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
+{
+    if (skip_without_cuda("cudnn_benchmark") + skip_without_cuda("cudnn_deterministic"))
+        return;
+    /* disable_global_flags() freezes torch.backends.cudnn's flags too. */
+    if (flags_frozen(torch)) {
+        oc_result_set("cudnn_benchmark", 0, NULL,
+                      "torch.backends.disable_global_flags() was called");
+        oc_result_set("cudnn_deterministic", 0, NULL,
+                      "torch.backends.disable_global_flags() was called");
+        return;
+    }
     if (cfg->cudnn_deterministic) {
         if (set_flag(c_mod, "_set_cudnn_deterministic", 1, "cudnn_deterministic") == 1)
             oc_result_set("cudnn_deterministic", 1, Py_True, "OUTOFCUDA_CUDNN_DETERMINISTIC=1");
@@ -323,6 +429,8 @@ static void apply_sdpa(const oc_config *cfg, PyObject *c_mod)
     const int want[] = {cfg->flash_attn, cfg->mem_eff_attn, cfg->math_attn};
     PyObject *value;
     int done = 0;
+    if (skip_without_cuda("sdpa"))
+        return;
     for (int i = 0; i < 3; i++)
         done += set_flag(c_mod, fns[i], want[i], "sdpa") == 1;
     if (done != 3) {
@@ -489,17 +597,63 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
     }
 }
 
-static void record_allocator(PyObject *torch)
+/* Hands torch the merged string through its runtime setter, then gives the
+ * variable back to the user. torch 2.14.1 parses every key but `backend`
+ * lazily, on the first allocation or settings call (measured: a variable
+ * deleted right after `import torch` leaves _accelerator_getAllocatorSettings()
+ * empty), so without the setter the variable would have to stay set for the
+ * whole process, and every child would inherit it. The setter parses into
+ * the allocator's configuration without initialising CUDA; the `backend`
+ * key was read from the variable while torch's libraries loaded. */
+static void settle_allocator(PyObject *c_mod)
+{
+    /* The CUDA setter first: on 2.9 and 2.10 the CUDA allocator still keeps
+     * its own configuration beside the accelerator one. */
+    static const char *const setters[] = {"_cuda_cudaCachingAllocator_set_allocator_settings",
+                                          "_accelerator_setAllocatorSettings"};
+    const char *used = NULL;
+    PyObject *r = NULL;
+    size_t len;
+    if (!saved.written)
+        return;
+    for (size_t i = 0; c_mod != NULL && used == NULL && i < 2; i++) {
+        PyObject *fn = PyObject_GetAttrString(c_mod, setters[i]);
+        if (fn == NULL) {
+            PyErr_Clear();
+            continue;
+        }
+        used = setters[i];
+        r = PyObject_CallFunction(fn, "s", oc_g.alloc_value);
+        Py_DECREF(fn);
+    }
+    len = strlen(oc_g.alloc_reason);
+    if (used == NULL || r == NULL) {
+        if (used != NULL)
+            oc_set_error("handing the allocator settings to torch");
+        oc_g.alloc_applied = 0;
+        snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len,
+                 "; not in effect: %s, so the variable was restored",
+                 used ? "torch's setter failed" : "this torch has no runtime allocator setter");
+    } else {
+        snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len,
+                 "; given to torch._C.%s, then the variable was restored for child processes",
+                 used);
+    }
+    Py_XDECREF(r);
+    PyErr_Clear();
+    restore_allocator_env();
+}
+
+static void record_allocator(void)
 {
     PyObject *v;
-    (void)torch;
     if (!oc_g.prepared) {
         oc_result_set("allocator", 0, NULL,
                       "torch was imported before outofcuda's hook installed; the allocator "
                       "variable must be set before torch loads");
         return;
     }
-    v = oc_g.alloc_value[0] ? PyUnicode_FromString(oc_g.alloc_value) : NULL;
+    v = oc_g.alloc_value[0] && oc_g.alloc_applied ? PyUnicode_FromString(oc_g.alloc_value) : NULL;
     oc_result_set("allocator", oc_g.alloc_applied, v, oc_g.alloc_reason);
     Py_XDECREF(v);
 }
@@ -516,23 +670,25 @@ void oc_bridge_after_torch(PyObject *torch)
         Py_DECREF(v);
     }
     PyErr_Clear();
+    c_mod = PyObject_GetAttrString(torch, "_C");
+    if (c_mod == NULL)
+        PyErr_Clear();
+    settle_allocator(c_mod);
     if (cfg->disable) {
+        Py_XDECREF(c_mod);
         oc_result_set_all("outofcuda is disabled (OUTOFCUDA_DISABLE)");
         return;
     }
-    if (!oc_g.prepared || !tv.known)
-        read_version_module(torch);
-    c_mod = PyObject_GetAttrString(torch, "_C");
+    read_version_module(torch);
     if (c_mod == NULL) {
         /* A `torch.py` of the user's own (or a stub) is not PyTorch: that is
          * no failure of outofcuda's, so no warning, only the record. */
-        PyErr_Clear();
         oc_result_set_all("the imported `torch` is not PyTorch (it has no torch._C)");
         return;
     }
     apply_tf32(cfg, torch, c_mod);
-    apply_cudnn(cfg, c_mod);
-    record_allocator(torch);
+    apply_cudnn(cfg, torch, c_mod);
+    record_allocator();
     apply_memory_fraction(cfg, torch);
     apply_sdpa(cfg, c_mod);
     apply_amp_dtype(cfg, torch);

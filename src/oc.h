@@ -149,6 +149,9 @@ int oc_watcher_fire_if_imported(void);
 /* bridge.c: called with torch imported. Never raises. */
 void oc_bridge_before_torch(PyObject *spec);
 void oc_bridge_after_torch(PyObject *torch);
+/* An `import torch` failed: restores the user's allocator variable and lets
+ * the next attempt prepare afresh (it may load another copy of torch). */
+void oc_bridge_import_failed(void);
 
 /* report.c */
 int oc_result_set(const char *name, int applied, PyObject *value, const char *reason);

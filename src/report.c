@@ -45,8 +45,34 @@ int oc_result_setf(const char *name, int applied, PyObject *value, const char *f
     return oc_result_set(name, applied, value, reason);
 }
 
+/* Returns 1 when sys.modules holds a torch that finished importing. Reads
+ * sys.modules and the module's dict only: an attribute lookup (including
+ * PyImport_GetModule's own look at __spec__) would execute a torch that
+ * importlib.util.LazyLoader holds unexecuted. */
+static int torch_imported(void)
+{
+    PyObject *modules = PySys_GetObject("modules"); /* borrowed */
+    PyObject *torch = modules && PyDict_Check(modules) ? PyDict_GetItemString(modules, "torch")
+                                                       : NULL;                     /* borrowed */
+    PyObject *d = torch && PyModule_Check(torch) ? PyModule_GetDict(torch) : NULL; /* borrowed */
+    PyObject *spec = d ? PyDict_GetItemString(d, "__spec__") : NULL;               /* borrowed */
+    PyObject *initializing = NULL;
+    int done = 0;
+    if (d != NULL && PyDict_GetItemString(d, "__version__") != NULL) {
+        initializing =
+            spec && spec != Py_None ? PyObject_GetAttrString(spec, "_initializing") : NULL;
+        done = initializing == NULL || PyObject_IsTrue(initializing) != 1;
+    }
+    PyErr_Clear();
+    Py_XDECREF(initializing);
+    return done;
+}
+
 static const char *pending_reason(void)
 {
+    if (oc_g.installed && !oc_g.fired && torch_imported())
+        return "torch was imported without passing outofcuda's import watcher (a finder ahead "
+               "of it on sys.meta_path loaded torch): nothing was applied";
     if (oc_g.installed && !oc_g.fired)
         return "torch has not been imported in this process yet";
     if (oc_disabled_by_env())

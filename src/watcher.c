@@ -134,8 +134,14 @@ static PyObject *proxy_exec_module(PyObject *self, PyObject *module)
     }
     res = PyObject_CallMethod(loader, "exec_module", "O", module);
     Py_DECREF(loader);
-    if (res == NULL)
-        return NULL; /* torch's own error; a later successful import fires */
+    if (res == NULL) {
+        /* torch's own error; a later successful import prepares and fires */
+        PyObject *exc_type, *exc_value, *exc_tb;
+        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+        oc_bridge_import_failed();
+        PyErr_Restore(exc_type, exc_value, exc_tb);
+        return NULL;
+    }
     Py_DECREF(res);
     fire(module);
     Py_RETURN_NONE;

@@ -135,6 +135,57 @@ def workdir(tmp_path):
     return d
 
 
+# ---- the real CUDA build of torch (imports without a GPU) ----
+
+CUDA_TORCH_SPEC = os.environ.get("OUTOFCUDA_TEST_CUDA_TORCH", "torch==2.14.1")
+CUDA_VENV_FREE_BYTES = 12 * 1024**3  # the CUDA wheels unpack to about 8 GB
+
+
+def _unavailable(reason):
+    """Skips, except in CI (CI=1), where a missing CUDA build is a failure."""
+    if os.environ.get("CI") == "1":
+        pytest.fail(f"CUDA build of torch unavailable in CI: {reason}")
+    pytest.skip(f"CUDA build of torch unavailable: {reason}")
+
+
+@pytest.fixture(scope="session")
+def cuda_base_venv(tmp_path_factory):
+    """A virtual environment holding the CUDA build of torch (numpy too) but
+    not outofcuda, created once per session. OUTOFCUDA_TEST_CUDA_VENV reuses
+    one across runs."""
+    import platform
+    reuse = os.environ.get("OUTOFCUDA_TEST_CUDA_VENV")
+    path = Path(reuse) if reuse else tmp_path_factory.mktemp("cuda-venv") / "base"
+    python = path / "bin" / "python"
+    if not (python.exists() and (path / ".ready").exists()):
+        if platform.machine() != "x86_64":
+            _unavailable(f"PyPI's CUDA wheels are built for x86_64, this is {platform.machine()}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(path.parent).free
+        if free < CUDA_VENV_FREE_BYTES:
+            _unavailable(f"{free / 1024**3:.1f} GiB free under {path.parent}, the CUDA build "
+                         f"needs {CUDA_VENV_FREE_BYTES / 1024**3:.0f} GiB")
+        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+        try:
+            _pip(python, "install", "numpy", CUDA_TORCH_SPEC)
+        except subprocess.CalledProcessError as e:
+            _unavailable(f"pip install {CUDA_TORCH_SPEC} failed (exit {e.returncode})")
+        (path / ".ready").write_text("ok")
+    r = subprocess.run([str(python), "-c", "import torch; print(torch.version.cuda)"],
+                       capture_output=True, text=True, env=_clean_env({"OUTOFCUDA_DISABLE": "1"}))
+    if r.returncode != 0 or r.stdout.strip() in ("", "None"):
+        _unavailable(f"{CUDA_TORCH_SPEC} in {path} is not a CUDA build "
+                     f"(torch.version.cuda: {r.stdout.strip() or r.stderr[-300:]})")
+    return path
+
+
+@pytest.fixture(scope="session")
+def cuda_venv(cuda_base_venv, wheel):
+    """The CUDA-build environment with this checkout's wheel installed."""
+    _pip(cuda_base_venv / "bin" / "python", "install", "--force-reinstall", "--no-deps", str(wheel))
+    return Venv(cuda_base_venv)
+
+
 # The stand-in NVIDIA driver library (tests/stub_nvml/stub_nvml.c) shared by
 # every test that needs NVML without a GPU: built once per session, found only
 # through LD_LIBRARY_PATH, answering from the file named by STUB_NVML_CONFIG.

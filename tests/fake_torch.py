@@ -5,6 +5,17 @@ and wheels; every call is recorded so a test can see what outofcuda did.
 
 RELEASES is the table the issue asks for: which `_C` names and allocator keys
 exist in 2.0, 2.1, 2.4, 2.9.0, 2.9.1, 2.11 and the newest release checked.
+
+Where this stand-in and the real CUDA build of torch 2.14.1 disagreed, the real
+build was followed (tests/test_cuda_build.py runs the same checks on it):
+- `torch.cuda._queued_calls` holds `(callable, formatted stack)` pairs;
+- an empty allocator variable counts as set (the first one set wins);
+- the allocator reads its variable lazily, at its first use or settings call,
+  except `backend`, read while the libraries load; the runtime setters parse
+  a string at once (an unknown key raises there) and the configuration keeps it;
+- a CPU-only build has no `torch._C._cuda_*` names;
+- getters return what was set, starting from torch's defaults;
+- `backend:cudaMallocAsync` beside native-allocator keys warns.
 """
 import textwrap
 from pathlib import Path
@@ -57,24 +68,24 @@ import os, warnings
 from torch import version
 from torch import _C
 __version__ = version.__version__
-# What the allocator would read when torch's libraries load.
+# What the allocator reads when torch's libraries load (`backend` only).
 _C.ENV_AT_LOAD = {{k: os.environ.get(k) for k in
                    ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}}
 ALLOC_ENV_ORDER = {env!r}
 ALLOC_KEYS = {keys!r}
 
 def _alloc_conf():
-    """The string this release's CUDA allocator would parse."""
-    for name in ALLOC_ENV_ORDER:
-        if _C.ENV_AT_LOAD.get(name):
-            return _C.ENV_AT_LOAD[name]
-    return ""
-
-# Like the real parser: an unknown key raises when the allocator first reads it.
-for _item in filter(None, _alloc_conf().split(",")):
-    if ":" in _item and not _item.startswith(("[", ">")) and _item.split(":")[0] not in ALLOC_KEYS \\
-            and not _item.split(":")[0].isdigit():
-        raise RuntimeError("Unrecognized CachingAllocator option: " + _item.split(":")[0])
+    """The string this release's CUDA allocator parses at its first use: the
+    one given to a runtime setter, else the first variable set (an empty one
+    counts), read now."""
+    if _C.allocator_settings is None:
+        value = ""
+        for name in ALLOC_ENV_ORDER:
+            if os.environ.get(name) is not None:
+                value = os.environ[name]
+                break
+        _C._parse_alloc_conf(value)
+    return _C.allocator_settings
 
 float16, bfloat16, float32 = "torch.float16", "torch.bfloat16", "torch.float32"
 
@@ -101,7 +112,31 @@ def set_autocast_gpu_dtype(dtype):
 _C_MODULE = '''
 import warnings
 calls = []
+allocator_settings = None
+ALLOC_KEYS = {keys!r}
 _WARNS = {warns!r}
+# torch's defaults, what the getters return until a setter runs.
+_state = {{"cublas_allow_tf32": False, "cudnn_allow_tf32": True, "cudnn_benchmark": False,
+          "cudnn_deterministic": False}}
+_NATIVE_ONLY = {{"max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions",
+                "expandable_segments", "max_non_split_rounding_mb"}}
+
+def _parse_alloc_conf(value):
+    """Like the real parser: an unknown key raises; the string is kept."""
+    global allocator_settings
+    keys = set()
+    for item in filter(None, value.split(",")):
+        key = item.split(":")[0]
+        if ":" in item and not item.startswith(("[", ">")) and not key.isdigit() \\
+                and not key.endswith("]"):
+            if key not in ALLOC_KEYS:
+                raise RuntimeError("Unrecognized CachingAllocator option: " + key)
+            keys.add(key)
+    if "backend:cudaMallocAsync" in value and keys & _NATIVE_ONLY:
+        warnings.warn("backend:cudaMallocAsync ignores max_split_size_mb, "
+                      "roundup_power2_divisions, and garbage_collect_threshold.", UserWarning)
+    allocator_settings = value
+
 def _make(name):
     def fn(*args):
         if name in _WARNS:
@@ -111,8 +146,13 @@ def _make(name):
             return 4
         if name == "_cuda_getDevice":
             return 0
+        if name in ("_accelerator_setAllocatorSettings",
+                    "_cuda_cudaCachingAllocator_set_allocator_settings"):
+            _parse_alloc_conf(args[0])
+        if name.startswith("_set_"):
+            _state[name[5:]] = args[0]
         if name.startswith("_get_"):
-            return True
+            return _state.get(name[5:], True)
         return None
     fn.__name__ = name
     return fn
@@ -135,10 +175,10 @@ _queued_calls = []
 class OutOfMemoryError(RuntimeError):
     pass
 def _lazy_call(callable, **kwargs):
-    _queued_calls.append(callable)
+    _queued_calls.append((callable, ["(stack where it was queued)"]))
 def _fake_cuda_init():
     """What torch.cuda._lazy_init does with the queue once CUDA is up."""
-    for fn in _queued_calls:
+    for fn, _stack in _queued_calls:
         fn()
 def is_initialized():
     return False
@@ -162,8 +202,9 @@ def make_fake_torch(root: Path, release: str, cuda: bool = True) -> Path:
     (pkg / "__init__.py").write_text(_INIT.format(
         env=spec["env"], keys=sorted(spec["keys"]),
         autocast=_AUTOCAST_NEW if spec["autocast_new"] else _AUTOCAST_OLD))
+    c_names = sorted(n for n in spec["c"] if cuda or not n.startswith("_cuda"))
     (pkg / "_C.py").write_text(textwrap.dedent(_C_MODULE.format(
-        warns=sorted(spec["warns"]), names=sorted(spec["c"]))))
+        warns=sorted(spec["warns"]), names=c_names, keys=sorted(spec["keys"]))))
     (pkg / "backends" / "__init__.py").write_text(_BACKENDS)
     (pkg / "cuda" / "__init__.py").write_text(_CUDA)
     return root

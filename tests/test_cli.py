@@ -66,13 +66,29 @@ def _failed(r):
     return {c["name"]: c for c in json.loads(r.stdout)["checks"] if not c["ok"]}
 
 
-def test_doctor_finds_user_allocator_override(venv, workdir):
+def test_doctor_notes_user_allocator_override(venv, workdir):
     r = cli(venv, "doctor", "--json", env={"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"},
+            cwd=workdir)
+    check = {c["name"]: c for c in json.loads(r.stdout)["checks"]}["alloc_conf"]
+    assert check["ok"] and "max_split_size_mb:64 (default 128)" in check["message"]
+
+
+@pytest.mark.parametrize("value", [
+    # outofcuda's own defaults, as a child of an older outofcuda inherited them
+    "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True",
+    "expandable_segments:False",           # the README's way out of expandable segments
+])
+def test_doctor_accepts_defaults_and_the_documented_fix(venv, workdir, value):
+    r = cli(venv, "doctor", "--json", env={"PYTORCH_CUDA_ALLOC_CONF": value}, cwd=workdir)
+    assert "alloc_conf" not in _failed(r), r.stdout
+
+
+def test_doctor_fixes_a_malformed_allocator_variable(venv, workdir):
+    r = cli(venv, "doctor", "--json", env={"PYTORCH_ALLOC_CONF": "expandable_segments"},
             cwd=workdir)
     assert r.returncode == 1
     failed = _failed(r)
-    assert set(failed) == {"alloc_conf"}
-    assert "max_split_size_mb" in failed["alloc_conf"]["message"]
+    assert set(failed) == {"alloc_conf"} and "malformed" in failed["alloc_conf"]["message"]
     assert failed["alloc_conf"]["fix"]
 
 

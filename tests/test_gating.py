@@ -2,6 +2,7 @@
 newest (tests/fake_torch.py holds the table of names, keys and warnings per
 release). Each run is `python -W error`, so any deprecated or warning call fails."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,17 +14,18 @@ torch.cuda._fake_cuda_init()
 print('REPORT=' + json.dumps({
     'calls': [list(map(str, c)) for c in torch._C.calls],
     'env_at_load': torch._C.ENV_AT_LOAD,
+    'env_now': {k: os.environ.get(k) for k in torch._C.ENV_AT_LOAD},
     'conf_read': torch._alloc_conf(),
     'status': _outofcuda.status(),
 }))
 """
 
 
-def run_release(venv, tmp_path, release, env=None, cuda=True, code=REPORT):
+def run_release(venv, tmp_path, release, env=None, cuda=True, code=REPORT, args=()):
     root = make_fake_torch(tmp_path / "fake", release, cuda=cuda)
     full_env = {"PYTHONPATH": str(root)}
     full_env.update(env or {})
-    r = venv.run(code, env=full_env, args=("-W", "error"), cwd=tmp_path)
+    r = venv.run(code, env=full_env, args=("-W", "error", *args), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("REPORT=")][-1]
     return json.loads(line[len("REPORT="):]), r
@@ -67,6 +69,16 @@ def test_every_release_applies_without_warning(venv, tmp_path, release):
     assert keys <= RELEASES[release]["keys"]
     assert "max_split_size_mb" in keys and "garbage_collection_threshold" in keys
     assert ("expandable_segments" in keys) == ("expandable_segments" in RELEASES[release]["keys"])
+    # In the variable while torch's libraries loaded (`backend` is read then),
+    # handed to the release's runtime setter, and gone again afterwards: the
+    # configuration holds it, children inherit the user's environment.
+    assert rep["env_at_load"][RELEASES[release]["env"][-1]] == conf
+    setter = [c for c in rep["calls"] if c[0] in ("_accelerator_setAllocatorSettings",
+                                                  "_cuda_cudaCachingAllocator_set_allocator_settings")]
+    legacy = "_cuda_cudaCachingAllocator_set_allocator_settings" in RELEASES[release]["c"]
+    assert setter == [[("_cuda_cudaCachingAllocator_set_allocator_settings" if legacy
+                        else "_accelerator_setAllocatorSettings"), conf]]
+    assert set(rep["env_now"].values()) == {None}
 
 
 def test_cudnn_tf32_setter_skipped_on_2_9_0_only(venv, tmp_path):
@@ -87,7 +99,34 @@ def test_user_allocator_keys_win(venv, tmp_path, release, var):
     assert conf.count("max_split_size_mb") == 1
     assert "garbage_collection_threshold:0.8" in conf  # outofcuda's default fills the gap
     assert rep["env_at_load"][var] == conf
+    assert rep["env_now"][var] == user                 # given back as the user set it
     assert "user's keys kept" in rep["status"]["optimizations"]["allocator"]["reason"]
+
+
+@pytest.mark.parametrize("release", ["2.4.0", "2.14.1"])
+def test_an_empty_variable_counts_as_set(venv, tmp_path, release):
+    # torch >= 2.11 stops at the first variable that is set, empty or not; up
+    # to 2.10 only PYTORCH_CUDA_ALLOC_CONF is read.
+    rep, _ = run_release(venv, tmp_path, release, env={"PYTORCH_CUDA_ALLOC_CONF": ""})
+    opts = rep["status"]["optimizations"]
+    assert opts["allocator"]["applied"]
+    assert rep["conf_read"] == opts["allocator"]["value"]
+    assert rep["env_at_load"]["PYTORCH_CUDA_ALLOC_CONF"] == rep["conf_read"]
+    assert rep["env_now"]["PYTORCH_CUDA_ALLOC_CONF"] == ""
+    assert rep["env_at_load"]["PYTORCH_ALLOC_CONF"] is None
+
+
+@pytest.mark.parametrize("release", ["2.4.0", "2.14.1"])
+@pytest.mark.parametrize("env", [
+    {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},   # the user's choice of backend
+    {"OUTOFCUDA_ALLOC_CONF": "backend:cudaMallocAsync,max_split_size_mb:128"},
+])
+def test_cuda_malloc_async_gets_no_native_keys(venv, tmp_path, release, env):
+    rep, r = run_release(venv, tmp_path, release, env=env)
+    assert r.stderr == ""                              # torch warns about native keys beside it
+    assert rep["conf_read"] == "backend:cudaMallocAsync"
+    reason = rep["status"]["optimizations"]["allocator"]["reason"]
+    assert "cudaMallocAsync" in reason and "max_split_size_mb" in reason
 
 
 def test_unknown_keys_are_left_out_and_named(venv, tmp_path):
@@ -105,18 +144,51 @@ def test_malformed_user_variable_is_left_whole(venv, tmp_path):
     assert "not understood" in rep["status"]["optimizations"]["allocator"]["reason"]
 
 
-def test_cpu_build_changes_no_cuda_state(venv, tmp_path):
+def test_cpu_build_changes_nothing_readable(venv, tmp_path):
+    # Every flag a CPU-only build has (cuDNN and SDPA included) stays torch's
+    # default: libraries and users' tests read them.
     rep, _ = run_release(venv, tmp_path, "2.14.1", cuda=False)
-    called = names(rep)
-    assert "_cuda_setMemoryFraction" not in called and "set_autocast_dtype" not in called
+    assert [c for c in rep["calls"] if c[0] != "_get_cudnn_benchmark"] == []
     assert rep["env_at_load"] == {"PYTORCH_CUDA_ALLOC_CONF": None, "PYTORCH_HIP_ALLOC_CONF": None,
                                   "PYTORCH_ALLOC_CONF": None}
+    assert set(rep["env_now"].values()) == {None}
+    opts = rep["status"]["optimizations"]
+    for name in ("tf32", "cudnn_benchmark", "cudnn_deterministic", "sdpa", "allocator"):
+        assert not opts[name]["applied"] and "no CUDA" in opts[name]["reason"], name
 
 
-def test_frozen_flags_and_tf32_override_are_respected(venv, tmp_path):
+def test_tf32_override_and_off_switch_are_respected(venv, tmp_path):
     rep, _ = run_release(venv, tmp_path, "2.14.1", env={"NVIDIA_TF32_OVERRIDE": "0"})
     assert "_set_cublas_allow_tf32" not in names(rep)
     assert "NVIDIA_TF32_OVERRIDE" in rep["status"]["optimizations"]["tf32"]["reason"]
+    rep, _ = run_release(venv, tmp_path / "b", "2.14.1", env={"OUTOFCUDA_TF32": "0"})
+    assert not {"_set_cublas_allow_tf32", "_set_cudnn_allow_tf32"} & set(names(rep))
+    assert "OUTOFCUDA_TF32=0" in rep["status"]["optimizations"]["tf32"]["reason"]
+
+
+LATE = """
+import sys
+sys.path.append({site!r})
+import json, torch
+torch.backends.disable_global_flags()
+import _outofcuda
+_outofcuda.install()                               # torch already imported: applies at once
+print('REPORT=' + json.dumps({{'calls': [list(map(str, c)) for c in torch._C.calls],
+                               'status': _outofcuda.status()}}))
+"""
+
+
+def test_frozen_flags_are_respected(venv, tmp_path):
+    # disable_global_flags() can only come before outofcuda's callback when
+    # the hook installs after torch (python -S, then install()).
+    rep, _ = run_release(venv, tmp_path, "2.14.1", args=("-S",),
+                         code=LATE.format(site=str(venv.site)))
+    called = names(rep)
+    assert not {"_set_cublas_allow_tf32", "_set_cudnn_allow_tf32", "_set_cudnn_benchmark"} & set(called)
+    opts = rep["status"]["optimizations"]
+    for name in ("tf32", "cudnn_benchmark"):
+        assert "disable_global_flags" in opts[name]["reason"], name
+    assert ["_set_sdp_use_flash", "True"] in rep["calls"]     # only the frozen flags are left
 
 
 def test_a_failing_setter_is_one_warning_and_torch_still_imports(venv, tmp_path):
@@ -137,3 +209,96 @@ C._set_cudnn_benchmark = broken
     hook = json.loads(r.stdout.split("ok ", 1)[1])
     assert "cudnn setter exploded" in hook["error"]
     assert r.stderr.count("UserWarning") == 1 and "cudnn setter exploded" in r.stderr
+
+
+CHILD = """
+import json, os, subprocess, sys, torch, _outofcuda
+child = subprocess.run([sys.executable, "-c", "import json, os; print(json.dumps("
+                        "{k: v for k, v in os.environ.items() if k.endswith('ALLOC_CONF')}))"],
+                       capture_output=True, text=True, check=True)
+print('REPORT=' + json.dumps({'child': json.loads(child.stdout), 'conf_read': torch._alloc_conf()}))
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"},
+                                 {"PYTORCH_ALLOC_CONF": ""}])
+def test_children_inherit_the_users_allocator_environment(venv, tmp_path, env):
+    rep, _ = run_release(venv, tmp_path, "2.14.1", env=env, code=CHILD)
+    assert rep["child"] == env
+    assert "expandable_segments:True" in rep["conf_read"]
+
+
+RETRY = """
+import json, sys, torch_paths
+try:
+    import torch
+except RuntimeError:
+    pass
+sys.path.remove(torch_paths.BROKEN)
+for name in [n for n in sys.modules if n.startswith("torch.")]:
+    del sys.modules[name]                          # the broken copy's submodules
+import torch, _outofcuda
+torch.cuda._fake_cuda_init()
+print('REPORT=' + json.dumps({'status': _outofcuda.status(), 'conf_read': torch._alloc_conf(),
+                             'version': torch.__version__}))
+"""
+
+
+def test_a_retried_import_reads_the_good_torchs_facts(venv, tmp_path):
+    # A broken copy first on the path (here a CPU-only 2.4.0 whose __init__
+    # raises), then the real one: outofcuda must judge the one that imported.
+    broken = make_fake_torch(tmp_path / "broken", "2.4.0", cuda=False)
+    init = broken / "torch" / "__init__.py"
+    init.write_text(init.read_text() + "\nraise RuntimeError('broken copy')\n")
+    good = make_fake_torch(tmp_path / "good", "2.14.1")
+    (tmp_path / "torch_paths.py").write_text(f"BROKEN = {str(broken)!r}\n")
+    r = venv.run(RETRY, env={"PYTHONPATH": f"{broken}:{good}:{tmp_path}"}, args=("-W", "error"),
+                 cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout.split("REPORT=")[-1])
+    opts = rep["status"]["optimizations"]
+    assert rep["version"] == "2.14.1"
+    assert opts["tf32"]["applied"] and opts["sdpa"]["applied"]
+    assert opts["allocator"]["applied"] and "PYTORCH_ALLOC_CONF" in opts["allocator"]["reason"]
+    assert rep["conf_read"] == opts["allocator"]["value"]
+
+
+AHEAD = """
+import importlib.machinery, json, sys
+class Ahead:
+    # A finder placed before outofcuda's after it installed (lazy importers,
+    # editable installs and vendoring tools do this).
+    def find_spec(self, name, path=None, target=None):
+        return importlib.machinery.PathFinder.find_spec(name, path) if name == "torch" else None
+sys.meta_path.insert(0, Ahead())
+import torch, _outofcuda
+print('REPORT=' + json.dumps(_outofcuda.status()))
+"""
+
+
+def test_status_says_when_another_finder_loaded_torch(venv, tmp_path):
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    r = venv.run(AHEAD, env={"PYTHONPATH": str(root)}, args=("-W", "error"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout.split("REPORT=")[-1])
+    assert st["hook"]["installed"] and not st["hook"]["fired"]
+    reason = st["optimizations"]["tf32"]["reason"]
+    assert "without passing outofcuda's import watcher" in reason, reason
+
+
+def test_bridge_has_no_branch_the_build_never_compiles():
+    # outofcuda targets Linux (pyproject classifiers; dlopen, pthreads): a Windows branch
+    # in the bridge is never compiled, so never tested.
+    src = (Path(__file__).resolve().parent.parent / "src" / "bridge.c").read_text()
+    assert "_WIN32" not in src
+
+
+def test_a_variable_torch_removed_itself_is_no_error(venv, tmp_path):
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    init = root / "torch" / "__init__.py"
+    init.write_text(init.read_text() + "\nos.environ.pop('PYTORCH_ALLOC_CONF', None)\n")
+    r = venv.run("import torch, _outofcuda, os\n"
+                 "print(_outofcuda.status()['hook']['error'], os.environ.get('PYTORCH_ALLOC_CONF'))",
+                 env={"PYTHONPATH": str(root)}, args=("-W", "error"), cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.split() == ["None", "None"]

@@ -1,9 +1,11 @@
 """What a plain `import torch` gets, read back through torch's public getters
-(torch 2.13.0 CPU build; each scenario a fresh interpreter, no `import outofcuda`)."""
+(torch 2.13.0 CPU build; each scenario a fresh interpreter, no `import outofcuda`).
+On a CPU-only build every flag stays torch's default; the CUDA build's flags are
+checked in tests/test_cuda_build.py."""
 import json
 
 FLAGS = """
-import json, sys, torch
+import json, os, sys, torch
 b = torch.backends
 print('FLAGS=' + json.dumps({
     'matmul_tf32': b.cuda.matmul.allow_tf32,
@@ -15,6 +17,9 @@ print('FLAGS=' + json.dumps({
     'math': b.cuda.math_sdp_enabled(),
     'excepthook': getattr(sys.excepthook, '__name__', ''),
     'cuda_initialized': torch.cuda.is_initialized(),
+    'cudnn_sdp': b.cuda.cudnn_sdp_enabled(),
+    'matmul_precision': torch.get_float32_matmul_precision(),
+    'alloc_env': sorted(k for k in os.environ if k.startswith('PYTORCH_')),
 }))
 """
 
@@ -27,30 +32,36 @@ def flags(venv, workdir, env=None):
 
 def test_defaults_applied_through_torch_getters(venv, workdir):
     f, r = flags(venv, workdir)
-    # TF32 is CUDA-only: on this CPU build it would only slow float32 matmuls.
-    assert f == {"matmul_tf32": False, "cudnn_tf32": True, "benchmark": True, "deterministic": False,
+    # A CPU-only build keeps torch's defaults for every flag: TF32 would only
+    # slow float32 matmuls, and cuDNN/SDPA flags are read by libraries
+    # (Lightning's Trainer(benchmark=None)) and by users' tests.
+    assert f == {"matmul_tf32": False, "cudnn_tf32": True, "benchmark": False, "deterministic": False,
                  "flash": True, "mem_efficient": True, "math": True,
-                 "excepthook": "excepthook", "cuda_initialized": False}
+                 "excepthook": "excepthook", "cuda_initialized": False,
+                 "cudnn_sdp": True, "matmul_precision": "highest", "alloc_env": []}
     assert r.stderr == ""
 
 
-def test_baseline_without_outofcuda_differs(venv, workdir):
-    # Shows the test above can fail: torch's own defaults are different.
-    f, _ = flags(venv, workdir, env={"OUTOFCUDA_DISABLE": "1"})
-    assert f["benchmark"] is False and f["cudnn_tf32"] is True
+def test_cpu_build_flags_equal_torchs_own(venv, workdir):
+    with_hook, _ = flags(venv, workdir)
+    without, _ = flags(venv, workdir, env={"OUTOFCUDA_DISABLE": "1"})
+    assert with_hook == without
 
 
-def test_every_off_switch(venv, workdir):
-    f, _ = flags(venv, workdir, env={
-        "OUTOFCUDA_TF32": "0", "OUTOFCUDA_CUDNN_BENCHMARK": "off", "OUTOFCUDA_FLASH_ATTN": "0",
-        "OUTOFCUDA_MEM_EFF_ATTN": "no", "OUTOFCUDA_MATH_ATTN": "false"})
-    assert f["benchmark"] is False
-    assert (f["flash"], f["mem_efficient"], f["math"]) == (False, False, False)
+def test_switches_on_a_cpu_build_change_nothing_readable(venv, workdir):
+    base, _ = flags(venv, workdir, env={"OUTOFCUDA_DISABLE": "1"})
+    for env in ({"OUTOFCUDA_CUDNN_DETERMINISTIC": "1"},
+                {"OUTOFCUDA_TF32": "0", "OUTOFCUDA_CUDNN_BENCHMARK": "off",
+                 "OUTOFCUDA_FLASH_ATTN": "0", "OUTOFCUDA_MEM_EFF_ATTN": "no",
+                 "OUTOFCUDA_MATH_ATTN": "false"}):
+        f, _ = flags(venv, workdir, env=env)
+        assert f == base, env
 
 
-def test_deterministic_forces_benchmark_off(venv, workdir):
-    f, _ = flags(venv, workdir, env={"OUTOFCUDA_CUDNN_DETERMINISTIC": "1"})
-    assert f["deterministic"] is True and f["benchmark"] is False
+def test_tf32_off_switch_is_recorded(venv, workdir):
+    r = venv.check("import torch, _outofcuda; print(_outofcuda.status()['optimizations']['tf32'])",
+                   env={"OUTOFCUDA_TF32": "0"}, cwd=workdir)
+    assert "'applied': False" in r.stdout and "OUTOFCUDA_TF32=0" in r.stdout
 
 
 def test_tf32_skipped_on_a_cpu_build_with_the_reason(venv, workdir):

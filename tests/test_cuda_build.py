@@ -1,0 +1,225 @@
+"""The hook against the real CUDA build of torch (2.14.1, CUDA 13.0), which
+imports without a GPU: everything that needs no device. Each scenario is a
+fresh interpreter under `-W error`; none may initialise CUDA.
+
+The `cuda_venv` fixture (tests/conftest.py) installs that build once per
+session; OUTOFCUDA_TEST_CUDA_VENV reuses an environment that has it."""
+import json
+
+import pytest
+
+# outofcuda's allocator defaults (OUTOFCUDA_ALLOC_CONF unset)
+DEFAULTS = "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True"
+
+FLAGS = """
+import json, os, sys, torch
+b = torch.backends
+print('FLAGS=' + json.dumps({
+    'matmul_tf32': b.cuda.matmul.allow_tf32,
+    'matmul_precision': torch.get_float32_matmul_precision(),
+    'cudnn_tf32': b.cudnn.allow_tf32,
+    'benchmark': b.cudnn.benchmark,
+    'deterministic': b.cudnn.deterministic,
+    'flash': b.cuda.flash_sdp_enabled(),
+    'mem_efficient': b.cuda.mem_efficient_sdp_enabled(),
+    'math': b.cuda.math_sdp_enabled(),
+    'cudnn_sdp': b.cuda.cudnn_sdp_enabled(),
+    'allocator': torch._C._accelerator_getAllocatorSettings(),
+    'backend': torch._C._cuda_getAllocatorBackend(),
+    'alloc_env': {k: v for k, v in os.environ.items() if k.startswith('PYTORCH_') and k.endswith('ALLOC_CONF')},
+    'queued': [getattr(fn, '__name__', '') for fn, _stack in torch.cuda._queued_calls],
+    'cuda_initialized': torch.cuda.is_initialized(),
+}))
+"""
+
+# torch 2.14.1's own values, read with OUTOFCUDA_DISABLE=1 on this build.
+TORCH_DEFAULTS = {"matmul_tf32": False, "matmul_precision": "highest", "cudnn_tf32": True,
+                  "benchmark": False, "deterministic": False, "flash": True,
+                  "mem_efficient": True, "math": True, "cudnn_sdp": True, "allocator": "",
+                  "backend": "native", "alloc_env": {}, "cuda_initialized": False}
+
+
+def report(venv, code, env=None, args=(), prefix="FLAGS="):
+    r = venv.run(code, env=env, args=("-W", "error", *args))
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    assert r.stderr == "", r.stderr
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith(prefix)][-1]
+    return json.loads(line[len(prefix):])
+
+
+def flags(venv, env=None):
+    return report(venv, FLAGS, env=env)
+
+
+def test_hook_fires_without_initialising_cuda(cuda_venv):
+    st = report(cuda_venv, """
+import json, torch, _outofcuda
+st = _outofcuda.status()
+st['cuda'] = torch.version.cuda
+st['cuda_initialized'] = torch.cuda.is_initialized()
+print('ST=' + json.dumps(st))
+""", prefix="ST=")
+    assert st["hook"] == {"installed": True, "fired": True, "error": None}
+    assert st["torch"].startswith("2.14.1") and st["cuda"] is not None
+    assert st["cuda_initialized"] is False
+    opts = st["optimizations"]
+    for name in ("tf32", "cudnn_benchmark", "allocator", "memory_fraction", "sdpa"):
+        assert opts[name]["applied"], (name, opts[name])
+
+
+def test_flags_read_back_through_torchs_getters(cuda_venv):
+    f = flags(cuda_venv)
+    assert f["queued"][-2:] == ["outofcuda_memory_fraction", "outofcuda_oom_at_cuda_init"]
+    del f["queued"]
+    assert f == dict(TORCH_DEFAULTS, matmul_tf32=True, matmul_precision="high", benchmark=True,
+                     allocator=DEFAULTS)
+
+
+def test_disable_leaves_torchs_defaults(cuda_venv):
+    f = flags(cuda_venv, env={"OUTOFCUDA_DISABLE": "1"})
+    assert not [q for q in f.pop("queued") if q.startswith("outofcuda")]
+    assert f == TORCH_DEFAULTS
+
+
+def test_every_off_switch(cuda_venv):
+    f = flags(cuda_venv, env={
+        "OUTOFCUDA_TF32": "0", "OUTOFCUDA_CUDNN_BENCHMARK": "off", "OUTOFCUDA_FLASH_ATTN": "0",
+        "OUTOFCUDA_MEM_EFF_ATTN": "no", "OUTOFCUDA_MATH_ATTN": "false"})
+    assert (f["matmul_tf32"], f["matmul_precision"], f["cudnn_tf32"]) == (False, "highest", True)
+    assert f["benchmark"] is False
+    assert (f["flash"], f["mem_efficient"], f["math"], f["cudnn_sdp"]) == (False, False, False, True)
+
+
+def test_deterministic_forces_benchmark_off(cuda_venv):
+    f = flags(cuda_venv, env={"OUTOFCUDA_CUDNN_DETERMINISTIC": "1"})
+    assert f["deterministic"] is True and f["benchmark"] is False
+
+
+def test_nvidia_tf32_override_keeps_tf32_off(cuda_venv):
+    f = flags(cuda_venv, env={"NVIDIA_TF32_OVERRIDE": "0"})
+    assert f["matmul_tf32"] is False and f["matmul_precision"] == "highest"
+
+
+def test_frozen_flags_are_respected(cuda_venv):
+    # The hook installs after torch (python -S, then install()), the only way
+    # disable_global_flags() can come first.
+    f = report(cuda_venv, f"""
+import sys
+sys.path.append({str(cuda_venv.site)!r})
+import torch
+torch.backends.disable_global_flags()
+import _outofcuda
+_outofcuda.install()
+""" + FLAGS, args=("-S",))
+    assert f["matmul_tf32"] is False and f["benchmark"] is False
+    assert f["cuda_initialized"] is False
+
+
+# ---- the allocator ----
+
+def test_allocator_holds_the_merge_and_the_variable_is_given_back(cuda_venv):
+    f = flags(cuda_venv, env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"})
+    assert f["allocator"] == "max_split_size_mb:512,garbage_collection_threshold:0.8," \
+                             "expandable_segments:True"
+    assert f["alloc_env"] == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert f["cuda_initialized"] is False
+
+
+def test_the_variable_is_set_while_torchs_libraries_load(cuda_venv):
+    # `backend` is parsed only while torch's libraries load: seeing it in
+    # effect proves the variable held outofcuda's string then.
+    f = flags(cuda_venv, env={"OUTOFCUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    assert f["backend"] == "cudaMallocAsync" and f["allocator"] == "backend:cudaMallocAsync"
+    assert f["alloc_env"] == {}
+
+
+def test_an_empty_variable_counts_as_set(cuda_venv):
+    f = flags(cuda_venv, env={"PYTORCH_CUDA_ALLOC_CONF": "",
+                              "PYTORCH_ALLOC_CONF": "max_split_size_mb:999"})
+    # torch stops at the empty PYTORCH_CUDA_ALLOC_CONF; outofcuda follows it.
+    assert f["allocator"] == DEFAULTS
+    assert f["alloc_env"] == {"PYTORCH_CUDA_ALLOC_CONF": "",
+                              "PYTORCH_ALLOC_CONF": "max_split_size_mb:999"}
+
+
+def test_torchs_own_empty_variable_rule(cuda_venv):
+    # The fact the test above relies on, read from torch itself.
+    f = flags(cuda_venv, env={"OUTOFCUDA_DISABLE": "1", "PYTORCH_CUDA_ALLOC_CONF": "",
+                              "PYTORCH_ALLOC_CONF": "max_split_size_mb:999"})
+    assert f["allocator"] == ""
+
+
+def test_cuda_malloc_async_gets_no_native_keys(cuda_venv):
+    # torch warns about native-allocator keys beside this backend (-W error).
+    f = flags(cuda_venv, env={"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    assert f["allocator"] == "backend:cudaMallocAsync" and f["backend"] == "cudaMallocAsync"
+
+
+CHILDREN = """
+import json, os, subprocess, sys, torch
+out = {}
+for name, extra in [("plain", {}), ("disabled", {"OUTOFCUDA_DISABLE": "1"}),
+                    ("own", {"OUTOFCUDA_ALLOC_CONF": "max_split_size_mb:256"})]:
+    child = subprocess.run([sys.executable, "-W", "error", "-c",
+                            "import json, os, torch; print(json.dumps(["
+                            "torch._C._accelerator_getAllocatorSettings(), "
+                            "{k: v for k, v in os.environ.items() if k.startswith('PYTORCH_') and k.endswith('ALLOC_CONF')}]))"],
+                           env=dict(os.environ, **extra), capture_output=True, text=True)
+    out[name] = json.loads(child.stdout) if child.returncode == 0 else child.stderr[-500:]
+print('CHILDREN=' + json.dumps(out))
+"""
+
+
+def test_children_see_the_users_environment(cuda_venv):
+    c = report(cuda_venv, CHILDREN, prefix="CHILDREN=")
+    assert c["plain"] == [DEFAULTS, {}]                     # the child's own outofcuda
+    assert c["disabled"] == ["", {}]                        # OUTOFCUDA_DISABLE=1 wins
+    assert c["own"] == ["max_split_size_mb:256", {}]        # the child's own settings win
+
+
+# ---- work deferred to CUDA initialisation ----
+
+FRACTION = """
+import json, torch, _outofcuda
+C = torch._C
+calls = []
+queued = {getattr(fn, '__name__', ''): fn for fn, _stack in torch.cuda._queued_calls}
+# Stand-ins for the three device calls the callback makes (no GPU here).
+C._cuda_getDeviceCount = lambda: 4
+C._cuda_getDevice = lambda: 1
+C._cuda_setMemoryFraction = lambda fraction, device: calls.append([fraction, device])
+queued['outofcuda_memory_fraction']()
+print('FRACTION=' + json.dumps({
+    'calls': calls, 'status': _outofcuda.status()['optimizations']['memory_fraction'],
+    'oom_queued': 'outofcuda_oom_at_cuda_init' in queued,
+    'cuda_initialized': torch.cuda.is_initialized()}))
+"""
+
+
+@pytest.mark.parametrize("local_rank,device", [("2", 2), (None, 1), ("7", 1), ("x", 1)])
+def test_queued_memory_fraction_takes_local_rank(cuda_venv, local_rank, device):
+    f = report(cuda_venv, FRACTION, env={"LOCAL_RANK": local_rank}, prefix="FRACTION=")
+    assert f["calls"] == [[0.95, device]]
+    assert f["status"]["applied"] and f["status"]["value"] == {"fraction": 0.95, "device": device}
+    assert ("LOCAL_RANK" in f["status"]["reason"]) == (local_rank == "2")
+    assert f["oom_queued"] and f["cuda_initialized"] is False
+
+
+def test_excepthooks_untouched_on_cuda_build(cuda_venv):
+    """The excepthooks stay Python's own until CUDA initialises."""
+    r = cuda_venv.check("""
+import sys, threading, torch
+assert sys.excepthook is sys.__excepthook__, sys.excepthook
+assert threading.excepthook is threading.__excepthook__, threading.excepthook
+""")
+    assert r.stderr == ""
+
+
+def test_a_missing_cuda_build_skips_here_and_fails_in_ci(monkeypatch):
+    from conftest import _unavailable
+    monkeypatch.setenv("CI", "1")
+    with pytest.raises(pytest.fail.Exception, match="unavailable in CI: no disk"):
+        _unavailable("no disk")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="unavailable: no disk"):
+        _unavailable("no disk")
