@@ -88,7 +88,7 @@ def extension(name, sources):
 # torch is imported (everything else).
 BOOT_SOURCES = ["src/boot.c"]
 ext_modules = [
-    extension("_outofcuda_boot", BOOT_SOURCES),
+    extension("outofcuda_hook", BOOT_SOURCES),
     extension("_outofcuda", sorted(set(glob("src/*.c")) - set(BOOT_SOURCES))),
 ]
 

@@ -1,4 +1,4 @@
-/* boot.c - _outofcuda_boot, the only outofcuda code every Python process of
+/* boot.c - outofcuda_hook, the only outofcuda code every Python process of
  * the environment runs. The .pth line loads this file by path from its own
  * directory; its init puts one meta-path finder on sys.meta_path. The finder
  * answers None to every import but `torch`; for torch it loads the engine
@@ -56,7 +56,7 @@ static int disabled_by_env(void)
 
 /* ---- the engine, loaded on the first `import torch` ---- */
 
-/* `dir/_outofcuda_boot<suffix>` -> `dir/_outofcuda<suffix>`: the engine is
+/* `dir/outofcuda_hook<suffix>` -> `dir/_outofcuda<suffix>`: the engine is
  * resolved from this file's location, never by name on sys.path (the working
  * directory is on sys.path by the time torch is imported). */
 static PyObject *engine_path(void)
@@ -350,7 +350,7 @@ static struct PyModuleDef boot_def = {
  * _imp.create_dynamic alone (no exec step, no spec), and the module must then
  * be in sys.modules and carry __file__, which CPython does for single-phase
  * modules only. */
-PyMODINIT_FUNC PyInit__outofcuda_boot(void)
+PyMODINIT_FUNC PyInit_outofcuda_hook(void)
 {
     PyObject *m, *modules, *res;
     /* One watcher per process; a subinterpreter gets none. */

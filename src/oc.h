@@ -1,6 +1,6 @@
 /* oc.h - the one header every outofcuda C file includes.
  *
- * Two extensions. The boot (_outofcuda_boot, boot.c alone) is what the
+ * Two extensions. The boot (outofcuda_hook, boot.c alone) is what the
  * start-up hook loads in every process; the engine (_outofcuda, every other
  * file) is loaded by the boot on `import torch`. Read the files in the order
  * the data flows, each calling only files below it:
@@ -27,7 +27,7 @@
 
 /* The two extensions: the boot (boot.c alone) that the start-up hook imports,
  * and the engine (every other file), loaded by the boot on `import torch`. */
-#define OC_BOOT_NAME "_outofcuda_boot"
+#define OC_BOOT_NAME "outofcuda_hook"
 #define OC_ENGINE_NAME "_outofcuda"
 #define OC_ENGINE_FIND_SPEC "_find_torch_spec" /* engine function the boot's finder calls */
 #define OC_ENGINE_INSTALL "install"            /* engine function for a torch already there */
