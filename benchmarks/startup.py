@@ -338,11 +338,18 @@ def markdown(paths):
             return f"{a['ratio']:.4f}" if "ratio" in a else "-"
         return cell_
 
-    lines = ["| CPython | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(rs)]
+    lines = ["# outofcuda start-up tax by CPython version", "",
+             "`benchmarks/startup.py`, callgrind instructions of two venvs alike (paths of equal "
+             "length), one with outofcuda; \"(no torch)\": torch in neither venv. Runs: "
+             + ", ".join(f"{r['python']} {r['date']}" for r in rs) + ".", "",
+             "| CPython | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(rs)]
     rows = [
         ("`python -c pass` instructions, without", lambda r: f"{r['pass']['without']:,}"),
         ("with outofcuda", lambda r: f"{r['pass']['with']:,}"),
         ("**ratio** (target <= 1.020)", lambda r: f"**{r['pass']['ratio']:.4f}**"),
+        ("ratio over a venv with a comment-only `.pth`", lambda r: (
+            f"{r['pass']['with'] / r['anchors']['comment-only .pth']['with']:.4f}"
+            if "ratio" in r.get("anchors", {}).get("comment-only .pth", {}) else "-")),
         ("with `OUTOFCUDA_DISABLE=1`", lambda r: cell(r, "pass_disabled")),
         ("without byte-code (target <= 1.025)", lambda r: cell(r, "pass_no_bytecode")),
         ("`import outofcuda` / `pass` (target <= 1.10)", lambda r: cell(r, "import_outofcuda")),
