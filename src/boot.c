@@ -23,6 +23,12 @@ static PyObject *finder;      /* strong; the one instance on sys.meta_path */
 static PyObject *engine;      /* strong; _outofcuda once loaded */
 static int engine_unusable;   /* loading it failed once: never retried */
 
+static int is_blank(char c)
+{
+    /* isspace() in the C locale, as config.c trims */
+    return c == ' ' || c == '\t' || c == '\n' || c == '\v' || c == '\f' || c == '\r';
+}
+
 /* OUTOFCUDA_DISABLE as a boolean word: the words oc_parse_bool (config.c)
  * accepts for "yes", any case, blanks around. The boot links nothing of the
  * engine, so it reads the one variable it needs itself. */
@@ -34,15 +40,15 @@ static int disabled_by_env(void)
     size_t n = 0;
     if (v == NULL)
         return 0;
-    while (*v == ' ' || *v == '\t' || *v == '\n' || *v == '\r')
+    while (is_blank(*v))
         v++;
-    while (*v != '\0' && *v != ' ' && *v != '\t' && *v != '\n' && *v != '\r') {
+    while (*v != '\0' && !is_blank(*v)) {
         if (n + 1 >= sizeof word)
             return 0;
         word[n++] = (char)(*v >= 'A' && *v <= 'Z' ? *v - 'A' + 'a' : *v);
         v++;
     }
-    while (*v == ' ' || *v == '\t' || *v == '\n' || *v == '\r')
+    while (is_blank(*v))
         v++;
     word[n] = '\0';
     if (*v != '\0')

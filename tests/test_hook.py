@@ -45,7 +45,7 @@ def test_plain_start_is_silent_and_imports_nothing_heavy(venv, workdir):
 
 
 def test_disable_skips_even_loading_the_extension(venv, workdir):
-    for value in ("1", "true", "YES", "On", " on\t"):
+    for value in ("1", "true", "YES", "On", " on\t", "\v1\f"):
         r = venv.check("""
             import sys, torch
             print('_outofcuda' in sys.modules, any(type(f).__name__ == 'TorchImportWatcher'
