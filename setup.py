@@ -73,16 +73,28 @@ def extra_link_args():
     return []
 
 
-ext = Extension(
-    "_outofcuda",
-    sources=sorted(glob("src/*.c")),
-    depends=["src/oc.h"],
-    define_macros=[("Py_LIMITED_API", "0x03090000"), ("_GNU_SOURCE", "1")],
-    py_limited_api=True,
-    extra_compile_args=extra_compile_args(),
-    extra_link_args=extra_link_args(),
-    libraries=["dl", "pthread"] if sys.platform.startswith("linux") else [],
-)
+def extension(name, sources):
+    return Extension(
+        name,
+        sources=sources,
+        depends=["src/oc.h"],
+        define_macros=[("Py_LIMITED_API", "0x03090000"), ("_GNU_SOURCE", "1")],
+        py_limited_api=True,
+        extra_compile_args=extra_compile_args(),
+        extra_link_args=extra_link_args(),
+        libraries=["dl", "pthread"] if sys.platform.startswith("linux") and name == "_outofcuda"
+        else [],
+    )
+
+
+# Two extensions: the boot that every Python process of the environment loads
+# at start-up (one small file, nothing linked), and the engine it loads when
+# torch is imported (everything else).
+BOOT_SOURCES = ["src/boot.c"]
+ext_modules = [
+    extension("outofcuda_hook", BOOT_SOURCES),
+    extension("_outofcuda", sorted(set(glob("src/*.c")) - set(BOOT_SOURCES))),
+]
 
 options = {"bdist_wheel": {"py_limited_api": "cp39"}}
 if SANITIZE:
@@ -94,7 +106,7 @@ if SANITIZE:
 
 setup(
     version=VERSION,
-    ext_modules=[ext],
+    ext_modules=ext_modules,
     cmdclass={"build_py": build_py_with_hook, "editable_wheel": editable_wheel_with_hook},
     options=options,
 )

@@ -8,6 +8,8 @@ hook did, imports no torch and never initialises CUDA.
 try:
     from ._native import core as _core
 except ImportError as _exc:  # the extension is missing or damaged
+    if type(_exc).__name__ == "ShadowedError":
+        raise  # another module took the extension's name: say so at import
     # `import outofcuda` still works so that the command line can explain;
     # every function that needs the core raises this error.
     _core = None

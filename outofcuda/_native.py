@@ -1,44 +1,67 @@
-"""Finds outofcuda's C extension.
+"""Finds outofcuda's C extension (the engine, ``_outofcuda``).
 
-The start-up hook imports ``_outofcuda`` before the working directory is on
-``sys.path``; when it did not run (``OUTOFCUDA_DISABLE=1``, ``python -S``) the
-extension is loaded here from the directory that holds this package, by path,
-so a file called ``_outofcuda.py`` in the working directory is never picked up.
+The engine is loaded by path from the directory that holds this package, never
+by name: the working directory and PYTHONPATH are on ``sys.path`` and a file
+called ``_outofcuda.py`` there must not be picked up. When the start-up hook
+already loaded it (on ``import torch``), that module is used.
+
+Only modules that are already imported are used here (``os`` and importlib's
+own bootstrap): ``import outofcuda`` stays cheap in a process without torch.
 """
 import sys
-from importlib.machinery import EXTENSION_SUFFIXES, ExtensionFileLoader
-from importlib.util import module_from_spec, spec_from_file_location
-from pathlib import Path
+from os import path as _path
+
+import _frozen_importlib as _bootstrap  # what importlib.util.module_from_spec is
+import _frozen_importlib_external as _external  # what importlib.machinery exports
+
+_NAME = "_outofcuda"
+_ENTRY = "_find_torch_spec"  # a function only the engine has
+
+
+class ShadowedError(ImportError):
+    """A module named ``_outofcuda`` that is not outofcuda's engine was imported
+    first; ``import outofcuda`` fails with this rather than half-work."""
+
+
+def _check(mod):
+    if getattr(mod, _ENTRY, None) is None:
+        where = getattr(mod, "__file__", None) or repr(mod)
+        raise ShadowedError(
+            f"outofcuda: the module {_NAME!r} already imported in this process is {where}, "
+            f"not outofcuda's C extension; a file of that name on sys.path (PYTHONPATH or the "
+            f"working directory) was imported first: rename it"
+        )
+    return mod
 
 
 def _load():
-    mod = sys.modules.get("_outofcuda")
+    mod = sys.modules.get(_NAME)
     if mod is not None:
-        return mod
-    root = Path(__file__).resolve().parent.parent
-    for suffix in EXTENSION_SUFFIXES:
-        path = root / ("_outofcuda" + suffix)
-        if path.is_file():
-            spec = spec_from_file_location(
-                "_outofcuda", str(path), loader=ExtensionFileLoader("_outofcuda", str(path))
-            )
-            try:
-                mod = module_from_spec(spec)
-                spec.loader.exec_module(mod)
-            except (ImportError, OSError) as exc:
-                raise ImportError(
-                    f"outofcuda's C extension at {path} is present but cannot be loaded "
-                    f"in this interpreter ({exc}). outofcuda works only in the main "
-                    "interpreter, not in a subinterpreter; in the main interpreter this "
-                    "means a damaged file or one built for another platform: "
-                    "pip install --force-reinstall --no-deps 'outofcuda>=0.2'"
-                ) from exc
-            sys.modules["_outofcuda"] = mod
-            return mod
-    raise ImportError(
-        f"outofcuda's C extension (_outofcuda) is missing from {root}; reinstall "
-        "outofcuda: pip install --force-reinstall --no-deps 'outofcuda>=0.2'"
-    )
+        return _check(mod)
+    root = _path.dirname(_path.dirname(_path.realpath(__file__)))
+    for suffix in _external.EXTENSION_SUFFIXES:
+        path = _path.join(root, _NAME + suffix)
+        if _path.isfile(path):
+            break
+    else:
+        raise ImportError(
+            f"outofcuda's C extension ({_NAME}) is missing from {root}; reinstall outofcuda: "
+            "pip install --force-reinstall --no-deps 'outofcuda>=0.2'"
+        )
+    loader = _external.ExtensionFileLoader(_NAME, path)
+    spec = _external.spec_from_file_location(_NAME, path, loader=loader)
+    try:
+        mod = _bootstrap.module_from_spec(spec)
+        loader.exec_module(mod)
+    except (ImportError, OSError) as exc:
+        raise ImportError(
+            f"outofcuda's C extension at {path} is present but cannot be loaded "
+            f"in this interpreter ({exc}). outofcuda works only in the main "
+            "interpreter, not in a subinterpreter; in the main interpreter this "
+            "means a damaged file or one built for another platform: "
+            "pip install --force-reinstall --no-deps 'outofcuda>=0.2'"
+        ) from exc
+    return _check(sys.modules.setdefault(_NAME, mod))
 
 
 core = _load()

@@ -1,18 +1,23 @@
 /* oc.h - the one header every outofcuda C file includes.
  *
- * Layout (one file per concern):
- *   module.c   module definition, method table, install()
- *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python)
- *   allocconf.c allocator-string parse and merge (pure C, no Python)
- *   watcher.c  meta-path finder and loader proxy that notice `import torch`
+ * Two extensions. The boot (outofcuda_hook, boot.c alone) is what the
+ * start-up hook loads in every process; the engine (_outofcuda, every other
+ * file) is loaded by the boot on `import torch`. Read the files in the order
+ * the data flows, each calling only files below it:
+ *   boot.c     the finder on sys.meta_path; loads the engine for torch
+ *   module.c   the engine's module definition, install(), config()
+ *   watcher.c  torch's spec and the loader proxy around its import
  *   bridge.c   what happens when torch has imported: the optimisations
- *   nvml.c     NVML loaded with dlopen at run time
  *   oom.c      out-of-memory handler and report
  *   api.c      decisions behind the Python API
- *   (oc.h also lists which file owns each shared function)
- *   report.c   status dict and the verbose table
  *   monitor.c  the native watchdog thread behind MemoryMonitor
  *   summary.c  OUTOFCUDA_SUMMARY: utilisation sampler and the at-exit block
+ *   report.c   status dict and the verbose table
+ *   nvml.c     NVML loaded with dlopen at run time
+ *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python)
+ *   allocconf.c allocator-string parse and merge (pure C, no Python)
+ *   common.c   the shared ground: process state, warnings, small helpers
+ * (below: which file owns each shared function)
  */
 #ifndef OC_H
 #define OC_H
@@ -20,6 +25,13 @@
 #include <stddef.h>
 
 #define OC_VERSION "0.2.0"
+
+/* The two extensions: the boot (boot.c alone) that the start-up hook imports,
+ * and the engine (every other file), loaded by the boot on `import torch`. */
+#define OC_BOOT_NAME "outofcuda_hook"
+#define OC_ENGINE_NAME "_outofcuda"
+#define OC_ENGINE_FIND_SPEC "_find_torch_spec" /* engine function the boot's finder calls */
+#define OC_ENGINE_INSTALL "install"            /* engine function for a torch already there */
 
 /* ---- pure C part: safe to include without Python (fuzzers, unit tests) ---- */
 
@@ -122,8 +134,6 @@ typedef struct {
     int prepared;  /* pre-import work (config, allocator env) done */
     int config_loaded;
     oc_config cfg;
-    PyObject *finder; /* strong ref; the finder instance on sys.meta_path */
-    PyObject *finder_type;
     PyObject *proxy_type;
     PyObject *error;         /* str or NULL: what went wrong inside outofcuda */
     PyObject *results;       /* dict: optimisation name -> dict(applied, value, reason) */
@@ -136,15 +146,17 @@ typedef struct {
 
 extern oc_state oc_g;
 
-/* module.c */
+/* common.c */
 const oc_config *oc_config_get(void); /* loads once, emits warnings */
 void oc_warn(const char *msg);        /* one warning; never raises */
 void oc_set_error(const char *where); /* keeps the current exception text */
 int oc_disabled_by_env(void);
 
 /* watcher.c */
-int oc_watcher_install(void); /* 0 ok, -1 with exception */
+int oc_watcher_init(PyObject *module); /* from module_exec */
+int oc_watcher_install(void);          /* 0 ok, -1 with exception */
 int oc_watcher_fire_if_imported(void);
+extern PyMethodDef oc_watcher_methods[];
 
 /* bridge.c: called with torch imported. Never raises. */
 void oc_bridge_before_torch(PyObject *spec);
@@ -210,7 +222,7 @@ int oc_api_clear_cache(long long *released);
 /* monitor.c */
 int oc_monitor_add_type(PyObject *module);
 
-/* small helpers (module.c) */
+/* small helpers (common.c) */
 PyObject *oc_getattr_chain(PyObject *obj, const char *dotted);
 /* sys.modules[name] (new ref), or NULL with no exception: never imports. */
 PyObject *oc_sys_module(const char *name);                      /* new ref or NULL, no exception */

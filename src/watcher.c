@@ -1,15 +1,10 @@
-/* watcher.c - notices `import torch` from sys.meta_path and runs the bridge
- * once, right after torch's module has executed. The semantics follow a
- * post-import hook: ask the other finders for torch's real spec, wrap its
- * loader, give the module its real loader back before it runs. */
+/* watcher.c - the engine's half of the import watcher. The finder itself is
+ * the boot module's (boot.c, on sys.meta_path from start-up); it hands each
+ * "torch" lookup to _find_torch_spec here, which runs the bridge once, right
+ * after torch's module has executed. The semantics follow a post-import hook:
+ * ask the other finders for torch's real spec, wrap its loader, give the
+ * module its real loader back before it runs. */
 #include "oc.h"
-
-#include <structmember.h>
-
-typedef struct {
-    PyObject_HEAD
-    PyObject *dict; /* tools patch finders with setattr(finder, "find_spec", ...) */
-} finder_object;
 
 typedef struct {
     PyObject_HEAD
@@ -203,7 +198,7 @@ static PyObject *make_proxy(PyObject *loader)
     return (PyObject *)p;
 }
 
-/* ---- the finder ---- */
+/* ---- the torch lookup ---- */
 
 /* Asks the other meta-path finders, in order, for the spec of `name`.
  * Returns a new reference (Py_None when none found) or NULL with an error. */
@@ -242,19 +237,19 @@ static PyObject *find_with_others(PyObject *self, PyObject *name, PyObject *path
     return spec;
 }
 
-/* find_spec(name, path=None, target=None): None for every module but a first
- * import of torch; for torch, its real spec with the loader wrapped. */
-static PyObject *finder_find_spec(PyObject *self, PyObject *args, PyObject *kw)
+/* _find_torch_spec(finder, fullname, path=None, target=None): the boot's
+ * finder hands every "torch" lookup here. None after the hook fired; else
+ * torch's real spec with the loader wrapped. `finder` is skipped when the
+ * other finders are asked. */
+static PyObject *find_torch_spec(PyObject *module, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"fullname", "path", "target", NULL};
-    PyObject *name, *path = Py_None, *target = Py_None, *spec, *loader, *proxy;
-    PyObject *first = PyTuple_Size(args) > 0 ? PyTuple_GetItem(args, 0) : NULL;
-    /* Every import of the process passes here (importlib calls positionally):
-     * answer "not torch" before any argument parsing. */
-    if (oc_g.fired || (first != NULL && PyUnicode_Check(first) &&
-                       PyUnicode_CompareWithASCIIString(first, "torch") != 0))
+    static char *kwlist[] = {"finder", "fullname", "path", "target", NULL};
+    PyObject *self, *name, *path = Py_None, *target = Py_None, *spec, *loader, *proxy;
+    (void)module;
+    if (oc_g.fired)
         Py_RETURN_NONE;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "U|OO:find_spec", kwlist, &name, &path, &target))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OU|OO:find_spec", kwlist, &self, &name, &path,
+                                     &target))
         return NULL;
     if (PyUnicode_CompareWithASCIIString(name, "torch") != 0)
         Py_RETURN_NONE;
@@ -286,92 +281,105 @@ static PyObject *finder_find_spec(PyObject *self, PyObject *args, PyObject *kw)
     return spec;
 }
 
-static PyObject *finder_repr(PyObject *self)
-{
-    (void)self;
-    return PyUnicode_FromString("<outofcuda torch import watcher>");
-}
-
-static PyObject *finder_invalidate_caches(PyObject *self, PyObject *unused)
-{
-    (void)self;
-    (void)unused;
-    Py_RETURN_NONE;
-}
-
-static int finder_traverse(PyObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(((finder_object *)self)->dict);
-    Py_VISIT(Py_TYPE(self));
-    return 0;
-}
-
-static int finder_clear(PyObject *self)
-{
-    Py_CLEAR(((finder_object *)self)->dict);
-    return 0;
-}
-
-static void finder_dealloc(PyObject *self)
-{
-    PyTypeObject *tp = Py_TYPE(self);
-    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
-    PyObject_GC_UnTrack(self);
-    finder_clear(self);
-    tp_free(self);
-    Py_DECREF(tp);
-}
-
-static PyMethodDef finder_methods[] = {
-    {"find_spec", (PyCFunction)(void (*)(void))finder_find_spec, METH_VARARGS | METH_KEYWORDS,
-     NULL},
-    {"invalidate_caches", finder_invalidate_caches, METH_NOARGS, NULL},
+PyMethodDef oc_watcher_methods[] = {
+    {OC_ENGINE_FIND_SPEC, (PyCFunction)(void (*)(void))find_torch_spec,
+     METH_VARARGS | METH_KEYWORDS, "The torch lookup of the boot's finder."},
     {NULL, NULL, 0, NULL},
 };
 
-static PyMemberDef finder_members[] = {
-    {"__dictoffset__", T_PYSSIZET, offsetof(finder_object, dict), READONLY, NULL},
-    {NULL, 0, 0, 0, NULL},
-};
+/* ---- the boot module that owns the finder ---- */
 
-static PyType_Slot finder_slots[] = {
-    {Py_tp_dealloc, (void *)finder_dealloc},
-    {Py_tp_traverse, (void *)finder_traverse},
-    {Py_tp_clear, (void *)finder_clear},
-    {Py_tp_repr, (void *)finder_repr},
-    {Py_tp_methods, finder_methods},
-    {Py_tp_members, finder_members},
-    {0, NULL},
-};
+static PyObject *engine_module; /* borrowed: lives in sys.modules as long as we do */
 
-static PyType_Spec finder_spec = {
-    "_outofcuda.TorchImportWatcher",         sizeof(finder_object), 0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, finder_slots,
-};
+/* The boot module: the one in sys.modules when it is outofcuda's (the hook
+ * imported it), else loaded by path from the engine's own directory, never by
+ * name (the working directory may be on sys.path). New reference or NULL. */
+static PyObject *boot_module(void)
+{
+    PyObject *mod = PyDict_GetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME);
+    PyObject *file, *name, *head, *tail, *path = NULL, *util, *spec = NULL, *loader = NULL, *res;
+    Py_ssize_t len, at;
+    if (mod != NULL && PyObject_HasAttrString(mod, "_install")) {
+        Py_INCREF(mod);
+        return mod;
+    }
+    mod = NULL;
+    if (engine_module == NULL) {
+        PyErr_SetString(PyExc_ImportError, "outofcuda's engine was not initialised");
+        return NULL;
+    }
+    file = PyModule_GetFilenameObject(engine_module);
+    if (file == NULL)
+        return NULL;
+    len = PyUnicode_GetLength(file);
+    name = PyUnicode_FromString(OC_ENGINE_NAME);
+    at = name ? PyUnicode_Find(file, name, 0, len, -1) : -2;
+    Py_XDECREF(name);
+    if (at >= 0) {
+        head = PyUnicode_Substring(file, 0, at);
+        tail = PyUnicode_Substring(file, at + (Py_ssize_t)strlen(OC_ENGINE_NAME), len);
+        if (head != NULL && tail != NULL)
+            path = PyUnicode_FromFormat("%U" OC_BOOT_NAME "%U", head, tail);
+        Py_XDECREF(head);
+        Py_XDECREF(tail);
+    } else if (at == -1) {
+        PyErr_Format(PyExc_ImportError, "%U is not named " OC_ENGINE_NAME "*", file);
+    }
+    Py_DECREF(file);
+    if (path == NULL)
+        return NULL;
+    util = PyImport_ImportModule("importlib.util");
+    if (util != NULL)
+        spec = PyObject_CallMethod(util, "spec_from_file_location", "sO", OC_BOOT_NAME, path);
+    if (spec == Py_None)
+        PyErr_Format(PyExc_ImportError, "%U is not a loadable extension", path);
+    else if (spec != NULL)
+        mod = PyObject_CallMethod(util, "module_from_spec", "O", spec);
+    loader = mod ? PyObject_GetAttrString(spec, "loader") : NULL;
+    res = loader ? PyObject_CallMethod(loader, "exec_module", "O", mod) : NULL;
+    if (res == NULL)
+        Py_CLEAR(mod);
+    else if (PyDict_GetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME) == NULL &&
+             PyDict_SetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME, mod) < 0)
+        Py_CLEAR(mod);
+    Py_XDECREF(res);
+    Py_XDECREF(loader);
+    Py_XDECREF(spec);
+    Py_XDECREF(util);
+    Py_DECREF(path);
+    return mod;
+}
+
+/* Called from module_exec: the hook may have installed the boot's finder long
+ * before the engine loads. */
+int oc_watcher_init(PyObject *module)
+{
+    PyObject *boot = PyDict_GetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME), *f;
+    engine_module = module;
+    if (boot == NULL || !PyObject_HasAttrString(boot, "_finder"))
+        return 0;
+    f = PyObject_CallMethod(boot, "_finder", NULL);
+    if (f == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (f != Py_None)
+        oc_g.installed = 1;
+    Py_DECREF(f);
+    return 0;
+}
 
 int oc_watcher_install(void)
 {
-    PyObject *meta_path;
-    if (oc_g.finder == NULL) {
-        if (oc_g.finder_type == NULL) {
-            oc_g.finder_type = PyType_FromSpec(&finder_spec);
-            if (oc_g.finder_type == NULL)
-                return -1;
-        }
-        oc_g.finder = PyType_GenericAlloc((PyTypeObject *)oc_g.finder_type, 0);
-        if (oc_g.finder == NULL)
-            return -1;
-    }
-    meta_path = PySys_GetObject("meta_path"); /* borrowed */
-    if (meta_path == NULL || !PyList_Check(meta_path)) {
-        PyErr_SetString(PyExc_RuntimeError, "sys.meta_path is not a list");
+    PyObject *boot = boot_module(), *f;
+    if (boot == NULL)
         return -1;
-    }
-    if (PySequence_Contains(meta_path, oc_g.finder) == 1)
-        return 0;
-    /* First place: the watcher must see torch before PathFinder or an
-     * editable-install finder claims it. */
-    return PyList_Insert(meta_path, 0, oc_g.finder);
+    f = PyObject_CallMethod(boot, "_install", NULL);
+    Py_DECREF(boot);
+    if (f == NULL)
+        return -1;
+    Py_DECREF(f);
+    return 0;
 }
 
 int oc_watcher_fire_if_imported(void)

@@ -34,24 +34,29 @@ def test_plain_start_is_silent_and_imports_nothing_heavy(venv, workdir):
         import sys
         watchers = [f for f in sys.meta_path if type(f).__name__ == 'TorchImportWatcher']
         print(len(watchers), 'torch' in sys.modules, 'outofcuda' in sys.modules,
-              '_outofcuda' in sys.modules)
+              '_outofcuda' in sys.modules, 'outofcuda_hook' in sys.modules)
         maps = open('/proc/self/maps').read()
-        print('nvidia-ml' in maps, 'libcuda' in maps)
+        print('nvidia-ml' in maps, 'libcuda' in maps, '_outofcuda.abi3.so' in maps)
     """, cwd=workdir)
     # In a venv every .pth runs twice (CPython issue 75723): still one watcher.
-    assert r.stdout.split() == ["1", "False", "False", "True", "False", "False"]
+    # Only the boot is loaded at start-up; the engine waits for `import torch`.
+    assert r.stdout.split() == ["1", "False", "False", "False", "True", "False", "False", "False"]
     assert r.stderr == ""
 
 
 def test_disable_skips_even_loading_the_extension(venv, workdir):
-    for value in ("1", "true", "YES", "On"):
+    for value in ("1", "true", "YES", "On", " on\t", "\v1\f"):
         r = venv.check("""
             import sys, torch
             print('_outofcuda' in sys.modules, any(type(f).__name__ == 'TorchImportWatcher'
                                                    for f in sys.meta_path))
-            print(torch.backends.cudnn.benchmark)
+            print(torch.backends.cudnn.benchmark, '_outofcuda.abi3.so' in open('/proc/self/maps').read())
         """, env={"OUTOFCUDA_DISABLE": value}, cwd=workdir)
-        assert r.stdout.split() == ["False", "False", "False"], value
+        assert r.stdout.split() == ["False", "False", "False", "False"], value
+    # Words that do not mean "yes" leave the hook on, as the engine's parser does.
+    for value in ("0", "off", "no", "yess", "", "1 1"):
+        r = venv.check(S("import torch"), env={"OUTOFCUDA_DISABLE": value}, cwd=workdir)
+        assert status_of(r)["hook"]["fired"] is True, value
 
 
 def test_disable_with_blanks_is_honoured_by_the_c_check(venv, workdir):
@@ -88,7 +93,7 @@ def test_pth_and_start_files_are_constant_and_short(venv):
     start = (venv.site / "outofcuda_hook.start").read_text()
     assert pth.count("\n") == 1 and pth.startswith("import sys;")
     assert len(pth) < 300
-    assert start.strip() == "_outofcuda:install"
+    assert start.strip() == "outofcuda_hook:install"
 
 
 # ---- the watcher ----
@@ -245,16 +250,20 @@ def test_torch_raising_during_import_is_torchs_error(venv, workdir):
     assert "import of torch._C halted" in r.stderr and "outofcuda" not in r.stderr
 
 
+def _damage(so, damage):
+    if damage == "delete":
+        so.unlink()
+    else:
+        so.write_bytes(so.read_bytes()[:100])
+
+
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
-def test_damaged_extension_never_breaks_start_up(venv, workdir, damage):
+def test_damaged_engine_never_breaks_start_up(venv, workdir, damage):
     (so,) = venv.site.glob("_outofcuda*.so")
     backup = workdir / "backup.so"
     shutil.copy2(so, backup)
     try:
-        if damage == "delete":
-            so.unlink()
-        else:
-            so.write_bytes(so.read_bytes()[:100])
+        _damage(so, damage)
         r = venv.check("import torch; print(torch.ones(2).sum().item())", cwd=workdir)
         assert r.stdout.strip() == "2.0" and r.stderr == ""
         r = venv.run("import outofcuda; outofcuda.status()", cwd=workdir)
@@ -264,6 +273,72 @@ def test_damaged_extension_never_breaks_start_up(venv, workdir, damage):
         assert r.returncode == 1 and "reinstall outofcuda" in r.stderr
     finally:
         shutil.copy2(backup, so)
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_damaged_boot_never_breaks_start_up(venv, workdir, damage):
+    (so,) = venv.site.glob("outofcuda_hook*.so")
+    backup = workdir / "backup.so"
+    shutil.copy2(so, backup)
+    try:
+        _damage(so, damage)
+        r = venv.check("import torch, sys; print(torch.ones(2).sum().item(), "
+                       "'_outofcuda' in sys.modules)", cwd=workdir)
+        assert r.stdout.split() == ["2.0", "False"] and r.stderr == ""
+        # The engine still answers, and says the hook is not there.
+        r = venv.check("import outofcuda; print(outofcuda.status()['hook']['installed'])",
+                       cwd=workdir)
+        assert r.stdout.strip() == "False" and r.stderr == ""
+    finally:
+        shutil.copy2(backup, so)
+
+
+def test_hook_modules_are_loaded_by_path_not_by_name(venv, workdir, tmp_path):
+    """A `_outofcuda.py` or `outofcuda_hook.py` on PYTHONPATH (which is on
+    sys.path before site-packages at start-up) is never run by the hook: the
+    .pth line loads the boot from its own directory, and the boot loads the
+    engine from its own directory."""
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    for name in ("_outofcuda", "outofcuda_hook"):
+        (planted / f"{name}.py").write_text(
+            f"open({str(workdir / ('MARKER-' + name))!r}, 'w').close()\n")
+    r = venv.check(S("""
+        import sys, torch, outofcuda
+        print(sys.modules['outofcuda_hook'].__file__, sys.modules['_outofcuda'].__file__)
+    """), env={"PYTHONPATH": str(planted)}, cwd=workdir)
+    assert sorted(p.name for p in workdir.glob("MARKER-*")) == []
+    hook_file, engine_file = r.stdout.split()[:2]
+    assert hook_file.startswith(str(venv.site)) and engine_file.startswith(str(venv.site))
+    assert status_of(r)["hook"] == {"installed": True, "fired": True, "error": None}
+    assert r.stderr == ""
+
+
+def test_shadowing_module_makes_import_outofcuda_fail_clearly(venv, workdir):
+    (workdir / "_outofcuda.py").write_text("x = 1\n")
+    r = venv.run("import _outofcuda, outofcuda", cwd=workdir)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("outofcuda._native.ShadowedError: outofcuda: the module '_outofcuda'")
+    assert str(workdir / "_outofcuda.py") in last and "rename it" in last
+    assert "AttributeError" not in r.stderr
+
+
+def test_start_entry_point_installs_one_watcher(venv, workdir):
+    """The PEP 829 form: Python 3.15+ imports the module named in the .start
+    file and calls the function (simulated here under -S, where no .pth ran)."""
+    entry = (venv.site / "outofcuda_hook.start").read_text().strip()
+    r = venv.check(S(f"""
+        import sys, importlib
+        sys.path.append({str(venv.site)!r})
+        module, func = {entry!r}.split(':')
+        for _ in range(2):
+            getattr(importlib.import_module(module), func)()
+        print(sum(type(f).__name__ == 'TorchImportWatcher' for f in sys.meta_path))
+        import torch
+    """), args=("-S",), cwd=workdir)
+    assert r.stdout.splitlines()[0] == "1"
+    assert status_of(r)["hook"]["fired"] is True
 
 
 def test_failure_inside_outofcuda_is_one_warning_and_recorded(venv, workdir):

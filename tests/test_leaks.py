@@ -21,7 +21,8 @@ MAX_RSS_BYTES = 1 << 20
 CHILD_TEMPLATE = r"""
 import gc, json, os, sys, tempfile, warnings
 warnings.simplefilter("ignore")          # the no-GPU RuntimeWarning of MemoryMonitor, once
-import torch, _outofcuda, outofcuda
+import torch, _outofcuda, outofcuda, outofcuda_hook
+watcher = outofcuda_hook._finder()
 
 def rss():
     with open("/proc/self/statm") as f:
@@ -88,6 +89,13 @@ cases = {
     "_outofcuda._oom_advice(error)": oom_advice_errors,
     "_outofcuda._monitor_start..stop": monitor_cycle,
     "_outofcuda._monitor_stop_all": _outofcuda._monitor_stop_all,
+    "_outofcuda._find_torch_spec": lambda: (_outofcuda._find_torch_spec(watcher, "json"),
+                                            _outofcuda._find_torch_spec(watcher, "torch")),
+    "outofcuda_hook.install": outofcuda_hook.install,
+    "outofcuda_hook._install": outofcuda_hook._install,
+    "outofcuda_hook._finder": outofcuda_hook._finder,
+    "outofcuda_hook finder.find_spec": lambda: (watcher.find_spec("json"),
+                                                watcher.find_spec("torch", None, None)),
     "outofcuda.status": outofcuda.status,
     "outofcuda.config": outofcuda.config,
     "outofcuda.memory_report": outofcuda.memory_report,
@@ -134,6 +142,8 @@ def leak_figures(venv, tmp_path_factory):
 
 
 CASES = [
+    "_outofcuda._find_torch_spec", "outofcuda_hook.install", "outofcuda_hook._install",
+    "outofcuda_hook._finder", "outofcuda_hook finder.find_spec",
     "_outofcuda.install", "_outofcuda.status", "_outofcuda.config", "_outofcuda._parse_config",
     "_outofcuda._parse_config(error)", "_outofcuda._merge_alloc_conf",
     "_outofcuda._merge_alloc_conf(error)", "_outofcuda.nvml_devices", "_outofcuda.nvml_processes",

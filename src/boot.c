@@ -1,0 +1,382 @@
+/* boot.c - outofcuda_hook, the only outofcuda code every Python process of
+ * the environment runs. The .pth line loads this file by path from its own
+ * directory; its init puts one meta-path finder on sys.meta_path. The finder
+ * answers None to every import but `torch`; for torch it loads the engine
+ * (_outofcuda, by path from this file's directory) and hands the lookup to it
+ * (watcher.c).
+ *
+ * Start-up cost is why this is a separate, small extension: nothing imported
+ * by its init, a handful of symbols to bind at dlopen, and no Python code for
+ * site to compile beyond the .pth line (benchmarks/startup.py measures it). */
+#include "oc.h"
+
+#include <stdlib.h>
+#include <structmember.h>
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *dict; /* tools patch finders with setattr(finder, "find_spec", ...) */
+} finder_object;
+
+static PyObject *boot_module; /* strong; __file__ locates the engine */
+static PyObject *finder;      /* strong; the one instance on sys.meta_path */
+static PyObject *engine;      /* strong; _outofcuda once loaded */
+static int engine_unusable;   /* loading it failed once: never retried */
+
+static int is_blank(char c)
+{
+    /* isspace() in the C locale, as config.c trims */
+    return c == ' ' || c == '\t' || c == '\n' || c == '\v' || c == '\f' || c == '\r';
+}
+
+/* OUTOFCUDA_DISABLE as a boolean word: the words oc_parse_bool (config.c)
+ * accepts for "yes", any case, blanks around. The boot links nothing of the
+ * engine, so it reads the one variable it needs itself. */
+static int disabled_by_env(void)
+{
+    static const char *const yes[] = {"1", "true", "yes", "on"};
+    const char *v = getenv("OUTOFCUDA_DISABLE");
+    char word[8];
+    size_t n = 0;
+    if (v == NULL)
+        return 0;
+    while (is_blank(*v))
+        v++;
+    while (*v != '\0' && !is_blank(*v)) {
+        if (n + 1 >= sizeof word)
+            return 0;
+        word[n++] = (char)(*v >= 'A' && *v <= 'Z' ? *v - 'A' + 'a' : *v);
+        v++;
+    }
+    while (is_blank(*v))
+        v++;
+    word[n] = '\0';
+    if (*v != '\0')
+        return 0;
+    for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++) {
+        if (strcmp(word, yes[i]) == 0)
+            return 1;
+    }
+    return 0;
+}
+
+/* ---- the engine, loaded on the first `import torch` ---- */
+
+/* `dir/outofcuda_hook<suffix>` -> `dir/_outofcuda<suffix>`: the engine is
+ * resolved from this file's location, never by name on sys.path (the working
+ * directory is on sys.path by the time torch is imported). */
+static PyObject *engine_path(void)
+{
+    PyObject *file = PyModule_GetFilenameObject(boot_module), *name, *head, *tail, *path = NULL;
+    Py_ssize_t len, at;
+    if (file == NULL)
+        return NULL;
+    len = PyUnicode_GetLength(file);
+    name = PyUnicode_FromString(OC_BOOT_NAME);
+    at = name ? PyUnicode_Find(file, name, 0, len, -1) : -2;
+    Py_XDECREF(name);
+    if (at < 0) {
+        if (at == -1)
+            PyErr_Format(PyExc_ImportError, "%U is not named " OC_BOOT_NAME "*", file);
+        Py_DECREF(file);
+        return NULL;
+    }
+    head = PyUnicode_Substring(file, 0, at);
+    tail = PyUnicode_Substring(file, at + (Py_ssize_t)strlen(OC_BOOT_NAME), len);
+    if (head != NULL && tail != NULL)
+        path = PyUnicode_FromFormat("%U" OC_ENGINE_NAME "%U", head, tail);
+    Py_XDECREF(head);
+    Py_XDECREF(tail);
+    Py_DECREF(file);
+    return path;
+}
+
+static PyObject *load_engine_by_path(void)
+{
+    PyObject *path = engine_path(), *util = NULL, *spec = NULL, *loader = NULL, *mod = NULL;
+    PyObject *res;
+    if (path == NULL)
+        return NULL;
+    util = PyImport_ImportModule("importlib.util");
+    if (util == NULL)
+        goto done;
+    spec = PyObject_CallMethod(util, "spec_from_file_location", "sO", OC_ENGINE_NAME, path);
+    if (spec == NULL)
+        goto done;
+    if (spec == Py_None) {
+        PyErr_Format(PyExc_ImportError, "%U is not a loadable extension", path);
+        goto done;
+    }
+    mod = PyObject_CallMethod(util, "module_from_spec", "O", spec);
+    loader = mod ? PyObject_GetAttrString(spec, "loader") : NULL;
+    if (loader == NULL)
+        goto done;
+    res = PyObject_CallMethod(loader, "exec_module", "O", mod);
+    if (res == NULL) {
+        Py_CLEAR(mod);
+        goto done;
+    }
+    Py_DECREF(res);
+done:
+    Py_XDECREF(loader);
+    Py_XDECREF(spec);
+    Py_XDECREF(util);
+    Py_DECREF(path);
+    return mod;
+}
+
+/* The engine module (borrowed), or NULL with an exception. An `_outofcuda`
+ * already in sys.modules is used only when it is the engine (it carries the
+ * watcher entry point); a foreign module of that name stays where it is. */
+static PyObject *get_engine(void)
+{
+    PyObject *modules = PyImport_GetModuleDict(); /* borrowed */
+    PyObject *mod = PyDict_GetItemString(modules, OC_ENGINE_NAME);
+    if (engine != NULL)
+        return engine;
+    if (mod != NULL && PyObject_HasAttrString(mod, OC_ENGINE_FIND_SPEC)) {
+        Py_INCREF(mod);
+        engine = mod;
+        return engine;
+    }
+    mod = load_engine_by_path();
+    if (mod == NULL)
+        return NULL;
+    if (PyDict_GetItemString(modules, OC_ENGINE_NAME) == NULL &&
+        PyDict_SetItemString(modules, OC_ENGINE_NAME, mod) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+    engine = mod;
+    return engine;
+}
+
+/* Calls engine.<name>(*args); NULL with an exception on failure. A missing or
+ * damaged engine is remembered and reported by nobody here: `import torch`
+ * must work as without outofcuda (`outofcuda doctor` explains). */
+static PyObject *call_engine(const char *name, PyObject *args, PyObject *kw)
+{
+    PyObject *eng, *fn, *res;
+    if (engine_unusable)
+        Py_RETURN_NONE;
+    eng = get_engine();
+    if (eng == NULL) {
+        engine_unusable = 1;
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    fn = PyObject_GetAttrString(eng, name);
+    if (fn == NULL)
+        return NULL;
+    res = PyObject_Call(fn, args, kw);
+    Py_DECREF(fn);
+    return res;
+}
+
+/* ---- the finder ---- */
+
+/* find_spec(fullname, path=None, target=None): every import of the process
+ * passes here (importlib calls positionally), so a name other than "torch" is
+ * answered before anything else. The torch lookup is the engine's. */
+static PyObject *finder_find_spec(PyObject *self, PyObject *args, PyObject *kw)
+{
+    PyObject *first = PyTuple_Size(args) > 0 ? PyTuple_GetItem(args, 0) : NULL, *full, *res;
+    Py_ssize_t n;
+    if (first != NULL && PyUnicode_Check(first) &&
+        PyUnicode_CompareWithASCIIString(first, "torch") != 0)
+        Py_RETURN_NONE;
+    if (first == NULL)
+        PyErr_Clear();
+    /* engine._find_torch_spec(finder, *args, **kw) */
+    n = PyTuple_Size(args);
+    full = PyTuple_New(n + 1);
+    if (full == NULL)
+        return NULL;
+    Py_INCREF(self);
+    PyTuple_SetItem(full, 0, self);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyTuple_GetItem(args, i);
+        Py_INCREF(a);
+        PyTuple_SetItem(full, i + 1, a);
+    }
+    res = call_engine(OC_ENGINE_FIND_SPEC, full, kw);
+    Py_DECREF(full);
+    return res;
+}
+
+static PyObject *finder_invalidate_caches(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    Py_RETURN_NONE;
+}
+
+static PyObject *finder_repr(PyObject *self)
+{
+    (void)self;
+    return PyUnicode_FromString("<outofcuda torch import watcher>");
+}
+
+static int finder_traverse(PyObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(((finder_object *)self)->dict);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int finder_clear(PyObject *self)
+{
+    Py_CLEAR(((finder_object *)self)->dict);
+    return 0;
+}
+
+static void finder_dealloc(PyObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    PyObject_GC_UnTrack(self);
+    finder_clear(self);
+    tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef finder_methods[] = {
+    {"find_spec", (PyCFunction)(void (*)(void))finder_find_spec, METH_VARARGS | METH_KEYWORDS,
+     NULL},
+    {"invalidate_caches", finder_invalidate_caches, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef finder_members[] = {
+    {"__dictoffset__", T_PYSSIZET, offsetof(finder_object, dict), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot finder_slots[] = {
+    {Py_tp_dealloc, (void *)finder_dealloc},
+    {Py_tp_traverse, (void *)finder_traverse},
+    {Py_tp_clear, (void *)finder_clear},
+    {Py_tp_repr, (void *)finder_repr},
+    {Py_tp_methods, finder_methods},
+    {Py_tp_members, finder_members},
+    {0, NULL},
+};
+
+static PyType_Spec finder_spec = {
+    OC_BOOT_NAME ".TorchImportWatcher",      sizeof(finder_object), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, finder_slots,
+};
+
+/* _install() -> the finder, first on sys.meta_path (once: a venv runs every
+ * .pth twice). Raises on failure; the engine records why. */
+static PyObject *boot_install_raw(PyObject *self, PyObject *unused)
+{
+    PyObject *meta_path;
+    (void)self;
+    (void)unused;
+    if (finder == NULL) {
+        PyObject *type = PyType_FromSpec(&finder_spec);
+        if (type == NULL)
+            return NULL;
+        finder = PyType_GenericAlloc((PyTypeObject *)type, 0);
+        Py_DECREF(type);
+        if (finder == NULL)
+            return NULL;
+    }
+    meta_path = PySys_GetObject("meta_path"); /* borrowed */
+    if (meta_path == NULL || !PyList_Check(meta_path)) {
+        PyErr_SetString(PyExc_RuntimeError, "sys.meta_path is not a list");
+        return NULL;
+    }
+    /* First place: the watcher must see torch before PathFinder or an
+     * editable-install finder claims it. */
+    if (PySequence_Contains(meta_path, finder) != 1 && PyList_Insert(meta_path, 0, finder) < 0)
+        return NULL;
+    Py_INCREF(finder);
+    return finder;
+}
+
+/* install() -> None. Never raises: it runs from the .pth line (and the PEP 829
+ * .start entry) at start-up. A torch imported before it (another hook) is
+ * handed to the engine at once. */
+static PyObject *boot_install(PyObject *self, PyObject *unused)
+{
+    PyObject *res, *none;
+    if (disabled_by_env())
+        Py_RETURN_NONE;
+    res = boot_install_raw(self, unused);
+    if (res == NULL) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_DECREF(res);
+    if (PyDict_GetItemString(PyImport_GetModuleDict(), "torch") != NULL) {
+        none = PyTuple_New(0);
+        res = none ? call_engine(OC_ENGINE_INSTALL, none, NULL) : NULL;
+        Py_XDECREF(res);
+        Py_XDECREF(none);
+    }
+    PyErr_Clear();
+    Py_RETURN_NONE;
+}
+
+/* _finder() -> the installed finder or None (for the engine's status). */
+static PyObject *boot_finder(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    if (finder == NULL)
+        Py_RETURN_NONE;
+    Py_INCREF(finder);
+    return finder;
+}
+
+static PyMethodDef boot_methods[] = {
+    {"install", boot_install, METH_NOARGS,
+     "install()\n--\n\nPut outofcuda's torch import watcher on sys.meta_path (idempotent, never "
+     "raises). The .pth/.start hook calls this at interpreter start-up."},
+    {"_install", boot_install_raw, METH_NOARGS, "install(), raising on failure."},
+    {"_finder", boot_finder, METH_NOARGS, "The installed watcher, or None."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef boot_def = {
+    PyModuleDef_HEAD_INIT,
+    OC_BOOT_NAME,
+    "outofcuda's start-up hook: a finder that loads the engine on `import torch`.",
+    -1,
+    boot_methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
+};
+
+/* Single-phase init on purpose: the .pth line loads this file by path with
+ * _imp.create_dynamic alone (no exec step, no spec), and the module must then
+ * be in sys.modules and carry __file__, which CPython does for single-phase
+ * modules only. */
+PyMODINIT_FUNC PyInit_outofcuda_hook(void)
+{
+    PyObject *m, *modules, *res;
+    /* One watcher per process; a subinterpreter gets none. */
+    if (PyInterpreterState_GetID(PyInterpreterState_Get()) != 0) {
+        PyErr_SetString(PyExc_ImportError,
+                        "outofcuda's extension supports only the main interpreter");
+        return NULL;
+    }
+    m = PyModule_Create(&boot_def);
+    if (m == NULL)
+        return NULL;
+    if (boot_module == NULL) {
+        Py_INCREF(m);
+        boot_module = m;
+    }
+    modules = PyImport_GetModuleDict(); /* borrowed */
+    if (PyDict_GetItemString(modules, OC_BOOT_NAME) == NULL &&
+        PyDict_SetItemString(modules, OC_BOOT_NAME, m) < 0)
+        PyErr_Clear();
+    res = boot_install(m, NULL);
+    Py_XDECREF(res);
+    return m;
+}

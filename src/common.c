@@ -1,0 +1,155 @@
+/* common.c - the shared ground under every engine file: the process-wide
+ * state, warnings and the recorded error, the configuration snapshot, and
+ * small CPython helpers (sys.modules lookups, attribute chains, UTF-8 copies).
+ * Nothing here calls up into the watcher, the bridge or the features. */
+#include "oc.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+oc_state oc_g;
+
+static const char *env_getenv(const char *name, void *ctx)
+{
+    (void)ctx;
+    return getenv(name);
+}
+
+int oc_disabled_by_env(void)
+{
+    return oc_parse_bool(getenv("OUTOFCUDA_DISABLE")) == 1;
+}
+
+/* Emits msg as one UserWarning of the module "outofcuda" (file "outofcuda",
+ * line 0), not of whichever frame runs, often importlib's bootstrap: so
+ * `-W ignore:::outofcuda` or warnings.filterwarnings(module="outofcuda")
+ * filters it. Bytes that are not UTF-8 (an environment value quoted in the
+ * message) are shown as \xNN. Never raises. */
+void oc_warn(const char *msg)
+{
+    PyObject *exc_type, *exc_value, *exc_tb, *text, *utf8 = NULL;
+    /* Keep whatever exception is being handled: a warning must not replace it. */
+    PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+    text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "backslashreplace");
+    if (text != NULL)
+        utf8 = PyUnicode_AsUTF8String(text);
+    Py_XDECREF(text);
+    if (utf8 == NULL || PyErr_WarnExplicit(PyExc_UserWarning, PyBytes_AsString(utf8), "outofcuda",
+                                           0, "outofcuda", NULL) < 0) {
+        /* -W error turned the warning into an exception; outofcuda must not
+         * raise from an import, so the message goes to stderr instead. */
+        PyErr_Clear();
+        PySys_WriteStderr("%.1000s\n", utf8 != NULL ? PyBytes_AsString(utf8)
+                                                    : "outofcuda: a warning could not be shown");
+    }
+    Py_XDECREF(utf8);
+    PyErr_Restore(exc_type, exc_value, exc_tb);
+}
+
+void oc_set_error(const char *where)
+{
+    PyObject *type, *value, *tb, *text = NULL;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value != NULL)
+        text = PyUnicode_FromFormat("%s: %S", where, value);
+    else
+        text = PyUnicode_FromString(where);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    PyErr_Clear();
+    if (text == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    if (oc_g.error == NULL) {
+        char buf[600];
+        oc_g.error = text;
+        snprintf(buf, sizeof buf, "outofcuda: %s (outofcuda.status() has the details)",
+                 oc_utf8(text, (char[512]){0}, 512));
+        oc_warn(buf);
+    } else {
+        Py_DECREF(text);
+    }
+}
+
+const oc_config *oc_config_get(void)
+{
+    if (!oc_g.config_loaded) {
+        oc_config_load(&oc_g.cfg, env_getenv, NULL);
+        oc_g.config_loaded = 1;
+        for (int i = 0; i < oc_g.cfg.n_warnings; i++)
+            oc_warn(oc_g.cfg.warnings[i]);
+    }
+    return &oc_g.cfg;
+}
+
+PyObject *oc_sys_module(const char *name)
+{
+    PyObject *key = PyUnicode_FromString(name);
+    PyObject *mod = key ? PyImport_GetModule(key) : NULL;
+    Py_XDECREF(key);
+    if (mod == NULL)
+        PyErr_Clear();
+    return mod;
+}
+
+PyObject *oc_getattr_chain(PyObject *obj, const char *dotted)
+{
+    char part[128];
+    PyObject *cur = obj;
+    Py_INCREF(cur);
+    while (*dotted) {
+        const char *dot = strchr(dotted, '.');
+        size_t n = dot ? (size_t)(dot - dotted) : strlen(dotted);
+        PyObject *next;
+        if (n >= sizeof part) {
+            Py_DECREF(cur);
+            return NULL;
+        }
+        memcpy(part, dotted, n);
+        part[n] = '\0';
+        next = PyObject_GetAttrString(cur, part);
+        Py_DECREF(cur);
+        if (next == NULL) {
+            PyErr_Clear();
+            return NULL;
+        }
+        cur = next;
+        dotted += n + (dot ? 1 : 0);
+    }
+    return cur;
+}
+
+int oc_call_bool(PyObject *owner, const char *name, int value)
+{
+    PyObject *fn, *res;
+    fn = PyObject_GetAttrString(owner, name);
+    if (fn == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    res = PyObject_CallFunctionObjArgs(fn, value ? Py_True : Py_False, NULL);
+    Py_DECREF(fn);
+    if (res == NULL)
+        return -1;
+    Py_DECREF(res);
+    return 1;
+}
+
+const char *oc_utf8(PyObject *str, char *buf, size_t sz)
+{
+    PyObject *bytes;
+    buf[0] = '\0';
+    if (str == NULL)
+        return buf;
+    bytes = PyUnicode_AsUTF8String(str);
+    if (bytes == NULL) {
+        PyErr_Clear();
+        return buf;
+    }
+    snprintf(buf, sz, "%s", PyBytes_AsString(bytes));
+    Py_DECREF(bytes);
+    return buf;
+}
