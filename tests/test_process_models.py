@@ -98,7 +98,12 @@ def test_torchrun_ddp_on_gloo(venv, workdir):
         res["local_rank"] = os.environ["LOCAL_RANK"]
         with open(f"rank{rank}.json", "w") as f:
             json.dump(res, f)
-        dist.destroy_process_group()
+        # torch 2.13's gloo teardown (destroy_process_group and exit) aborts
+        # now and then with "terminate called without an active exception",
+        # with outofcuda disabled too: each rank leaves once its result is
+        # written, so the test checks outofcuda, not that teardown.
+        dist.barrier()
+        os._exit(0)
     """)
     r = venv.run(None, args=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              str(path)], cwd=workdir, timeout=240)
