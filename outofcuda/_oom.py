@@ -393,6 +393,17 @@ def _batch_len(batch):
     return n
 
 
+def _first_batch(args):
+    """The batch: the first positional argument that holds a tensor, so
+    ``step(model, batch)`` works as well as ``step(batch)``."""
+    import torch
+
+    for a in args:
+        if next(_tensors(a, torch), None) is not None:
+            return a
+    return args[0]
+
+
 def _rebuild_mapping(x, items):
     if isinstance(x, MutableMapping):
         # A shallow copy keeps what the constructor would lose: a
@@ -522,8 +533,9 @@ def auto_microbatch(fn=None, *, scaler=None, min_size=1, retry_after=100, ddp=No
     not call ``backward()``. The wrapper runs forward and backward itself and
     returns the full batch's mean loss (detached). On OOM it frees memory,
     restores every gradient to its state at entry and splits into 2, 4, 8 ...
-    micro-batches. The batch is the first argument (after ``self`` for a
-    method): a tensor, or any Mapping/Sequence of them (dict, UserDict such
+    micro-batches. The batch is the first positional argument that holds a
+    tensor (``self`` and a model before it are skipped): a tensor, or any
+    Mapping/Sequence of them (dict, UserDict such
     as a tokenizer's BatchEncoding, defaultdict, list, tuple, namedtuple),
     whose tensors all share dimension 0, its length ``n``. Every tensor among
     *all* the arguments whose dimension 0 is ``n`` is split with it, so
@@ -674,7 +686,7 @@ class _MicroBatcher:
         if not args:
             raise TypeError("auto_microbatch: call the step with the batch as its first "
                             "positional argument")
-        n = _batch_len(args[0])
+        n = _batch_len(_first_batch(args))
         st = self._state
         size = n if st.micro_size is None else min(n, st.micro_size)
         grow = st.micro_size is not None and st.clean_calls >= self.retry_after and size < n

@@ -220,3 +220,107 @@ def test_empty_batches_are_a_clear_value_error(venv, workdir):
     assert len(out) == 5
     for message in out:
         assert message is not None and "empty" in message, out
+
+
+DDP_SCRIPT = '''
+import datetime, json, os, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+import outofcuda
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+torch.manual_seed(0)
+torch.use_deterministic_algorithms(True)
+LIMIT = {"n": None}
+
+
+def make(bucket_view):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(12, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                              torch.nn.Tanh(), torch.nn.Linear(64, 3))
+    # Tiny buckets: several all-reduces per step, so "one per bucket" is
+    # told apart from "one per step".
+    model = DistributedDataParallel(net, bucket_cap_mb=0.01, gradient_as_bucket_view=bucket_view)
+    calls = {"n": 0}
+
+    def counting(state, bucket):
+        calls["n"] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting)
+    return model, calls
+
+
+gen = torch.Generator().manual_seed(100 + rank)   # each rank its own data
+x, t = torch.randn(16, 12, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+res = {}
+for bucket_view in (False, True):
+    model, calls = make(bucket_view)
+
+    def loss_fn(xb, tb):   # finds `model` among the globals it names
+        if LIMIT["n"] is not None and xb.shape[0] > LIMIT["n"]:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8 MiB.")
+        return torch.nn.functional.cross_entropy(model(xb), tb)
+
+    def loss_with(net, xb, tb):   # the model as an argument
+        if LIMIT["n"] is not None and xb.shape[0] > LIMIT["n"]:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8 MiB.")
+        return torch.nn.functional.cross_entropy(net(xb), tb)
+
+    def grads():
+        return [p.grad.detach().clone() for p in model.parameters()]
+
+    # Warm-up: DDP rebuilds its buckets after the first iteration.
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss_fn(x, t).backward()
+    model.zero_grad(set_to_none=True)
+    calls["n"] = 0
+    loss_fn(x, t).backward()
+    ref, buckets = grads(), calls["n"]
+    row = {"buckets": buckets}
+    for name, step, args in (
+            ("auto", outofcuda.auto_microbatch(loss_fn), (x, t)),
+            ("explicit", outofcuda.auto_microbatch(loss_with, ddp=model), (model, x, t)),
+            ("found_in_args", outofcuda.auto_microbatch(loss_with), (model, x, t)),
+            ("off", outofcuda.auto_microbatch(loss_fn, ddp=False), (x, t))):
+        LIMIT["n"] = 4
+        for attempt in range(2):   # the first call splits after an OOM, the second starts split
+            model.zero_grad(set_to_none=True)
+            calls["n"] = 0
+            step(*args)
+            err = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(grads(), ref))
+            row[f"{name}/{attempt}"] = {"allreduces": calls["n"], "pieces": step.pieces,
+                                        "err": err}
+        LIMIT["n"] = None
+    res["bucket_view" if bucket_view else "copy"] = row
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+    json.dump(res, f)
+dist.destroy_process_group()
+'''
+
+
+def test_ddp_split_step_all_reduces_once_and_matches_unsplit(venv, workdir):
+    script = workdir / "ddp_step.py"
+    script.write_text(DDP_SCRIPT)
+    # --standalone: a rendezvous on localhost with a port the system picks.
+    r = venv.run(None, args=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "--max_restarts=0", str(script), str(workdir)],
+                 cwd=workdir, timeout=300, env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    for rank in (0, 1):
+        res = json.loads((workdir / f"rank{rank}.json").read_text())
+        for layout, row in res.items():
+            buckets = row["buckets"]
+            assert buckets >= 2, (layout, row)
+            for name in ("auto", "explicit", "found_in_args"):
+                for attempt in (0, 1):
+                    got = row[f"{name}/{attempt}"]
+                    assert got["pieces"] == 4, (layout, name, got)
+                    assert got["allreduces"] == buckets, (layout, name, got)
+                    assert got["err"] <= 1e-6, (layout, name, got)
+            # Without no_sync every micro-batch all-reduces: what the fix removes.
+            assert row["off/1"]["allreduces"] == 4 * buckets, row
