@@ -394,12 +394,12 @@ def _batch_len(batch):
 
 
 def _first_batch(args):
-    """The batch: the first positional argument that holds a tensor, so
-    ``step(model, batch)`` works as well as ``step(batch)``."""
+    """The batch: the first positional argument that holds a tensor with a
+    dimension 0, so ``step(model, batch)`` works as well as ``step(batch)``."""
     import torch
 
     for a in args:
-        if next(_tensors(a, torch), None) is not None:
+        if any(t.dim() > 0 for t in _tensors(a, torch)):
             return a
     return args[0]
 
@@ -534,7 +534,8 @@ def auto_microbatch(fn=None, *, scaler=None, min_size=1, retry_after=100, ddp=No
     returns the full batch's mean loss (detached). On OOM it frees memory,
     restores every gradient to its state at entry and splits into 2, 4, 8 ...
     micro-batches. The batch is the first positional argument that holds a
-    tensor (``self`` and a model before it are skipped): a tensor, or any
+    tensor of at least one dimension (``self`` and a model before it are
+    skipped): a tensor, or any
     Mapping/Sequence of them (dict, UserDict such
     as a tokenizer's BatchEncoding, defaultdict, list, tuple, namedtuple),
     whose tensors all share dimension 0, its length ``n``. Every tensor among

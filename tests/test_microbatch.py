@@ -159,9 +159,15 @@ def test_every_tensor_argument_with_the_batch_dimension_is_split(venv, workdir):
     outofcuda.auto_microbatch(keyword)(x, target=labels, weight=class_weight, scale=1.0)
     res["whole_weight"] = shapes[-1]
     res["nested"] = compare(model, nested, lambda f: f(x, {"y": y}))
+
+    def scaled(scale, x, y):   # a 0-d tensor first: not the batch
+        check(x.shape[0])
+        return scale * torch.nn.functional.mse_loss(model(x), y)
+
+    res["scalar_first"] = compare(model, scaled, lambda f: f(torch.tensor(0.5), x, y))
     print(json.dumps(res))
     """)
-    for name in ("positional", "keyword", "nested"):
+    for name in ("positional", "keyword", "nested", "scalar_first"):
         assert out[name]["err"] <= 1e-6, (name, out[name])
         assert out[name]["pieces"] == 4, (name, out[name])
     assert out["positional_shapes"] == [[3, 3]] * 4
