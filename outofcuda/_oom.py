@@ -554,9 +554,10 @@ def auto_microbatch(fn=None, *, scaler=None, min_size=1, retry_after=100, ddp=No
 
     Under DistributedDataParallel every micro-batch but the last runs inside
     the model's ``no_sync()``, so a split step all-reduces once, like the
-    whole batch. The model is found among the step's arguments, the
+    whole batch. The DDP model is found among the step's arguments, the
     attributes of ``self`` for a method, its closure and the globals it
-    names; ``ddp=model`` names it (or a list), ``ddp=False`` turns this off.
+    names; ``ddp=model`` names it (or a list; also the root of an FSDP
+    model, which is never looked for), ``ddp=False`` turns this off.
 
     >>> @outofcuda.auto_microbatch
     ... def step(x, y):
@@ -621,8 +622,9 @@ class _MicroBatcher:
                              (instance,), state)
 
     def _sync_modules(self, args, kwargs):
-        """Modules with no_sync() (DDP, FSDP) this step trains, found where a
-        step gets its model: arguments, self's attributes, closure, globals."""
+        """The modules whose no_sync() a split step uses: those of ddp=, or
+        the DDP models found where a step gets its model: arguments, self's
+        attributes, closure, globals."""
         if self.ddp is not None:
             return self.ddp or ()
         import torch
@@ -639,10 +641,12 @@ class _MicroBatcher:
         code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
         if code is not None and scope is not None:
             candidates += [scope[name] for name in code.co_names if name in scope]
+        # Only DDP is looked for: FSDP's no_sync() raises on any but the root
+        # instance, which a closure may not hold; FSDP goes through ddp=.
+        ddp_type = torch.nn.parallel.DistributedDataParallel
         found = []
         for c in candidates:
-            if (isinstance(c, torch.nn.Module) and callable(getattr(type(c), "no_sync", None))
-                    and all(c is not f for f in found)):
+            if isinstance(c, ddp_type) and all(c is not f for f in found):
                 found.append(c)
         return tuple(found)
 

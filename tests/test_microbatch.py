@@ -214,7 +214,12 @@ def test_empty_batches_are_a_clear_value_error(venv, workdir):
     def step(batch):
         return model(batch[0] if isinstance(batch, (list, tuple)) else batch).sum()
 
-    errors = []
+    try:
+        outofcuda.auto_microbatch(step, ddp=torch.nn.Linear(2, 2))
+        bad_ddp = None
+    except TypeError as e:
+        bad_ddp = str(e)
+    errors = [bad_ddp]
     for batch in (torch.empty(0, 12), (torch.empty(0, 12), torch.empty(0)), {}, [], ()):
         try:
             outofcuda.auto_microbatch(step)(batch)
@@ -223,6 +228,8 @@ def test_empty_batches_are_a_clear_value_error(venv, workdir):
             errors.append(str(e))
     print(json.dumps(errors))
     """)
+    assert "ddp must be a DistributedDataParallel" in out[0] and "Linear" in out[0]
+    out = out[1:]
     assert len(out) == 5
     for message in out:
         assert message is not None and "empty" in message, out
