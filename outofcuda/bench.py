@@ -66,11 +66,11 @@ MARK = "@@GAIN@@"
 # A ratio of two medians means something only with a few repeats behind each.
 MIN_REPEATS_FOR_RATIO = 3
 # Each worker is a fresh interpreter that runs this module's main(). The
-# working directory is dropped from sys.path so a stray torch.py there cannot
-# stand in for the installed one.
+# entry `-c` puts first on sys.path (the working directory) is dropped so a
+# stray torch.py there cannot stand in for the installed one.
 _WORKER_BOOT = (
-    "import os, sys\n"
-    "sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]\n"
+    "import sys\n"
+    "sys.path[:] = [p for p in sys.path if p != '']\n"
     "from outofcuda.bench import main\n"
     "sys.exit(main(sys.argv[1:]))\n"
 )

@@ -16,6 +16,8 @@ def _outofcuda(venv):
 
 def test_bench_smoke_runs_from_an_installed_copy(venv, workdir):
     out = workdir / "res"
+    # The workers run where the user stands; a torch.py there must not be imported.
+    (workdir / "torch.py").write_text("raise SystemExit('the stray torch.py was imported')\n")
 
     def bench(*extra):
         return subprocess.run([_outofcuda(venv), "bench", "--smoke", "--workloads", WORKLOADS,
