@@ -441,6 +441,8 @@ def _rebuild_sequence(x, items):
 def _slice(x, n, start, stop, torch, path=()):
     """`x` with every tensor whose dimension 0 is `n` cut to rows
     [start, stop); other values, and containers holding none, unchanged."""
+    if isinstance(x, torch.nn.Parameter):
+        return x  # a model's weight, never samples, even when it has n rows
     if isinstance(x, torch.Tensor):
         return x[start:stop] if x.dim() > 0 and x.shape[0] == n else x
     if not _is_container(x) or id(x) in path:
@@ -541,7 +543,8 @@ def auto_microbatch(fn=None, *, scaler=None, min_size=1, retry_after=100, ddp=No
     whose tensors all share dimension 0, its length ``n``. Every tensor among
     *all* the arguments whose dimension 0 is ``n`` is split with it, so
     ``step(x, y)`` and ``step(x, target=y)`` work; other values (a class-weight
-    tensor of another length, numbers, strings) reach every micro-batch whole.
+    tensor of another length, an ``nn.Parameter``, numbers, strings) reach
+    every micro-batch whole.
     Each micro-batch's loss is backpropagated weighted by its share of the
     samples, so the gradients equal the full batch's (up to float rounding)
     for models without batch-coupled layers (BatchNorm statistics do change

@@ -165,14 +165,27 @@ def test_every_tensor_argument_with_the_batch_dimension_is_split(venv, workdir):
         return scale * torch.nn.functional.mse_loss(model(x), y)
 
     res["scalar_first"] = compare(model, scaled, lambda f: f(torch.tensor(0.5), x, y))
+
+    # A parameter with as many rows as the batch is a weight, not samples.
+    gate = torch.nn.Parameter(torch.ones(12, 3))
+
+    def gated(x, y, gate):
+        check(x.shape[0])
+        shapes.append([x.shape[0], gate.shape[0]])
+        return torch.nn.functional.mse_loss(model(x) * gate[0], y)
+
+    shapes.clear()
+    res["parameter"] = compare(model, gated, lambda f: f(x, y, gate))
+    res["parameter_shapes"] = shapes[-4:]
     print(json.dumps(res))
     """)
-    for name in ("positional", "keyword", "nested", "scalar_first"):
+    for name in ("positional", "keyword", "nested", "scalar_first", "parameter"):
         assert out[name]["err"] <= 1e-6, (name, out[name])
         assert out[name]["pieces"] == 4, (name, out[name])
     assert out["positional_shapes"] == [[3, 3]] * 4
     assert out["keyword_shapes"] == [[3, 3, 3]] * 4
     assert out["whole_weight"] == [6, 6, 3]
+    assert out["parameter_shapes"] == [[3, 12]] * 4
 
 
 def test_methods_are_wrapped_per_instance(venv, workdir):
