@@ -619,7 +619,7 @@ class _MicroBatcher:
         key = "_outofcuda_microbatch_" + getattr(self.fn, "__name__", "step")
         try:
             state = vars(instance).setdefault(key, _SplitState())
-        except TypeError:  # no __dict__ (__slots__): share the one state
+        except (TypeError, AttributeError):  # no writable __dict__: share the one state
             state = self._state
         return _MicroBatcher(self.fn, self.scaler, self.min_size, self.retry_after, self.ddp,
                              (instance,), state)
@@ -634,7 +634,9 @@ class _MicroBatcher:
 
         fn = self.fn
         candidates = list(args) + list(kwargs.values())
-        for inst in self._instance or ():
+        # A decorated method's instance, or that of a bound method wrapped as is.
+        owners = self._instance or ((fn.__self__,) if hasattr(fn, "__self__") else ())
+        for inst in owners:
             candidates += [inst] + list(getattr(inst, "__dict__", {}).values())
         for cell in getattr(fn, "__closure__", None) or ():
             try:

@@ -296,6 +296,17 @@ for bucket_view in (False, True):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8 MiB.")
         return torch.nn.functional.cross_entropy(net(xb), tb)
 
+    class Trainer:   # the model as an attribute of self
+        def __init__(self, net):
+            self.net = net
+
+        def loss(self, xb, tb):
+            return loss_with(self.net, xb, tb)
+
+        @outofcuda.auto_microbatch
+        def step(self, xb, tb):
+            return loss_with(self.net, xb, tb)
+
     def grads():
         return [p.grad.detach().clone() for p in model.parameters()]
 
@@ -312,6 +323,8 @@ for bucket_view in (False, True):
             ("auto", outofcuda.auto_microbatch(loss_fn), (x, t)),
             ("explicit", outofcuda.auto_microbatch(loss_with, ddp=model), (model, x, t)),
             ("found_in_args", outofcuda.auto_microbatch(loss_with), (model, x, t)),
+            ("bound_method", outofcuda.auto_microbatch(Trainer(model).loss), (x, t)),
+            ("decorated_method", Trainer(model).step, (x, t)),
             ("off", outofcuda.auto_microbatch(loss_fn, ddp=False), (x, t))):
         LIMIT["n"] = 4
         for attempt in range(2):   # the first call splits after an OOM, the second starts split
@@ -350,7 +363,8 @@ def test_ddp_split_step_all_reduces_once_and_matches_unsplit(venv, workdir):
         for layout, row in res.items():
             buckets = row["buckets"]
             assert buckets >= 2, (layout, row)
-            for name in ("auto", "explicit", "found_in_args"):
+            for name in ("auto", "explicit", "found_in_args", "bound_method",
+                         "decorated_method"):
                 for attempt in (0, 1):
                     got = row[f"{name}/{attempt}"]
                     assert got["pieces"] == 4, (layout, name, got)
