@@ -558,8 +558,8 @@ def auto_microbatch(fn=None, *, scaler=None, min_size=1, retry_after=100, ddp=No
     Under DistributedDataParallel every micro-batch but the last runs inside
     the model's ``no_sync()``, so a split step all-reduces once, like the
     whole batch. The DDP model is found among the step's arguments, the
-    attributes of ``self`` for a method, its closure and the globals it
-    names; ``ddp=model`` names it (or a list; also the root of an FSDP
+    attributes of ``self`` for a method (decorated or bound), its closure
+    and the globals it names; ``ddp=model`` names it (or a list; also the root of an FSDP
     model, which is never looked for), ``ddp=False`` turns this off.
 
     >>> @outofcuda.auto_microbatch
