@@ -25,6 +25,7 @@ def _need_core():
 
 __all__ = [
     "status",
+    "apply",
     "config",
     "autocast_context",
     "compile_model",
@@ -62,6 +63,27 @@ def status():
     True
     """
     return _need_core().status()
+
+
+def apply():
+    """Applies outofcuda where the start-up hook cannot run (``python -S``,
+    an embedded interpreter, a frozen application); returns :func:`status`.
+
+    Called before ``import torch`` it arms the same import watcher the hook
+    installs, so everything, the allocator variable included, is applied as
+    torch loads. Called after, it applies at once what can still be applied
+    and ``status()`` says what could not and why (the allocator variable is
+    read when torch's libraries load). Calling it again, or where the hook
+    already ran, changes nothing: every optimisation is applied once per
+    process. ``OUTOFCUDA_DISABLE=1`` still wins.
+
+    >>> import outofcuda
+    >>> outofcuda.apply()["hook"]["installed"]   # doctest: +SKIP
+    True
+    """
+    core = _need_core()
+    core.install()
+    return core.status()
 
 
 def config():

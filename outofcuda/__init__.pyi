@@ -27,6 +27,7 @@ _DType = Union[torch.dtype, Literal["bfloat16", "bf16", "float16", "fp16", "half
 _Device = Union[int, str, torch.device, None]
 
 def status() -> Dict[str, Any]: ...
+def apply() -> Dict[str, Any]: ...
 def config() -> Dict[str, Any]: ...
 
 # -- API (outofcuda.api) --
@@ -35,7 +36,15 @@ def autocast_context(
     dtype: Optional[_DType] = None,
     enabled: bool = True,
 ) -> torch.autocast: ...
-def compile_model(model: _M) -> _M: ...
+_CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+def compile_model(
+    model: _M,
+    channels_last: Optional[bool] = None,
+    compile: Optional[bool] = None,
+    mode: Optional[_CompileMode] = None,
+    fullgraph: Optional[bool] = None,
+) -> _M: ...
 def smart_dataloader(dataset: Any, **kwargs: Any) -> DataLoader[Any]: ...
 class GpuProcess(TypedDict):
     """A process holding memory on a GPU, as NVML lists it."""
@@ -60,7 +69,14 @@ def memory_report() -> Dict[str, DeviceMemory]: ...
 def clear_cache() -> int: ...
 
 class CudaOptimizer:
-    def prepare(self, model: _M) -> _M: ...
+    def prepare(
+        self,
+        model: _M,
+        channels_last: Optional[bool] = None,
+        compile: Optional[bool] = None,
+        mode: Optional[_CompileMode] = None,
+        fullgraph: Optional[bool] = None,
+    ) -> _M: ...
     def dataloader(self, dataset: Any, **kwargs: Any) -> DataLoader[Any]: ...
     def autocast(
         self,
@@ -114,14 +130,26 @@ class MemoryMonitor(ContextManager["MemoryMonitor"]):
     def plot(self, path: Union[str, "PathLike[str]"]) -> Union[str, "PathLike[str]"]: ...
 
 # -- out-of-memory help (outofcuda._oom) --
+# A DistributedDataParallel (or other module with no_sync()), several, or False.
+_SyncModules = Union[torch.nn.Module, List[torch.nn.Module], Literal[False], None]
 def last_oom() -> Optional[Dict[str, Any]]: ...
 @overload
 def auto_microbatch(
-    fn: _F, *, scaler: Any = None, min_size: int = 1, retry_after: int = 100
+    fn: _F,
+    *,
+    scaler: Any = None,
+    min_size: int = 1,
+    retry_after: int = 100,
+    ddp: _SyncModules = None,
 ) -> _F: ...
 @overload
 def auto_microbatch(
-    fn: None = None, *, scaler: Any = None, min_size: int = 1, retry_after: int = 100
+    fn: None = None,
+    *,
+    scaler: Any = None,
+    min_size: int = 1,
+    retry_after: int = 100,
+    ddp: _SyncModules = None,
 ) -> Callable[[_F], _F]: ...
 def find_batch_size(
     fn: Callable[[int], Any], start: int, *, min_size: int = 1, grow: bool = False

@@ -6,6 +6,8 @@ when CUDA initialises (so they are those of the moment of failure), from
 ``torch.cuda.memory_stats()`` and from NVML; the ranked actions are chosen in C
 (``_outofcuda._oom_advice``). Nothing here initialises CUDA.
 """
+import contextlib
+import copy
 import functools
 import gc
 import math
@@ -15,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 
 from ._native import core
 
@@ -347,47 +350,115 @@ def _release(exc):
 
 # ---- splitting batches -----------------------------------------------------
 
+def _is_container(x):
+    """Mappings and Sequences are walked; text and bytes are values."""
+    return (isinstance(x, (Mapping, Sequence))
+            and not isinstance(x, (str, bytes, bytearray, memoryview)))
+
+
+def _tensors(x, torch, path=()):
+    """Every tensor inside `x`; `path` holds the containers above, so a
+    container that holds itself is walked once."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif _is_container(x) and id(x) not in path:
+        inner = path + (id(x),)
+        for v in (x.values() if isinstance(x, Mapping) else x):
+            yield from _tensors(v, torch, inner)
+
+
 def _batch_len(batch):
     """Length along dimension 0 shared by every tensor in `batch`."""
     import torch
 
     sizes = set()
-
-    def walk(x):
-        if isinstance(x, torch.Tensor):
-            if x.dim() == 0:
-                raise ValueError("auto_microbatch: a 0-d tensor in the batch cannot be split; "
-                                 "pass it through a closure instead")
-            sizes.add(x.shape[0])
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(batch)
+    for t in _tensors(batch, torch):
+        if t.dim() == 0:
+            raise ValueError("auto_microbatch: a 0-d tensor in the batch cannot be split; "
+                             "pass it as another argument or through a closure instead")
+        sizes.add(t.shape[0])
     if not sizes:
+        if _is_container(batch) and len(batch) == 0:
+            raise ValueError(f"auto_microbatch: the batch is empty (an empty "
+                             f"{type(batch).__name__}); skip the step for an empty batch")
         raise TypeError("auto_microbatch: the batch holds no tensor to split (expected a "
-                        "tensor, or a dict/list/tuple of tensors)")
+                        "tensor, or a Mapping/Sequence such as a dict, list or tuple of tensors)")
     if len(sizes) > 1:
         raise ValueError(f"auto_microbatch: tensors in the batch disagree on dimension 0 "
                          f"({sorted(sizes)}); every tensor must hold one row per sample")
-    return sizes.pop()
+    n = sizes.pop()
+    if n == 0:
+        raise ValueError("auto_microbatch: the batch is empty (its tensors have 0 rows along "
+                         "dimension 0); skip the step for an empty batch")
+    return n
 
 
-def _slice(batch, start, stop):
+def _first_batch(args):
+    """The batch: the first positional argument that holds a tensor with a
+    dimension 0, so ``step(model, batch)`` works as well as ``step(batch)``."""
     import torch
 
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop]
-    if isinstance(batch, dict):
-        return type(batch)((k, _slice(v, start, stop)) for k, v in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_slice(v, start, stop) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_slice(v, start, stop) for v in batch)
-    return batch
+    for a in args:
+        if any(t.dim() > 0 for t in _tensors(a, torch)):
+            return a
+    return args[0]
+
+
+def _rebuild_mapping(x, items):
+    if isinstance(x, MutableMapping):
+        # A shallow copy keeps what the constructor would lose: a
+        # defaultdict's factory, a UserDict subclass's own attributes.
+        try:
+            new = copy.copy(x)
+            for k, v in items:
+                new[k] = v
+            return new
+        except Exception:  # noqa: BLE001 - fall back to building a new one
+            pass
+    try:
+        return type(x)(items)
+    except Exception:  # noqa: BLE001 - a read-only Mapping with its own constructor
+        return dict(items)
+
+
+def _rebuild_sequence(x, items):
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+        return type(x)(*items)
+    if isinstance(x, MutableSequence) and not isinstance(x, list):
+        try:
+            new = copy.copy(x)
+            for i, v in enumerate(items):
+                new[i] = v
+            return new
+        except Exception:  # noqa: BLE001 - fall back to building a new one
+            pass
+    try:
+        return type(x)(items)
+    except Exception:  # noqa: BLE001 - a Sequence with its own constructor
+        return list(items)
+
+
+def _slice(x, n, start, stop, torch, path=()):
+    """`x` with every tensor whose dimension 0 is `n` cut to rows
+    [start, stop); other values, and containers holding none, unchanged."""
+    if isinstance(x, torch.nn.Parameter):
+        return x  # a model's weight, never samples, even when it has n rows
+    if isinstance(x, torch.Tensor):
+        return x[start:stop] if x.dim() > 0 and x.shape[0] == n else x
+    if not _is_container(x) or id(x) in path:
+        return x
+    inner = path + (id(x),)
+    if isinstance(x, Mapping):
+        old = list(x.items())
+        new = [(k, _slice(v, n, start, stop, torch, inner)) for k, v in old]
+        if all(a[1] is b[1] for a, b in zip(old, new)):
+            return x
+        return _rebuild_mapping(x, new)
+    old = list(x)
+    new = [_slice(v, n, start, stop, torch, inner) for v in old]
+    if all(a is b for a, b in zip(old, new)):
+        return x
+    return _rebuild_sequence(x, new)
 
 
 def _leaves(loss):
@@ -455,33 +526,59 @@ def _split_count():
     return _splits_total
 
 
-def auto_microbatch(fn=None, *, scaler=None, min_size=1, retry_after=100):
+def _check_sync_modules(ddp):
+    """The modules whose no_sync() an explicit ``ddp=`` names, as a tuple."""
+    mods = tuple(ddp) if isinstance(ddp, (list, tuple)) else (ddp,)
+    for m in mods:
+        if not callable(getattr(type(m), "no_sync", None)):
+            raise TypeError("auto_microbatch: ddp must be a DistributedDataParallel model (or "
+                            "another module with a no_sync() method, such as FSDP), or a "
+                            f"list of them, or False; got {type(m).__name__}")
+    return mods
+
+
+def auto_microbatch(fn=None, *, scaler=None, min_size=1, retry_after=100, ddp=None):
     """Makes a training step survive CUDA out-of-memory by splitting the batch.
 
     ``fn(batch, *args, **kwargs)`` must return the batch's *mean* loss and must
     not call ``backward()``. The wrapper runs forward and backward itself and
     returns the full batch's mean loss (detached). On OOM it frees memory,
-    restores every gradient to its state at entry, splits the batch along
-    dimension 0 (tensors, and dicts/lists/tuples of them; other values go to
-    every piece unchanged) into 2, 4, 8 ... micro-batches and backpropagates
-    each micro-batch's loss weighted by its share of the samples, so the
-    gradients equal the full batch's (up to float rounding) for models without
-    batch-coupled layers (BatchNorm statistics do change with the split). The
-    split that worked is kept for later calls; after ``retry_after`` clean calls
-    a split with half as many pieces is tried again. A micro-batch of
-    ``min_size`` samples that still fails re-raises the original error with the
-    report attached (``err.outofcuda_report``). With ``scaler`` (a GradScaler)
-    the scaled loss is backpropagated; call ``scaler.step`` yourself.
+    restores every gradient to its state at entry and splits into 2, 4, 8 ...
+    micro-batches. The batch is the first positional argument that holds a
+    tensor of at least one dimension (``self`` and a model before it are
+    skipped): a tensor, or any
+    Mapping/Sequence of them (dict, UserDict such
+    as a tokenizer's BatchEncoding, defaultdict, list, tuple, namedtuple),
+    whose tensors all share dimension 0, its length ``n``. Every tensor among
+    *all* the arguments whose dimension 0 is ``n`` is split with it, so
+    ``step(x, y)`` and ``step(x, target=y)`` work; other values (a class-weight
+    tensor of another length, an ``nn.Parameter``, numbers, strings) reach
+    every micro-batch whole.
+    Each micro-batch's loss is backpropagated weighted by its share of the
+    samples, so the gradients equal the full batch's (up to float rounding)
+    for models without batch-coupled layers (BatchNorm statistics do change
+    with the split). The split that worked is kept for later calls (per
+    instance for a method); after ``retry_after`` clean calls a split with
+    half as many pieces is tried again. A micro-batch of ``min_size`` samples
+    that still fails re-raises the original error with the report attached
+    (``err.outofcuda_report``). With ``scaler`` (a GradScaler) the scaled
+    loss is backpropagated; call ``scaler.step`` yourself.
+
+    Under DistributedDataParallel every micro-batch but the last runs inside
+    the model's ``no_sync()``, so a split step all-reduces once, like the
+    whole batch. The DDP model is found among the step's arguments, the
+    attributes of ``self`` for a method (decorated or bound), its closure
+    and the globals it names; ``ddp=model`` names it (or a list; also the root of an FSDP
+    model, which is never looked for), ``ddp=False`` turns this off.
 
     >>> @outofcuda.auto_microbatch
-    ... def step(batch):
-    ...     x, y = batch
+    ... def step(x, y):
     ...     return torch.nn.functional.cross_entropy(model(x), y)
-    >>> loss = step((x, y)); opt.step(); opt.zero_grad()
+    >>> loss = step(x, y); opt.step(); opt.zero_grad()
     """
     if fn is None:
         return functools.partial(auto_microbatch, scaler=scaler, min_size=min_size,
-                                 retry_after=retry_after)
+                                 retry_after=retry_after, ddp=ddp)
     _check_fn(fn, "auto_microbatch")
     _check_min_size(min_size, "auto_microbatch")
     if scaler is not None and not callable(getattr(scaler, "scale", None)):
@@ -489,64 +586,145 @@ def auto_microbatch(fn=None, *, scaler=None, min_size=1, retry_after=100):
                         ".scale method)")
     if isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 1:
         raise ValueError(f"auto_microbatch: retry_after must be an int >= 1, got {retry_after!r}")
-    return _MicroBatcher(fn, scaler, min_size, retry_after)
+    if ddp is not None and ddp is not False:
+        ddp = _check_sync_modules(ddp)
+    return _MicroBatcher(fn, scaler, min_size, retry_after, ddp)
 
 
-class _MicroBatcher:
-    def __init__(self, fn, scaler, min_size, retry_after):
-        functools.update_wrapper(self, fn)
-        self.fn, self.scaler, self.min_size, self.retry_after = fn, scaler, min_size, retry_after
+class _SplitState:
+    """What one wrapped step learnt: the micro-batch size that worked."""
+
+    __slots__ = ("micro_size", "clean_calls", "splits", "pieces")
+
+    def __init__(self):
         self.micro_size = None   # samples per micro-batch that worked; None = whole batch
         self.clean_calls = 0
         self.splits = 0          # how many times an OOM forced a smaller micro-batch
         self.pieces = 1          # micro-batches the last call used (1 = whole batch)
 
-    def _run(self, batch, n, size, args, kwargs):
+
+def _state_property(name):
+    return property(lambda self: getattr(self._state, name),
+                    lambda self, value: setattr(self._state, name, value))
+
+
+class _MicroBatcher:
+    micro_size = _state_property("micro_size")
+    clean_calls = _state_property("clean_calls")
+    splits = _state_property("splits")
+    pieces = _state_property("pieces")
+
+    def __init__(self, fn, scaler, min_size, retry_after, ddp, instance=None, state=None):
+        functools.update_wrapper(self, fn)
+        self.fn, self.scaler, self.min_size, self.retry_after = fn, scaler, min_size, retry_after
+        self.ddp, self._instance = ddp, instance
+        self._state = state if state is not None else _SplitState()
+
+    def __get__(self, instance, owner=None):
+        """Decorating a method: ``self`` is passed first and each instance
+        keeps its own split (two models need not fit the same micro-batch)."""
+        if instance is None:
+            return self
+        key = "_outofcuda_microbatch_" + getattr(self.fn, "__name__", "step")
+        try:
+            state = vars(instance).setdefault(key, _SplitState())
+        except (TypeError, AttributeError):  # no writable __dict__: share the one state
+            state = self._state
+        return _MicroBatcher(self.fn, self.scaler, self.min_size, self.retry_after, self.ddp,
+                             (instance,), state)
+
+    def _sync_modules(self, args, kwargs):
+        """The modules whose no_sync() a split step uses: those of ddp=, or
+        the DDP models found where a step gets its model: arguments, self's
+        attributes, closure, globals."""
+        if self.ddp is not None:
+            return self.ddp or ()
         import torch
 
+        fn = self.fn
+        candidates = list(args) + list(kwargs.values())
+        # A decorated method's instance, or that of a bound method wrapped as is.
+        owners = self._instance or ((fn.__self__,) if hasattr(fn, "__self__") else ())
+        for inst in owners:
+            candidates += [inst] + list(getattr(inst, "__dict__", {}).values())
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                candidates.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+        if code is not None and scope is not None:
+            candidates += [scope[name] for name in code.co_names if name in scope]
+        # Only DDP is looked for: FSDP's no_sync() raises on any but the root
+        # instance, which a closure may not hold; FSDP goes through ddp=.
+        ddp_type = torch.nn.parallel.DistributedDataParallel
+        found = []
+        for c in candidates:
+            if isinstance(c, ddp_type) and all(c is not f for f in found):
+                found.append(c)
+        return tuple(found)
+
+    def _run(self, n, size, args, kwargs):
+        import torch
+
+        prefix = self._instance or ()
+        syncs = self._sync_modules(args, kwargs) if size < n else ()
         guard, total = _GradGuard(), None
         try:
             for start in range(0, n, size):
                 stop = min(n, start + size)
-                loss = self.fn(_slice(batch, start, stop), *args, **kwargs)
-                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    raise TypeError("auto_microbatch: fn must return the batch's mean loss as "
-                                    f"a 0-d tensor, got {type(loss).__name__}"
-                                    + (f" of shape {tuple(loss.shape)}"
-                                       if isinstance(loss, torch.Tensor) else ""))
-                weighted = loss * ((stop - start) / n) if size < n else loss
-                guard.adopt(weighted)
-                (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+                part_args = _slice(args, n, start, stop, torch) if size < n else args
+                part_kwargs = _slice(kwargs, n, start, stop, torch) if size < n else kwargs
+                with contextlib.ExitStack() as stack:
+                    if stop < n:
+                        # Gradients of all but the last micro-batch stay
+                        # local; the last backward all-reduces their sum.
+                        for module in syncs:
+                            stack.enter_context(module.no_sync())
+                    loss = self.fn(*prefix, *part_args, **part_kwargs)
+                    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                        raise TypeError(
+                            "auto_microbatch: fn must return the batch's mean loss as a 0-d "
+                            f"tensor, got {type(loss).__name__}"
+                            + (f" of shape {tuple(loss.shape)}"
+                               if isinstance(loss, torch.Tensor) else ""))
+                    weighted = loss * ((stop - start) / n) if size < n else loss
+                    guard.adopt(weighted)
+                    (self.scaler.scale(weighted) if self.scaler is not None
+                     else weighted).backward()
                 part = weighted.detach()
                 total = part if total is None else total + part
-                del loss, weighted
+                del loss, weighted, part_args, part_kwargs
         except BaseException:
             guard.undo()
             raise
         guard.commit()
         return total
 
-    def __call__(self, batch, *args, **kwargs):
-        n = _batch_len(batch)
-        size = n if self.micro_size is None else min(n, self.micro_size)
-        grow = (self.micro_size is not None and self.clean_calls >= self.retry_after
-                and size < n)
+    def __call__(self, *args, **kwargs):
+        if not args:
+            raise TypeError("auto_microbatch: call the step with the batch as its first "
+                            "positional argument")
+        n = _batch_len(_first_batch(args))
+        st = self._state
+        size = n if st.micro_size is None else min(n, st.micro_size)
+        grow = st.micro_size is not None and st.clean_calls >= self.retry_after and size < n
         if grow:
-            size, self.clean_calls = min(n, size * 2), 0
+            size, st.clean_calls = min(n, size * 2), 0
         while True:
             try:
-                out = self._run(batch, n, size, args, kwargs)
+                out = self._run(n, size, args, kwargs)
             except BaseException as exc:
                 if not is_oom(exc):
                     raise
                 error = exc
             else:
-                self.pieces = math.ceil(n / size)
+                st.pieces = math.ceil(n / size)
                 if size < n:
-                    self.micro_size = size
-                    self.clean_calls += 1
+                    st.micro_size = size
+                    st.clean_calls += 1
                 elif grow:
-                    self.micro_size = None
+                    st.micro_size = None
                 return out
             if size <= self.min_size and not grow:
                 _record(error, exhausted=True)
@@ -557,12 +735,12 @@ class _MicroBatcher:
             del error
             if grow:
                 # The larger try failed: return to the split that worked.
-                grow, size = False, min(n, self.micro_size)
+                grow, size = False, min(n, st.micro_size)
                 continue
             size = max(self.min_size, math.ceil(size / 2))
-            self.micro_size = size
-            self.clean_calls = 0
-            self.splits += 1
+            st.micro_size = size
+            st.clean_calls = 0
+            st.splits += 1
             global _splits_total
             _splits_total += 1
 

@@ -100,7 +100,38 @@ def _compile_blocker(torch, model):
     return None
 
 
-def compile_model(model):
+# The modes OUTOFCUDA_COMPILE_MODE accepts (src/config.c), in the same order.
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+_FLAG_VARS = {"channels_last": "OUTOFCUDA_CHANNELS_LAST", "compile": "OUTOFCUDA_COMPILE",
+              "fullgraph": "OUTOFCUDA_COMPILE_FULLGRAPH"}
+
+
+def _check_flag(name, value):
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"compile_model: {name} must be True, False or None (None: "
+                        f"{_FLAG_VARS[name]}), got {value!r}")
+
+
+def _compile_options(compile, mode, fullgraph):
+    """(compile, mode, fullgraph, what asked for compiling): each argument
+    given wins over its OUTOFCUDA_* variable."""
+    _check_flag("compile", compile)
+    _check_flag("fullgraph", fullgraph)
+    if mode is not None:
+        if not isinstance(mode, str) or mode.strip().lower() not in _COMPILE_MODES:
+            raise ValueError(f"compile_model: mode must be one of {', '.join(_COMPILE_MODES)} "
+                             f"or None (None: OUTOFCUDA_COMPILE_MODE), got {mode!r}")
+        mode = mode.strip().lower()
+    cfg = core.config()
+    return (cfg["compile"] if compile is None else compile,
+            cfg["compile_mode"] if mode is None else mode,
+            cfg["compile_fullgraph"] if fullgraph is None else fullgraph,
+            "OUTOFCUDA_COMPILE=1" if compile is None else "compile=True")
+
+
+def compile_model(model, channels_last=None, compile=None, mode=None, fullgraph=None):
     """Prepare a model: channels-last layout, and ``torch.compile`` when asked.
 
     With ``OUTOFCUDA_CHANNELS_LAST=1`` (default) a model with 4-D weights
@@ -112,30 +143,40 @@ def compile_model(model):
     uncompiled. The layout change is made in place; outputs equal the
     original model's.
 
+    Each argument overrides its variable for this call; None (the default)
+    keeps the environment's value. ``channels_last``, ``compile`` and
+    ``fullgraph`` take True or False; ``mode`` one of ``"default"``,
+    ``"reduce-overhead"``, ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``.
+    Other values raise TypeError or ValueError before the model is touched.
+
     >>> import torch, outofcuda
     >>> net = outofcuda.compile_model(torch.nn.Conv2d(3, 8, 3))
     >>> net.weight.is_contiguous(memory_format=torch.channels_last)
     True
+    >>> net = outofcuda.compile_model(torch.nn.Conv2d(3, 8, 3), channels_last=False)
+    >>> net.weight.is_contiguous(memory_format=torch.channels_last)
+    False
     """
     torch = _torch()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"compile_model expects a torch.nn.Module, got {type(model).__name__}")
+    _check_flag("channels_last", channels_last)
+    compile, mode, fullgraph, asked_by = _compile_options(compile, mode, fullgraph)
     ranks = {p.dim() for p in model.parameters()}
-    fmt, _reason = core._api_memory_format(4 in ranks, 5 in ranks)
+    fmt, _reason = core._api_memory_format(4 in ranks, 5 in ranks, channels_last)
     if fmt == "mixed":
         by_rank = {4: torch.channels_last, 5: torch.channels_last_3d}
         model._apply(lambda t: t.contiguous(memory_format=by_rank[t.dim()]) if t.dim() in by_rank else t)
     elif fmt is not None:
         model = model.to(memory_format=getattr(torch, fmt))
-    cfg = core.config()
-    if not cfg["compile"]:
+    if not compile:
         return model
     blocker = _compile_blocker(torch, model)
     if blocker is not None:
-        warnings.warn(f"outofcuda: OUTOFCUDA_COMPILE=1 but {blocker}; the model runs uncompiled",
+        warnings.warn(f"outofcuda: {asked_by} but {blocker}; the model runs uncompiled",
                       RuntimeWarning, stacklevel=2)
         return model
-    return torch.compile(model, mode=cfg["compile_mode"], fullgraph=cfg["compile_fullgraph"])
+    return torch.compile(model, mode=mode, fullgraph=fullgraph)
 
 
 def smart_dataloader(dataset, **kwargs):
@@ -222,9 +263,9 @@ class CudaOptimizer:
     (True, True)
     """
 
-    def prepare(self, model):
+    def prepare(self, model, channels_last=None, compile=None, mode=None, fullgraph=None):
         """:func:`compile_model` (channels-last, optional torch.compile)."""
-        return compile_model(model)
+        return compile_model(model, channels_last, compile, mode, fullgraph)
 
     def dataloader(self, dataset, **kwargs):
         """:func:`smart_dataloader`."""

@@ -259,17 +259,26 @@ static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
 
 /* ---- model memory format ---- */
 
-/* _api_memory_format(has_4d, has_5d) -> (format or None, reason). "mixed"
- * asks the caller to convert each weight by its rank: Module.to() with one
- * format raises on weights of the other rank. */
+/* _api_memory_format(has_4d, has_5d, channels_last=None) -> (format or None,
+ * reason). channels_last True/False overrides OUTOFCUDA_CHANNELS_LAST for one
+ * call. "mixed" asks the caller to convert each weight by its rank:
+ * Module.to() with one format raises on weights of the other rank. */
 static PyObject *py_memory_format(PyObject *self, PyObject *args)
 {
-    int has4, has5;
+    PyObject *override = Py_None;
+    int has4, has5, wanted;
     (void)self;
-    if (!PyArg_ParseTuple(args, "pp", &has4, &has5))
+    if (!PyArg_ParseTuple(args, "pp|O", &has4, &has5, &override))
         return NULL;
-    if (!oc_config_get()->channels_last)
-        return Py_BuildValue("(Os)", Py_None, "OUTOFCUDA_CHANNELS_LAST=0");
+    if (override != Py_None && override != Py_True && override != Py_False) {
+        PyErr_SetString(PyExc_TypeError, "channels_last must be True, False or None");
+        return NULL;
+    }
+    wanted = override == Py_None ? oc_config_get()->channels_last : override == Py_True;
+    if (!wanted)
+        return Py_BuildValue("(Os)", Py_None,
+                             override == Py_None ? "OUTOFCUDA_CHANNELS_LAST=0"
+                                                 : "channels_last=False");
     if (has4 && has5)
         return Py_BuildValue("(ss)", "mixed", "4-D weights channels_last, 5-D channels_last_3d");
     if (has4)
@@ -387,7 +396,8 @@ PyMethodDef oc_api_methods[] = {
      "shm_min_bytes=...)\n--\n\n"
      "DataLoader arguments outofcuda proposes."},
     {"_api_memory_format", py_memory_format, METH_VARARGS,
-     "_api_memory_format(has_4d, has_5d)\n--\n\n(memory format or None, reason)."},
+     "_api_memory_format(has_4d, has_5d, channels_last=None)\n--\n\n(memory format or None, "
+     "reason)."},
     {"_api_memory_report", py_memory_report, METH_NOARGS,
      "_api_memory_report()\n--\n\nPer-device memory figures; never initialises CUDA."},
     {"_api_clear_cache", py_clear_cache, METH_NOARGS,

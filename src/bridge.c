@@ -648,9 +648,14 @@ static void record_allocator(void)
 {
     PyObject *v;
     if (!oc_g.prepared) {
+        /* A build without CUDA has no CUDA allocator to miss: say that, as
+         * the hook would have, rather than blame the order. */
         oc_result_set("allocator", 0, NULL,
-                      "torch was imported before outofcuda's hook installed; the allocator "
-                      "variable must be set before torch loads");
+                      tv.known && !tv.cuda_build
+                          ? "this torch build has no CUDA"
+                          : "torch was imported before outofcuda's hook installed; the allocator "
+                            "variable must be set before torch loads (call outofcuda.apply() "
+                            "before import torch)");
         return;
     }
     v = oc_g.alloc_value[0] && oc_g.alloc_applied ? PyUnicode_FromString(oc_g.alloc_value) : NULL;

@@ -266,3 +266,81 @@ def test_type_stubs_ship_and_cover_the_public_api(venv, workdir):
         print(json.dumps([sorted(set(outofcuda.__all__) - names), (pkg / "py.typed").exists()]))
     """, cwd=workdir)
     assert _json(r) == [[], True]
+
+
+def test_compile_model_arguments_override_the_environment(venv, workdir):
+    # torch.compile is wrapped to record what it was asked for; the real one
+    # still runs (lazily: nothing is compiled until the model is called).
+    r = venv.check("""
+        import json, torch, warnings, outofcuda
+        asked = []
+        real_compile = torch.compile
+        def recording(model, **kw):
+            asked.append(kw)
+            return real_compile(model, **kw)
+        torch.compile = recording
+        cl = torch.channels_last
+        def conv():
+            return torch.nn.Conv2d(3, 8, 3)
+        res = {
+            "env": outofcuda.compile_model(conv()).weight.is_contiguous(memory_format=cl),
+            "off": outofcuda.compile_model(conv(), channels_last=False)
+                   .weight.is_contiguous(memory_format=cl),
+            "on": outofcuda.compile_model(conv(), channels_last=True)
+                  .weight.is_contiguous(memory_format=cl),
+        }
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            plain = outofcuda.compile_model(torch.nn.Linear(4, 2))
+            res["not_compiled"] = type(plain).__name__
+            res["opt_prepare"] = type(outofcuda.CudaOptimizer().prepare(
+                torch.nn.Linear(4, 2), compile=False)).__name__
+            compiled = outofcuda.compile_model(torch.nn.Linear(4, 2), compile=True,
+                                               mode="Default", fullgraph=False)
+            res["compiled"] = type(compiled).__name__
+            compiled = outofcuda.compile_model(torch.nn.Linear(4, 2), compile=True)
+        # torch.compile's first call imports dynamo, which warns about torch.jit.
+        res["warnings"] = [str(i.message) for i in w if "outofcuda" in str(i.message)]
+        res["asked"] = asked
+        errors = []
+        for kw in ({"channels_last": "yes"}, {"channels_last": 1}, {"compile": "1"},
+                   {"fullgraph": 0}, {"mode": "fast"}, {"mode": 3}):
+            try:
+                outofcuda.compile_model(torch.nn.Linear(4, 2), **kw)
+                errors.append(None)
+            except (TypeError, ValueError) as e:
+                errors.append([type(e).__name__, str(e)])
+        res["errors"] = errors
+        print(json.dumps(res))
+    """, cwd=workdir, env={"OUTOFCUDA_CHANNELS_LAST": "0", "OUTOFCUDA_COMPILE": "0",
+                           "OUTOFCUDA_COMPILE_MODE": "max-autotune-no-cudagraphs",
+                           "OUTOFCUDA_COMPILE_FULLGRAPH": "1"})
+    res = _json(r)
+    assert res["env"] is False and res["off"] is False and res["on"] is True
+    assert res["not_compiled"] == "Linear" and res["opt_prepare"] == "Linear"
+    assert res["compiled"] == "OptimizedModule"
+    # mode and fullgraph given win; those not given come from the environment.
+    assert res["asked"] == [{"mode": "default", "fullgraph": False},
+                            {"mode": "max-autotune-no-cudagraphs", "fullgraph": True}]
+    assert res["warnings"] == []
+    kinds = [e[0] for e in res["errors"]]
+    assert kinds == ["TypeError", "TypeError", "TypeError", "TypeError", "ValueError",
+                     "ValueError"]
+    assert "channels_last must be True, False or None" in res["errors"][0][1]
+    assert "OUTOFCUDA_COMPILE_FULLGRAPH" in res["errors"][3][1]
+    assert "reduce-overhead" in res["errors"][4][1] and "'fast'" in res["errors"][4][1]
+
+
+def test_compile_model_compile_true_names_the_argument_when_it_cannot_compile(venv, workdir):
+    empty = workdir / "bin"
+    empty.mkdir()
+    r = venv.check("""
+        import json, torch, warnings, outofcuda
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            out = outofcuda.compile_model(torch.nn.Linear(4, 2), compile=True)
+        print(json.dumps([type(out).__name__, [str(i.message) for i in w]]))
+    """, cwd=workdir, env={"PATH": str(empty), "CXX": None})
+    name, messages = _json(r)
+    assert name == "Linear" and len(messages) == 1
+    assert "compile=True" in messages[0] and "C++ compiler" in messages[0]

@@ -1,0 +1,84 @@
+"""`outofcuda bench` from an installed copy: the console script of the test
+environment, run from a folder outside the checkout, with no benchmarks/
+folder anywhere it could look."""
+import json
+import re
+import subprocess
+
+from conftest import ROOT, _clean_env
+
+WORKLOADS = "mlp,cnn_fp32"
+
+
+def _outofcuda(venv):
+    return str(venv.path / "bin" / "outofcuda")
+
+
+def test_bench_smoke_runs_from_an_installed_copy(venv, workdir):
+    out = workdir / "res"
+    # The workers run where the user stands; a torch.py there must not be imported.
+    (workdir / "torch.py").write_text("raise SystemExit('the stray torch.py was imported')\n")
+
+    def bench(*extra):
+        return subprocess.run([_outofcuda(venv), "bench", "--smoke", "--workloads", WORKLOADS,
+                               *extra], cwd=workdir, env=_clean_env(), capture_output=True,
+                              text=True, timeout=300)
+
+    r = bench("--json", "--out", str(out))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    d = json.loads(r.stdout)
+    assert d["mode"] == "cpu-smoke" and d["gpu_gains_measured"] is False
+    assert d["sizes"]["repeats"] == 1
+    rows = d["rows"]
+    assert [(row["workload"], row["config"]) for row in rows] == [
+        (w, c) for w in WORKLOADS.split(",") for c in ("defaults", "outofcuda", "expert")]
+    for row in rows:
+        assert row["steps_per_s"] > 0 and row["device"] == "cpu"
+        # One step, one repeat: a ratio would be noise, so there is none.
+        assert row["speedup_vs_defaults"] is None, row
+    assert {row["config"]: row["hook_fired"] for row in rows} == {
+        "defaults": False, "outofcuda": True, "expert": False}
+    assert json.loads((out / "gain.json").read_text())["rows"] == rows
+
+    r = bench("--out", str(workdir / "text"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "GPU gains were NOT measured" in r.stdout
+    assert "vs defaults" not in r.stdout.split("No \"vs defaults\" ratios")[1]
+    assert not re.search(r"\d\.\d\dx", r.stdout), r.stdout
+    assert "No \"vs defaults\" ratios: a ratio needs 3 repeats" in r.stdout
+    assert "(no PNG: no ratios to draw)" in r.stdout
+    assert not (workdir / "text" / "gain.png").exists()
+
+
+def test_bench_ratios_only_where_repeats_make_them_mean_something(venv, workdir):
+    r = venv.check("""
+        import json
+        from outofcuda import bench
+        def row(config, sps, repeats, workload="mlp"):
+            return {"workload": workload, "config": config, "steps_per_s": sps,
+                    "rates": [sps] * repeats}
+        rows = [row("defaults", 10.0, 3), row("outofcuda", 15.0, 3), row("expert", 12.0, 2),
+                row("defaults", 4.0, 1, "cnn"), row("outofcuda", 8.0, 5, "cnn")]
+        bench._ratios(rows)
+        print(json.dumps([r["speedup_vs_defaults"] for r in rows]))
+    """, cwd=workdir)
+    assert json.loads(r.stdout) == [1.0, 1.5, None, None, None]
+
+
+def test_bench_startup_without_a_checkout_fails_fast(venv, workdir):
+    r = venv.run(None, args=["-m", "outofcuda", "bench", "--startup", "--json",
+                             "--benchmarks-dir", str(workdir)], cwd=workdir, timeout=60)
+    assert r.returncode == 1
+    err = json.loads(r.stdout)["error"]
+    assert "startup.py not found" in err
+    assert not (workdir / "bench-results").exists()   # the gain benchmark did not start
+
+
+def test_gain_script_in_the_checkout_is_the_packaged_benchmark(venv, workdir):
+    r = venv.run(None, args=[str(ROOT / "benchmarks" / "gain.py"), "--workloads", "nope"],
+                 cwd=workdir)
+    assert r.returncode == 2 and "unknown workload" in r.stderr
+    assert "mlp" in r.stderr   # the package's workload list
+    r = venv.check("import outofcuda.bench as b, pathlib; print(pathlib.Path(b.__file__).parent)",
+                   cwd=workdir)
+    assert r.stdout.strip() == str(venv.site / "outofcuda")
