@@ -58,7 +58,7 @@ def _load():
             f"outofcuda's C extension at {path} is present but cannot be loaded "
             f"in this interpreter ({exc}). outofcuda works only in the main "
             "interpreter, not in a subinterpreter; in the main interpreter this "
-            "means a damaged file or one built for another platform: "
+            "means a damaged file or one built for another platform: reinstall outofcuda: "
             "pip install --force-reinstall --no-deps 'outofcuda>=0.2'"
         ) from exc
     return _check(sys.modules.setdefault(_NAME, mod))

@@ -187,7 +187,7 @@ def test_every_line_carries_the_rank_under_torchrun(venv, workdir, stub_nvml):
 
 FAKE_CUDA_INIT = """
 import torch
-queued = [getattr(f, "__name__", "") for f in torch.cuda._queued_calls]
+queued = [getattr(fn, "__name__", "") for fn, _stack in torch.cuda._queued_calls]
 before = threads()
 torch.cuda._fake_cuda_init()
 wait_for("the sampler", lambda: samples(0)["util_samples"] >= 5 and samples(1)["ticks"] >= 1)
@@ -253,7 +253,7 @@ def test_unset_or_off_queues_nothing_starts_nothing_prints_nothing(
     r = run(venv, workdir, """
         n = atexit._ncallbacks()
         import torch
-        queued = [getattr(f, "__name__", "") for f in torch.cuda._queued_calls]
+        queued = [getattr(fn, "__name__", "") for fn, _stack in torch.cuda._queued_calls]
         torch.cuda._fake_cuda_init()
         print(json.dumps([queued, threads(), atexit._ncallbacks() - n,
                           _outofcuda._summary_stats()]))
