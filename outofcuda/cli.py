@@ -553,8 +553,8 @@ def _check_older_package():
 def _check_no_site():
     if sys.flags.no_site:
         return _check("python_no_site", False, "Python runs with -S: no .pth hook runs",
-                      "start Python without -S, or call `import _outofcuda; "
-                      "_outofcuda.install()` before importing torch")
+                      "start Python without -S, or call `outofcuda.apply()` before "
+                      "importing torch")
     return _check("python_no_site", True, "site runs (.pth hooks are processed)")
 
 

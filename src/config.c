@@ -254,7 +254,7 @@ static void load_summary(oc_config *cfg, oc_getenv_fn get, void *ctx)
 {
     static const char name[] = "OUTOFCUDA_SUMMARY";
     char buf[OC_SUMMARY_PATH_MAX];
-    const char *v = get(name, ctx), *p;
+    const char *v = lookup(get, ctx, name), *p;
     size_t n;
     int b;
     if (v == NULL)

@@ -287,16 +287,17 @@ def test_real_cpu_torch_never_initialises_cuda_so_no_thread_and_no_block(venv, w
 
 
 def test_bad_values_warn_once_and_leave_the_summary_off(venv, workdir, stub_nvml, tmp_path):
-    cases = ["1", "yes", " OFF ", "  /tmp/run.json ", "maybe", "2", "", "out.txt", ".json",
+    cases = ["1", "yes", " OFF ", "  /tmp/run.json ", "", "maybe", "2", "out.txt", ".json",
              "dir/.json", "run\x01.json", "/" + "x" * 1100 + ".json"]
     r = venv.check(
         "import json, _outofcuda\n"
         f"cases = {cases!r}\n"
         "print(json.dumps([_outofcuda._parse_config({'OUTOFCUDA_SUMMARY': c}) for c in cases]))")
     got = json.loads(r.stdout)
-    assert [g["summary"] for g in got[:4]] == ["stderr", "stderr", "off", "/tmp/run.json"]
-    assert all(g["warnings"] == [] for g in got[:4])
-    for value, g in zip(cases[4:], got[4:]):
+    # An empty value means unset, as for every OUTOFCUDA_* variable.
+    assert [g["summary"] for g in got[:5]] == ["stderr", "stderr", "off", "/tmp/run.json", "off"]
+    assert all(g["warnings"] == [] for g in got[:5])
+    for value, g in zip(cases[5:], got[5:]):
         assert g["summary"] == "off", value
         (w,) = g["warnings"]
         assert w.startswith("outofcuda: ignoring OUTOFCUDA_SUMMARY=") and ".json" in w, w
