@@ -384,8 +384,9 @@ static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
             oc_utf8(r, v, sizeof v);
             Py_DECREF(r);
             if (strcmp(v, "none") != 0) {
-                snprintf(why, sz, "the program chose fp32_precision '%s' (%s/%s) before CUDA started",
-                         v, levels[i][0], levels[i][1]);
+                snprintf(why, sz,
+                         "the program chose fp32_precision '%s' (%s/%s) before CUDA started", v,
+                         levels[i][0], levels[i][1]);
                 return 1;
             }
         }
@@ -407,8 +408,8 @@ static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
         if (chosen < 0)
             snprintf(why, sz, "torch's float32 matmul precision could not be read");
         else if (chosen)
-            snprintf(why, sz,
-                     "the program chose float32 matmul precision '%s' before CUDA started", v);
+            snprintf(why, sz, "the program chose float32 matmul precision '%s' before CUDA started",
+                     v);
         return chosen;
     }
 }
@@ -677,8 +678,7 @@ static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyMethodDef at_cuda_init_def = {"outofcuda_at_cuda_init", at_cuda_init, METH_NOARGS,
-                                       NULL};
+static PyMethodDef at_cuda_init_def = {"outofcuda_at_cuda_init", at_cuda_init, METH_NOARGS, NULL};
 
 /* torch.cuda._lazy_call, or NULL with *why_not saying why ("none: ...",
  * static storage). */

@@ -33,6 +33,10 @@
 #define OC_ENGINE_NAME "_outofcuda"
 #define OC_ENGINE_FIND_SPEC "_find_torch_spec" /* engine function the boot's finder calls */
 #define OC_ENGINE_INSTALL "install"            /* engine function for a torch already there */
+/* The one Python function the engine calls (tests/test_oom.py pins both):
+ * the report printed before an uncaught OOM's traceback. */
+#define OC_PY_OOM_MODULE "outofcuda.oom"
+#define OC_PY_OOM_PRINT "_on_uncaught"
 
 /* ---- pure C part: safe to include without Python (fuzzers, unit tests) ---- */
 
@@ -143,6 +147,9 @@ typedef struct {
     char alloc_value[OC_ALLOC_CONF_MAX];
     char alloc_reason[600];
     int alloc_applied;
+    /* Events of this process, for the exit summary (GIL held). */
+    unsigned long oom_events;    /* CUDA OOMs torch's observer reported */
+    long long microbatch_splits; /* splits auto_microbatch made */
 } oc_state;
 
 extern oc_state oc_g;
@@ -234,11 +241,8 @@ PyObject *oc_sys_module(const char *name);                      /* new ref or NU
 int oc_call_bool(PyObject *owner, const char *name, int value); /* 1 called, 0 missing, -1 error */
 const char *oc_utf8(PyObject *str, char *buf, size_t sz);       /* copy of str into buf */
 
-/* oom.c: CUDA OOMs torch's observer reported in this process. */
-unsigned long oc_oom_count(void);
-
 /* summary.c: OUTOFCUDA_SUMMARY, what the GPU did, printed at exit */
-int oc_summary_prepare(void);      /* with torch imported: 1 when the step has work */
+int oc_summary_prepare(void);       /* with torch imported: 1 when the step has work */
 void oc_summary_at_cuda_init(void); /* a step of the CUDA-init callback */
 extern PyMethodDef oc_summary_methods[];
 #endif /* OC_PURE_C */

@@ -212,14 +212,16 @@ static int add_now(PyObject *e, const char *name, PyObject *c_mod)
     int rc = PyDict_SetItemString(e, "now", now ? now : Py_None);
     if (rc == 0)
         rc = PyDict_SetItemString(e, "changed",
-                                  changed < 0 ? Py_None : changed ? Py_True : Py_False);
+                                  changed < 0 ? Py_None
+                                  : changed   ? Py_True
+                                              : Py_False);
     if (rc == 0 && changed == 1) {
         PyObject *reason = PyDict_GetItemString(e, "reason"); /* borrowed */
         PyObject *shown = PyObject_Str(now);
-        PyObject *text = reason && shown ? PyUnicode_FromFormat(
-                                               "%U; changed by the program since: now %U",
-                                               reason, shown)
-                                         : NULL;
+        PyObject *text =
+            reason && shown
+                ? PyUnicode_FromFormat("%U; changed by the program since: now %U", reason, shown)
+                : NULL;
         rc = text ? PyDict_SetItemString(e, "reason", text) : -1;
         Py_XDECREF(text);
         Py_XDECREF(shown);
