@@ -471,6 +471,8 @@ static PyObject *fraction_callback(PyObject *self, PyObject *unused)
     (void)self;
     (void)unused;
     torch = oc_sys_module("torch");
+    if (torch != NULL)
+        oc_known_bugs_at_cuda_init(torch);
     c_mod = torch ? PyObject_GetAttrString(torch, "_C") : NULL;
     if (c_mod == NULL)
         goto error;
@@ -696,6 +698,7 @@ void oc_bridge_after_torch(PyObject *torch)
     record_allocator();
     apply_memory_fraction(cfg, torch);
     apply_sdpa(cfg, c_mod);
+    oc_known_bugs_at_import(torch);
     apply_amp_dtype(cfg, torch);
     oc_oom_install(torch);
     if (tv.cuda_build)
