@@ -223,7 +223,7 @@ static void gather(PyObject *torch, oc_kb_facts *f)
     f->getenv_fn = proc_getenv;
 }
 
-void oc_known_bugs_at_import(PyObject *torch)
+int oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
 {
     const oc_config *cfg = oc_config_get();
     oc_kb_facts f;
@@ -239,7 +239,7 @@ void oc_known_bugs_at_import(PyObject *torch)
             snprintf(kb.reason[i], sizeof kb.reason[i],
                      "OUTOFCUDA_KNOWN_BUGS=0: torch's own choice kept, nothing checked");
         }
-        return;
+        return 0;
     }
     gather(torch, &f);
     for (size_t i = 0; i < n; i++) {
@@ -247,21 +247,45 @@ void oc_known_bugs_at_import(PyObject *torch)
             oc_known_bug_decide(oc_known_bug_at(i), &f, kb.reason[i], sizeof kb.reason[i]);
         kb.pending |= kb.state[i] == OC_KB_UNDECIDED;
     }
+    if (kb.pending && no_queue != NULL) {
+        /* Nothing will run when CUDA starts: it stays undecided, and says why. */
+        for (size_t i = 0; i < n; i++) {
+            size_t len = strlen(kb.reason[i]);
+            if (kb.state[i] == OC_KB_UNDECIDED)
+                snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, " (never: %s)",
+                         no_queue + 6);
+        }
+        kb.pending = 0;
+    }
+    return kb.pending;
 }
 
-/* torch.backends.cudnn.version(): the runtime cuDNN, or 0 when torch has none.
- * Loads cuDNN (cheap now that CUDA starts anyway). -1 when it failed. */
+/* The runtime cuDNN's version, or 0 when torch has none, -1 when it cannot
+ * be read. torch._C._cudnn.getVersionInt() first: it is what
+ * torch.backends.cudnn.version() returns, without that function's checks,
+ * which ask torch.cuda for every device's capability (with a GPU present,
+ * that initialises CUDA: never at import, then). Loads libcudnn_graph. */
 static long read_cudnn_version(PyObject *torch)
 {
-    PyObject *fn = oc_getattr_chain(torch, "backends.cudnn.version");
-    PyObject *r = fn ? PyObject_CallObject(fn, NULL) : NULL;
+    PyObject *c_mod = PyObject_GetAttrString(torch, "_C");
+    PyObject *fn = c_mod ? oc_getattr_chain(c_mod, "_cudnn.getVersionInt") : NULL;
+    PyObject *r;
     long v = -1;
+    Py_XDECREF(c_mod);
+    PyErr_Clear();
+    if (fn == NULL)
+        fn = oc_getattr_chain(torch, "backends.cudnn.version");
+    if (fn == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    r = PyObject_CallObject(fn, NULL);
     if (r == Py_None)
         v = 0;
     else if (r != NULL && PyLong_Check(r))
         v = PyLong_AsLong(r);
     Py_XDECREF(r);
-    Py_XDECREF(fn);
+    Py_DECREF(fn);
     PyErr_Clear();
     return v;
 }

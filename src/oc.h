@@ -7,7 +7,8 @@
  *   boot.c     the finder on sys.meta_path; loads the engine for torch
  *   module.c   the engine's module definition, install(), config()
  *   watcher.c  torch's spec and the loader proxy around its import
- *   bridge.c   what happens when torch has imported: the optimisations
+ *   bridge.c   what happens when torch has imported: the optimisations,
+ *              and the one callback queued for CUDA initialisation
  *   oom.c      out-of-memory handler and report
  *   api.c      decisions behind the Python API
  *   monitor.c  the native watchdog thread behind MemoryMonitor
@@ -255,7 +256,11 @@ extern PyMethodDef oc_nvml_methods[];
 int oc_nvml_utilization(int index, unsigned *gpu, unsigned *mem);
 
 /* oom.c */
-void oc_oom_install(PyObject *torch); /* queues observer + hooks for CUDA init; never raises */
+/* With torch imported: prepares the observer and hooks. no_queue is NULL when
+ * bridge.c's CUDA-init callback is queued, else why not ("none: ..."). Returns
+ * 1 when oc_oom_at_cuda_init has work. Never raises. */
+int oc_oom_install(PyObject *torch, const char *no_queue);
+void oc_oom_at_cuda_init(PyObject *torch); /* a step of the CUDA-init callback */
 extern PyMethodDef oc_oom_methods[];
 
 /* api.c */
@@ -283,14 +288,16 @@ unsigned long oc_oom_count(void);
 
 /* knownbugs.c: decides what it can with torch imported (never reads the
  * cuDNN version: that loads cuDNN), and the rest from the CUDA-init callback,
- * where it also acts. Neither raises nor queues anything. */
-void oc_known_bugs_at_import(PyObject *torch);
+ * where it also acts. Neither raises nor queues anything. at_import returns 1
+ * when the callback has work (no_queue: why there is no queue, or NULL). */
+int oc_known_bugs_at_import(PyObject *torch, const char *no_queue);
 void oc_known_bugs_at_cuda_init(PyObject *torch);
 PyObject *oc_known_bugs_status(void); /* new list, or NULL with an exception */
 extern PyMethodDef oc_known_bugs_methods[];
 
 /* summary.c: OUTOFCUDA_SUMMARY, what the GPU did, printed at exit */
-void oc_summary_queue(PyObject *torch); /* with torch imported; never raises */
+int oc_summary_prepare(void);       /* with torch imported: 1 when the step has work */
+void oc_summary_at_cuda_init(void); /* a step of the CUDA-init callback */
 extern PyMethodDef oc_summary_methods[];
 #endif /* OC_PURE_C */
 #endif /* OC_H */

@@ -226,12 +226,13 @@ loaded_at_import = cudnn_loaded()
 C._cuda_getDeviceCount = lambda: 1
 C._cuda_getDevice = lambda: 0
 C._cuda_setMemoryFraction = lambda fraction, device: None
-for fn, _stack in list(torch.cuda._queued_calls):
-    if getattr(fn, "__name__", "") in ("outofcuda_memory_fraction", "outofcuda_at_cuda_init"):
-        fn()
+C._cuda_attach_out_of_memory_observer = lambda fn: None
+(cb,) = [fn for fn, _stack in torch.cuda._queued_calls
+         if getattr(fn, "__name__", "") == "outofcuda_at_cuda_init"]
+cb()
 print(json.dumps({"import": at_import, "cuda": entry(), "loaded_at_import": loaded_at_import,
                   "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(),
-                  "cudnn": torch.backends.cudnn.version(),
+                  "cudnn": torch._C._cudnn.getVersionInt(),
                   "initialized": torch.cuda.is_initialized(),
                   "error": _outofcuda.status()["hook"]["error"]}))
 """
