@@ -259,3 +259,20 @@ def test_real_cuda_build_known_bugs_off(cuda_venv, workdir, nvml):
                                 args=("-W", "error")))
     assert d["cudnn_sdp"] is True and d["cuda"]["done"] is False
     assert "OUTOFCUDA_KNOWN_BUGS=0" in d["cuda"]["reason"]
+
+
+# ---- the command line ----
+
+def test_doctor_and_status_name_the_bug(cuda_venv, workdir, nvml):
+    r = cuda_venv.run(None, args=("-m", "outofcuda", "doctor", "--json"), env=nvml("9.0"),
+                      cwd=workdir, timeout=300)
+    (check,) = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "known_bugs"]
+    assert check["ok"] is True and f"{BUG} applies" in check["message"], check
+    assert "pytorch/issues/196678" in check["message"]
+    r = cuda_venv.run(None, args=("-m", "outofcuda", "doctor", "--json"),
+                      env=nvml("9.0", OUTOFCUDA_KNOWN_BUGS="0"), cwd=workdir, timeout=300)
+    (check,) = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "known_bugs"]
+    assert check["ok"] is False and "enable_cudnn_sdp(False)" in check["fix"]
+    r = cuda_venv.run(None, args=("-m", "outofcuda", "status"), env=nvml("8.0"), cwd=workdir,
+                      timeout=300)
+    assert f"known bug {BUG}: not affected" in r.stdout, r.stdout
