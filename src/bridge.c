@@ -555,8 +555,7 @@ static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyMethodDef at_cuda_init_def = {"outofcuda_at_cuda_init", at_cuda_init, METH_NOARGS,
-                                       NULL};
+static PyMethodDef at_cuda_init_def = {"outofcuda_at_cuda_init", at_cuda_init, METH_NOARGS, NULL};
 
 /* torch.cuda._lazy_call, or NULL with *why_not saying why ("none: ...",
  * static storage). */
