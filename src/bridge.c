@@ -652,9 +652,9 @@ static int arm_memory_fraction(const oc_config *cfg, const char *no_queue)
  *
  * Everything outofcuda does when CUDA starts runs from this one callback,
  * queued with torch.cuda._lazy_call, in this order: TF32 (only where the
- * program chose no precision), the memory fraction, the OOM observer and
- * exception hooks, the summary sampler. The rules, for every
- * step: it runs inside torch.cuda._lazy_init, on whichever thread first
+ * program chose no precision), the memory fraction, the known-bug guards,
+ * the OOM observer and exception hooks, the summary sampler. The rules, for
+ * every step: it runs inside torch.cuda._lazy_init, on whichever thread first
  * touches CUDA (or at once, when CUDA was already initialised at queueing);
  * it must not raise (torch turns that into DeferredCudaCallError and the
  * initialisation fails) and must not call torch.cuda._lazy_call (from torch
@@ -671,6 +671,7 @@ static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
         Py_RETURN_NONE;
     tf32_at_cuda_init(torch);
     fraction_at_cuda_init(torch);
+    oc_known_bugs_at_cuda_init(torch);
     oc_oom_at_cuda_init(torch);
     oc_summary_at_cuda_init();
     PyErr_Clear();
@@ -866,6 +867,7 @@ void oc_bridge_after_torch(PyObject *torch)
     record_allocator();
     armed = pending_tf32 + arm_memory_fraction(cfg, no_queue);
     apply_sdpa(cfg, c_mod);
+    armed += oc_known_bugs_at_import(torch, no_queue);
     apply_amp_dtype(cfg, torch);
     armed += oc_oom_install(torch, no_queue);
     if (tv.cuda_build && no_queue == NULL)

@@ -16,6 +16,9 @@ build was followed (tests/test_cuda_build.py runs the same checks on it):
 - a CPU-only build has no `torch._C._cuda_*` names;
 - getters return what was set, starting from torch's defaults;
 - `backend:cudaMallocAsync` beside native-allocator keys warns.
+- `torch.backends.cudnn.version()` reports the bundled cuDNN (92400 on 2.14.1)
+  without initialising CUDA, None on a CPU-only build; `_set_sdp_use_cudnn` is
+  read back by `_get_cudnn_sdp_enabled` (True until set).
 """
 import textwrap
 from pathlib import Path
@@ -49,10 +52,14 @@ VARS_211 = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_
 FP32_API = {"_get_fp32_precision_getter", "_set_fp32_precision_setter"}
 
 
-def _release(c, keys, modern, env, warns=frozenset()):
-    # modern: 2.4+ (set_autocast_dtype, annotated version.py)
+def _release(c, keys, modern, env, warns=frozenset(), cudnn=None):
+    # modern: 2.4+ (set_autocast_dtype, annotated version.py); cudnn: what
+    # torch.backends.cudnn.version() reports on the CUDA build (None: not
+    # checked on a real build, a test passes its own)
+    if "_set_sdp_use_cudnn" in c:
+        c = c | {"_get_cudnn_sdp_enabled"}
     return dict(c=BASE_C | c, keys=keys, autocast_new=modern, annotated_version=modern,
-                warns=set(warns), env=env)
+                warns=set(warns), env=env, cudnn=cudnn)
 
 
 RELEASES = {
@@ -71,7 +78,10 @@ RELEASES = {
     "2.11.0": _release({"_set_sdp_use_cudnn", ACCEL_SETTER} | FP32_API, KEYS_211, True,
                        VARS_211),
     "2.14.1": _release({"_set_sdp_use_cudnn", ACCEL_SETTER} | FP32_API, KEYS_211, True,
-                       VARS_211),
+                       VARS_211, cudnn=92400),
+    # Bundles cuDNN 9.26 (the CUDA 13.2 build on PyPI).
+    "2.15.0": _release({"_set_sdp_use_cudnn", ACCEL_SETTER} | FP32_API, KEYS_211, True,
+                       VARS_211, cudnn=92600),
 }
 
 _INIT = '''
@@ -130,10 +140,10 @@ _WARNS = {warns!r}
 _state = {{"cublas_allow_tf32": False, "cudnn_allow_tf32": True, "cudnn_benchmark": False,
           "cudnn_deterministic": False, "float32_matmul_precision": "highest",
           "flash_sdp_enabled": True, "mem_efficient_sdp_enabled": True,
-          "math_sdp_enabled": True}}
+          "math_sdp_enabled": True, "cudnn_sdp_enabled": True}}
 _SDP = {{"_set_sdp_use_flash": "flash_sdp_enabled",
         "_set_sdp_use_mem_efficient": "mem_efficient_sdp_enabled",
-        "_set_sdp_use_math": "math_sdp_enabled"}}
+        "_set_sdp_use_math": "math_sdp_enabled", "_set_sdp_use_cudnn": "cudnn_sdp_enabled"}}
 # 2.9+'s fp32_precision levels, as measured on the CUDA build of 2.14.1: a
 # level left at "none" inherits from the one above it; the legacy setters
 # write the new state too, the new setters only it; a legacy getter raises
@@ -230,12 +240,22 @@ for _name in ("_get_fp32_precision_getter", "_set_fp32_precision_setter"):
 '''
 
 _BACKENDS = '''
+from torch.backends import cudnn
 _frozen = False
 def flags_frozen():
     return _frozen
 def disable_global_flags():
     global _frozen
     _frozen = True
+'''
+
+_CUDNN = '''
+import torch
+_VERSION = {cudnn!r}
+def version():
+    """Loads cuDNN on the real build (recorded: a test can see when it ran)."""
+    torch._C.calls.append(("cudnn.version",))
+    return _VERSION
 '''
 
 _CUDA = '''
@@ -254,10 +274,12 @@ def is_initialized():
 '''
 
 
-def make_fake_torch(root: Path, release: str, cuda: bool = True) -> Path:
+def make_fake_torch(root: Path, release: str, cuda: bool = True, cudnn=None) -> Path:
     """Writes a fake torch `release` under root and returns the directory to
-    put first on PYTHONPATH."""
+    put first on PYTHONPATH. cudnn: the version torch.backends.cudnn.version()
+    reports (default: the release's)."""
     spec = RELEASES[release]
+    cudnn = (cudnn if cudnn is not None else spec["cudnn"]) if cuda else None
     pkg = root / "torch"
     (pkg / "backends").mkdir(parents=True)
     (pkg / "cuda").mkdir()
@@ -275,5 +297,6 @@ def make_fake_torch(root: Path, release: str, cuda: bool = True) -> Path:
     (pkg / "_C.py").write_text(textwrap.dedent(_C_MODULE.format(
         warns=sorted(spec["warns"]), names=c_names, keys=sorted(spec["keys"]))))
     (pkg / "backends" / "__init__.py").write_text(_BACKENDS)
+    (pkg / "backends" / "cudnn.py").write_text(_CUDNN.format(cudnn=cudnn))
     (pkg / "cuda" / "__init__.py").write_text(_CUDA)
     return root
