@@ -345,7 +345,8 @@ static int choose_devices(int *torch_index)
 
 /* Queued with torch.cuda._lazy_call: runs inside CUDA's initialisation on
  * whichever thread first touches CUDA. It must not raise (that would fail
- * the initialisation) and must not queue another lazy call (DESIGN.md). */
+ * the initialisation) and must not queue another lazy call (torch's _lazy_call deadlocks then,
+ * from 2.6 until a 2026 fix). */
 static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
 {
     int devices[SUMMARY_MAX_DEVICES] = {0};
@@ -546,7 +547,7 @@ static int make_hints(const sum_device *d, long workers, hint *h)
     }
     if (d->peak_reserved >= FRAG_MIN_RESERVED && d->peak_allocated >= 0) {
         double frag = (double)(d->peak_reserved - d->peak_allocated) / (double)d->peak_reserved;
-        int expandable = strstr(oc_g.alloc_value, "expandable_segments:True") != NULL;
+        int expandable = oc_alloc_expandable(oc_g.alloc_value);
         if (frag >= 0.25) {
             h[n].score = frag / 0.25;
             h[n].order = 1;
