@@ -258,13 +258,12 @@ static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
                      "fail. Mount a tmpfs there or set num_workers=0",
                      shm_path);
     }
-    return Py_BuildValue("{s:l,s:l,s:O,s:O,s:l,s:K,s:s,s:O,s:O,s:K}", "num_workers", workers,
-                         "prefetch_factor", cfg->prefetch_factor, "persistent_workers",
-                         workers > 0 ? Py_True : Py_False, "pin_memory",
-                         (cfg->pin_memory && cuda_available) ? Py_True : Py_False, "cpus", cpus,
-                         "shm_bytes", shm_total, "shm_warning", warning, "shm_present",
-                         shm_ok ? Py_True : Py_False, "shm_enough",
-                         shm_enough ? Py_True : Py_False, "shm_min_bytes", shm_min);
+    return Py_BuildValue(
+        "{s:l,s:l,s:O,s:O,s:l,s:K,s:s,s:O,s:O,s:K}", "num_workers", workers, "prefetch_factor",
+        cfg->prefetch_factor, "persistent_workers", workers > 0 ? Py_True : Py_False, "pin_memory",
+        (cfg->pin_memory && cuda_available) ? Py_True : Py_False, "cpus", cpus, "shm_bytes",
+        shm_total, "shm_warning", warning, "shm_present", shm_ok ? Py_True : Py_False, "shm_enough",
+        shm_enough ? Py_True : Py_False, "shm_min_bytes", shm_min);
 }
 
 /* ---- model memory format ---- */

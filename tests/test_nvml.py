@@ -97,7 +97,7 @@ def test_stub_utilization_sequences(stub_nvml, tmp_path, monkeypatch):
 def test_devices_status_and_doctor_list_the_gpus(venv, workdir, tmp_path, nvml):
     cfg = config(tmp_path / "nvml.cfg", [
         device(), device(name="Tesla V100-SXM2-16GB", uuid=UUID1, cc="7.0", total=16 * GIB,
-                         used=3 * GIB)])
+                         used=3 * GIB)], migs=[(MIG1, 1)])   # a MIG instance of GPU 1
     env = nvml(cfg)
     d = last_json(venv.run("import json, _outofcuda; print(json.dumps(_outofcuda.nvml_devices()))",
                            env=env, cwd=workdir))
@@ -318,8 +318,8 @@ def test_memory_report_from_nvml_with_processes(venv, workdir, tmp_path, nvml):
                       .read_text())
     fields = {c.name: [a.target.id for a in c.body if isinstance(a, ast.AnnAssign)]
               for c in stubs.body if isinstance(c, ast.ClassDef)}
-    assert fields["DeviceMemory"] == list(a100)
-    assert fields["GpuProcess"] == list(a100["processes"][0])
+    assert fields["_DeviceMemory"] == list(a100)
+    assert fields["_GpuProcess"] == list(a100["processes"][0])
 
 
 def test_report_command_lists_the_processes(venv, workdir, tmp_path, nvml):
