@@ -3,24 +3,20 @@ traceback of an uncaught CUDA OOM. Surviving one is outofcuda.microbatch's.
 
 The figures come from torch's OOM observer, which outofcuda's C core attaches
 when CUDA initialises (so they are those of the moment of failure), from
-``torch.cuda.memory_stats()`` and from NVML; the ranked actions are chosen in C
-(``_outofcuda._oom_advice``). Nothing here initialises CUDA.
+``torch.cuda.memory_stats()`` and from NVML; the C core gathers them and ranks
+the actions in one call (``_outofcuda._oom_report``). Nothing here initialises
+CUDA.
 """
 import gc
-import os
-import re
 import sys
 import threading
-import time
 import traceback
+
 from ._native import core
 
 __all__ = ["last_oom"]
 
 _GIB = 1024.0 ** 3
-_UNITS = {"B": 1, "KiB": 1024, "MiB": 1024 ** 2, "GiB": 1024 ** 3, "TiB": 1024 ** 4}
-# How long after the observer fired an exception may still use its figures.
-_OBSERVER_WINDOW_S = 30.0
 
 _lock = threading.Lock()
 # pending: the text of an OOM a retry may survive (see _note), reported only
@@ -58,182 +54,14 @@ def is_oom(exc):
 
 # ---- the report ------------------------------------------------------------
 
-def _parse_size(number, unit):
-    return int(float(number) * _UNITS.get(unit, 1))
-
-
-def _from_message(text):
-    """Request size and device index from torch's OOM message."""
-    out = {}
-    m = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", text)
-    if m:
-        out["request"] = _parse_size(*m.groups())
-    m = re.search(r"GPU (\d+)", text)
-    if m:
-        out["device"] = int(m.group(1))
-    return out
-
-
-def _allocator_settings():
-    """(allocator config string or None, memory fraction or None) from status()."""
-    opts = core.status().get("optimizations", {})
-    alloc = opts.get("allocator", {}).get("value")
-    frac = opts.get("memory_fraction", {})
-    fraction = None
-    if frac.get("applied") and isinstance(frac.get("value"), dict):
-        fraction = frac["value"].get("fraction")
-    if alloc is None:
-        # The variable this torch reads, as the engine reads it (an empty
-        # value counts as set from 2.11, and then hides the others).
-        import torch
-
-        alloc = core._alloc_var(str(torch.__version__))[1]
-    return alloc, fraction
-
-
-def _nvml_index(device):
-    """NVML's index for torch's device `device` (CUDA_VISIBLE_DEVICES renumbers)."""
-    devices, _ = core.nvml_devices()
-    import torch
-
-    if torch.cuda.is_initialized():
-        try:
-            uuid = str(torch.cuda.get_device_properties(device).uuid).lower()
-            for d in devices:
-                if d["uuid"].lower().replace("gpu-", "") == uuid.replace("gpu-", ""):
-                    return d["index"], d
-        except Exception:  # noqa: BLE001 - a figure, never a failure
-            pass
-    index = core.nvml_index(device)
-    for d in devices:
-        if d["index"] == index:
-            return index, d
-    return None, None
-
-
-def _process_name(pid):
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _figures(text, observed):
-    """Every figure of the report, with a note for each one that is missing."""
-    import torch
-
-    notes = []
-    fig = {"request": None, "device": None}
-    if text is not None:
-        fig.update(_from_message(text))
-    stats = None
-    if observed is not None:
-        fig["device"] = observed["device"]
-        fig["request"] = observed["request"]
-        fig["limit_or_total"] = observed["limit"]
-        fig["device_free"] = observed["device_free"]
-        stats = observed["stats"]
-    cuda_up = torch.cuda.is_initialized()
-    if fig["device"] is None and cuda_up:
-        fig["device"] = torch.cuda.current_device()
-    if stats is None:
-        if cuda_up and fig["device"] is not None:
-            stats = torch.cuda.memory_stats(fig["device"])
-        else:
-            notes.append("CUDA is not initialised in this process: no allocator figures")
-    stats = stats or {}
-    fig["allocated"] = stats.get("allocated_bytes.all.current")
-    fig["reserved"] = stats.get("reserved_bytes.all.current")
-    fig["peak"] = stats.get("allocated_bytes.all.peak")
-    fig["inactive_split"] = stats.get("inactive_split_bytes.all.current")
-    fig["num_ooms"] = stats.get("num_ooms")
-    fig["total"] = fig["free"] = fig["name"] = None
-    others = []
-    if fig["device"] is not None:
-        index, info = _nvml_index(fig["device"])
-        if info is not None:
-            fig["total"], fig["free"], fig["name"] = info["total"], info["free"], info["name"]
-            me = os.getpid()
-            for pid, used in core.nvml_processes(index):
-                if pid != me:
-                    others.append({"pid": pid, "name": _process_name(pid), "used_bytes": used})
-            others.sort(key=lambda p: -p["used_bytes"])
-    if fig["total"] is None:
-        _, why = core.nvml_devices()
-        notes.append(f"NVML: {why or 'this GPU could not be matched'}: no device totals or "
-                     "other processes")
-        if observed is not None:
-            fig["free"] = observed["device_free"]
-    fig["others"] = others
-    return fig, notes
-
-
 def _build_report(text=None, *, exhausted=False):
     """The report of the OOM whose message is `text` (None: the observer's
-    last), and the observer's sequence number it used."""
-    observed = core._oom_observed()
-    if observed is not None and time.time() - observed["time"] > _OBSERVER_WINDOW_S:
-        observed = None
-    if observed is not None and text is not None:
-        dev = _from_message(text).get("device")
-        if dev is not None and dev != observed["device"]:
-            observed = None
-    fig, notes = _figures(text, observed)
-    alloc_conf, fraction = _allocator_settings()
-    expandable = core._alloc_expandable(alloc_conf)
-    autocast = observed.get("autocast") if observed else None
-    if autocast is None:
-        try:
-            import torch
+    last), and the observer's sequence number it used. Every figure and the
+    ranked actions come from the C core in one call; this layer keeps the
+    bookkeeping (last_oom) and the text."""
+    import torch  # noqa: F401 - the C core reads it from sys.modules
 
-            autocast = bool(torch.is_autocast_enabled("cuda"))
-        except TypeError:
-            autocast = None
-    frag = None
-    if fig["reserved"] is not None and fig["allocated"] is not None:
-        frag = max(0, fig["reserved"] - fig["allocated"])
-    limit = None
-    if observed is not None and fraction is not None:
-        limit = observed["limit"]
-    others = fig["others"]
-    advice = core._oom_advice(
-        request=fig["request"], total=fig["total"] or (observed or {}).get("limit"),
-        limit=limit, allocated=fig["allocated"], reserved=fig["reserved"],
-        inactive_split=fig["inactive_split"], fraction=fraction, expandable=expandable,
-        autocast=autocast, exhausted=exhausted,
-        others=[(p["pid"], p["name"], p["used_bytes"]) for p in others])
-    snapshot = observed.get("snapshot") if observed else None
-    if observed and observed.get("snapshot_error"):
-        notes.append(observed["snapshot_error"])
-    message = None
-    if text is not None:
-        message = text.strip().splitlines()[0] if text.strip() else "OutOfMemoryError"
-    return {
-        "time": time.time(),
-        "source": "observer" if observed is not None else "exception",
-        "message": message,
-        "device": fig["device"],
-        "device_name": fig["name"],
-        "request_bytes": fig["request"],
-        "total_bytes": fig["total"],
-        "free_bytes": fig["free"],
-        "limit_bytes": limit,
-        "allocated_bytes": fig["allocated"],
-        "reserved_bytes": fig["reserved"],
-        "peak_allocated_bytes": fig["peak"],
-        "fragmentation_bytes": frag,
-        "inactive_split_bytes": fig["inactive_split"],
-        "num_ooms": fig["num_ooms"],
-        "other_processes": others,
-        "allocator_config": alloc_conf,
-        "expandable_segments": expandable,
-        "memory_fraction": fraction,
-        "autocast": autocast,
-        "snapshot": snapshot,
-        "advice": advice,
-        "notes": notes,
-    }, (observed or {}).get("seq", 0)
+    return core._oom_report(text, exhausted)
 
 
 def _gib(b):

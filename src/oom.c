@@ -13,8 +13,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 /* Entries kept by the allocator's history ring: the figure PyTorch's own
  * memory tutorial uses; the default (sys.maxsize) grows without bound and
@@ -758,7 +760,343 @@ static PyObject *py_oom_observed(PyObject *self, PyObject *unused)
                          seen.snapshot_error[0] ? seen.snapshot_error : NULL);
 }
 
+/* ---- the whole report, figures and ranked advice ---- */
+
+/* How long after the observer fired an exception may still use its figures. */
+#define OBSERVER_WINDOW_S 30.0
+
+/* Request size and device index from torch's OOM message ("Tried to
+ * allocate 2.00 GiB", "GPU 0"); -1 where absent. */
+static void from_message(const char *text, long long *request, long *device)
+{
+    static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    const char *p = text ? strstr(text, "Tried to allocate ") : NULL;
+    *request = -1;
+    *device = -1;
+    if (p != NULL) {
+        char *end;
+        double x = strtod(p + 18, &end);
+        if (end != p + 18 && *end == ' ') {
+            for (int i = 4; i >= 0; i--) {
+                size_t n = strlen(units[i]);
+                if (strncmp(end + 1, units[i], n) == 0) {
+                    *request = (long long)(x * (double)(1ull << (10 * i)));
+                    break;
+                }
+            }
+        }
+    }
+    p = text ? strstr(text, "GPU ") : NULL;
+    if (p != NULL && p[4] >= '0' && p[4] <= '9')
+        *device = strtol(p + 4, NULL, 10);
+}
+
+/* A figure (new ref): an int, or None when negative (unknown). */
+static PyObject *figure(long long v)
+{
+    if (v < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLongLong(v);
+}
+
+/* stats[key] as a number, or -1. */
+static long long stat_of(PyObject *stats, const char *key)
+{
+    PyObject *v = stats && PyDict_Check(stats) ? PyDict_GetItemString(stats, key) : NULL;
+    long long x = v && PyLong_Check(v) ? PyLong_AsLongLong(v) : -1;
+    if (PyErr_Occurred()) {
+        OC_CLEAR();
+        return -1;
+    }
+    return x;
+}
+
+/* Strips "GPU-" and compares case-insensitively. */
+static int same_uuid(const char *a, const char *b)
+{
+    if (strncasecmp(a, "gpu-", 4) == 0)
+        a += 4;
+    if (strncasecmp(b, "gpu-", 4) == 0)
+        b += 4;
+    return *a != '\0' && strcasecmp(a, b) == 0;
+}
+
+/* NVML's index of torch's cuda:device: by UUID once CUDA is up (torch
+ * knows it then), else through CUDA_VISIBLE_DEVICES. -1 when unmatched. */
+static int nvml_index_of(PyObject *cuda, long device, int cuda_up, oc_gpu_info *info)
+{
+    int n = oc_nvml_device_count(), index = -1;
+    if (cuda_up) {
+        PyObject *props = PyObject_CallMethod(cuda, "get_device_properties", "l", device);
+        PyObject *uuid = props ? PyObject_GetAttrString(props, "uuid") : NULL;
+        PyObject *s = uuid ? PyObject_Str(uuid) : NULL;
+        char want[96] = "";
+        oc_utf8(s, want, sizeof want);
+        OC_CLEAR();
+        Py_XDECREF(s);
+        Py_XDECREF(uuid);
+        Py_XDECREF(props);
+        for (int i = 0; want[0] && i < n && index < 0; i++) {
+            if (oc_nvml_device_info(i, info) == 0 && same_uuid(info->uuid, want))
+                index = i;
+        }
+    }
+    if (index < 0 && device >= 0)
+        index = oc_nvml_index((int)device);
+    if (index >= 0 && oc_nvml_device_info(index, info) != 0)
+        index = -1;
+    return index;
+}
+
+/* Other processes on NVML device `index`, most memory first, as a list of
+ * {pid, name, used_bytes}; also fills f->others (the first 8). */
+static PyObject *other_processes(int index, oom_figures *f)
+{
+    oc_gpu_proc *procs = NULL;
+    int n = oc_nvml_process_list(index, &procs);
+    unsigned int me = (unsigned int)getpid();
+    PyObject *list = PyList_New(0);
+    for (int i = 0; i < n; i++) { /* insertion sort: a few processes */
+        for (int j = i; j > 0; j--) {
+            unsigned long long a =
+                procs[j - 1].used == OC_NVML_NOT_AVAILABLE ? 0 : procs[j - 1].used;
+            unsigned long long b = procs[j].used == OC_NVML_NOT_AVAILABLE ? 0 : procs[j].used;
+            oc_gpu_proc t;
+            if (a >= b)
+                break;
+            t = procs[j - 1];
+            procs[j - 1] = procs[j];
+            procs[j] = t;
+        }
+    }
+    for (int i = 0; list != NULL && i < n; i++) {
+        unsigned long long used = procs[i].used == OC_NVML_NOT_AVAILABLE ? 0 : procs[i].used;
+        char name[64];
+        PyObject *d;
+        if (procs[i].pid == me)
+            continue;
+        oc_proc_name(procs[i].pid, name, sizeof name);
+        if (f->n_others < 8) {
+            f->others[f->n_others].pid = procs[i].pid;
+            snprintf(f->others[f->n_others].name, sizeof f->others[0].name, "%s", name);
+            f->others[f->n_others].used = used;
+            f->n_others++;
+        }
+        d = Py_BuildValue("{s:I,s:s,s:K}", "pid", procs[i].pid, "name", name, "used_bytes", used);
+        if (d == NULL || PyList_Append(list, d) < 0)
+            Py_CLEAR(list);
+        Py_XDECREF(d);
+    }
+    free(procs);
+    return list;
+}
+
+/* The fraction outofcuda set (status' record), or 0 when none. */
+static double fraction_set(void)
+{
+    PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, "memory_fraction") : NULL;
+    PyObject *v = e ? PyDict_GetItemString(e, "value") : NULL;
+    PyObject *fr = v && PyDict_Check(v) ? PyDict_GetItemString(v, "fraction") : NULL;
+    double x;
+    if (e == NULL || PyDict_GetItemString(e, "applied") != Py_True || fr == NULL)
+        return 0.0;
+    x = PyFloat_AsDouble(fr);
+    if (PyErr_Occurred()) {
+        OC_CLEAR();
+        return 0.0;
+    }
+    return x;
+}
+
+/* The allocator string in effect as outofcuda knows it: what it handed to
+ * torch, else the variable this torch reads. "" when none. */
+static void allocator_config(PyObject *torch, char *buf, size_t sz)
+{
+    PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, "allocator") : NULL;
+    PyObject *v = e ? PyDict_GetItemString(e, "value") : NULL;
+    buf[0] = '\0';
+    if (v != NULL && PyUnicode_Check(v)) {
+        oc_utf8(v, buf, sz);
+        return;
+    }
+    {
+        PyObject *ver = PyObject_GetAttrString(torch, "__version__");
+        PyObject *s = ver ? PyObject_Str(ver) : NULL;
+        char text[64] = "";
+        const char *value = NULL;
+        oc_utf8(s, text, sizeof text);
+        OC_CLEAR();
+        Py_XDECREF(s);
+        Py_XDECREF(ver);
+        oc_alloc_user_var(oc_torch_version_number(text), &value);
+        snprintf(buf, sz, "%s", value ? value : "");
+    }
+}
+
+static int add_note(PyObject *notes, const char *text)
+{
+    PyObject *s = PyUnicode_FromString(text);
+    int rc = s ? PyList_Append(notes, s) : -1;
+    Py_XDECREF(s);
+    return rc;
+}
+
+/* _oom_report(text=None, exhausted=False) -> (report, seq): every figure of
+ * the OOM whose message is `text` (None: the observer's last) with the
+ * ranked actions, and the observer's sequence number it used. */
+static PyObject *py_oom_report(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"text", "exhausted", NULL};
+    const char *text = NULL;
+    int exhausted = 0, cuda_up = 0, use_seen, index = -1;
+    long device = -1, msg_device;
+    long long request = -1, total = -1, free_b = -1, limit = -1;
+    long long allocated, reserved, peak, inactive, num_ooms;
+    PyObject *torch, *cuda = NULL, *stats = NULL, *notes = NULL, *others = NULL, *advice = NULL;
+    PyObject *report = NULL, *r;
+    oom_figures f;
+    oc_gpu_info info;
+    advice_item items[ADVICE_MAX];
+    char alloc[OC_ALLOC_CONF_MAX], why[200] = "", message[400] = "";
+    double fraction;
+    int autocast, n;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|zp:_oom_report", kwlist, &text, &exhausted))
+        return NULL;
+    torch = oc_sys_module("torch");
+    if (torch == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_oom_report: torch is not imported");
+        return NULL;
+    }
+    memset(&f, 0, sizeof f);
+    memset(&info, 0, sizeof info);
+    from_message(text, &request, &msg_device);
+    device = msg_device;
+    use_seen = seen.seq > 0 && (double)time(NULL) - seen.when <= OBSERVER_WINDOW_S &&
+               !(text != NULL && msg_device >= 0 && msg_device != seen.device);
+    if (use_seen) {
+        device = seen.device;
+        request = (long long)seen.request;
+        limit = (long long)seen.limit;
+        stats = seen.stats;
+        Py_XINCREF(stats);
+    }
+    notes = PyList_New(0);
+    cuda = PyObject_GetAttrString(torch, "cuda");
+    if (notes == NULL || cuda == NULL)
+        goto done;
+    r = PyObject_CallMethod(cuda, "is_initialized", NULL);
+    cuda_up = r != NULL && PyObject_IsTrue(r) == 1;
+    Py_XDECREF(r);
+    OC_CLEAR();
+    if (device < 0 && cuda_up) {
+        r = PyObject_CallMethod(cuda, "current_device", NULL);
+        device = r ? PyLong_AsLong(r) : -1;
+        Py_XDECREF(r);
+        OC_CLEAR();
+    }
+    if (stats == NULL) {
+        if (cuda_up && device >= 0) {
+            stats = PyObject_CallMethod(cuda, "memory_stats", "l", device);
+            OC_CLEAR();
+        } else if (add_note(notes, "CUDA is not initialised in this process: no allocator "
+                                   "figures") < 0) {
+            goto done;
+        }
+    }
+    allocated = stat_of(stats, "allocated_bytes.all.current");
+    reserved = stat_of(stats, "reserved_bytes.all.current");
+    peak = stat_of(stats, "allocated_bytes.all.peak");
+    inactive = stat_of(stats, "inactive_split_bytes.all.current");
+    num_ooms = stat_of(stats, "num_ooms");
+    if (device >= 0 && oc_nvml_available(why, sizeof why))
+        index = nvml_index_of(cuda, device, cuda_up, &info);
+    if (index >= 0) {
+        total = (long long)info.total;
+        free_b = (long long)info.free;
+        others = other_processes(index, &f);
+    } else {
+        char note[300];
+        snprintf(note, sizeof note, "NVML: %s: no device totals or other processes",
+                 why[0] ? why : "this GPU could not be matched");
+        if (add_note(notes, note) < 0)
+            goto done;
+        if (use_seen)
+            free_b = (long long)seen.device_free;
+        others = PyList_New(0);
+    }
+    if (others == NULL)
+        goto done;
+    allocator_config(torch, alloc, sizeof alloc);
+    fraction = fraction_set();
+    autocast = use_seen && seen.autocast >= 0 ? seen.autocast : autocast_enabled(torch);
+    if (!(use_seen && fraction > 0.0))
+        limit = -1;
+    f.request = request > 0 ? (unsigned long long)request : 0;
+    f.total = total > 0 ? (unsigned long long)total : use_seen ? seen.limit : 0;
+    f.limit = limit > 0 ? (unsigned long long)limit : 0;
+    f.allocated = allocated > 0 ? (unsigned long long)allocated : 0;
+    f.reserved = reserved > 0 ? (unsigned long long)reserved : 0;
+    f.inactive_split = inactive > 0 ? (unsigned long long)inactive : 0;
+    f.fraction = fraction;
+    f.expandable = oc_alloc_expandable(alloc);
+    f.autocast = autocast;
+    f.exhausted = exhausted;
+    n = oc_oom_advise(&f, items, ADVICE_MAX);
+    advice = PyList_New(0);
+    for (int i = 0; advice != NULL && i < n; i++) {
+        PyObject *t = PyUnicode_FromString(items[i].text);
+        if (t == NULL || PyList_Append(advice, t) < 0)
+            Py_CLEAR(advice);
+        Py_XDECREF(t);
+    }
+    if (advice == NULL ||
+        (use_seen && seen.snapshot_error[0] && add_note(notes, seen.snapshot_error) < 0))
+        goto done;
+    if (text != NULL) {
+        /* The first line of the message, stripped; the type's name when empty. */
+        const char *p = text;
+        size_t len;
+        while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')
+            p++;
+        len = strcspn(p, "\n");
+        while (len > 0 && (p[len - 1] == ' ' || p[len - 1] == '\t' || p[len - 1] == '\r'))
+            len--;
+        snprintf(message, sizeof message, "%.*s", (int)len, *p ? p : "OutOfMemoryError");
+    }
+    report = Py_BuildValue(
+        "{s:d,s:s,s:z,s:N,s:z,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:O,s:z,s:O,s:N,s:N,s:z,"
+        "s:O,s:O}",
+        "time", (double)time(NULL), "source", use_seen ? "observer" : "exception", "message",
+        text ? message : NULL, "device", figure(device), "device_name",
+        index >= 0 ? info.name : NULL, "request_bytes", figure(request), "total_bytes",
+        figure(total), "free_bytes", figure(free_b), "limit_bytes", figure(limit),
+        "allocated_bytes", figure(allocated), "reserved_bytes", figure(reserved),
+        "peak_allocated_bytes", figure(peak), "fragmentation_bytes",
+        figure(reserved >= 0 && allocated >= 0 ? (reserved > allocated ? reserved - allocated : 0)
+                                               : -1),
+        "inactive_split_bytes", figure(inactive), "num_ooms", figure(num_ooms), "other_processes",
+        others, "allocator_config", alloc[0] ? alloc : NULL, "expandable_segments",
+        f.expandable ? Py_True : Py_False, "memory_fraction",
+        fraction > 0.0 ? PyFloat_FromDouble(fraction) : figure(-1), "autocast",
+        autocast < 0 ? figure(-1) : PyBool_FromLong(autocast), "snapshot",
+        use_seen && seen.snapshot_written ? snapshot_path : NULL, "advice", advice, "notes", notes);
+done:
+    Py_XDECREF(advice);
+    Py_XDECREF(others);
+    Py_XDECREF(stats);
+    Py_XDECREF(cuda);
+    Py_XDECREF(notes);
+    Py_DECREF(torch);
+    if (report == NULL)
+        return NULL;
+    return Py_BuildValue("(Nk)", report, use_seen ? seen.seq : 0ul);
+}
+
 PyMethodDef oc_oom_methods[] = {
+    {"_oom_report", (PyCFunction)(void (*)(void))py_oom_report, METH_VARARGS | METH_KEYWORDS,
+     "_oom_report(text=None, exhausted=False)\n--\n\n(report, seq): every figure of the OOM "
+     "whose message is text (None: the observer's last) with the ranked actions."},
     {"_oom_observed", py_oom_observed, METH_NOARGS,
      "_oom_observed()\n--\n\nThe figures torch's OOM observer recorded at the last CUDA OOM, or "
      "None."},
