@@ -681,12 +681,25 @@ static int kw_tristate(PyObject *kw, const char *key)
  * optional; None or missing = unknown): request, total, limit, allocated,
  * reserved, inactive_split (bytes), fraction (float), expandable, autocast,
  * exhausted (bool), others (list of (pid, name, bytes)). */
+/* The ranked actions for f, as a list of str (new ref), or NULL. */
+static PyObject *advice_list(const oom_figures *f)
+{
+    advice_item items[ADVICE_MAX];
+    int n = oc_oom_advise(f, items, ADVICE_MAX);
+    PyObject *list = PyList_New(0);
+    for (int i = 0; list != NULL && i < n; i++) {
+        PyObject *s = PyUnicode_FromString(items[i].text);
+        if (s == NULL || PyList_Append(list, s) < 0)
+            Py_CLEAR(list);
+        Py_XDECREF(s);
+    }
+    return list;
+}
+
 static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
 {
     oom_figures f;
-    advice_item items[ADVICE_MAX];
-    PyObject *others, *fr, *list = NULL;
-    int n;
+    PyObject *others, *fr;
     (void)self;
     if (PyTuple_Size(args) != 0) {
         PyErr_SetString(PyExc_TypeError, "_oom_advice takes keyword arguments only");
@@ -733,15 +746,7 @@ static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
             f.n_others++;
         }
     }
-    n = oc_oom_advise(&f, items, ADVICE_MAX);
-    list = PyList_New(0);
-    for (int i = 0; list != NULL && i < n; i++) {
-        PyObject *s = PyUnicode_FromString(items[i].text);
-        if (s == NULL || PyList_Append(list, s) < 0)
-            Py_CLEAR(list);
-        Py_XDECREF(s);
-    }
-    return list;
+    return advice_list(&f);
 }
 
 /* _oom_observed() -> dict of the last OOM torch's observer reported, or None. */
@@ -956,10 +961,9 @@ static PyObject *py_oom_report(PyObject *self, PyObject *args, PyObject *kw)
     PyObject *report = NULL, *r;
     oom_figures f;
     oc_gpu_info info;
-    advice_item items[ADVICE_MAX];
     char alloc[OC_ALLOC_CONF_MAX], why[200] = "", message[400] = "";
     double fraction;
-    int autocast, n;
+    int autocast;
     (void)self;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|zp:_oom_report", kwlist, &text, &exhausted))
         return NULL;
@@ -1042,14 +1046,7 @@ static PyObject *py_oom_report(PyObject *self, PyObject *args, PyObject *kw)
     f.expandable = oc_alloc_expandable(alloc);
     f.autocast = autocast;
     f.exhausted = exhausted;
-    n = oc_oom_advise(&f, items, ADVICE_MAX);
-    advice = PyList_New(0);
-    for (int i = 0; advice != NULL && i < n; i++) {
-        PyObject *t = PyUnicode_FromString(items[i].text);
-        if (t == NULL || PyList_Append(advice, t) < 0)
-            Py_CLEAR(advice);
-        Py_XDECREF(t);
-    }
+    advice = advice_list(&f);
     if (advice == NULL ||
         (use_seen && seen.snapshot_error[0] && add_note(notes, seen.snapshot_error) < 0))
         goto done;
