@@ -216,6 +216,10 @@ static int restore_allocator_env(void)
     return 0;
 }
 
+#define HELD_BACK_NOTE                                                                             \
+    "; expandable_segments left off beside the user's max_split_size_mb (together they let "        \
+    "reserved memory grow, pytorch issue 123548)"
+
 /* The words before the list of defaults' keys the merge left out. */
 static const char *dropped_note(const char *dropped, int async)
 {
@@ -225,14 +229,59 @@ static const char *dropped_note(const char *dropped, int async)
                  : "; left out (unknown to this torch): ";
 }
 
+/* A framework that owns GPU memory (frameworks.c), once outofcuda has left
+ * the allocator and the memory fraction to it: its name and why. */
+static struct {
+    char name[32];
+    char why[600];
+} owner;
+
+/* Returns 1 when a framework owns GPU memory in this process and outofcuda
+ * steps back (remembered in `owner`); 0 otherwise, with a note in
+ * override_note when OUTOFCUDA_FRAMEWORK_OVERRIDE=1 kept outofcuda's
+ * settings beside one. */
+static int framework_owns_memory(const oc_config *cfg, char *override_note, size_t notesz)
+{
+    char why[sizeof owner.why];
+    const char *name;
+    if (override_note != NULL && notesz > 0)
+        override_note[0] = '\0';
+    if (owner.name[0])
+        return 1;
+    name = oc_framework_in_use(why, sizeof why);
+    if (name == NULL)
+        return 0;
+    if (cfg->framework_override) {
+        if (override_note != NULL)
+            snprintf(override_note, notesz,
+                     "; %s is in use: OUTOFCUDA_FRAMEWORK_OVERRIDE=1 keeps outofcuda's settings",
+                     name);
+        return 0;
+    }
+    snprintf(owner.name, sizeof owner.name, "%s", name);
+    snprintf(owner.why, sizeof owner.why, "%s", why);
+    return 1;
+}
+
 static void prepare_allocator(const oc_config *cfg)
 {
-    char dropped[256], err[160];
+    char dropped[256], err[160], fw_note[120];
     const char *name, *user;
-    int async;
+    int async, held_back;
     oc_g.alloc_applied = 0;
     oc_g.alloc_env_name[0] = '\0';
     oc_g.alloc_value[0] = '\0';
+    /* The framework's own import is in progress (vllm/__init__.py imports
+     * torch through vllm.env_override): it reads the variable as the user
+     * set it, so it stays unwritten. */
+    if (framework_owns_memory(cfg, fw_note, sizeof fw_note)) {
+        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
+                 "left to %s: the allocator variable stays as the user set it, and no memory "
+                 "fraction is set (OUTOFCUDA_FRAMEWORK_OVERRIDE=1 applies outofcuda's anyway). "
+                 "%s",
+                 owner.name, owner.why);
+        return;
+    }
     if (!tv.known) {
         snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
                  "torch's version could not be read before it loaded");
@@ -246,8 +295,9 @@ static void prepare_allocator(const oc_config *cfg)
     }
     name = user_alloc_var(&user);
     async = async_backend(user) || (!user[0] && async_backend(cfg->alloc_conf));
-    if (oc_alloc_merge(cfg->alloc_conf, user, key_allowed, &async, oc_g.alloc_value,
-                       sizeof oc_g.alloc_value, dropped, sizeof dropped, err, sizeof err) != 0) {
+    if (oc_alloc_merge_defaults(cfg->alloc_conf, cfg->alloc_conf_no_expandable, user, key_allowed,
+                                &async, oc_g.alloc_value, sizeof oc_g.alloc_value, dropped,
+                                sizeof dropped, err, sizeof err, &held_back) != 0) {
         /* A value outofcuda cannot parse is the user's business: leave it whole. */
         snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
                  "left alone: %s is not understood (%s)", name, err);
@@ -257,8 +307,9 @@ static void prepare_allocator(const oc_config *cfg)
     snprintf(oc_g.alloc_env_name, sizeof oc_g.alloc_env_name, "%s", name);
     if (strcmp(oc_g.alloc_value, user) == 0) {
         /* Nothing to add: the variable stays exactly as the user set it. */
-        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "nothing added to %s%s%.200s", name,
-                 dropped_note(dropped, async), dropped);
+        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "nothing added to %s%s%.200s%s%s",
+                 name, dropped_note(dropped, async), dropped,
+                 held_back ? HELD_BACK_NOTE : "", fw_note);
         return;
     }
     {
@@ -273,8 +324,9 @@ static void prepare_allocator(const oc_config *cfg)
     }
     saved.written = 1;
     oc_g.alloc_applied = 1;
-    snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "%s set while torch loaded%s%s%.200s",
-             name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async), dropped);
+    snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "%s set while torch loaded%s%s%.200s%s%s",
+             name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async), dropped,
+             held_back ? HELD_BACK_NOTE : "", fw_note);
 }
 
 void oc_bridge_before_torch(PyObject *spec)
@@ -446,6 +498,94 @@ static void apply_sdpa(const oc_config *cfg, PyObject *c_mod)
     Py_XDECREF(value);
 }
 
+/* ---- torch's runtime allocator setter ---- */
+
+/* Hands `conf` to torch's runtime setter. The CUDA setter first: on 2.9 and
+ * 2.10 the CUDA allocator still keeps its own configuration beside the
+ * accelerator one. Returns 1 done, 0 when this torch has no setter, -1 when
+ * the setter raised (exception left set); *used names the setter tried. */
+static int call_setter(PyObject *c_mod, const char *conf, const char **used)
+{
+    static const char *const setters[] = {"_cuda_cudaCachingAllocator_set_allocator_settings",
+                                          "_accelerator_setAllocatorSettings"};
+    *used = NULL;
+    for (size_t i = 0; c_mod != NULL && i < 2; i++) {
+        PyObject *fn = PyObject_GetAttrString(c_mod, setters[i]), *r;
+        if (fn == NULL) {
+            PyErr_Clear();
+            continue;
+        }
+        *used = setters[i];
+        r = PyObject_CallFunction(fn, "s", conf);
+        Py_DECREF(fn);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+        return 1;
+    }
+    return 0;
+}
+
+/* A framework was imported after torch (a script that imports torch, then
+ * vllm, then uses CUDA): at CUDA initialisation, before the first
+ * allocation, torch's allocator gets back exactly the user's own string.
+ * torch's parser (AcceleratorAllocatorConfig::parseArgs, and the CUDA one
+ * before it) resets max_split_size, roundup_power2_divisions and
+ * garbage_collection_threshold when a string leaves them out, but keeps
+ * expandable_segments (measured on 2.14.1): where outofcuda turned it on
+ * and the user's string does not name it, it is turned off first. The
+ * `backend` key was read when torch loaded and stays. */
+static void hand_back_allocator(PyObject *c_mod)
+{
+    char reason[sizeof oc_g.alloc_reason + sizeof owner.why + 200];
+    const char *name, *user, *used;
+    int rc = 1;
+    if (!oc_g.alloc_applied) {
+        snprintf(reason, sizeof reason, "%s; left to %s from CUDA initialisation. %s",
+                 oc_g.alloc_reason, owner.name, owner.why);
+        oc_result_set("allocator", 0, NULL, reason);
+        return;
+    }
+    name = user_alloc_var(&user);
+    if (oc_alloc_expandable_on(oc_g.alloc_value) &&
+        oc_alloc_value(user, "expandable_segments", NULL, 0) != 1)
+        rc = call_setter(c_mod, "expandable_segments:False", &used);
+    if (rc == 1)
+        rc = call_setter(c_mod, user, &used);
+    if (rc != 1) {
+        oc_set_error("handing the user's allocator settings back to torch at CUDA "
+                     "initialisation");
+        snprintf(reason, sizeof reason,
+                 "%s; %s is in use but torch's setter refused the user's %s, so outofcuda's "
+                 "settings stay",
+                 oc_g.alloc_reason, owner.name, name);
+        oc_result_set("allocator", 1, NULL, reason);
+        return;
+    }
+    oc_g.alloc_applied = 0;
+    snprintf(reason, sizeof reason,
+             "handed back at CUDA initialisation: torch's allocator holds the user's own %s "
+             "('%.200s'), left to %s. %s",
+             name, user, owner.name, owner.why);
+    oc_result_set("allocator", 0, NULL, reason);
+}
+
+/* The framework step of CUDA initialisation, first of all: returns 1 when a
+ * framework owns GPU memory (the allocator is handed back, no memory
+ * fraction is set), 0 when outofcuda's settings go on. Never raises. */
+static int framework_at_cuda_init(PyObject *c_mod)
+{
+    char reason[sizeof owner.why + 120];
+    int at_import = owner.name[0] != '\0';
+    if (!framework_owns_memory(oc_config_get(), NULL, 0))
+        return 0;
+    if (!at_import)
+        hand_back_allocator(c_mod);
+    snprintf(reason, sizeof reason, "not set: left to %s. %s", owner.name, owner.why);
+    oc_result_set("memory_fraction", 0, NULL, reason);
+    return 1;
+}
+
 /* ---- memory fraction, deferred to CUDA initialisation ---- */
 
 static double pending_fraction;
@@ -474,6 +614,8 @@ static PyObject *fraction_callback(PyObject *self, PyObject *unused)
     c_mod = torch ? PyObject_GetAttrString(torch, "_C") : NULL;
     if (c_mod == NULL)
         goto error;
+    if (framework_at_cuda_init(c_mod))
+        goto done;
     n = PyObject_CallMethod(c_mod, "_cuda_getDeviceCount", NULL);
     if (n == NULL)
         goto error;
@@ -514,6 +656,12 @@ static void apply_memory_fraction(const oc_config *cfg, PyObject *torch)
     PyObject *lazy_call, *cb, *r, *value;
     if (!tv.cuda_build) {
         oc_result_set("memory_fraction", 0, NULL, "this torch build has no CUDA");
+        return;
+    }
+    if (owner.name[0]) {
+        char reason[sizeof owner.why + 120];
+        snprintf(reason, sizeof reason, "not set: left to %s. %s", owner.name, owner.why);
+        oc_result_set("memory_fraction", 0, NULL, reason);
         return;
     }
     lazy_call = oc_getattr_chain(torch, "cuda._lazy_call");
@@ -607,29 +755,17 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
  * key was read from the variable while torch's libraries loaded. */
 static void settle_allocator(PyObject *c_mod)
 {
-    /* The CUDA setter first: on 2.9 and 2.10 the CUDA allocator still keeps
-     * its own configuration beside the accelerator one. */
-    static const char *const setters[] = {"_cuda_cudaCachingAllocator_set_allocator_settings",
-                                          "_accelerator_setAllocatorSettings"};
     const char *used = NULL;
-    PyObject *r = NULL;
     size_t len;
+    int rc;
     if (!saved.written)
         return;
-    for (size_t i = 0; c_mod != NULL && used == NULL && i < 2; i++) {
-        PyObject *fn = PyObject_GetAttrString(c_mod, setters[i]);
-        if (fn == NULL) {
-            PyErr_Clear();
-            continue;
-        }
-        used = setters[i];
-        r = PyObject_CallFunction(fn, "s", oc_g.alloc_value);
-        Py_DECREF(fn);
-    }
+    rc = call_setter(c_mod, oc_g.alloc_value, &used);
     len = strlen(oc_g.alloc_reason);
-    if (used == NULL || r == NULL) {
-        if (used != NULL)
+    if (rc != 1) {
+        if (rc < 0)
             oc_set_error("handing the allocator settings to torch");
+        PyErr_Clear();
         oc_g.alloc_applied = 0;
         snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len,
                  "; not in effect: %s, so the variable was restored",
@@ -639,12 +775,36 @@ static void settle_allocator(PyObject *c_mod)
                  "; given to torch._C.%s, then the variable was restored for child processes",
                  used);
     }
-    Py_XDECREF(r);
-    PyErr_Clear();
     restore_allocator_env();
 }
 
-static void record_allocator(void)
+/* garbage_collection_threshold acts only under a memory limit: the
+ * allocator collects cached blocks in malloc() only when a fraction is set
+ * (`set_fraction` up to 2.10; from 2.11, with per_process_memory_fraction,
+ * `allowed_memory_maximum`, which a fraction of 1 leaves empty: no limit).
+ * Says so in the allocator's reason where the threshold cannot act. */
+static void note_idle_gc(const oc_config *cfg)
+{
+    char v[32];
+    const char *why = NULL;
+    size_t len = strlen(oc_g.alloc_reason);
+    if (oc_alloc_value(oc_g.alloc_value, "garbage_collection_threshold", v, sizeof v) != 1 ||
+        atof(v) <= 0.0)
+        return;
+    if (oc_alloc_value(oc_g.alloc_value, "per_process_memory_fraction", v, sizeof v) == 1 &&
+        atof(v) < 1.0)
+        return;
+    if (cfg->memory_fraction >= 1.0 && tv.ver >= 21100)
+        why = "OUTOFCUDA_MEMORY_FRACTION=1 sets no limit on this torch";
+    if (why == NULL)
+        return;
+    snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len,
+             "; garbage_collection_threshold cannot act: torch's allocator collects cached "
+             "blocks only under a memory fraction below 1, and %s (unless the program sets one)",
+             why);
+}
+
+static void record_allocator(const oc_config *cfg)
 {
     PyObject *v;
     if (!oc_g.prepared) {
@@ -659,6 +819,8 @@ static void record_allocator(void)
         return;
     }
     v = oc_g.alloc_value[0] && oc_g.alloc_applied ? PyUnicode_FromString(oc_g.alloc_value) : NULL;
+    if (oc_g.alloc_applied)
+        note_idle_gc(cfg);
     oc_result_set("allocator", oc_g.alloc_applied, v, oc_g.alloc_reason);
     Py_XDECREF(v);
 }
@@ -693,7 +855,7 @@ void oc_bridge_after_torch(PyObject *torch)
     }
     apply_tf32(cfg, torch, c_mod);
     apply_cudnn(cfg, torch, c_mod);
-    record_allocator();
+    record_allocator(cfg);
     apply_memory_fraction(cfg, torch);
     apply_sdpa(cfg, c_mod);
     apply_amp_dtype(cfg, torch);
