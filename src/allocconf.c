@@ -247,8 +247,7 @@ int oc_alloc_merge_defaults(const char *defaults, const char *no_expandable, con
     if (outsz == 0)
         return -1;
     out[0] = '\0';
-    if (oc_alloc_parse(user, &u, err, errsz) != 0 ||
-        oc_alloc_parse(defaults, &d, err, errsz) != 0)
+    if (oc_alloc_parse(user, &u, err, errsz) != 0 || oc_alloc_parse(defaults, &d, err, errsz) != 0)
         return -1;
     /* Inside expandable segments get_free_block() still applies
      * max_split_size's oversize rules, so freed blocks above it are not

@@ -217,7 +217,7 @@ static int restore_allocator_env(void)
 }
 
 #define HELD_BACK_NOTE                                                                             \
-    "; expandable_segments left off beside the user's max_split_size_mb (together they let "        \
+    "; expandable_segments left off beside the user's max_split_size_mb (together they let "       \
     "reserved memory grow, pytorch issue 123548)"
 
 /* The words before the list of defaults' keys the merge left out. */
@@ -308,8 +308,8 @@ static void prepare_allocator(const oc_config *cfg)
     if (strcmp(oc_g.alloc_value, user) == 0) {
         /* Nothing to add: the variable stays exactly as the user set it. */
         snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "nothing added to %s%s%.200s%s%s",
-                 name, dropped_note(dropped, async), dropped,
-                 held_back ? HELD_BACK_NOTE : "", fw_note);
+                 name, dropped_note(dropped, async), dropped, held_back ? HELD_BACK_NOTE : "",
+                 fw_note);
         return;
     }
     {
@@ -570,25 +570,34 @@ static void hand_back_allocator(PyObject *c_mod)
     oc_result_set("allocator", 0, NULL, reason);
 }
 
-/* The framework step of CUDA initialisation, first of all: returns 1 when a
- * framework owns GPU memory (the allocator is handed back, no memory
- * fraction is set), 0 when outofcuda's settings go on. Never raises. */
-static int framework_at_cuda_init(PyObject *c_mod)
+/* A step of the CUDA-init callback, the first: a framework imported after
+ * torch is found again here; then torch's allocator is handed back and the
+ * memory fraction (the next step) is left to the framework. A framework
+ * found at torch's import was left everything then. */
+static void framework_at_cuda_init(PyObject *torch)
 {
+    static int done;
     char reason[sizeof owner.why + 120];
-    int at_import = owner.name[0] != '\0';
+    PyObject *c_mod;
+    if (done || owner.name[0])
+        return;
+    done = 1;
     if (!framework_owns_memory(oc_config_get(), NULL, 0))
-        return 0;
-    if (!at_import)
-        hand_back_allocator(c_mod);
+        return;
+    c_mod = PyObject_GetAttrString(torch, "_C");
+    PyErr_Clear();
+    hand_back_allocator(c_mod);
+    Py_XDECREF(c_mod);
     snprintf(reason, sizeof reason, "not set: left to %s. %s", owner.name, owner.why);
     oc_result_set("memory_fraction", 0, NULL, reason);
-    return 1;
 }
 
 /* ---- memory fraction, deferred to CUDA initialisation ---- */
 
-static double pending_fraction;
+static struct {
+    int armed;
+    double fraction;
+} pending_fraction;
 
 static long local_rank(void)
 {
@@ -601,21 +610,21 @@ static long local_rank(void)
     return (*end == '\0' && r >= 0 && r < 4096) ? r : -1;
 }
 
-/* Runs inside torch.cuda._lazy_init, on whichever thread first touches CUDA.
- * It must not raise (that would fail CUDA's initialisation) and must not
- * queue another lazy call. */
-static PyObject *fraction_callback(PyObject *self, PyObject *unused)
+/* A step of the CUDA-init callback: this process's device only. */
+static void fraction_at_cuda_init(PyObject *torch)
 {
-    PyObject *torch = NULL, *c_mod = NULL, *n = NULL, *dev = NULL, *r = NULL, *value;
+    PyObject *c_mod = NULL, *n = NULL, *dev = NULL, *r = NULL, *value;
     long rank = local_rank(), count = 0, device = 0;
-    (void)self;
-    (void)unused;
-    torch = oc_sys_module("torch");
-    c_mod = torch ? PyObject_GetAttrString(torch, "_C") : NULL;
+    if (!pending_fraction.armed)
+        return;
+    pending_fraction.armed = 0;
+    if (owner.name[0]) {
+        /* The framework step (first) left the fraction to a framework. */
+        return;
+    }
+    c_mod = PyObject_GetAttrString(torch, "_C");
     if (c_mod == NULL)
         goto error;
-    if (framework_at_cuda_init(c_mod))
-        goto done;
     n = PyObject_CallMethod(c_mod, "_cuda_getDeviceCount", NULL);
     if (n == NULL)
         goto error;
@@ -628,10 +637,11 @@ static PyObject *fraction_callback(PyObject *self, PyObject *unused)
             goto error;
         device = PyLong_AsLong(dev);
     }
-    r = PyObject_CallMethod(c_mod, "_cuda_setMemoryFraction", "dl", pending_fraction, device);
+    r = PyObject_CallMethod(c_mod, "_cuda_setMemoryFraction", "dl", pending_fraction.fraction,
+                            device);
     if (r == NULL)
         goto error;
-    value = Py_BuildValue("{s:d,s:l}", "fraction", pending_fraction, "device", device);
+    value = Py_BuildValue("{s:d,s:l}", "fraction", pending_fraction.fraction, "device", device);
     oc_result_setf("memory_fraction", 1, value, "applied to cuda:%ld when CUDA initialised%s",
                    device, rank >= 0 && rank == device ? " (LOCAL_RANK)" : "");
     Py_XDECREF(value);
@@ -644,46 +654,89 @@ done:
     Py_XDECREF(dev);
     Py_XDECREF(n);
     Py_XDECREF(c_mod);
-    Py_XDECREF(torch);
-    Py_RETURN_NONE;
 }
 
-static PyMethodDef fraction_def = {"outofcuda_memory_fraction", fraction_callback, METH_NOARGS,
-                                   NULL};
-
-static void apply_memory_fraction(const oc_config *cfg, PyObject *torch)
+static int arm_memory_fraction(const oc_config *cfg, const char *no_queue)
 {
-    PyObject *lazy_call, *cb, *r, *value;
+    PyObject *value;
     if (!tv.cuda_build) {
         oc_result_set("memory_fraction", 0, NULL, "this torch build has no CUDA");
-        return;
+        return 0;
+    }
+    if (no_queue != NULL) {
+        oc_result_set("memory_fraction", 0, NULL, no_queue + 6);
+        return 0;
     }
     if (owner.name[0]) {
         char reason[sizeof owner.why + 120];
         snprintf(reason, sizeof reason, "not set: left to %s. %s", owner.name, owner.why);
         oc_result_set("memory_fraction", 0, NULL, reason);
-        return;
+        return 0;
     }
-    lazy_call = oc_getattr_chain(torch, "cuda._lazy_call");
-    if (lazy_call == NULL) {
-        oc_result_set("memory_fraction", 0, NULL, "this torch has no torch.cuda._lazy_call");
-        return;
-    }
-    pending_fraction = cfg->memory_fraction;
-    cb = PyCFunction_NewEx(&fraction_def, NULL, NULL);
-    r = cb ? PyObject_CallFunctionObjArgs(lazy_call, cb, NULL) : NULL;
-    Py_XDECREF(cb);
-    Py_DECREF(lazy_call);
-    if (r == NULL) {
-        oc_set_error("queueing the memory fraction");
-        oc_result_set("memory_fraction", 0, NULL, "torch.cuda._lazy_call failed");
-        return;
-    }
-    Py_DECREF(r);
+    pending_fraction.fraction = cfg->memory_fraction;
+    pending_fraction.armed = 1;
     value = Py_BuildValue("{s:d,s:O}", "fraction", cfg->memory_fraction, "device", Py_None);
     oc_result_set("memory_fraction", 1, value,
                   "queued: applied to this process's device when CUDA initialises");
     Py_XDECREF(value);
+    return 1;
+}
+
+/* ---- the one callback at CUDA initialisation ----
+ *
+ * Everything outofcuda does when CUDA starts runs from this one callback,
+ * queued with torch.cuda._lazy_call, in this order: the framework check (a
+ * framework that owns GPU memory gets torch's allocator back and keeps the
+ * memory fraction to itself), the memory fraction, the OOM observer and exception hooks, the summary sampler. The rules, for every
+ * step: it runs inside torch.cuda._lazy_init, on whichever thread first
+ * touches CUDA (or at once, when CUDA was already initialised at queueing);
+ * it must not raise (torch turns that into DeferredCudaCallError and the
+ * initialisation fails) and must not call torch.cuda._lazy_call (from torch
+ * 2.6 _lazy_init runs the queue while holding _initialization_lock, a plain
+ * threading.Lock that _lazy_call takes too: the thread would wait on itself
+ * for ever). Each step runs at most once: torch runs its queue once, but a
+ * stand-in torch or a queue run by hand may run it again. */
+static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
+{
+    PyObject *torch = oc_sys_module("torch");
+    (void)self;
+    (void)unused;
+    if (torch == NULL)
+        Py_RETURN_NONE;
+    framework_at_cuda_init(torch);
+    fraction_at_cuda_init(torch);
+    oc_oom_at_cuda_init(torch);
+    oc_summary_at_cuda_init();
+    PyErr_Clear();
+    Py_DECREF(torch);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef at_cuda_init_def = {"outofcuda_at_cuda_init", at_cuda_init, METH_NOARGS, NULL};
+
+/* torch.cuda._lazy_call, or NULL with *why_not saying why ("none: ...",
+ * static storage). */
+static PyObject *lazy_call_fn(PyObject *torch, const char **why_not)
+{
+    PyObject *fn = oc_getattr_chain(torch, "cuda._lazy_call");
+    PyErr_Clear();
+    *why_not = fn ? NULL : "none: this torch has no torch.cuda._lazy_call";
+    return fn;
+}
+
+/* Queues the callback. Returns 0, or -1 (recorded as outofcuda's error). */
+static int queue_at_cuda_init(PyObject *lazy_call)
+{
+    PyObject *cb = PyCFunction_NewEx(&at_cuda_init_def, NULL, NULL);
+    PyObject *r = cb ? PyObject_CallFunctionObjArgs(lazy_call, cb, NULL) : NULL;
+    Py_XDECREF(cb);
+    if (r == NULL) {
+        oc_set_error("queueing outofcuda's CUDA-init callback");
+        PyErr_Clear();
+        return -1;
+    }
+    Py_DECREF(r);
+    return 0;
 }
 
 /* ---- autocast dtype ---- */
@@ -828,7 +881,9 @@ static void record_allocator(const oc_config *cfg)
 void oc_bridge_after_torch(PyObject *torch)
 {
     const oc_config *cfg = oc_config_get();
-    PyObject *c_mod, *v;
+    PyObject *c_mod, *v, *lazy_call;
+    const char *no_queue;
+    int armed;
     v = PyObject_GetAttrString(torch, "__version__");
     if (v != NULL) {
         PyObject *old = oc_g.torch_version;
@@ -853,15 +908,25 @@ void oc_bridge_after_torch(PyObject *torch)
         oc_result_set_all("the imported `torch` is not PyTorch (it has no torch._C)");
         return;
     }
+    lazy_call = lazy_call_fn(torch, &no_queue);
     apply_tf32(cfg, torch, c_mod);
     apply_cudnn(cfg, torch, c_mod);
     record_allocator(cfg);
-    apply_memory_fraction(cfg, torch);
+    armed = arm_memory_fraction(cfg, no_queue);
+    /* The framework step may have to hand torch's allocator back. */
+    armed += oc_g.alloc_applied && no_queue == NULL;
     apply_sdpa(cfg, c_mod);
     apply_amp_dtype(cfg, torch);
-    oc_oom_install(torch);
-    if (tv.cuda_build)
-        oc_summary_queue(torch);
+    armed += oc_oom_install(torch, no_queue);
+    if (tv.cuda_build && no_queue == NULL)
+        armed += oc_summary_prepare();
+    if (armed && queue_at_cuda_init(lazy_call) < 0) {
+        pending_fraction.armed = 0;
+        oc_result_set("memory_fraction", 0, NULL, "torch.cuda._lazy_call failed");
+        oc_result_set("oom_handler", 0, NULL,
+                      "torch.cuda._lazy_call failed: Python's exception hooks left alone");
+    }
+    Py_XDECREF(lazy_call);
     Py_DECREF(c_mod);
     PyErr_Clear();
     if (cfg->verbose)

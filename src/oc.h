@@ -7,7 +7,8 @@
  *   boot.c     the finder on sys.meta_path; loads the engine for torch
  *   module.c   the engine's module definition, install(), config()
  *   watcher.c  torch's spec and the loader proxy around its import
- *   bridge.c   what happens when torch has imported: the optimisations
+ *   bridge.c   what happens when torch has imported: the optimisations,
+ *              and the one callback queued for CUDA initialisation
  *   oom.c      out-of-memory handler and report
  *   api.c      decisions behind the Python API
  *   monitor.c  the native watchdog thread behind MemoryMonitor
@@ -246,7 +247,11 @@ extern PyMethodDef oc_nvml_methods[];
 int oc_nvml_utilization(int index, unsigned *gpu, unsigned *mem);
 
 /* oom.c */
-void oc_oom_install(PyObject *torch); /* queues observer + hooks for CUDA init; never raises */
+/* With torch imported: prepares the observer and hooks. no_queue is NULL when
+ * bridge.c's CUDA-init callback is queued, else why not ("none: ..."). Returns
+ * 1 when oc_oom_at_cuda_init has work. Never raises. */
+int oc_oom_install(PyObject *torch, const char *no_queue);
+void oc_oom_at_cuda_init(PyObject *torch); /* a step of the CUDA-init callback */
 extern PyMethodDef oc_oom_methods[];
 
 /* api.c */
@@ -273,7 +278,8 @@ const char *oc_utf8(PyObject *str, char *buf, size_t sz);       /* copy of str i
 unsigned long oc_oom_count(void);
 
 /* summary.c: OUTOFCUDA_SUMMARY, what the GPU did, printed at exit */
-void oc_summary_queue(PyObject *torch); /* with torch imported; never raises */
+int oc_summary_prepare(void);       /* with torch imported: 1 when the step has work */
+void oc_summary_at_cuda_init(void); /* a step of the CUDA-init callback */
 extern PyMethodDef oc_summary_methods[];
 #endif /* OC_PURE_C */
 #endif /* OC_H */

@@ -23,11 +23,10 @@
 
 static PyObject *prev_sys_hook, *prev_thread_hook, *oom_type;
 
-/* Set by the first run of at_cuda_init. torch runs its queue once, but a
- * second run (a stand-in torch, a queue run by hand) must not attach a second
- * observer or chain our own hook behind itself, which would print every report
- * twice. Guarded by the GIL. */
-static int cuda_init_seen;
+/* Set by oc_oom_install, cleared by the first oc_oom_at_cuda_init: a second
+ * run must not attach a second observer or chain our own hook behind itself,
+ * which would print every report twice. Guarded by the GIL. */
+static int armed;
 
 /* What status() says about the observer (static storage). */
 static const char *observer_state = "none";
@@ -186,24 +185,15 @@ static int start_history(PyObject *torch)
 
 static void install_hooks(void);
 
-/* Queued with torch.cuda._lazy_call: runs inside CUDA's initialisation, on
- * whichever thread first touches CUDA. It must not raise (torch turns that
- * into DeferredCudaCallError and the initialisation fails) and must not call
- * torch.cuda._lazy_call: from torch 2.6 (still so in 2.13) _lazy_init runs
- * the queue while holding _initialization_lock, a plain threading.Lock that
- * _lazy_call takes too, so the thread would wait on itself for ever. torch
- * 2.0 crashed when the observer was attached before CUDA initialised, hence
- * the deferral. */
-static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
+/* Step of bridge.c's one CUDA-init callback (its rules apply). torch 2.0
+ * crashed when the observer was attached before CUDA initialised, hence the
+ * deferral. */
+void oc_oom_at_cuda_init(PyObject *torch)
 {
-    PyObject *torch = oc_sys_module("torch"), *attach = NULL, *obs = NULL, *r = NULL;
-    (void)self;
-    (void)unused;
-    if (torch == NULL || cuda_init_seen) {
-        Py_XDECREF(torch);
-        Py_RETURN_NONE;
-    }
-    cuda_init_seen = 1;
+    PyObject *attach = NULL, *obs = NULL, *r = NULL;
+    if (!armed)
+        return;
+    armed = 0;
     if (snapshot_path[0] && start_history(torch) < 0) {
         char msg[400];
         take_error(msg, sizeof msg,
@@ -225,13 +215,8 @@ static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
     Py_XDECREF(r);
     Py_XDECREF(obs);
     Py_XDECREF(attach);
-    Py_DECREF(torch);
     install_hooks();
-    Py_RETURN_NONE;
 }
-
-static PyMethodDef at_cuda_init_def = {"outofcuda_oom_at_cuda_init", at_cuda_init, METH_NOARGS,
-                                       NULL};
 
 /* Reads OUTOFCUDA_OOM_SNAPSHOT into snapshot_path (absolute). The value is a
  * file path and nothing else; a bad one gets one warning and is ignored.
@@ -283,40 +268,6 @@ static int read_snapshot_env(void)
         return 0;
     }
     return 1;
-}
-
-/* Queues at_cuda_init. Returns a short text for status() (static storage). */
-static const char *queue_observer(PyObject *torch)
-{
-    PyObject *attach = oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
-    PyObject *lazy_call = oc_getattr_chain(torch, "cuda._lazy_call");
-    PyObject *cb = NULL, *r = NULL;
-    const char *what;
-    if (attach == NULL) {
-        /* Every CUDA (and ROCm) build has it; a CPU-only build has no CUDA
-         * to report on, so nothing is queued and no hook is ever set. */
-        what = "none: this torch build has no CUDA OOM observer";
-        goto done;
-    }
-    if (lazy_call == NULL) {
-        what = "none: this torch has no torch.cuda._lazy_call";
-        goto done;
-    }
-    cb = PyCFunction_NewEx(&at_cuda_init_def, NULL, NULL);
-    r = cb ? PyObject_CallFunctionObjArgs(lazy_call, cb, NULL) : NULL;
-    if (r == NULL) {
-        oc_set_error("queueing the CUDA OOM observer");
-        what = "none: torch.cuda._lazy_call failed";
-        goto done;
-    }
-    what = "attached when CUDA initialises";
-done:
-    PyErr_Clear();
-    Py_XDECREF(r);
-    Py_XDECREF(cb);
-    Py_XDECREF(attach);
-    Py_XDECREF(lazy_call);
-    return what;
 }
 
 /* ---- the uncaught-exception path ---- */
@@ -534,17 +485,25 @@ static void install_hooks(void)
                             : "none: the exception hooks could not be set");
 }
 
-void oc_oom_install(PyObject *torch)
+int oc_oom_install(PyObject *torch, const char *no_queue)
 {
+    PyObject *attach;
     int snapshot;
     oom_type = oc_getattr_chain(torch, "cuda.OutOfMemoryError");
     if (oom_type == NULL) {
         PyErr_Clear();
         oc_result_set("oom_handler", 0, NULL, "this torch has no torch.cuda.OutOfMemoryError");
-        return;
+        return 0;
     }
     snapshot = read_snapshot_env();
-    observer_state = queue_observer(torch);
+    attach = oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
+    PyErr_Clear();
+    /* Every CUDA (and ROCm) build has the observer; a CPU-only build has no
+     * CUDA to report on. */
+    observer_state = attach == NULL ? "none: this torch build has no CUDA OOM observer"
+                     : no_queue     ? no_queue
+                                    : "attached when CUDA initialises";
+    Py_XDECREF(attach);
     if (strncmp(observer_state, "none", 4) == 0) {
         if (snapshot) {
             char msg[OC_WARN_LEN];
@@ -557,16 +516,18 @@ void oc_oom_install(PyObject *torch)
         }
         /* Nothing will ever run at CUDA initialisation: Python's exception
          * hooks stay its own for the life of the process. */
-        if (strstr(observer_state, "no CUDA OOM observer") != NULL)
+        if (attach == NULL)
             oc_result_set("oom_handler", 0, NULL,
                           "CPU-only build of torch (no CUDA OOM observer): no CUDA to report on, "
                           "Python's exception hooks left alone");
         else
             oc_result_setf("oom_handler", 0, NULL, "%s: Python's exception hooks left alone",
                            observer_state + 6);
-        return;
+        return 0;
     }
+    armed = 1;
     record_status("installed when CUDA initialises");
+    return 1;
 }
 
 /* ---- the ranked actions ---- */

@@ -343,40 +343,26 @@ static int choose_devices(int *torch_index)
     return n;
 }
 
-/* Queued with torch.cuda._lazy_call: runs inside CUDA's initialisation on
- * whichever thread first touches CUDA. It must not raise (that would fail
- * the initialisation) and must not queue another lazy call (DESIGN.md). */
-static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
+static int armed; /* set at import, cleared by the step (GIL held) */
+
+/* Step of bridge.c's one CUDA-init callback (its rules apply). */
+void oc_summary_at_cuda_init(void)
 {
     int devices[SUMMARY_MAX_DEVICES] = {0};
-    int n = choose_devices(devices);
-    (void)self;
-    (void)unused;
+    int n;
+    if (!armed)
+        return;
+    armed = 0;
+    n = choose_devices(devices);
     if (summary_begin(devices, n, DEFAULT_INTERVAL_MS) < 0)
         oc_set_error("starting the exit summary");
     PyErr_Clear();
-    Py_RETURN_NONE;
 }
 
-static PyMethodDef at_cuda_init_def = {"outofcuda_summary_at_cuda_init", at_cuda_init, METH_NOARGS,
-                                       NULL};
-
-void oc_summary_queue(PyObject *torch)
+int oc_summary_prepare(void)
 {
-    PyObject *lazy_call, *cb, *r;
-    if (oc_config_get()->summary == OC_SUMMARY_OFF || resolve_output() == OC_SUMMARY_OFF)
-        return;
-    lazy_call = oc_getattr_chain(torch, "cuda._lazy_call");
-    if (lazy_call == NULL)
-        return;
-    cb = PyCFunction_NewEx(&at_cuda_init_def, NULL, NULL);
-    r = cb ? PyObject_CallFunctionObjArgs(lazy_call, cb, NULL) : NULL;
-    if (r == NULL)
-        oc_set_error("queueing the exit summary");
-    PyErr_Clear();
-    Py_XDECREF(r);
-    Py_XDECREF(cb);
-    Py_DECREF(lazy_call);
+    armed = oc_config_get()->summary != OC_SUMMARY_OFF && resolve_output() != OC_SUMMARY_OFF;
+    return armed;
 }
 
 /* ---- at exit: figures from torch and the Python layer (GIL held) ---- */
