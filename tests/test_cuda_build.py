@@ -236,9 +236,10 @@ def expandable_flag():
     return bool(now[i])
 """
 
+# {imports} runs first: a framework imported before torch imports torch itself.
 CUDA_INIT = EXPANDABLE + """
-import json, os, torch, _outofcuda
 {imports}
+import json, os, torch, _outofcuda
 C = torch._C
 calls = []
 C._cuda_getDeviceCount = lambda: 4
@@ -295,6 +296,7 @@ def test_framework_importing_torch_on_the_cuda_build(cuda_venv, frameworks_path,
     assert f["expandable"] is False and f["fractions"] == []
     for entry in f["status"].values():
         assert not entry["applied"] and "left to" in entry["reason"]
+        assert "handed back" not in entry["reason"]  # found at torch's import already
     assert f["error"] is None and f["cuda_initialized"] is False
 
 
@@ -302,7 +304,7 @@ def test_framework_importing_torch_on_the_cuda_build(cuda_venv, frameworks_path,
 def test_framework_imported_after_torch_gets_the_users_allocator(cuda_venv, frameworks_path,
                                                                  user):
     env = {"PYTHONPATH": frameworks_path, "PYTORCH_ALLOC_CONF": user}
-    f = cuda_init(cuda_venv, "import vllm", env=env)
+    f = cuda_init(cuda_venv, "import torch; import vllm", env=env)
     assert f["allocator"] == (user or "")        # exactly the user's own string
     assert f["expandable"] is False              # turned off again before the user's string
     assert f["fractions"] == []
@@ -344,7 +346,10 @@ def test_the_real_vllm_wheel_keeps_its_allocator(cuda_venv, vllm_dir, imports):
     # holds agree: nothing of outofcuda's in either, and no fraction.
     assert f["allocator"] == "" and f["alloc_env"] == {}
     assert f["expandable"] is False and f["fractions"] == []
-    assert "vLLM" in f["status"]["allocator"]["reason"]
+    reason = f["status"]["allocator"]["reason"]
+    assert "vLLM" in reason
+    # Found at torch's import when vllm imported torch, else at CUDA initialisation.
+    assert ("handed back" in reason) == imports.startswith("import torch")
     assert f["error"] is None and f["cuda_initialized"] is False
 
 
