@@ -49,9 +49,9 @@ _LAZY = {
     "clear_cache": "outofcuda.api",
     "CudaOptimizer": "outofcuda.api",
     "MemoryMonitor": "outofcuda.monitor",
-    "last_oom": "outofcuda._oom",
-    "auto_microbatch": "outofcuda._oom",
-    "find_batch_size": "outofcuda._oom",
+    "last_oom": "outofcuda.oom",
+    "auto_microbatch": "outofcuda.microbatch",
+    "find_batch_size": "outofcuda.microbatch",
 }
 
 

@@ -57,6 +57,18 @@ if torch is not None:
         out["cuda_initialized"] = bool(torch.cuda.is_initialized())
     except BaseException as e:
         out["cuda_initialized"] = None
+# The known-bugs table decided in full for doctor: this probe may load cuDNN
+# to read its version (the hook itself waits for CUDA's start to do that).
+out["known_bugs_check"] = None
+try:
+    cudnn = None
+    if torch is not None and getattr(torch.version, "cuda", None):
+        cudnn = torch._C._cudnn.getVersionInt()
+    out["known_bugs_check"] = _outofcuda._known_bugs_check(
+        out["torch"], None if torch is None else out["cuda"] is not None, cudnn,
+        _outofcuda._visible_ccs(), dict(os.environ))
+except Exception:
+    pass
 sys.stdout.write("\n@@OUTOFCUDA@@" + json.dumps(out, default=str) + "\n")
 """
 
@@ -210,6 +222,7 @@ def status_data():
         "cuda": pr.get("cuda"),
         "cuda_initialized_by_import": pr.get("cuda_initialized"),
         "optimizations": st.get("optimizations") or {},
+        "known_bugs": st.get("known_bugs") or [],
         "config_warnings": st.get("config_warnings") or [],
         "gpus": devices,
         "nvml_error": nvml_reason,
@@ -325,6 +338,14 @@ def _render_status(d):
                       if d["cuda_initialized_by_import"] else "not initialised")
     lines.append("")
     lines += _render_optimizations(d["optimizations"])
+    for b in d.get("known_bugs", []):
+        state = {True: "applies", False: "not affected", None: "undecided"}[b.get("applies")]
+        lines.append("")
+        lines += _wrap(f"  known bug {b['id']}: {state}"
+                       + (" (avoided)" if b.get("done") else ""), WIDTH, REASON_INDENT)
+        lines += _wrap(" " * REASON_INDENT + b.get("reason", ""), WIDTH, REASON_INDENT)
+        lines += _wrap(" " * REASON_INDENT + "evidence: " + b.get("evidence", ""), WIDTH,
+                       REASON_INDENT)
     for w in d["config_warnings"]:
         lines += _wrap(f"warning: {w}", WIDTH, 9)
     lines.append("")
@@ -591,6 +612,26 @@ def _check_config(pr):
     return _check("outofcuda_env", True, "OUTOFCUDA_* settings are valid")
 
 
+def _check_known_bugs(pr):
+    """The known-bugs table decided in full by the probe (which reads the
+    cuDNN version); what applies, what could not be decided."""
+    entries = pr.get("known_bugs_check")
+    if entries is None:
+        return _check("known_bugs", True, "not checked (no torch or no outofcuda engine)")
+    off = not _config().get("known_bugs", True)
+    applies = [b for b in entries if b["applies"] is True]
+    undecided = [b for b in entries if b["applies"] is None]
+    parts = [f"{b['id']} applies ({b['title']}; {b['evidence']}): "
+             + ("OUTOFCUDA_KNOWN_BUGS=0 keeps torch's choice" if off
+                else "outofcuda avoids it when CUDA starts: " + b["action"]) for b in applies]
+    parts += [f"could not decide {b['id']}: {b['reason']}" for b in undecided]
+    if not parts:
+        parts = [f"none of the {len(entries)} known bug(s) applies here"]
+    return _check("known_bugs", not (off and applies), "; ".join(parts),
+                  "unset OUTOFCUDA_KNOWN_BUGS, or call "
+                  "torch.backends.cuda.enable_cudnn_sdp(False) yourself")
+
+
 def doctor_data():
     """Run every check; returns {"healthy": bool, "checks": [...]}."""
     pr = probe()
@@ -607,6 +648,7 @@ def doctor_data():
         _check_older_package(),
         _check_no_site(),
         _check_config(pr),
+        _check_known_bugs(pr),
     ]
     return {"healthy": all(c["ok"] for c in checks), "checks": checks}
 

@@ -388,7 +388,127 @@ static PyObject *py_clear_cache(PyObject *self, PyObject *unused)
     return PyLong_FromLongLong(released);
 }
 
+/* Pops the last item of a list (new ref), or NULL when it is empty. */
+static PyObject *list_pop(PyObject *list)
+{
+    Py_ssize_t n = PyList_Size(list);
+    PyObject *item;
+    if (n <= 0)
+        return NULL;
+    item = PyList_GetItem(list, n - 1);
+    Py_XINCREF(item);
+    if (PyList_SetSlice(list, n - 1, n, NULL) < 0) {
+        Py_XDECREF(item);
+        return NULL;
+    }
+    return item;
+}
+
+/* One autograd node: records the leaf it accumulates into (first time only)
+ * and sets its gradient aside, then pushes the nodes it leads to. */
+static int visit_node(PyObject *node, PyObject *saved, PyObject *stack)
+{
+    PyObject *var = PyObject_GetAttrString(node, "variable"), *next;
+    Py_ssize_t n;
+    if (var == NULL) {
+        /* Only AccumulateGrad nodes have a variable: absence is the answer. */
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+    } else {
+        PyObject *key = PyLong_FromVoidPtr(var);
+        int have = key ? PyDict_Contains(saved, key) : -1, rc = have < 0 ? -1 : 0;
+        if (have == 0) {
+            PyObject *grad = PyObject_GetAttrString(var, "grad");
+            PyObject *entry = grad ? PyTuple_Pack(2, var, grad) : NULL;
+            rc = entry ? PyDict_SetItem(saved, key, entry) : -1;
+            if (rc == 0 && grad != Py_None)
+                rc = PyObject_SetAttrString(var, "grad", Py_None);
+            Py_XDECREF(entry);
+            Py_XDECREF(grad);
+        }
+        Py_XDECREF(key);
+        Py_DECREF(var);
+        if (rc < 0)
+            return -1;
+    }
+    next = PyObject_GetAttrString(node, "next_functions");
+    if (next == NULL || !PyTuple_Check(next)) {
+        Py_XDECREF(next);
+        return next == NULL ? -1 : 0;
+    }
+    n = PyTuple_Size(next);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PyTuple_GetItem(next, i); /* borrowed */
+        PyObject *fn = pair && PyTuple_Check(pair) && PyTuple_Size(pair) > 0
+                           ? PyTuple_GetItem(pair, 0)
+                           : NULL; /* borrowed */
+        if (fn != NULL && fn != Py_None && PyList_Append(stack, fn) < 0) {
+            Py_DECREF(next);
+            return -1;
+        }
+    }
+    Py_DECREF(next);
+    return 0;
+}
+
+/* _grad_set_aside(loss, saved): every leaf that backward() of `loss` will
+ * accumulate a gradient into, put in `saved` (id -> (leaf, its gradient at
+ * entry)) unless already there, with that gradient set aside (.grad = None)
+ * so this attempt's gradient builds up alone. auto_microbatch undoes or adds
+ * them; the walk is in C because every step, OOM or not, makes it. */
+static PyObject *py_grad_set_aside(PyObject *self, PyObject *args)
+{
+    PyObject *loss, *saved, *stack, *seen, *node;
+    int rc = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OO!:_grad_set_aside", &loss, &PyDict_Type, &saved))
+        return NULL;
+    node = PyObject_GetAttrString(loss, "grad_fn");
+    if (node == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "_grad_set_aside: loss must be a tensor");
+        }
+        return NULL;
+    }
+    stack = PyList_New(0);
+    seen = PySet_New(NULL);
+    if (stack == NULL || seen == NULL || PyList_Append(stack, node) < 0)
+        rc = -1;
+    Py_DECREF(node);
+    while (rc == 0 && (node = list_pop(stack)) != NULL) {
+        int was = node == Py_None ? 1 : PySet_Contains(seen, node);
+        if (was == 0)
+            rc = PySet_Add(seen, node) < 0 ? -1 : visit_node(node, saved, stack);
+        else if (was < 0)
+            rc = -1;
+        Py_DECREF(node);
+    }
+    if (rc == 0 && PyErr_Occurred())
+        rc = -1;
+    Py_XDECREF(stack);
+    Py_XDECREF(seen);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* auto_microbatch counts its splits here, where the exit summary reads them. */
+static PyObject *py_microbatch_split(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromLongLong(++oc_g.microbatch_splits);
+}
+
 PyMethodDef oc_api_methods[] = {
+    {"_grad_set_aside", py_grad_set_aside, METH_VARARGS,
+     "_grad_set_aside(loss, saved)\n--\n\nSets aside the gradient of every leaf backward() "
+     "of loss reaches, recording it in saved (id -> (leaf, gradient at entry))."},
+    {"_microbatch_split", py_microbatch_split, METH_NOARGS,
+     "_microbatch_split()\n--\n\nCounts one auto_microbatch split; returns the process's "
+     "total."},
     {"_api_autocast_dtype", py_autocast_dtype, METH_O,
      "_api_autocast_dtype(device_type)\n--\n\n(dtype name or None, reason) for torch.autocast."},
     {"_api_loader_plan", (PyCFunction)(void (*)(void))py_loader_plan, METH_VARARGS | METH_KEYWORDS,

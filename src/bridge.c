@@ -384,11 +384,124 @@ static int flags_frozen(PyObject *torch)
     return frozen;
 }
 
-static void apply_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
+/* ---- TF32, decided when CUDA starts ----
+ *
+ * torch 2.9+ keeps two precision APIs (the legacy allow_tf32 /
+ * set_float32_matmul_precision and the new fp32_precision attributes) and
+ * remembers which one wrote a setting: a legacy write at `import torch`
+ * makes a later `matmul.fp32_precision = "ieee"` leave the legacy getters
+ * raising, and counts as a matmul-specific choice that beats the program's
+ * global `torch.backends.fp32_precision = "ieee"` (measured on the CUDA
+ * build of 2.14.1). A write the program makes before any write of
+ * outofcuda always ends exactly as without outofcuda. So TF32 is written
+ * from the CUDA-init callback, and only when the program chose nothing by
+ * then; cuDNN TF32 is never written (it is torch's default). */
+
+static int pending_tf32;
+
+/* Calls torch._C.<fn>(args) and returns the result, or NULL (cleared). */
+static PyObject *call_c(PyObject *c_mod, const char *fn, const char *backend, const char *op)
+{
+    PyObject *r = backend ? PyObject_CallMethod(c_mod, fn, "ss", backend, op)
+                          : PyObject_CallMethod(c_mod, fn, NULL);
+    if (r == NULL)
+        PyErr_Clear();
+    return r;
+}
+
+/* Returns 1 when the program already chose its float32 matmul precision
+ * (why says how), 0 when it did not, -1 when that cannot be read (why says
+ * so). On 2.9+ every choice, through either API, the global switch, cuDNN's
+ * fp32_precision or set_float32_matmul_precision, leaves one of the three
+ * new-API levels that decide matmuls off "none"; the legacy getters, which
+ * raise after a mix and warn on 2.9.0, are not read there. Before 2.9 only a
+ * value other than torch's default is visible: a program that re-sets the
+ * default itself is told apart from one that chose nothing only on 2.9+. */
+static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
+{
+    static const char *const levels[][2] = {
+        {"cuda", "matmul"}, {"cuda", "all"}, {"generic", "all"}};
+    PyObject *getter = PyObject_GetAttrString(c_mod, "_get_fp32_precision_getter");
+    if (getter != NULL) {
+        Py_DECREF(getter);
+        for (size_t i = 0; i < 3; i++) {
+            PyObject *r = call_c(c_mod, "_get_fp32_precision_getter", levels[i][0], levels[i][1]);
+            char v[32];
+            if (r == NULL || !PyUnicode_Check(r)) {
+                Py_XDECREF(r);
+                snprintf(why, sz, "torch's fp32_precision for %s/%s could not be read",
+                         levels[i][0], levels[i][1]);
+                return -1;
+            }
+            oc_utf8(r, v, sizeof v);
+            Py_DECREF(r);
+            if (strcmp(v, "none") != 0) {
+                snprintf(why, sz,
+                         "the program chose fp32_precision '%s' (%s/%s) before CUDA started", v,
+                         levels[i][0], levels[i][1]);
+                return 1;
+            }
+        }
+        return 0;
+    }
+    PyErr_Clear();
+    {
+        PyObject *tf32 = call_c(c_mod, "_get_cublas_allow_tf32", NULL, NULL);
+        PyObject *fmp = call_c(c_mod, "_get_float32_matmul_precision", NULL, NULL);
+        char v[32] = "";
+        int chosen = -1;
+        if (tf32 != NULL && fmp != NULL && PyUnicode_Check(fmp)) {
+            oc_utf8(fmp, v, sizeof v);
+            chosen = PyObject_IsTrue(tf32) == 1 || strcmp(v, "highest") != 0;
+        }
+        Py_XDECREF(tf32);
+        Py_XDECREF(fmp);
+        PyErr_Clear();
+        if (chosen < 0)
+            snprintf(why, sz, "torch's float32 matmul precision could not be read");
+        else if (chosen)
+            snprintf(why, sz, "the program chose float32 matmul precision '%s' before CUDA started",
+                     v);
+        return chosen;
+    }
+}
+
+/* A step of the CUDA-init callback. */
+static void tf32_at_cuda_init(PyObject *torch)
+{
+    char why[200];
+    PyObject *c_mod, *value;
+    int chosen;
+    if (!pending_tf32)
+        return;
+    pending_tf32 = 0;
+    c_mod = PyObject_GetAttrString(torch, "_C");
+    if (c_mod == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    chosen = precision_chosen(c_mod, why, sizeof why);
+    if (chosen != 0) {
+        oc_result_setf("tf32", 0, NULL, "left as it is: %s", why);
+    } else if (flags_frozen(torch)) {
+        oc_result_set("tf32", 0, NULL,
+                      "torch.backends.disable_global_flags() was called before CUDA started");
+    } else if (set_flag(c_mod, "_set_cublas_allow_tf32", 1, "tf32") != 1) {
+        oc_result_set("tf32", 0, NULL, "torch._C._set_cublas_allow_tf32 failed");
+    } else {
+        value = Py_BuildValue("{s:O}", "matmul", Py_True);
+        oc_result_set("tf32", 1, value,
+                      "set when CUDA initialised (the program had chosen no float32 precision): "
+                      "cuBLAS may use TF32 for float32 matmuls; cuDNN TF32 is torch's default");
+        Py_XDECREF(value);
+    }
+    Py_DECREF(c_mod);
+}
+
+static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, const char *no_queue)
 {
     const char *override = getenv("NVIDIA_TF32_OVERRIDE");
-    PyObject *value;
-    int cudnn;
+    PyObject *setter;
     if (!cfg->tf32) {
         oc_result_set("tf32", 0, NULL, "OUTOFCUDA_TF32=0: torch's defaults kept");
         return;
@@ -409,22 +522,21 @@ static void apply_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
         oc_result_set("tf32", 0, NULL, "torch.backends.disable_global_flags() was called");
         return;
     }
-    /* The legacy setter is silent on every release and, from 2.9, keeps the
-     * fp32_precision state in step; setting only the new API makes later
-     * legacy reads raise. */
-    if (set_flag(c_mod, "_set_cublas_allow_tf32", 1, "tf32") != 1) {
+    setter = PyObject_GetAttrString(c_mod, "_set_cublas_allow_tf32");
+    if (setter == NULL) {
+        PyErr_Clear();
         oc_result_set("tf32", 0, NULL, "this torch has no torch._C._set_cublas_allow_tf32");
         return;
     }
-    /* cuDNN TF32 is on by default; 2.9.0 alone warns on its setter. */
-    cudnn = (tv.ver >= 20900 && tv.ver < 20901)
-                ? 0
-                : set_flag(c_mod, "_set_cudnn_allow_tf32", 1, "tf32");
-    value = Py_BuildValue("{s:O,s:O}", "matmul", Py_True, "cudnn", Py_True);
-    oc_result_set("tf32", 1, value,
-                  cudnn == 1 ? "cuBLAS and cuDNN may use TF32 for float32"
-                             : "cuBLAS may use TF32; cuDNN TF32 is torch's default");
-    Py_XDECREF(value);
+    Py_DECREF(setter);
+    if (no_queue != NULL) {
+        oc_result_set("tf32", 0, NULL, no_queue + 6);
+        return;
+    }
+    pending_tf32 = 1;
+    oc_result_set("tf32", 1, NULL,
+                  "queued: cuBLAS TF32 for float32 matmuls when CUDA initialises, unless the "
+                  "program has chosen its float32 precision by then");
 }
 
 /* cuDNN and SDPA flags are plain fields of torch's context that a CPU-only
@@ -474,27 +586,37 @@ static void apply_cudnn(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
                       "this torch has no torch._C._set_cudnn_benchmark");
 }
 
+/* flash, memory-efficient and math attention are on by default in every
+ * release this covers: only a backend the user turned off is written, since
+ * each write of a default is one more flag torch records as set. cuDNN
+ * attention is left as torch has it. */
 static void apply_sdpa(const oc_config *cfg, PyObject *c_mod)
 {
     static const char *const fns[] = {"_set_sdp_use_flash", "_set_sdp_use_mem_efficient",
                                       "_set_sdp_use_math"};
     const int want[] = {cfg->flash_attn, cfg->mem_eff_attn, cfg->math_attn};
     PyObject *value;
-    int done = 0;
+    int off = 0, done = 0;
     if (skip_without_cuda("sdpa"))
         return;
-    for (int i = 0; i < 3; i++)
-        done += set_flag(c_mod, fns[i], want[i], "sdpa") == 1;
-    if (done != 3) {
-        oc_result_set("sdpa", 0, NULL, "this torch lacks the SDPA backend setters");
-        return;
+    for (int i = 0; i < 3; i++) {
+        if (want[i])
+            continue;
+        off++;
+        done += set_flag(c_mod, fns[i], 0, "sdpa") == 1;
     }
     value = Py_BuildValue("{s:O,s:O,s:O}", "flash", bool_obj(want[0]), "mem_efficient",
                           bool_obj(want[1]), "math", bool_obj(want[2]));
-    oc_result_set("sdpa", 1, value,
-                  want[2] ? "flash, memory-efficient and math backends as configured; cuDNN "
-                            "attention left as torch has it"
-                          : "math backend off: some inputs may find no kernel");
+    if (off == 0)
+        oc_result_set("sdpa", 0, value,
+                      "torch's default: flash, memory-efficient and math attention are on "
+                      "(nothing written); cuDNN attention left as torch has it");
+    else if (done != off)
+        oc_result_set("sdpa", 0, NULL, "this torch lacks the SDPA backend setters");
+    else
+        oc_result_set("sdpa", 1, value,
+                      want[2] ? "backends turned off as configured (OUTOFCUDA_*_ATTN=0)"
+                              : "math backend off: some inputs may find no kernel");
     Py_XDECREF(value);
 }
 
@@ -687,8 +809,10 @@ static int arm_memory_fraction(const oc_config *cfg, const char *no_queue)
  * Everything outofcuda does when CUDA starts runs from this one callback,
  * queued with torch.cuda._lazy_call, in this order: the framework check (a
  * framework that owns GPU memory gets torch's allocator back and keeps the
- * memory fraction to itself), the memory fraction, the OOM observer and exception hooks, the summary sampler. The rules, for every
- * step: it runs inside torch.cuda._lazy_init, on whichever thread first
+ * memory fraction to itself), TF32 (only where the program chose no
+ * precision), the memory fraction, the known-bug guards, the OOM observer and
+ * exception hooks, the summary sampler. The rules, for every step: it runs
+ * inside torch.cuda._lazy_init, on whichever thread first
  * touches CUDA (or at once, when CUDA was already initialised at queueing);
  * it must not raise (torch turns that into DeferredCudaCallError and the
  * initialisation fails) and must not call torch.cuda._lazy_call (from torch
@@ -704,7 +828,9 @@ static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
     if (torch == NULL)
         Py_RETURN_NONE;
     framework_at_cuda_init(torch);
+    tf32_at_cuda_init(torch);
     fraction_at_cuda_init(torch);
+    oc_known_bugs_at_cuda_init(torch);
     oc_oom_at_cuda_init(torch);
     oc_summary_at_cuda_init();
     PyErr_Clear();
@@ -909,13 +1035,14 @@ void oc_bridge_after_torch(PyObject *torch)
         return;
     }
     lazy_call = lazy_call_fn(torch, &no_queue);
-    apply_tf32(cfg, torch, c_mod);
+    arm_tf32(cfg, torch, c_mod, no_queue);
     apply_cudnn(cfg, torch, c_mod);
     record_allocator(cfg);
-    armed = arm_memory_fraction(cfg, no_queue);
+    armed = pending_tf32 + arm_memory_fraction(cfg, no_queue);
     /* The framework step may have to hand torch's allocator back. */
     armed += oc_g.alloc_applied && no_queue == NULL;
     apply_sdpa(cfg, c_mod);
+    armed += oc_known_bugs_at_import(torch, no_queue);
     apply_amp_dtype(cfg, torch);
     armed += oc_oom_install(torch, no_queue);
     if (tv.cuda_build && no_queue == NULL)

@@ -305,6 +305,7 @@ void oc_config_load(oc_config *cfg, oc_getenv_fn get, void *ctx)
     cfg->pin_memory = 1;
     cfg->num_workers = 4;
     cfg->prefetch_factor = 2;
+    cfg->known_bugs = 1;
 
     load_bool(cfg, get, ctx, "OUTOFCUDA_DISABLE", &cfg->disable);
     load_bool(cfg, get, ctx, "OUTOFCUDA_VERBOSE", &cfg->verbose);
@@ -327,4 +328,5 @@ void oc_config_load(oc_config *cfg, oc_getenv_fn get, void *ctx)
     load_long(cfg, get, ctx, "OUTOFCUDA_PREFETCH_FACTOR", 1, 1024, &cfg->prefetch_factor);
     load_summary(cfg, get, ctx);
     load_bool(cfg, get, ctx, "OUTOFCUDA_FRAMEWORK_OVERRIDE", &cfg->framework_override);
+    load_bool(cfg, get, ctx, "OUTOFCUDA_KNOWN_BUGS", &cfg->known_bugs);
 }

@@ -69,6 +69,8 @@ static PyObject *dict_from_config(const oc_config *c)
             Py_CLEAR(d);
         Py_XDECREF(v);
     }
+    if (d != NULL && PyDict_SetItemString(d, "known_bugs", c->known_bugs ? Py_True : Py_False) < 0)
+        Py_CLEAR(d);
     return d;
 }
 
@@ -187,6 +189,7 @@ static int module_exec(PyObject *m)
         PyModule_AddFunctions(m, oc_oom_methods) < 0 ||
         PyModule_AddFunctions(m, oc_api_methods) < 0 ||
         PyModule_AddFunctions(m, oc_summary_methods) < 0 ||
+        PyModule_AddFunctions(m, oc_known_bugs_methods) < 0 ||
         PyModule_AddFunctions(m, oc_watcher_methods) < 0 || oc_watcher_init(m) < 0)
         return -1;
     if (oc_monitor_add_type(m) < 0)

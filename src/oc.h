@@ -18,6 +18,8 @@
  *   nvml.c     NVML loaded with dlopen at run time
  *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python)
  *   allocconf.c allocator-string parse and merge (pure C, no Python)
+ *   knownbugs.c the known-bugs table and its lookup (pure C part first),
+ *              then the guards applied at import and at CUDA's start
  *   common.c   the shared ground: process state, warnings, small helpers
  * (below: which file owns each shared function)
  */
@@ -34,6 +36,10 @@
 #define OC_ENGINE_NAME "_outofcuda"
 #define OC_ENGINE_FIND_SPEC "_find_torch_spec" /* engine function the boot's finder calls */
 #define OC_ENGINE_INSTALL "install"            /* engine function for a torch already there */
+/* The one Python function the engine calls (tests/test_oom.py pins both):
+ * the report printed before an uncaught OOM's traceback. */
+#define OC_PY_OOM_MODULE "outofcuda.oom"
+#define OC_PY_OOM_PRINT "_on_uncaught"
 
 /* ---- pure C part: safe to include without Python (fuzzers, unit tests) ---- */
 
@@ -74,6 +80,7 @@ typedef struct {
     char warnings[OC_WARN_MAX][OC_WARN_LEN];
     oc_summary_mode summary;                /* OUTOFCUDA_SUMMARY */
     char summary_path[OC_SUMMARY_PATH_MAX]; /* the JSON file, as given */
+    int known_bugs;                         /* OUTOFCUDA_KNOWN_BUGS: step around known bugs */
 } oc_config;
 
 /* Returns the value of an environment variable or NULL; lets tests and the
@@ -143,6 +150,52 @@ int oc_alloc_key_known(const char *key, long ver);
 /* Returns the name of the environment variable the release reads first. */
 const char *oc_alloc_env_name(long ver);
 
+/* knownbugs.c: bugs of the installed stack and what outofcuda does about
+ * them. A range holds lo <= v < hi (hi 0: no upper bound). */
+typedef struct {
+    long lo, hi;
+} oc_range;
+int oc_range_has(oc_range r, long v);
+
+typedef enum { OC_KB_SDPA_NO_CUDNN = 1 } oc_kb_action;
+
+typedef struct {
+    const char *id;
+    const char *title;
+    oc_range torch;         /* oc_torch_version_number */
+    oc_range cudnn;         /* torch.backends.cudnn.version() (runtime) */
+    oc_range cc;            /* compute capability major*10+minor, any visible GPU */
+    const char *unless_env; /* torch itself avoids the bug when this is "1", or NULL */
+    const char *condition;  /* what else must hold, in words */
+    oc_kb_action action;
+    const char *action_text;
+    const char *evidence; /* a link */
+} oc_known_bug;
+
+size_t oc_known_bug_count(void);
+const oc_known_bug *oc_known_bug_at(size_t i); /* NULL past the end */
+
+#define OC_KB_MAX_DEVICES 64
+#define OC_KB_MAX_ENTRIES 8
+/* What outofcuda knows of the stack; unknown facts are negative. */
+typedef struct {
+    long torch;     /* oc_torch_version_number; 0 unknown */
+    int cuda_build; /* 1, 0, -1 unknown */
+    long cudnn;     /* runtime cuDNN; 0 none; -1 not read (yet) */
+    int n_cc;       /* visible GPUs' compute capabilities in cc; -1 unknown */
+    int cc[OC_KB_MAX_DEVICES];
+    oc_getenv_fn getenv_fn; /* NULL: no variable is set */
+    void *ctx;
+} oc_kb_facts;
+
+#define OC_KB_NO 0
+#define OC_KB_YES 1
+#define OC_KB_UNDECIDED (-1)
+/* Whether bug b applies to facts f: OC_KB_YES, OC_KB_NO (a fact rules it
+ * out) or OC_KB_UNDECIDED (a fact it needs is unknown). why (may be NULL)
+ * says which, in words. */
+int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, size_t whysz);
+
 #ifndef OC_PURE_C
 /* ---- Python part ---- */
 #ifndef Py_LIMITED_API
@@ -166,6 +219,9 @@ typedef struct {
     char alloc_value[OC_ALLOC_CONF_MAX];
     char alloc_reason[1000];
     int alloc_applied;
+    /* Events of this process, for the exit summary (GIL held). */
+    unsigned long oom_events;    /* CUDA OOMs torch's observer reported */
+    long long microbatch_splits; /* splits auto_microbatch made */
 } oc_state;
 
 extern oc_state oc_g;
@@ -274,8 +330,14 @@ PyObject *oc_sys_module(const char *name);                      /* new ref or NU
 int oc_call_bool(PyObject *owner, const char *name, int value); /* 1 called, 0 missing, -1 error */
 const char *oc_utf8(PyObject *str, char *buf, size_t sz);       /* copy of str into buf */
 
-/* oom.c: CUDA OOMs torch's observer reported in this process. */
-unsigned long oc_oom_count(void);
+/* knownbugs.c: decides what it can with torch imported (never reads the
+ * cuDNN version: that loads cuDNN), and the rest from the CUDA-init callback,
+ * where it also acts. Neither raises nor queues anything. at_import returns 1
+ * when the callback has work (no_queue: why there is no queue, or NULL). */
+int oc_known_bugs_at_import(PyObject *torch, const char *no_queue);
+void oc_known_bugs_at_cuda_init(PyObject *torch);
+PyObject *oc_known_bugs_status(void); /* new list, or NULL with an exception */
+extern PyMethodDef oc_known_bugs_methods[];
 
 /* summary.c: OUTOFCUDA_SUMMARY, what the GPU did, printed at exit */
 int oc_summary_prepare(void);       /* with torch imported: 1 when the step has work */

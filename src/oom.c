@@ -3,7 +3,7 @@
  * an allocator snapshot; the chained sys.excepthook / threading.excepthook
  * print the report for an uncaught OOM; oc_oom_advise ranks the actions that
  * fit the figures. The report itself is assembled and formatted by
- * outofcuda/_oom.py. Observer and hooks are set when CUDA initialises (from
+ * outofcuda/oom.py. Observer and hooks are set when CUDA initialises (from
  * torch's lazy-init queue), never at import: until then, and for good on a
  * CPU-only build, the process looks as without outofcuda. */
 #include "oc.h"
@@ -118,6 +118,7 @@ static PyObject *oom_observer(PyObject *self, PyObject *args)
         goto done;
     }
     seen.seq++;
+    oc_g.oom_events = seen.seq;
     seen.when = (double)time(NULL);
     seen.device = device;
     seen.request = request;
@@ -344,16 +345,16 @@ error:
     return ok;
 }
 
-/* Prints outofcuda's report for `value` through outofcuda._oom (imported
+/* Prints outofcuda's report for `value` through the Python layer (imported
  * here when the program never imported it). Returns 1 when it printed. */
 static int print_report(PyObject *value)
 {
-    PyObject *mod = oc_sys_module("outofcuda._oom"), *r = NULL;
+    PyObject *mod = oc_sys_module(OC_PY_OOM_MODULE), *r = NULL;
     int printed = 0;
     if (mod == NULL && package_beside_extension())
-        mod = PyImport_ImportModule("outofcuda._oom");
+        mod = PyImport_ImportModule(OC_PY_OOM_MODULE);
     if (mod != NULL)
-        r = PyObject_CallMethod(mod, "_on_uncaught", "O", value);
+        r = PyObject_CallMethod(mod, OC_PY_OOM_PRINT, "O", value);
     printed = r != NULL && PyObject_IsTrue(r) == 1;
     PyErr_Clear();
     Py_XDECREF(r);
@@ -768,10 +769,3 @@ PyMethodDef oc_oom_methods[] = {
      "attaches with torch._C._cuda_attach_out_of_memory_observer."},
     {NULL, NULL, 0, NULL},
 };
-
-/* How many CUDA OOMs torch's observer reported in this process (for the
- * exit summary); with the GIL. */
-unsigned long oc_oom_count(void)
-{
-    return seen.seq;
-}

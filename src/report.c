@@ -81,11 +81,166 @@ static const char *pending_reason(void)
            "missing: run `outofcuda doctor`)";
 }
 
+/* ---- what is in effect now ----
+ *
+ * status() reads torch's flags at the moment it is called, through getters
+ * that cannot raise (the legacy precision getters raise after a program
+ * mixed torch's two precision APIs, and warn on 2.9.0, so matmul TF32 is
+ * read through the new API where it exists). */
+
+/* torch._C.<fn>(...) or NULL, nothing raised. */
+static PyObject *c_call(PyObject *c_mod, const char *fn, const char *a, const char *b)
+{
+    PyObject *f = PyObject_GetAttrString(c_mod, fn), *r = NULL;
+    if (f != NULL)
+        r = a ? PyObject_CallFunction(f, "ss", a, b) : PyObject_CallObject(f, NULL);
+    Py_XDECREF(f);
+    PyErr_Clear();
+    return r;
+}
+
+/* A bool getter's answer as Py_True/Py_False (new ref), or NULL. */
+static PyObject *c_bool(PyObject *c_mod, const char *fn)
+{
+    PyObject *r = c_call(c_mod, fn, NULL, NULL);
+    int t = r ? PyObject_IsTrue(r) : -1;
+    Py_XDECREF(r);
+    PyErr_Clear();
+    if (t < 0)
+        return NULL;
+    return PyBool_FromLong(t);
+}
+
+static PyObject *matmul_tf32_now(PyObject *c_mod)
+{
+    PyObject *r = c_call(c_mod, "_get_fp32_precision_getter", "cuda", "matmul");
+    char v[32];
+    if (r == NULL)
+        return c_bool(c_mod, "_get_cublas_allow_tf32");
+    if (!PyUnicode_Check(r)) {
+        Py_DECREF(r);
+        return NULL;
+    }
+    oc_utf8(r, v, sizeof v);
+    Py_DECREF(r);
+    /* "none": nothing chose, so torch's default, full float32. */
+    return PyBool_FromLong(strcmp(v, "tf32") == 0);
+}
+
+/* Builds {k: getter()} for n getters; NULL when one cannot be read. */
+static PyObject *bool_dict(PyObject *c_mod, const char *const (*items)[2], size_t n)
+{
+    PyObject *d = PyDict_New();
+    for (size_t i = 0; d != NULL && i < n; i++) {
+        PyObject *b = c_bool(c_mod, items[i][1]);
+        if (b == NULL || PyDict_SetItemString(d, items[i][0], b) < 0) {
+            Py_XDECREF(b);
+            Py_CLEAR(d);
+            break;
+        }
+        Py_DECREF(b);
+    }
+    PyErr_Clear();
+    return d;
+}
+
+/* What `name` is now in torch (new ref), or NULL where no getter tells. */
+static PyObject *now_value(PyObject *c_mod, const char *name)
+{
+    static const char *const sdpa[][2] = {{"flash", "_get_flash_sdp_enabled"},
+                                          {"mem_efficient", "_get_mem_efficient_sdp_enabled"},
+                                          {"math", "_get_math_sdp_enabled"}};
+    if (strcmp(name, "tf32") == 0) {
+        PyObject *m = matmul_tf32_now(c_mod), *d;
+        if (m == NULL)
+            return NULL;
+        d = Py_BuildValue("{s:N}", "matmul", m);
+        PyErr_Clear();
+        return d;
+    }
+    if (strcmp(name, "cudnn_benchmark") == 0)
+        return c_bool(c_mod, "_get_cudnn_benchmark");
+    if (strcmp(name, "cudnn_deterministic") == 0)
+        return c_bool(c_mod, "_get_cudnn_deterministic");
+    if (strcmp(name, "sdpa") == 0)
+        return bool_dict(c_mod, sdpa, 3);
+    if (strcmp(name, "allocator") == 0) {
+        PyObject *r = c_call(c_mod, "_accelerator_getAllocatorSettings", NULL, NULL);
+        if (r != NULL && !PyUnicode_Check(r))
+            Py_CLEAR(r);
+        return r;
+    }
+    return NULL;
+}
+
+/* 1 when what outofcuda set (`set`, a value or a dict of them) differs
+ * from `now` in any of set's keys; 0 when not; -1 when they cannot be
+ * compared. */
+static int differs(PyObject *set, PyObject *now)
+{
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    if (set == NULL || set == Py_None || now == NULL)
+        return -1;
+    if (!PyDict_Check(set)) {
+        int eq = PyObject_RichCompareBool(set, now, Py_EQ);
+        PyErr_Clear();
+        return eq < 0 ? -1 : !eq;
+    }
+    if (!PyDict_Check(now))
+        return -1;
+    while (PyDict_Next(set, &pos, &k, &v)) {
+        PyObject *n = PyDict_GetItem(now, k); /* borrowed */
+        int eq;
+        if (n == NULL)
+            continue;
+        eq = PyObject_RichCompareBool(v, n, Py_EQ);
+        PyErr_Clear();
+        if (eq == 0)
+            return 1;
+    }
+    return 0;
+}
+
+/* Adds "now" and "changed" to a copy of an optimisation's record, and says
+ * in its reason when the program changed what outofcuda set. */
+static int add_now(PyObject *e, const char *name, PyObject *c_mod)
+{
+    PyObject *now = c_mod ? now_value(c_mod, name) : NULL;
+    PyObject *applied = PyDict_GetItemString(e, "applied"); /* borrowed */
+    int changed = applied == Py_True ? differs(PyDict_GetItemString(e, "value"), now) : -1;
+    int rc = PyDict_SetItemString(e, "now", now ? now : Py_None);
+    if (rc == 0)
+        rc = PyDict_SetItemString(e, "changed",
+                                  changed < 0 ? Py_None
+                                  : changed   ? Py_True
+                                              : Py_False);
+    if (rc == 0 && changed == 1) {
+        PyObject *reason = PyDict_GetItemString(e, "reason"); /* borrowed */
+        PyObject *shown = PyObject_Str(now);
+        PyObject *text =
+            reason && shown
+                ? PyUnicode_FromFormat("%U; changed by the program since: now %U", reason, shown)
+                : NULL;
+        rc = text ? PyDict_SetItemString(e, "reason", text) : -1;
+        Py_XDECREF(text);
+        Py_XDECREF(shown);
+    }
+    Py_XDECREF(now);
+    return rc;
+}
+
 static PyObject *optimizations(void)
 {
     PyObject *d = PyDict_New();
-    if (d == NULL)
+    PyObject *torch = torch_imported() ? oc_sys_module("torch") : NULL;
+    PyObject *c_mod = torch ? PyObject_GetAttrString(torch, "_C") : NULL;
+    PyErr_Clear();
+    Py_XDECREF(torch);
+    if (d == NULL) {
+        Py_XDECREF(c_mod);
         return NULL;
+    }
     for (size_t i = 0; i < N_OPTS; i++) {
         PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, opt_names[i]) : NULL;
         if (e != NULL) {
@@ -95,19 +250,22 @@ static PyObject *optimizations(void)
             e = Py_BuildValue("{s:O,s:O,s:s}", "applied", Py_False, "value", Py_None, "reason",
                               pending_reason());
         }
-        if (e == NULL || PyDict_SetItemString(d, opt_names[i], e) < 0) {
+        if (e == NULL || add_now(e, opt_names[i], c_mod) < 0 ||
+            PyDict_SetItemString(d, opt_names[i], e) < 0) {
             Py_XDECREF(e);
+            Py_XDECREF(c_mod);
             Py_DECREF(d);
             return NULL;
         }
         Py_DECREF(e);
     }
+    Py_XDECREF(c_mod);
     return d;
 }
 
 PyObject *oc_status(PyObject *self, PyObject *unused)
 {
-    PyObject *opts, *warnings, *res;
+    PyObject *opts, *warnings, *res, *bugs;
     (void)self;
     (void)unused;
     opts = optimizations();
@@ -129,11 +287,17 @@ PyObject *oc_status(PyObject *self, PyObject *unused)
         }
         Py_DECREF(s);
     }
-    res = Py_BuildValue("{s:s,s:{s:O,s:O,s:O},s:O,s:N,s:N}", "version", OC_VERSION, "hook",
+    bugs = oc_known_bugs_status();
+    if (bugs == NULL) {
+        Py_DECREF(opts);
+        Py_DECREF(warnings);
+        return NULL;
+    }
+    res = Py_BuildValue("{s:s,s:{s:O,s:O,s:O},s:O,s:N,s:N,s:N}", "version", OC_VERSION, "hook",
                         "installed", oc_g.installed ? Py_True : Py_False, "fired",
                         oc_g.fired ? Py_True : Py_False, "error", oc_g.error ? oc_g.error : Py_None,
                         "torch", oc_g.torch_version ? oc_g.torch_version : Py_None, "optimizations",
-                        opts, "config_warnings", warnings);
+                        opts, "config_warnings", warnings, "known_bugs", bugs);
     return res;
 }
 

@@ -411,15 +411,6 @@ done:
     return ok;
 }
 
-/* micro-batch splits made by auto_microbatch, if its module was imported. */
-static long long split_count(void)
-{
-    PyObject *mod = oc_sys_module("outofcuda._oom");
-    long long n = mod ? call_ll(mod, "_split_count", -1) : 0;
-    Py_XDECREF(mod);
-    return n < 0 ? 0 : n;
-}
-
 /* The largest num_workers among DataLoaders alive at exit, or -1 when none
  * is (or torch.utils.data was never imported). gc.get_referrers finds
  * instances through their type without listing every object. */
@@ -776,8 +767,8 @@ static PyObject *at_exit(PyObject *self, PyObject *unused)
     memset(&p, 0, sizeof p);
     p.wall = wall;
     p.rank = env_rank();
-    p.ooms = oc_oom_count();
-    p.splits = split_count();
+    p.ooms = oc_g.oom_events;
+    p.splits = oc_g.microbatch_splits;
     torch_figures(dev, &n);
     p.workers = dataloader_workers();
     if (out.mode != OC_SUMMARY_OFF)

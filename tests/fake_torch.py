@@ -16,6 +16,9 @@ build was followed (tests/test_cuda_build.py runs the same checks on it):
 - a CPU-only build has no `torch._C._cuda_*` names;
 - getters return what was set, starting from torch's defaults;
 - `backend:cudaMallocAsync` beside native-allocator keys warns.
+- `torch.backends.cudnn.version()` reports the bundled cuDNN (92400 on 2.14.1)
+  without initialising CUDA, None on a CPU-only build; `_set_sdp_use_cudnn` is
+  read back by `_get_cudnn_sdp_enabled` (True until set).
 """
 import textwrap
 from pathlib import Path
@@ -23,7 +26,9 @@ from pathlib import Path
 BASE_C = {"_set_cublas_allow_tf32", "_get_cublas_allow_tf32", "_set_cudnn_allow_tf32",
           "_get_cudnn_allow_tf32", "_set_cudnn_benchmark", "_get_cudnn_benchmark",
           "_set_cudnn_deterministic", "_get_cudnn_deterministic", "_set_sdp_use_flash",
-          "_set_sdp_use_mem_efficient", "_set_sdp_use_math",
+          "_set_sdp_use_mem_efficient", "_set_sdp_use_math", "_get_flash_sdp_enabled",
+          "_get_mem_efficient_sdp_enabled", "_get_math_sdp_enabled",
+          "_set_float32_matmul_precision", "_get_float32_matmul_precision",
           # CUDA-build-only names
           "_cuda_setMemoryFraction", "_cuda_getDeviceCount", "_cuda_getDevice",
           "_cuda_attach_out_of_memory_observer"}
@@ -43,10 +48,18 @@ CUDA_ONLY_VAR = ("PYTORCH_CUDA_ALLOC_CONF",)
 VARS_211 = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
-def _release(c, keys, modern, env, warns=frozenset()):
-    # modern: 2.4+ (set_autocast_dtype, annotated version.py)
+# 2.9+: the fp32_precision API beside the legacy one.
+FP32_API = {"_get_fp32_precision_getter", "_set_fp32_precision_setter"}
+
+
+def _release(c, keys, modern, env, warns=frozenset(), cudnn=None):
+    # modern: 2.4+ (set_autocast_dtype, annotated version.py); cudnn: what
+    # torch.backends.cudnn.version() reports on the CUDA build (None: not
+    # checked on a real build, a test passes its own)
+    if "_set_sdp_use_cudnn" in c:
+        c = c | {"_get_cudnn_sdp_enabled"}
     return dict(c=BASE_C | c, keys=keys, autocast_new=modern, annotated_version=modern,
-                warns=set(warns), env=env)
+                warns=set(warns), env=env, cudnn=cudnn)
 
 
 RELEASES = {
@@ -54,13 +67,21 @@ RELEASES = {
     "2.1.0": _release({LEGACY_SETTER}, KEYS_21, False, CUDA_ONLY_VAR),
     "2.4.0": _release({"_set_sdp_use_cudnn", LEGACY_SETTER}, KEYS_24, True, CUDA_ONLY_VAR),
     # 2.9.0 alone warns on the cuDNN TF32 setter and the legacy getters.
-    "2.9.0": _release({"_set_sdp_use_cudnn", LEGACY_SETTER, ACCEL_SETTER}, KEYS_29, True,
-                      CUDA_ONLY_VAR, {"_set_cudnn_allow_tf32", "_get_cublas_allow_tf32",
-                                      "_get_cudnn_allow_tf32"}),
-    "2.9.1": _release({"_set_sdp_use_cudnn", LEGACY_SETTER, ACCEL_SETTER}, KEYS_29, True,
-                      CUDA_ONLY_VAR),
-    "2.11.0": _release({"_set_sdp_use_cudnn", ACCEL_SETTER}, KEYS_211, True, VARS_211),
-    "2.14.1": _release({"_set_sdp_use_cudnn", ACCEL_SETTER}, KEYS_211, True, VARS_211),
+    # 2.9.0 alone warns on the cuDNN TF32 setter, setFloat32MatmulPrecision
+    # and the legacy getters (PR 158209).
+    "2.9.0": _release({"_set_sdp_use_cudnn", LEGACY_SETTER, ACCEL_SETTER} | FP32_API, KEYS_29,
+                      True, CUDA_ONLY_VAR,
+                      {"_set_cudnn_allow_tf32", "_get_cublas_allow_tf32", "_get_cudnn_allow_tf32",
+                       "_set_float32_matmul_precision", "_get_float32_matmul_precision"}),
+    "2.9.1": _release({"_set_sdp_use_cudnn", LEGACY_SETTER, ACCEL_SETTER} | FP32_API, KEYS_29,
+                      True, CUDA_ONLY_VAR),
+    "2.11.0": _release({"_set_sdp_use_cudnn", ACCEL_SETTER} | FP32_API, KEYS_211, True,
+                       VARS_211),
+    "2.14.1": _release({"_set_sdp_use_cudnn", ACCEL_SETTER} | FP32_API, KEYS_211, True,
+                       VARS_211, cudnn=92400),
+    # Bundles cuDNN 9.26 (the CUDA 13.2 build on PyPI).
+    "2.15.0": _release({"_set_sdp_use_cudnn", ACCEL_SETTER} | FP32_API, KEYS_211, True,
+                       VARS_211, cudnn=92600),
 }
 
 _INIT = '''
@@ -117,7 +138,59 @@ ALLOC_KEYS = {keys!r}
 _WARNS = {warns!r}
 # torch's defaults, what the getters return until a setter runs.
 _state = {{"cublas_allow_tf32": False, "cudnn_allow_tf32": True, "cudnn_benchmark": False,
-          "cudnn_deterministic": False}}
+          "cudnn_deterministic": False, "float32_matmul_precision": "highest",
+          "flash_sdp_enabled": True, "mem_efficient_sdp_enabled": True,
+          "math_sdp_enabled": True, "cudnn_sdp_enabled": True}}
+_SDP = {{"_set_sdp_use_flash": "flash_sdp_enabled",
+        "_set_sdp_use_mem_efficient": "mem_efficient_sdp_enabled",
+        "_set_sdp_use_math": "math_sdp_enabled", "_set_sdp_use_cudnn": "cudnn_sdp_enabled"}}
+# 2.9+'s fp32_precision levels, as measured on the CUDA build of 2.14.1: a
+# level left at "none" inherits from the one above it; the legacy setters
+# write the new state too, the new setters only it; a legacy getter raises
+# when the new state disagrees with its own ("mix of the legacy and new APIs").
+_fp32 = {{("generic", "all"): "none", ("cuda", "all"): "none", ("cuda", "matmul"): "none",
+         ("cuda", "conv"): "none", ("cuda", "rnn"): "none"}}
+_MIX = "you have used mix of the legacy and new APIs to set the TF32 status"
+
+def _effective(op):
+    for key in (("cuda", op), ("cuda", "all"), ("generic", "all")):
+        if _fp32[key] != "none":
+            return _fp32[key]
+    return "none"
+
+def _get_fp32_precision_getter(backend, op):
+    calls.append(("_get_fp32_precision_getter", backend, op))
+    return _effective(op) if backend == "cuda" else _fp32[(backend, op)]
+
+def _set_fp32_precision_setter(backend, op, precision):
+    calls.append(("_set_fp32_precision_setter", backend, op, precision))
+    _fp32[(backend, op)] = precision
+
+_PRECISION = ("cublas_allow_tf32", "cudnn_allow_tf32", "float32_matmul_precision")
+
+def _legacy_get(name):
+    eff = _effective("conv" if name == "cudnn_allow_tf32" else "matmul")
+    if "_get_fp32_precision_getter" in globals() and eff != "none" and name in _PRECISION:
+        if name == "float32_matmul_precision":
+            if eff == "tf32" and _state[name] == "highest":
+                raise RuntimeError(_MIX)
+        elif (eff == "tf32") != bool(_state[name]):
+            raise RuntimeError(_MIX)
+    return _state[name]
+
+def _legacy_set(name, value):
+    if name == "float32_matmul_precision":
+        _state[name] = value
+        _state["cublas_allow_tf32"] = value != "highest"
+    elif name == "cublas_allow_tf32":
+        _state[name] = value
+        _state["float32_matmul_precision"] = "high" if value else "highest"
+    else:
+        _state[name] = value
+    if "_get_fp32_precision_getter" in globals() and name in _PRECISION:
+        tf32 = _state["cublas_allow_tf32"] if name != "cudnn_allow_tf32" else value
+        _fp32[("cuda", "conv" if name == "cudnn_allow_tf32" else "matmul")] = \
+            "tf32" if tf32 else "ieee"
 _NATIVE_ONLY = {{"max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions",
                 "expandable_segments", "max_non_split_rounding_mb"}}
 
@@ -149,24 +222,40 @@ def _make(name):
         if name in ("_accelerator_setAllocatorSettings",
                     "_cuda_cudaCachingAllocator_set_allocator_settings"):
             _parse_alloc_conf(args[0])
-        if name.startswith("_set_"):
-            _state[name[5:]] = args[0]
+        if name in _SDP:
+            _state[_SDP[name]] = args[0]
+        elif name.startswith("_set_"):
+            _legacy_set(name[5:], args[0])
         if name.startswith("_get_"):
-            return _state.get(name[5:], True)
+            return _legacy_get(name[5:]) if name[5:] in _state else True
         return None
     fn.__name__ = name
     return fn
 for _name in {names!r}:
-    globals()[_name] = _make(_name)
+    if _name not in ("_get_fp32_precision_getter", "_set_fp32_precision_setter"):
+        globals()[_name] = _make(_name)
+for _name in ("_get_fp32_precision_getter", "_set_fp32_precision_setter"):
+    if _name not in {names!r}:
+        del globals()[_name]
 '''
 
 _BACKENDS = '''
+from torch.backends import cudnn
 _frozen = False
 def flags_frozen():
     return _frozen
 def disable_global_flags():
     global _frozen
     _frozen = True
+'''
+
+_CUDNN = '''
+import torch
+_VERSION = {cudnn!r}
+def version():
+    """Loads cuDNN on the real build (recorded: a test can see when it ran)."""
+    torch._C.calls.append(("cudnn.version",))
+    return _VERSION
 '''
 
 _CUDA = '''
@@ -185,10 +274,12 @@ def is_initialized():
 '''
 
 
-def make_fake_torch(root: Path, release: str, cuda: bool = True) -> Path:
+def make_fake_torch(root: Path, release: str, cuda: bool = True, cudnn=None) -> Path:
     """Writes a fake torch `release` under root and returns the directory to
-    put first on PYTHONPATH."""
+    put first on PYTHONPATH. cudnn: the version torch.backends.cudnn.version()
+    reports (default: the release's)."""
     spec = RELEASES[release]
+    cudnn = (cudnn if cudnn is not None else spec["cudnn"]) if cuda else None
     pkg = root / "torch"
     (pkg / "backends").mkdir(parents=True)
     (pkg / "cuda").mkdir()
@@ -206,5 +297,6 @@ def make_fake_torch(root: Path, release: str, cuda: bool = True) -> Path:
     (pkg / "_C.py").write_text(textwrap.dedent(_C_MODULE.format(
         warns=sorted(spec["warns"]), names=c_names, keys=sorted(spec["keys"]))))
     (pkg / "backends" / "__init__.py").write_text(_BACKENDS)
+    (pkg / "backends" / "cudnn.py").write_text(_CUDNN.format(cudnn=cudnn))
     (pkg / "cuda" / "__init__.py").write_text(_CUDA)
     return root

@@ -48,7 +48,7 @@ print(json.dumps([before["hook"], armed["hook"], again["hook"], after]))
     assert again == armed
     assert after["hook"] == {"installed": True, "fired": True, "error": None}
     opts = after["optimizations"]
-    assert opts["cudnn_benchmark"]["applied"] is True and opts["sdpa"]["applied"] is True
+    assert opts["cudnn_benchmark"]["applied"] is True and opts["memory_fraction"]["applied"] is True
     assert opts["oom_handler"]["applied"] is True
     # Armed before torch loaded: the allocator string reached it in time.
     assert opts["allocator"]["applied"] is True, opts["allocator"]
@@ -71,7 +71,7 @@ print(json.dumps([untouched, benchmark_before, torch._C._get_cudnn_benchmark(),
     assert first == second
     assert first["hook"] == {"installed": True, "fired": True, "error": None}
     opts = first["optimizations"]
-    assert opts["cudnn_benchmark"]["applied"] is True and opts["sdpa"]["applied"] is True
+    assert opts["cudnn_benchmark"]["applied"] is True and opts["memory_fraction"]["applied"] is True
     # Too late for the allocator variable: the report says so (the reason is
     # pinned by the next test).
     assert opts["allocator"]["applied"] is False and opts["allocator"]["reason"]

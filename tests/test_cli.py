@@ -10,10 +10,10 @@ from fake_torch import make_fake_torch
 
 STATUS_KEYS = {"version", "python", "executable", "hook", "torch", "torch_error", "cuda",
                "cuda_initialized_by_import", "optimizations", "config_warnings", "gpus",
-               "nvml_error"}
+               "nvml_error", "known_bugs"}
 CHECKS = ["hook_file", "extension", "torch", "alloc_conf", "nvidia_tf32_override",
           "cuda_visible_devices", "dev_shm", "multiple_installs", "older_package", "python_no_site",
-          "outofcuda_env"]
+          "outofcuda_env", "known_bugs"]
 
 
 def cli(venv, *args, env=None, cwd=None):

@@ -30,7 +30,7 @@ def test_defaults_match_the_product_table(venv):
         "alloc_conf_no_expandable": "max_split_size_mb:128", "framework_override": False,
         "gc_collect": True, "flash_attn": True, "mem_eff_attn": True, "math_attn": True,
         "pin_memory": True, "num_workers": 4, "prefetch_factor": 2, "warnings": [],
-        "summary": "off",
+        "summary": "off", "known_bugs": True,
     }
 
 
@@ -229,3 +229,15 @@ def test_warnings_filtered_by_module_leave_stderr_clean(venv, workdir):
                      args=["-W", "ignore:::outofcuda"], env=env, cwd=workdir)
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
     assert quiet.stdout.split() == ["1"]
+
+
+@pytest.mark.parametrize("word,value", [("0", False), ("off", False), ("1", True), ("", True)])
+def test_known_bugs_switch(venv, word, value):
+    (c,) = parse_many(venv, [{"OUTOFCUDA_KNOWN_BUGS": word}])
+    assert c["known_bugs"] is value and c["warnings"] == []
+
+
+def test_known_bugs_bad_value_warns_and_keeps_the_guard(venv):
+    (c,) = parse_many(venv, [{"OUTOFCUDA_KNOWN_BUGS": "maybe"}])
+    assert c["known_bugs"] is True
+    assert len(c["warnings"]) == 1 and "OUTOFCUDA_KNOWN_BUGS='maybe'" in c["warnings"][0]

@@ -44,13 +44,17 @@ def test_every_release_applies_without_warning(venv, tmp_path, release):
     assert st["hook"]["error"] is None
     opts = st["optimizations"]
     called = names(rep)
-    # TF32 through the legacy setter, never only the new API.
+    # TF32 through the legacy setter, never only the new API, once CUDA
+    # started and the program had chosen no precision.
     assert ["_set_cublas_allow_tf32", "True"] in rep["calls"]
-    assert opts["tf32"]["applied"]
+    assert opts["tf32"]["applied"] and "when CUDA initialised" in opts["tf32"]["reason"]
+    assert opts["tf32"]["now"] == {"matmul": True}
     assert ["_set_cudnn_benchmark", "True"] in rep["calls"]
-    for fn in ("_set_sdp_use_flash", "_set_sdp_use_mem_efficient", "_set_sdp_use_math"):
-        assert [fn, "True"] in rep["calls"]
-    assert "_set_sdp_use_cudnn" not in called          # cuDNN attention left alone
+    # torch's defaults are not written again: cuDNN TF32 and the SDPA backends.
+    assert not {"_set_cudnn_allow_tf32", "_set_sdp_use_flash", "_set_sdp_use_mem_efficient",
+                "_set_sdp_use_math", "_set_sdp_use_cudnn"} & set(called)
+    assert "torch's default" in opts["sdpa"]["reason"]
+    assert opts["sdpa"]["now"] == {"flash": True, "mem_efficient": True, "math": True}
     # Autocast dtype through the release's own API.
     if RELEASES[release]["autocast_new"]:
         assert ["set_autocast_dtype", "cuda", "torch.bfloat16"] in rep["calls"]
@@ -84,11 +88,15 @@ def test_every_release_applies_without_warning(venv, tmp_path, release):
     assert set(rep["env_now"].values()) == {None}
 
 
-def test_cudnn_tf32_setter_skipped_on_2_9_0_only(venv, tmp_path):
-    rep, _ = run_release(venv, tmp_path, "2.9.0")
-    assert "_set_cudnn_allow_tf32" not in names(rep)
-    rep, _ = run_release(venv, tmp_path / "b", "2.9.1")
-    assert ["_set_cudnn_allow_tf32", "True"] in rep["calls"]
+@pytest.mark.parametrize("release", ["2.9.0", "2.9.1", "2.14.1"])
+def test_the_legacy_precision_getters_are_never_read_where_the_new_api_exists(
+        venv, tmp_path, release):
+    # 2.9.0 warns on them (-W error turns that into a failure); on every 2.9+
+    # they raise once a program mixed the two APIs.
+    rep, _ = run_release(venv, tmp_path, release)
+    assert not {"_get_cublas_allow_tf32", "_get_float32_matmul_precision",
+                "_get_cudnn_allow_tf32"} & set(names(rep))
+    assert ["_get_fp32_precision_getter", "cuda", "matmul"] in rep["calls"]
 
 
 @pytest.mark.parametrize("release,var", [("2.4.0", "PYTORCH_CUDA_ALLOC_CONF"),
@@ -192,7 +200,8 @@ def test_frozen_flags_are_respected(venv, tmp_path):
     opts = rep["status"]["optimizations"]
     for name in ("tf32", "cudnn_benchmark"):
         assert "disable_global_flags" in opts[name]["reason"], name
-    assert ["_set_sdp_use_flash", "True"] in rep["calls"]     # only the frozen flags are left
+    # Only the frozen flags are left: the memory fraction is still queued.
+    assert opts["memory_fraction"]["applied"]
 
 
 def test_a_failing_setter_is_one_warning_and_torch_still_imports(venv, tmp_path):
@@ -262,7 +271,7 @@ def test_a_retried_import_reads_the_good_torchs_facts(venv, tmp_path):
     rep = json.loads(r.stdout.split("REPORT=")[-1])
     opts = rep["status"]["optimizations"]
     assert rep["version"] == "2.14.1"
-    assert opts["tf32"]["applied"] and opts["sdpa"]["applied"]
+    assert opts["tf32"]["applied"] and opts["memory_fraction"]["applied"]
     assert opts["allocator"]["applied"] and "PYTORCH_ALLOC_CONF" in opts["allocator"]["reason"]
     assert rep["conf_read"] == opts["allocator"]["value"]
 

@@ -61,6 +61,15 @@ def oom_advice_errors():
     error(_outofcuda._oom_advice, fraction="half")
     error(_outofcuda._oom_advice, autocast=NoTruth())
 
+leaf = torch.ones(3, requires_grad=True)
+
+def grad_set_aside():
+    # A leaf reached twice (two paths) and one with a gradient to set aside.
+    leaf.grad = torch.zeros(3)
+    saved = {}
+    _outofcuda._grad_set_aside((leaf * 2 + leaf).sum(), saved)
+    return saved
+
 env = {"OUTOFCUDA_TF32": "0", "OUTOFCUDA_NUM_WORKERS": "bad", "OUTOFCUDA_ALLOC_CONF": "a:["}
 cases = {
     "_outofcuda.install": _outofcuda.install,
@@ -107,6 +116,10 @@ cases = {
     "_outofcuda._summary_start": lambda: _outofcuda._summary_start([0], 200),
     "_outofcuda._summary_start(error)": lambda: error(_outofcuda._summary_start, [0], 1),
     "_outofcuda._summary_stats": _outofcuda._summary_stats,
+    "_outofcuda._microbatch_split": _outofcuda._microbatch_split,
+    "_outofcuda._grad_set_aside": grad_set_aside,
+    "_outofcuda._grad_set_aside(error)": lambda: (error(_outofcuda._grad_set_aside, 1, {}),
+                                                  error(_outofcuda._grad_set_aside, leaf, [])),
 }
 meta_len = len(sys.meta_path)
 out = {}
@@ -163,6 +176,8 @@ CASES = [
     "outofcuda.config", "outofcuda.memory_report", "outofcuda.clear_cache", "outofcuda.last_oom",
     "outofcuda.autocast_context", "_outofcuda._summary_start",
     "_outofcuda._summary_start(error)", "_outofcuda._summary_stats",
+    "_outofcuda._microbatch_split", "_outofcuda._grad_set_aside",
+    "_outofcuda._grad_set_aside(error)",
 ]
 
 

@@ -372,3 +372,30 @@ def test_ddp_split_step_all_reduces_once_and_matches_unsplit(venv, workdir):
                     assert got["err"] <= 1e-6, (layout, name, got)
             # Without no_sync every micro-batch all-reduces: what the fix removes.
             assert row["off/1"]["allreduces"] == 4 * buckets, row
+
+
+def test_a_retry_that_succeeds_builds_no_report_until_one_is_read(venv, workdir):
+    out = run(venv, workdir, """
+    import outofcuda.oom as oom
+    built = []
+    real_build = oom._build_report
+    oom._build_report = lambda *a, **k: built.append(a) or real_build(*a, **k)
+    model = mlp()
+    x, t = torch.randn(12, 12), torch.randint(0, 3, (12,))
+
+    @outofcuda.auto_microbatch
+    def step(x, t):
+        check(x.shape[0])
+        return torch.nn.functional.cross_entropy(model(x), t)
+
+    LIMIT["n"] = 3
+    step(x, t)
+    after_step = len(built)
+    rep = outofcuda.last_oom()
+    print(json.dumps({"after_step": after_step, "after_read": len(built),
+                      "pieces": step.pieces, "message": rep["message"],
+                      "again": outofcuda.last_oom() is rep}))
+    """)
+    assert out["pieces"] == 4 and out["after_step"] == 0
+    assert out["after_read"] == 1 and out["again"] is True
+    assert out["message"].startswith("CUDA out of memory. Tried to allocate 6.00 MiB")

@@ -387,7 +387,7 @@ core._oom_observer(0, 2 * gib, 80 * gib, gib // 2)
 rep = outofcuda.last_oom()
 print(json.dumps({"rep": {k: rep[k] for k in ("total_bytes", "device_name", "other_processes",
                                                "advice")},
-                  "text": outofcuda._oom.format_report(rep), "ppid": os.getppid(),
+                  "text": outofcuda.oom.format_report(rep), "ppid": os.getppid(),
                   "pcomm": open(f"/proc/{os.getppid()}/comm").read().strip()}))
 """, env=nvml(cfg), cwd=workdir))
     rep = d["rep"]

@@ -267,7 +267,7 @@ def test_errors_pass_through_and_exhaustion_reraises_with_report(venv, workdir):
         res["message"] = str(e)
         res["report"] = e.outofcuda_report
         res["same_as_last"] = e.outofcuda_report is outofcuda.last_oom()
-        res["text"] = outofcuda._oom.format_report(e.outofcuda_report)
+        res["text"] = outofcuda.oom.format_report(e.outofcuda_report)
 
     # Bad arguments get clear messages.
     for call in (lambda: outofcuda.auto_microbatch(3),
@@ -536,7 +536,7 @@ def test_uncaught_oom_report_once_cuda_initialised_then_chains(venv, tmp_path, w
             sys.stderr.write("EARLIER HOOK " + t.__name__ + "\\n")
         before_user = hooks()
         sys.excepthook = earlier
-        assert "outofcuda._oom" not in sys.modules
+        assert "outofcuda.oom" not in sys.modules
         import _outofcuda
         before = {"hooks": hooks(), "earlier": sys.excepthook is earlier,
                   "status": _outofcuda.status()["optimizations"]["oom_handler"]}
@@ -593,7 +593,7 @@ def test_uncaught_report_never_imports_a_planted_outofcuda(venv, tmp_path, workd
     planted = workdir / "outofcuda"
     planted.mkdir()
     marker = tmp_path / "MARKER"
-    for name in ("__init__.py", "_oom.py"):
+    for name in ("__init__.py", "oom.py"):
         (planted / name).write_text(f"open({str(marker)!r}, 'a').write({name!r})\n")
     r = _fake_cuda(venv, tmp_path, workdir, """
         torch.cuda._fake_cuda_init()
@@ -654,3 +654,17 @@ def test_gpu_checks_take_the_gpu_fixture():
         assert tests, path.name
         for fn in tests:
             assert "gpu" in [a.arg for a in fn.args.args], f"{path.name}::{fn.name}"
+
+
+def test_the_python_function_the_engine_calls_exists(venv, workdir):
+    """The engine calls one Python function by name (oc.h): the report printed
+    before an uncaught OOM's traceback. Renaming either side fails here."""
+    import re
+    from pathlib import Path
+
+    header = (Path(__file__).resolve().parent.parent / "src" / "oc.h").read_text()
+    module = re.search(r'#define OC_PY_OOM_MODULE "([^"]+)"', header).group(1)
+    func = re.search(r'#define OC_PY_OOM_PRINT "([^"]+)"', header).group(1)
+    r = venv.check(f"import importlib; print(callable(getattr(importlib.import_module("
+                   f"{module!r}), {func!r}, None)))", cwd=workdir)
+    assert r.stdout.strip() == "True", (module, func)

@@ -34,9 +34,11 @@ print(json.dumps({
     assert d["init_at_import"] is False
     assert d["tf32"] is True and d["benchmark"] is True
     assert d["status"]["hook"]["error"] is None
-    for name in ("tf32", "cudnn_benchmark", "allocator", "memory_fraction", "sdpa", "amp_dtype",
+    for name in ("tf32", "cudnn_benchmark", "allocator", "memory_fraction", "amp_dtype",
                  "oom_handler"):
         assert d["status"]["optimizations"][name]["applied"], (name, d["status"])
+    # SDPA's three backends are torch's defaults: nothing written.
+    assert not d["status"]["optimizations"]["sdpa"]["applied"]
     expected = "torch.bfloat16" if d["cc"][0] >= 8 else "torch.float16"
     assert d["autocast_dtype"] == expected
     assert d["status"]["optimizations"]["amp_dtype"]["value"] == expected.split(".")[1]

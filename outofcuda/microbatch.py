@@ -1,351 +1,17 @@
-"""Out of memory: explain it (:func:`last_oom`), survive it in training
-(:func:`auto_microbatch`) and in inference (:func:`find_batch_size`).
-
-The figures come from torch's OOM observer, which outofcuda's C core attaches
-when CUDA initialises (so they are those of the moment of failure), from
-``torch.cuda.memory_stats()`` and from NVML; the ranked actions are chosen in C
-(``_outofcuda._oom_advice``). Nothing here initialises CUDA.
-"""
+"""Surviving CUDA out-of-memory: :func:`auto_microbatch` splits a training
+step's batch, :func:`find_batch_size` finds the largest batch that fits. Both
+free memory after an OOM (outofcuda.oom's _release) and leave its report to
+outofcuda.oom, built when it is read."""
 import contextlib
 import copy
 import functools
-import gc
 import math
-import os
-import re
-import sys
-import threading
-import time
-import traceback
 from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 
 from ._native import core
+from .oom import _note, _record, _release, is_oom
 
-__all__ = ["last_oom", "auto_microbatch", "find_batch_size"]
-
-_GIB = 1024.0 ** 3
-_UNITS = {"B": 1, "KiB": 1024, "MiB": 1024 ** 2, "GiB": 1024 ** 3, "TiB": 1024 ** 4}
-# How long after the observer fired an exception may still use its figures.
-_OBSERVER_WINDOW_S = 30.0
-
-_lock = threading.Lock()
-_last = {"report": None, "seq": 0}
-
-
-# ---- recognising an OOM ----------------------------------------------------
-
-def _oom_types():
-    import torch
-
-    types = [torch.cuda.OutOfMemoryError]
-    other = getattr(torch, "OutOfMemoryError", None)
-    if other is not None and other not in types:
-        types.append(other)
-    return tuple(types)
-
-
-def is_oom(exc):
-    """True when ``exc`` means the GPU ran out of memory: a
-    ``torch.cuda.OutOfMemoryError``, or the RuntimeError texts older code paths
-    (cuBLAS workspace, pre-1.13 torch) raise instead.
-
-    >>> is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    True
-    """
-    if isinstance(exc, _oom_types()):
-        return True
-    if type(exc) is RuntimeError:
-        text = str(exc)
-        return "CUDA out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text
-    return False
-
-
-# ---- the report ------------------------------------------------------------
-
-def _parse_size(number, unit):
-    return int(float(number) * _UNITS.get(unit, 1))
-
-
-def _from_message(text):
-    """Request size and device index from torch's OOM message."""
-    out = {}
-    m = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", text)
-    if m:
-        out["request"] = _parse_size(*m.groups())
-    m = re.search(r"GPU (\d+)", text)
-    if m:
-        out["device"] = int(m.group(1))
-    return out
-
-
-def _allocator_settings():
-    """(allocator config string or None, memory fraction or None) from status()."""
-    opts = core.status().get("optimizations", {})
-    alloc = opts.get("allocator", {}).get("value")
-    frac = opts.get("memory_fraction", {})
-    fraction = None
-    if frac.get("applied") and isinstance(frac.get("value"), dict):
-        fraction = frac["value"].get("fraction")
-    if alloc is None:
-        alloc = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-                 or os.environ.get("PYTORCH_ALLOC_CONF") or None)
-    return alloc, fraction
-
-
-def _nvml_index(device):
-    """NVML's index for torch's device `device` (CUDA_VISIBLE_DEVICES renumbers)."""
-    devices, _ = core.nvml_devices()
-    import torch
-
-    if torch.cuda.is_initialized():
-        try:
-            uuid = str(torch.cuda.get_device_properties(device).uuid).lower()
-            for d in devices:
-                if d["uuid"].lower().replace("gpu-", "") == uuid.replace("gpu-", ""):
-                    return d["index"], d
-        except Exception:  # noqa: BLE001 - a figure, never a failure
-            pass
-    index = core.nvml_index(device)
-    for d in devices:
-        if d["index"] == index:
-            return index, d
-    return None, None
-
-
-def _process_name(pid):
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _figures(exc, observed):
-    """Every figure of the report, with a note for each one that is missing."""
-    import torch
-
-    notes = []
-    fig = {"request": None, "device": None}
-    if exc is not None:
-        fig.update(_from_message(str(exc)))
-    stats = None
-    if observed is not None:
-        fig["device"] = observed["device"]
-        fig["request"] = observed["request"]
-        fig["limit_or_total"] = observed["limit"]
-        fig["device_free"] = observed["device_free"]
-        stats = observed["stats"]
-    cuda_up = torch.cuda.is_initialized()
-    if fig["device"] is None and cuda_up:
-        fig["device"] = torch.cuda.current_device()
-    if stats is None:
-        if cuda_up and fig["device"] is not None:
-            stats = torch.cuda.memory_stats(fig["device"])
-        else:
-            notes.append("CUDA is not initialised in this process: no allocator figures")
-    stats = stats or {}
-    fig["allocated"] = stats.get("allocated_bytes.all.current")
-    fig["reserved"] = stats.get("reserved_bytes.all.current")
-    fig["peak"] = stats.get("allocated_bytes.all.peak")
-    fig["inactive_split"] = stats.get("inactive_split_bytes.all.current")
-    fig["num_ooms"] = stats.get("num_ooms")
-    fig["total"] = fig["free"] = fig["name"] = None
-    others = []
-    if fig["device"] is not None:
-        index, info = _nvml_index(fig["device"])
-        if info is not None:
-            fig["total"], fig["free"], fig["name"] = info["total"], info["free"], info["name"]
-            me = os.getpid()
-            for pid, used in core.nvml_processes(index):
-                if pid != me:
-                    others.append({"pid": pid, "name": _process_name(pid), "used_bytes": used})
-            others.sort(key=lambda p: -p["used_bytes"])
-    if fig["total"] is None:
-        _, why = core.nvml_devices()
-        notes.append(f"NVML: {why or 'this GPU could not be matched'}: no device totals or "
-                     "other processes")
-        if observed is not None:
-            fig["free"] = observed["device_free"]
-    fig["others"] = others
-    return fig, notes
-
-
-def _build_report(exc=None, *, exhausted=False):
-    observed = core._oom_observed()
-    if observed is not None and time.time() - observed["time"] > _OBSERVER_WINDOW_S:
-        observed = None
-    if observed is not None and exc is not None:
-        dev = _from_message(str(exc)).get("device")
-        if dev is not None and dev != observed["device"]:
-            observed = None
-    fig, notes = _figures(exc, observed)
-    alloc_conf, fraction = _allocator_settings()
-    expandable = bool(alloc_conf and re.search(r"expandable_segments:\s*True", alloc_conf))
-    autocast = observed.get("autocast") if observed else None
-    if autocast is None:
-        try:
-            import torch
-
-            autocast = bool(torch.is_autocast_enabled("cuda"))
-        except TypeError:
-            autocast = None
-    frag = None
-    if fig["reserved"] is not None and fig["allocated"] is not None:
-        frag = max(0, fig["reserved"] - fig["allocated"])
-    limit = None
-    if observed is not None and fraction is not None:
-        limit = observed["limit"]
-    others = fig["others"]
-    advice = core._oom_advice(
-        request=fig["request"], total=fig["total"] or (observed or {}).get("limit"),
-        limit=limit, allocated=fig["allocated"], reserved=fig["reserved"],
-        inactive_split=fig["inactive_split"], fraction=fraction, expandable=expandable,
-        autocast=autocast, exhausted=exhausted,
-        others=[(p["pid"], p["name"], p["used_bytes"]) for p in others])
-    snapshot = observed.get("snapshot") if observed else None
-    if observed and observed.get("snapshot_error"):
-        notes.append(observed["snapshot_error"])
-    message = None
-    if exc is not None:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return {
-        "time": time.time(),
-        "source": "observer" if observed is not None else "exception",
-        "message": message,
-        "device": fig["device"],
-        "device_name": fig["name"],
-        "request_bytes": fig["request"],
-        "total_bytes": fig["total"],
-        "free_bytes": fig["free"],
-        "limit_bytes": limit,
-        "allocated_bytes": fig["allocated"],
-        "reserved_bytes": fig["reserved"],
-        "peak_allocated_bytes": fig["peak"],
-        "fragmentation_bytes": frag,
-        "inactive_split_bytes": fig["inactive_split"],
-        "num_ooms": fig["num_ooms"],
-        "other_processes": others,
-        "allocator_config": alloc_conf,
-        "expandable_segments": expandable,
-        "memory_fraction": fraction,
-        "autocast": autocast,
-        "snapshot": snapshot,
-        "advice": advice,
-        "notes": notes,
-    }, (observed or {}).get("seq", 0)
-
-
-def _gib(b):
-    if b is None:
-        return "unknown"
-    return f"{b / _GIB:.2f} GiB" if b >= 1024 ** 3 else f"{b / 1024 ** 2:.0f} MiB"
-
-
-def format_report(report):
-    """The report as printed before the traceback of an uncaught OOM.
-
-    >>> print(format_report(outofcuda.last_oom()))  # doctest: +SKIP
-    """
-    if not isinstance(report, dict) or "advice" not in report:
-        raise TypeError("format_report expects the dict that outofcuda.last_oom() returns")
-    r = report
-    dev = "cuda:?" if r["device"] is None else f"cuda:{r['device']}"
-    if r["device_name"]:
-        dev += f" ({r['device_name']})"
-    lines = [f"outofcuda: CUDA out of memory on {dev}"]
-    if r["message"]:
-        lines.append(f"  error              {r['message'][:160]}")
-    lines.append(f"  requested          {_gib(r['request_bytes'])}")
-    if r["total_bytes"] is not None:
-        lines.append(f"  device             {_gib(r['total_bytes'])} total, "
-                     f"{_gib(r['free_bytes'])} free (NVML)")
-    elif r["free_bytes"] is not None:
-        lines.append(f"  device             {_gib(r['free_bytes'])} free (CUDA)")
-    else:
-        lines.append("  device             unknown")
-    lines.append(f"  this process       allocated {_gib(r['allocated_bytes'])}, reserved "
-                 f"{_gib(r['reserved_bytes'])}, peak allocated {_gib(r['peak_allocated_bytes'])}")
-    lines.append(f"  fragmentation      {_gib(r['fragmentation_bytes'])} reserved but unallocated, "
-                 f"{_gib(r['inactive_split_bytes'])} in inactive split blocks")
-    if r["other_processes"]:
-        procs = ", ".join(f"pid {p['pid']} ({p['name'] or '?'}) {_gib(p['used_bytes'])}"
-                          for p in r["other_processes"][:6])
-        lines.append(f"  other processes    {procs}")
-    elif r["total_bytes"] is not None:
-        lines.append("  other processes    none")
-    lines.append(f"  allocator          {r['allocator_config'] or 'PyTorch defaults'}")
-    fraction = r["memory_fraction"]
-    lines.append(f"  memory fraction    {'none' if fraction is None else f'{fraction:.2f}'}"
-                 + (f" (cap {_gib(r['limit_bytes'])})" if r["limit_bytes"] else ""))
-    if r["snapshot"]:
-        lines.append(f"  snapshot           {r['snapshot']} (open it at https://pytorch.org/memory_viz)")
-    for note in r["notes"]:
-        lines.append(f"  note               {note}")
-    lines.append("  what to try, most useful first:")
-    for i, action in enumerate(r["advice"], 1):
-        lines.append(f"    {i}. {action}")
-    return "\n".join(lines)
-
-
-def _record(exc=None, *, exhausted=False, refresh=False):
-    """Builds the report for `exc`, keeps it for last_oom() and attaches it to
-    the exception as ``exc.outofcuda_report``. Returns the report."""
-    existing = getattr(exc, "outofcuda_report", None) if exc is not None else None
-    if isinstance(existing, dict) and not refresh:
-        return existing
-    report, seq = _build_report(exc, exhausted=exhausted)
-    with _lock:
-        _last["report"], _last["seq"] = report, max(seq, _last["seq"])
-    if exc is not None:
-        try:
-            exc.outofcuda_report = report
-        except AttributeError:
-            pass
-    return report
-
-
-def last_oom():
-    """The report of the last CUDA out-of-memory error in this process, as a
-    dict (see the README for its keys), or None before any.
-
-    >>> import outofcuda
-    >>> outofcuda.last_oom() is None   # no OOM yet
-    True
-    """
-    observed = core._oom_observed()
-    with _lock:
-        stale = observed is None or observed["seq"] <= _last["seq"]
-        if stale:
-            return _last["report"]
-    # The program caught an OOM itself: build from the observer's figures.
-    report, seq = _build_report(None)
-    with _lock:
-        _last["report"], _last["seq"] = report, max(seq, _last["seq"])
-    return report
-
-
-def _on_uncaught(exc):
-    """Called by the C exception hook before the traceback: prints the report.
-    Returns True when it printed."""
-    report = _record(exc)
-    sys.stderr.write(format_report(report) + "\n\n")
-    sys.stderr.flush()
-    return True
-
-
-# ---- freeing memory after an OOM -------------------------------------------
-
-def _release(exc):
-    """Drops what the failed attempt still holds: the locals of the frames in
-    the traceback (activations live there), then the allocator's cache."""
-    import torch
-
-    tb = exc.__traceback__
-    if tb is not None:
-        traceback.clear_frames(tb)
-    gc.collect()
-    if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+__all__ = ["auto_microbatch", "find_batch_size"]
 
 
 # ---- splitting batches -----------------------------------------------------
@@ -402,6 +68,23 @@ def _first_batch(args):
         if any(t.dim() > 0 for t in _tensors(a, torch)):
             return a
     return args[0]
+
+
+def _samples(args, torch):
+    """n, the batch's length along dimension 0. A tensor as the first
+    argument, the common case, is the batch and its own length."""
+    a = args[0]
+    if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] > 0:
+        return a.shape[0]
+    return _batch_len(_first_batch(args))
+
+
+def _check_loss(loss, torch):
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError(
+            "auto_microbatch: fn must return the batch's mean loss as a 0-d "
+            f"tensor, got {type(loss).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
 
 
 def _rebuild_mapping(x, items):
@@ -461,21 +144,6 @@ def _slice(x, n, start, stop, torch, path=()):
     return _rebuild_sequence(x, new)
 
 
-def _leaves(loss):
-    """Tensors that backward() of `loss` accumulates gradients into."""
-    found, seen, stack = [], set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        var = getattr(node, "variable", None)
-        if var is not None:
-            found.append(var)
-        stack.extend(n for n, _ in node.next_functions)
-    return found
-
-
 class _GradGuard:
     """Keeps each leaf's gradient as it was at entry so a failed attempt can be
     undone exactly, without copying: the entry gradient is set aside, this
@@ -486,11 +154,7 @@ class _GradGuard:
         self.saved = {}
 
     def adopt(self, loss):
-        for leaf in _leaves(loss):
-            key = id(leaf)
-            if key not in self.saved:
-                self.saved[key] = (leaf, leaf.grad)
-                leaf.grad = None
+        core._grad_set_aside(loss, self.saved)
 
     def undo(self):
         for leaf, grad in self.saved.values():
@@ -515,15 +179,6 @@ def _check_fn(fn, who):
 def _check_min_size(min_size, who):
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
         raise ValueError(f"{who}: min_size must be an int >= 1, got {min_size!r}")
-
-
-# Micro-batch splits made in this process, every auto_microbatch together
-# (the OUTOFCUDA_SUMMARY block at exit reads it through _split_count).
-_splits_total = 0
-
-
-def _split_count():
-    return _splits_total
 
 
 def _check_sync_modules(ddp):
@@ -664,17 +319,33 @@ class _MicroBatcher:
                 found.append(c)
         return tuple(found)
 
+    def _run_whole(self, args, kwargs, torch):
+        """One attempt on the whole batch: no slicing, no no_sync()."""
+        guard = _GradGuard()
+        try:
+            loss = self.fn(*(self._instance or ()), *args, **kwargs)
+            _check_loss(loss, torch)
+            guard.adopt(loss)
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        except BaseException:
+            guard.undo()
+            raise
+        guard.commit()
+        return loss.detach()
+
     def _run(self, n, size, args, kwargs):
         import torch
 
+        if size >= n:
+            return self._run_whole(args, kwargs, torch)
         prefix = self._instance or ()
-        syncs = self._sync_modules(args, kwargs) if size < n else ()
+        syncs = self._sync_modules(args, kwargs)
         guard, total = _GradGuard(), None
         try:
             for start in range(0, n, size):
                 stop = min(n, start + size)
-                part_args = _slice(args, n, start, stop, torch) if size < n else args
-                part_kwargs = _slice(kwargs, n, start, stop, torch) if size < n else kwargs
+                part_args = _slice(args, n, start, stop, torch)
+                part_kwargs = _slice(kwargs, n, start, stop, torch)
                 with contextlib.ExitStack() as stack:
                     if stop < n:
                         # Gradients of all but the last micro-batch stay
@@ -682,13 +353,8 @@ class _MicroBatcher:
                         for module in syncs:
                             stack.enter_context(module.no_sync())
                     loss = self.fn(*prefix, *part_args, **part_kwargs)
-                    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                        raise TypeError(
-                            "auto_microbatch: fn must return the batch's mean loss as a 0-d "
-                            f"tensor, got {type(loss).__name__}"
-                            + (f" of shape {tuple(loss.shape)}"
-                               if isinstance(loss, torch.Tensor) else ""))
-                    weighted = loss * ((stop - start) / n) if size < n else loss
+                    _check_loss(loss, torch)
+                    weighted = loss * ((stop - start) / n)
                     guard.adopt(weighted)
                     (self.scaler.scale(weighted) if self.scaler is not None
                      else weighted).backward()
@@ -705,7 +371,9 @@ class _MicroBatcher:
         if not args:
             raise TypeError("auto_microbatch: call the step with the batch as its first "
                             "positional argument")
-        n = _batch_len(_first_batch(args))
+        import torch
+
+        n = _samples(args, torch)
         st = self._state
         size = n if st.micro_size is None else min(n, st.micro_size)
         grow = st.micro_size is not None and st.clean_calls >= self.retry_after and size < n
@@ -730,7 +398,7 @@ class _MicroBatcher:
                 _record(error, exhausted=True)
                 _release(error)
                 raise error
-            _record(error)
+            _note(error)
             _release(error)
             del error
             if grow:
@@ -741,8 +409,7 @@ class _MicroBatcher:
             st.micro_size = size
             st.clean_calls = 0
             st.splits += 1
-            global _splits_total
-            _splits_total += 1
+            core._microbatch_split()  # the OUTOFCUDA_SUMMARY block counts them
 
 
 def find_batch_size(fn, start, *, min_size=1, grow=False):
@@ -769,7 +436,7 @@ def find_batch_size(fn, start, *, min_size=1, grow=False):
         except BaseException as exc:
             if not is_oom(exc):
                 raise
-            _record(exc)
+            _note(exc)
             _release(exc)
             return exc
         return None

@@ -1,0 +1,482 @@
+/* knownbugs.c - bugs of the installed stack that outofcuda steps around.
+ *
+ * The first part is pure C (the table and its lookup, testable and fuzzable
+ * without Python, like config.c); the second applies it to the running torch:
+ * what can be decided at import is decided then, the rest (the cuDNN version,
+ * whose read loads libcudnn_graph: about 51 MiB of RSS and 6 ms measured on the CUDA
+ * build of torch 2.14.1) when CUDA starts, from the one lazy-init callback. */
+#include "oc.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- the table (pure C) ---- */
+
+static const oc_known_bug table[] = {
+    {
+        "cudnn-sdpa-nan-grad-sm90",
+        "cuDNN attention backward gives NaN grad_q on sm90 (attn_mask, seq_len % 128 == 64, "
+        "a row's logsumexp below -88.7)",
+        /* 2.11 puts cuDNN first in the SDPA order on sm90/sm100 (regression
+         * since 2.11); 2.15 bundles cuDNN 9.26 and guards older cuDNN
+         * itself (pytorch PR 196861). */
+        {21100, 21500},
+        /* cuDNN goes first only above 9.15.0 (check_prefer_cudnn_attention);
+         * the backend fix is in 9.26 (cudnn-frontend PR 628). */
+        {91501, 92600},
+        /* The failing kernel is sm90's (..._sdpa_sm90_flash_bprop_wgmma_...);
+         * sm100 is not reported. */
+        {90, 100},
+        "TORCH_CUDNN_SDPA_DEPRIORITIZED",
+        "cuDNN attention is torch's default SDPA backend there; the NaN needs an explicit "
+        "attn_mask in a backward pass",
+        OC_KB_SDPA_NO_CUDNN,
+        "cuDNN attention turned off (torch._C._set_sdp_use_cudnn(False), what "
+        "enable_cudnn_sdp(False) does); sdpa_kernel() blocks still choose for themselves",
+        "https://github.com/pytorch/pytorch/issues/196678",
+    },
+};
+
+size_t oc_known_bug_count(void)
+{
+    return sizeof table / sizeof table[0];
+}
+
+const oc_known_bug *oc_known_bug_at(size_t i)
+{
+    return i < oc_known_bug_count() ? &table[i] : NULL;
+}
+
+int oc_range_has(oc_range r, long v)
+{
+    return v >= r.lo && (r.hi == 0 || v < r.hi);
+}
+
+/* Appends text to why (cut to fit, always terminated). */
+static void add_why(char *why, size_t sz, const char *fmt, long a, long b)
+{
+    size_t n;
+    if (why == NULL || sz == 0)
+        return;
+    n = strlen(why);
+    if (n + 1 >= sz)
+        return;
+    snprintf(why + n, sz - n, fmt, a, b);
+}
+
+static void version_text(char *buf, size_t sz, long v)
+{
+    snprintf(buf, sz, "%ld.%ld.%ld", v / 10000, v / 100 % 100, v % 100);
+}
+
+/* "9.x" for a whole major, else "8.6 to below 9.0". */
+static void cc_text(char *why, size_t sz, oc_range r)
+{
+    if (r.lo % 10 == 0 && r.hi == r.lo + 10)
+        add_why(why, sz, "%ld.x", r.lo / 10, 0);
+    else
+        add_why(why, sz, "%ld.%ld", r.lo / 10, r.lo % 10);
+    if (!(r.lo % 10 == 0 && r.hi == r.lo + 10))
+        add_why(why, sz, r.hi ? " to below %ld.%ld" : " or newer", r.hi / 10, r.hi % 10);
+}
+
+int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, size_t whysz)
+{
+    char text[32];
+    int unknown = 0, cc_hit = 0;
+    const char *env;
+    if (why && whysz)
+        why[0] = '\0';
+    if (b == NULL || f == NULL)
+        return OC_KB_UNDECIDED;
+    /* Every "no" the facts can prove wins over what is still unknown. */
+    if (f->torch > 0 && !oc_range_has(b->torch, f->torch)) {
+        version_text(text, sizeof text, f->torch);
+        if (why && whysz)
+            snprintf(why, whysz, "not affected: torch %s is outside the affected releases", text);
+        return OC_KB_NO;
+    }
+    if (f->cuda_build == 0) {
+        if (why && whysz)
+            snprintf(why, whysz, "not affected: this torch build has no CUDA");
+        return OC_KB_NO;
+    }
+    env = b->unless_env && f->getenv_fn ? f->getenv_fn(b->unless_env, f->ctx) : NULL;
+    /* c10::utils::check_env: exactly "1" is true. */
+    if (env != NULL && strcmp(env, "1") == 0) {
+        if (why && whysz)
+            snprintf(why, whysz, "not affected: %s=1 keeps torch off the kernel", b->unless_env);
+        return OC_KB_NO;
+    }
+    for (int i = 0; f->n_cc > 0 && i < f->n_cc && i < OC_KB_MAX_DEVICES; i++)
+        cc_hit |= oc_range_has(b->cc, f->cc[i]);
+    if (f->n_cc >= 0 && !cc_hit) {
+        if (why && whysz)
+            snprintf(why, whysz, "not affected: no visible GPU of compute capability ");
+        cc_text(why, whysz, b->cc);
+        return OC_KB_NO;
+    }
+    if (f->cudnn == 0 || (f->cudnn > 0 && !oc_range_has(b->cudnn, f->cudnn))) {
+        if (why && whysz && f->cudnn == 0)
+            snprintf(why, whysz, "not affected: torch loads no cuDNN");
+        else if (why && whysz)
+            snprintf(why, whysz, "not affected: cuDNN %ld is outside the affected versions",
+                     f->cudnn);
+        return OC_KB_NO;
+    }
+    if (why && whysz)
+        snprintf(why, whysz, "undecided:");
+    if (f->torch <= 0) {
+        add_why(why, whysz, " torch's version unknown;", 0, 0);
+        unknown = 1;
+    }
+    if (f->cuda_build < 0) {
+        add_why(why, whysz, " whether torch has CUDA unknown;", 0, 0);
+        unknown = 1;
+    }
+    if (f->n_cc < 0) {
+        add_why(why, whysz, " no compute capability read (NVML);", 0, 0);
+        unknown = 1;
+    }
+    if (f->cudnn < 0) {
+        add_why(why, whysz, " cuDNN's version is read when CUDA starts;", 0, 0);
+        unknown = 1;
+    }
+    if (unknown) {
+        size_t n = why ? strlen(why) : 0;
+        if (n > 0 && why[n - 1] == ';')
+            why[n - 1] = '\0';
+        return OC_KB_UNDECIDED;
+    }
+    version_text(text, sizeof text, f->torch);
+    if (why && whysz)
+        snprintf(why, whysz, "affected: torch %s, cuDNN %ld, a visible GPU of compute capability ",
+                 text, f->cudnn);
+    cc_text(why, whysz, b->cc);
+    return OC_KB_YES;
+}
+
+#ifndef OC_PURE_C
+/* ---- applying the table to the running torch ---- */
+
+/* What each entry came to in this process. */
+static struct {
+    int decided;                  /* the import-time step ran */
+    int pending;                  /* something is left for CUDA's start */
+    int state[OC_KB_MAX_ENTRIES]; /* OC_KB_* per entry */
+    int done[OC_KB_MAX_ENTRIES];  /* the action was taken */
+    char reason[OC_KB_MAX_ENTRIES][400];
+    long cudnn; /* -1 until read */
+} kb = {.cudnn = -1};
+
+static const char *proc_getenv(const char *name, void *ctx)
+{
+    (void)ctx;
+    return getenv(name);
+}
+
+/* torch's version and build, read from the module (never imports). */
+static void torch_facts(PyObject *torch, oc_kb_facts *f)
+{
+    PyObject *v = oc_getattr_chain(torch, "__version__");
+    PyObject *s = v ? PyObject_Str(v) : NULL;
+    PyObject *cuda = oc_getattr_chain(torch, "version.cuda");
+    char buf[64];
+    f->torch = s ? oc_torch_version_number(oc_utf8(s, buf, sizeof buf)) : 0;
+    f->cuda_build = cuda == NULL ? -1 : cuda != Py_None;
+    Py_XDECREF(cuda);
+    Py_XDECREF(s);
+    Py_XDECREF(v);
+    PyErr_Clear();
+}
+
+/* Compute capabilities of the devices CUDA shows this process, from NVML
+ * (no CUDA context). n_cc stays -1 when NVML cannot tell. */
+static void device_facts(oc_kb_facts *f)
+{
+    int map[OC_NVML_MAX_DEVICES], n;
+    char why[200];
+    f->n_cc = -1;
+    if (!oc_nvml_available(why, sizeof why))
+        return;
+    n = oc_nvml_visible_map(map, OC_NVML_MAX_DEVICES);
+    if (n < 0)
+        return;
+    f->n_cc = 0;
+    for (int i = 0; i < n && f->n_cc < OC_KB_MAX_DEVICES; i++) {
+        oc_gpu_info info;
+        if (oc_nvml_device_info(map[i], &info) != 0 || info.cc_major <= 0) {
+            f->n_cc = -1; /* one device unknown: the set is unknown */
+            return;
+        }
+        f->cc[f->n_cc++] = info.cc_major * 10 + info.cc_minor;
+    }
+}
+
+static void gather(PyObject *torch, oc_kb_facts *f)
+{
+    memset(f, 0, sizeof *f);
+    torch_facts(torch, f);
+    device_facts(f);
+    f->cudnn = kb.cudnn;
+    f->getenv_fn = proc_getenv;
+}
+
+int oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
+{
+    const oc_config *cfg = oc_config_get();
+    oc_kb_facts f;
+    size_t n = oc_known_bug_count();
+    memset(&kb, 0, sizeof kb);
+    kb.cudnn = -1;
+    kb.decided = 1;
+    if (n > OC_KB_MAX_ENTRIES)
+        n = OC_KB_MAX_ENTRIES;
+    if (!cfg->known_bugs) {
+        for (size_t i = 0; i < n; i++) {
+            kb.state[i] = OC_KB_UNDECIDED;
+            snprintf(kb.reason[i], sizeof kb.reason[i],
+                     "OUTOFCUDA_KNOWN_BUGS=0: torch's own choice kept, nothing checked");
+        }
+        return 0;
+    }
+    gather(torch, &f);
+    for (size_t i = 0; i < n; i++) {
+        kb.state[i] =
+            oc_known_bug_decide(oc_known_bug_at(i), &f, kb.reason[i], sizeof kb.reason[i]);
+        kb.pending |= kb.state[i] == OC_KB_UNDECIDED;
+    }
+    if (kb.pending && no_queue != NULL) {
+        /* Nothing will run when CUDA starts: it stays undecided, and says why. */
+        for (size_t i = 0; i < n; i++) {
+            size_t len = strlen(kb.reason[i]);
+            if (kb.state[i] == OC_KB_UNDECIDED)
+                snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, " (never: %s)",
+                         no_queue + 6);
+        }
+        kb.pending = 0;
+    }
+    return kb.pending;
+}
+
+/* The runtime cuDNN's version, or 0 when torch has none, -1 when it cannot
+ * be read. torch._C._cudnn.getVersionInt() first: it is what
+ * torch.backends.cudnn.version() returns, without that function's checks,
+ * which ask torch.cuda for every device's capability (with a GPU present,
+ * that initialises CUDA: never at import, then). Loads libcudnn_graph. */
+static long read_cudnn_version(PyObject *torch)
+{
+    PyObject *c_mod = PyObject_GetAttrString(torch, "_C");
+    PyObject *fn = c_mod ? oc_getattr_chain(c_mod, "_cudnn.getVersionInt") : NULL;
+    PyObject *r;
+    long v = -1;
+    Py_XDECREF(c_mod);
+    PyErr_Clear();
+    if (fn == NULL)
+        fn = oc_getattr_chain(torch, "backends.cudnn.version");
+    if (fn == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    r = PyObject_CallObject(fn, NULL);
+    if (r == Py_None)
+        v = 0;
+    else if (r != NULL && PyLong_Check(r))
+        v = PyLong_AsLong(r);
+    Py_XDECREF(r);
+    Py_DECREF(fn);
+    PyErr_Clear();
+    return v;
+}
+
+/* Takes entry i's action. Returns 1 done, 0 not (reason appended). */
+static int act(PyObject *torch, const oc_known_bug *b, size_t i)
+{
+    size_t len = strlen(kb.reason[i]);
+    PyObject *c_mod, *get, *r;
+    int on = 1, rc;
+    if (b->action != OC_KB_SDPA_NO_CUDNN)
+        return 0;
+    c_mod = PyObject_GetAttrString(torch, "_C");
+    if (c_mod == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    /* Already off (the program said so, or OUTOFCUDA was told): nothing to do. */
+    get = PyObject_GetAttrString(c_mod, "_get_cudnn_sdp_enabled");
+    r = get ? PyObject_CallObject(get, NULL) : NULL;
+    if (r != NULL)
+        on = PyObject_IsTrue(r) != 0;
+    Py_XDECREF(r);
+    Py_XDECREF(get);
+    PyErr_Clear();
+    if (!on) {
+        snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
+                 "; cuDNN attention was already off");
+        Py_DECREF(c_mod);
+        return 1;
+    }
+    rc = oc_call_bool(c_mod, "_set_sdp_use_cudnn", 0);
+    Py_DECREF(c_mod);
+    PyErr_Clear();
+    if (rc != 1) {
+        snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
+                 "; not avoided: torch._C._set_sdp_use_cudnn %s",
+                 rc == 0 ? "is missing" : "failed");
+        return 0;
+    }
+    snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, "; when CUDA started: %s",
+             b->action_text);
+    return 1;
+}
+
+void oc_known_bugs_at_cuda_init(PyObject *torch)
+{
+    oc_kb_facts f;
+    size_t n = oc_known_bug_count();
+    if (!kb.decided || !kb.pending || torch == NULL)
+        return;
+    kb.pending = 0;
+    if (n > OC_KB_MAX_ENTRIES)
+        n = OC_KB_MAX_ENTRIES;
+    kb.cudnn = read_cudnn_version(torch);
+    gather(torch, &f);
+    for (size_t i = 0; i < n; i++) {
+        if (kb.state[i] != OC_KB_UNDECIDED)
+            continue;
+        kb.state[i] =
+            oc_known_bug_decide(oc_known_bug_at(i), &f, kb.reason[i], sizeof kb.reason[i]);
+        if (kb.state[i] == OC_KB_YES)
+            kb.done[i] = act(torch, oc_known_bug_at(i), i);
+    }
+    PyErr_Clear();
+}
+
+static PyObject *state_obj(int s)
+{
+    if (s == OC_KB_UNDECIDED)
+        Py_RETURN_NONE;
+    return PyBool_FromLong(s == OC_KB_YES);
+}
+
+static PyObject *entry_dict(const oc_known_bug *b, int state, int done, const char *reason)
+{
+    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:O,s:s,s:s,s:s}", "id", b->id, "title", b->title,
+                         "evidence", b->evidence, "applies", state_obj(state), "done",
+                         done ? Py_True : Py_False, "action", b->action_text, "condition",
+                         b->condition, "reason", reason);
+}
+
+/* Appends one entry to list; on failure drops the list and returns NULL. */
+static PyObject *append_entry(PyObject *list, const oc_known_bug *b, int state, int done,
+                              const char *reason)
+{
+    PyObject *e = entry_dict(b, state, done, reason);
+    if (e == NULL || PyList_Append(list, e) < 0) {
+        Py_XDECREF(e);
+        Py_DECREF(list);
+        return NULL;
+    }
+    Py_DECREF(e);
+    return list;
+}
+
+PyObject *oc_known_bugs_status(void)
+{
+    PyObject *list = PyList_New(0);
+    size_t n = oc_known_bug_count();
+    for (size_t i = 0; list != NULL && i < n && i < OC_KB_MAX_ENTRIES; i++)
+        list = append_entry(list, oc_known_bug_at(i), kb.decided ? kb.state[i] : OC_KB_UNDECIDED,
+                            kb.done[i],
+                            kb.decided ? kb.reason[i]
+                                       : "undecided: torch has not been imported by the hook in "
+                                         "this process");
+    return list;
+}
+
+/* getenv over a Python mapping (ctx); the value lives in a static buffer
+ * until the next call. */
+static const char *mapping_getenv(const char *name, void *ctx)
+{
+    static char value[256];
+    PyObject *v = ctx && ctx != Py_None ? PyMapping_GetItemString(ctx, name) : NULL;
+    const char *r = NULL;
+    if (v != NULL && PyUnicode_Check(v))
+        r = oc_utf8(v, value, sizeof value);
+    Py_XDECREF(v);
+    PyErr_Clear();
+    return r;
+}
+
+/* _known_bugs_check(torch_version, cuda_build, cudnn_version, ccs, env) ->
+ * list of entries: the table evaluated on given facts, nothing acted on
+ * (doctor, tests). None for a fact means unknown; ccs are major*10+minor. */
+static PyObject *known_bugs_check_py(PyObject *self, PyObject *args)
+{
+    const char *tver;
+    PyObject *cuda, *cudnn, *ccs, *env, *list;
+    oc_kb_facts f;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "zOOOO", &tver, &cuda, &cudnn, &ccs, &env))
+        return NULL;
+    memset(&f, 0, sizeof f);
+    f.torch = tver ? oc_torch_version_number(tver) : 0;
+    f.cuda_build = cuda == Py_None ? -1 : PyObject_IsTrue(cuda);
+    f.cudnn = cudnn == Py_None ? -1 : PyLong_AsLong(cudnn);
+    f.n_cc = -1;
+    if (ccs != Py_None) {
+        Py_ssize_t k = PySequence_Size(ccs);
+        f.n_cc = 0;
+        for (Py_ssize_t i = 0; i < k && f.n_cc < OC_KB_MAX_DEVICES; i++) {
+            PyObject *item = PySequence_GetItem(ccs, i);
+            f.cc[f.n_cc++] = item ? (int)PyLong_AsLong(item) : -1;
+            Py_XDECREF(item);
+        }
+    }
+    if (PyErr_Occurred())
+        return NULL;
+    f.getenv_fn = mapping_getenv;
+    f.ctx = env;
+    list = PyList_New(0);
+    for (size_t i = 0; list != NULL && i < oc_known_bug_count(); i++) {
+        char why[400];
+        const oc_known_bug *b = oc_known_bug_at(i);
+        int state = oc_known_bug_decide(b, &f, why, sizeof why);
+        list = append_entry(list, b, state, 0, why);
+    }
+    return list;
+}
+
+/* _visible_ccs() -> [major*10+minor, ...] of the GPUs CUDA shows this
+ * process, from NVML (no CUDA context), or None when NVML cannot tell. */
+static PyObject *visible_ccs_py(PyObject *self, PyObject *unused)
+{
+    oc_kb_facts f;
+    PyObject *list;
+    (void)self;
+    (void)unused;
+    device_facts(&f);
+    if (f.n_cc < 0)
+        Py_RETURN_NONE;
+    list = PyList_New(0);
+    for (int i = 0; list != NULL && i < f.n_cc; i++) {
+        PyObject *v = PyLong_FromLong(f.cc[i]);
+        if (v == NULL || PyList_Append(list, v) < 0) {
+            Py_XDECREF(v);
+            Py_CLEAR(list);
+            break;
+        }
+        Py_DECREF(v);
+    }
+    return list;
+}
+
+PyMethodDef oc_known_bugs_methods[] = {
+    {"_visible_ccs", visible_ccs_py, METH_NOARGS,
+     "Compute capabilities (major*10+minor) of the visible GPUs, from NVML."},
+    {"_known_bugs_check", known_bugs_check_py, METH_VARARGS,
+     "Evaluate the known-bugs table on given facts (nothing is changed)."},
+    {NULL, NULL, 0, NULL},
+};
+#endif /* OC_PURE_C */

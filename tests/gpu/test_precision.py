@@ -1,0 +1,58 @@
+"""TF32 under each float32-precision choice of a program, on real CUDA (run on
+the GPU machine by benchmarks/gpu_check.sh): a program that chose nothing gets
+TF32 matmuls once CUDA starts; one that chose before CUDA started computes
+exactly as without outofcuda. The matmul's error against a float64 product
+tells TF32 (about 1e-3 relative) from full float32 (about 1e-6)."""
+import json
+
+import pytest
+
+PROGRAM = """
+import json, torch
+{action}
+a = torch.randn(2048, 2048, device="cuda", generator=None)
+b = torch.randn(2048, 2048, device="cuda")
+ref = (a.double() @ b.double())
+err = ((a @ b).double() - ref).abs().max().item() / ref.abs().max().item()
+out = {{"err": err}}
+for name, get in (("allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32),
+                  ("fp32_precision", lambda: torch.backends.cuda.matmul.fp32_precision),
+                  ("fmp", torch.get_float32_matmul_precision)):
+    try:
+        out[name] = get()
+    except RuntimeError:
+        out[name] = "raises"
+print("P=" + json.dumps(out))
+"""
+
+ACTIONS = ["pass",
+           "torch.backends.cuda.matmul.fp32_precision = 'ieee'",
+           "torch.backends.fp32_precision = 'ieee'",
+           "torch.backends.cuda.matmul.allow_tf32 = False",
+           "torch.set_float32_matmul_precision('highest')",
+           "torch.set_float32_matmul_precision('high')"]
+
+
+def run(gpu, workdir, action, env=None):
+    r = gpu.run(PROGRAM.format(action=action), env=env, cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.split("P=")[-1])
+
+
+def tf32(err):
+    # TF32 keeps 10 mantissa bits: errors near 1e-3; float32 near 1e-6.
+    return err > 1e-4
+
+
+@pytest.mark.parametrize("action", ACTIONS)
+def test_tf32_matmuls_follow_the_programs_choice(gpu, workdir, action):
+    with_oc = run(gpu, workdir, action)
+    without = run(gpu, workdir, action, {"OUTOFCUDA_DISABLE": "1"})
+    if action == "pass":
+        assert tf32(with_oc["err"]) and not tf32(without["err"]), (with_oc, without)
+        assert (with_oc["allow_tf32"], with_oc["fp32_precision"], with_oc["fmp"]) == \
+            (True, "tf32", "high")
+    else:
+        assert tf32(with_oc["err"]) == tf32(without["err"]), (with_oc, without)
+        assert {k: with_oc[k] for k in ("allow_tf32", "fp32_precision", "fmp")} == \
+            {k: without[k] for k in ("allow_tf32", "fp32_precision", "fmp")}

@@ -1,0 +1,278 @@
+"""Known bugs of the installed stack (src/knownbugs.c): the table's lookup in
+pure C (no Python), the guard on the stand-in releases (tests/fake_torch.py)
+with the stand-in NVML (tests/stub_nvml) at compute capabilities 8.0, 9.0 and
+10.0 and cuDNN on both sides of the fix, OUTOFCUDA_KNOWN_BUGS=0, and the real
+CUDA build of torch 2.14.1 (no GPU). Each scenario is a fresh interpreter."""
+import json
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import stub_nvml_config as config, stub_nvml_device as device
+from fake_torch import make_fake_torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BUG = "cudnn-sdpa-nan-grad-sm90"
+
+
+@pytest.fixture
+def nvml(stub_nvml, tmp_path):
+    """env(cc, **more): the stand-in NVML showing one GPU of that capability."""
+    def env(cc, **more):
+        cfg = config(tmp_path / f"nvml-{cc}.cfg", [device(cc=cc)])
+        return {"LD_LIBRARY_PATH": str(stub_nvml), "STUB_NVML_CONFIG": str(cfg), **more}
+    return env
+
+
+def last_json(r):
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    assert r.stderr == "", r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ---- the lookup in pure C ----
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    if shutil.which("gcc") is None:
+        pytest.fail("gcc is needed to build the known-bugs driver")
+    exe = tmp_path_factory.mktemp("kb") / "driver"
+    subprocess.run(["gcc", "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", "-DOC_PURE_C",
+                    "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                    "-o", str(exe), str(ROOT / "tests" / "known_bugs" / "driver.c"),
+                    str(ROOT / "src" / "knownbugs.c")], check=True)
+
+    def run(cases):
+        text = "".join(" ".join(map(str, c)) + "\n" for c in cases)
+        r = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True)
+        rows = [ln.split(" ", 2) for ln in r.stdout.splitlines()]
+        return [(i, int(d), why) for i, d, why in rows]
+    return run
+
+
+def expected(torch, cuda, cudnn, ccs, env):
+    """The entry as the issue states it, decided independently of the C code."""
+    if torch > 0 and not 21100 <= torch < 21500:
+        return 0
+    if cuda == 0 or env == "1":
+        return 0
+    if ccs is not None and not any(90 <= c < 100 for c in ccs):
+        return 0
+    if cudnn == 0 or (cudnn > 0 and not 91501 <= cudnn < 92600):
+        return 0
+    if torch <= 0 or cuda < 0 or ccs is None or cudnn < 0:
+        return -1
+    return 1
+
+
+def case(torch, cuda, cudnn, ccs, env="-"):
+    return (torch, cuda, cudnn, -1 if ccs is None else len(ccs), *(ccs or ()), env)
+
+
+GRID = [(t, cu, cd, ccs, env)
+        for t in (0, 21000, 21100, 21401, 21499, 21500, 30000)
+        for cu in (-1, 0, 1)
+        for cd in (-1, 0, 91500, 91501, 92400, 92599, 92600)
+        for ccs in (None, [], [80], [90], [100], [80, 90], [86, 120])
+        for env in ("-", "0", "1", "true")]
+
+
+def test_lookup_matches_the_issue_on_every_boundary(driver):
+    rows = driver([case(*g) for g in GRID])
+    assert len(rows) == len(GRID)
+    for g, (bug, d, why) in zip(GRID, rows):
+        assert bug == BUG
+        assert d == expected(*g), (g, d, why)
+        assert why.startswith({0: "not affected", 1: "affected", -1: "undecided"}[d]), (g, why)
+
+
+def test_lookup_fuzz_stays_within_bounds(driver):
+    """Random facts, far-out values and device lists longer than the table
+    reads (the driver runs under ASan/UBSan): decisions still follow the rule."""
+    rnd = random.Random(18)
+    cases, facts = [], []
+    for _ in range(3000):
+        ccs = None if rnd.random() < 0.1 else [rnd.choice([-5, 0, 75, 80, 90, 93, 99, 100, 10**6])
+                                                for _ in range(rnd.choice([0, 1, 3, 70]))]
+        g = (rnd.choice([-1, 0, 1, 20000, 21100, 21450, 21500, 2**40]), rnd.choice([-1, 0, 1, 7]),
+             rnd.choice([-2, -1, 0, 91501, 92000, 92600, 2**40]), ccs,
+             rnd.choice(["-", "1", "0", "01", "x" * 200]))
+        facts.append(g)
+        cases.append(case(*g))
+    for g, (_, d, why) in zip(facts, driver(cases)):
+        t, cu, cd, ccs, env = g
+        exp = expected(t, 1 if cu > 1 else cu, cd, None if ccs is None else ccs[:64], env)
+        assert d == exp, (g, why)
+
+
+# ---- the guard on the stand-in releases, stand-in NVML ----
+
+GUARD = """
+import json, sys, torch, _outofcuda
+def entry():
+    (e,) = [b for b in _outofcuda.status()["known_bugs"] if b["id"] == "%s"]
+    return e
+at_import = entry()
+calls_at_import = [c[0] for c in torch._C.calls]
+enabled_at_import = torch._C._get_cudnn_sdp_enabled()
+torch.cuda._fake_cuda_init()
+print(json.dumps({"import": at_import, "cuda": entry(),
+                  "calls_at_import": calls_at_import,
+                  "cudnn_calls": [list(c) for c in torch._C.calls
+                                  if c[0] in ("cudnn.version", "_set_sdp_use_cudnn")],
+                  "enabled_at_import": enabled_at_import,
+                  "enabled": torch._C._get_cudnn_sdp_enabled(),
+                  "error": _outofcuda.status()["hook"]["error"]}))
+""" % BUG
+
+
+def guard(venv, tmp_path, env, release="2.14.1", cudnn=None):
+    root = make_fake_torch(tmp_path / f"fake-{release}-{cudnn}", release, cudnn=cudnn)
+    return last_json(venv.run(GUARD, env=dict(env, PYTHONPATH=str(root)), cwd=tmp_path,
+                              args=("-W", "error")))
+
+
+@pytest.mark.parametrize("release,cudnn", [("2.14.1", None), ("2.11.0", 91900),
+                                           ("2.11.0", 92500)])
+def test_sm90_with_cudnn_before_the_fix_turns_cudnn_attention_off(venv, tmp_path, nvml,
+                                                                  release, cudnn):
+    d = guard(venv, tmp_path, nvml("9.0"), release, cudnn)
+    # At import: decided as far as it can be without loading cuDNN.
+    assert d["import"]["applies"] is None and d["import"]["done"] is False
+    assert "cuDNN's version is read when CUDA starts" in d["import"]["reason"]
+    assert "cudnn.version" not in d["calls_at_import"] and d["enabled_at_import"] is True
+    # When CUDA starts: read, decided, acted on.
+    assert d["cudnn_calls"] == [["cudnn.version"], ["_set_sdp_use_cudnn", False]]
+    assert d["enabled"] is False
+    e = d["cuda"]
+    assert e["applies"] is True and e["done"] is True, e
+    assert f"cuDNN {cudnn or 92400}" in e["reason"] and "_set_sdp_use_cudnn(False)" in e["reason"]
+    assert e["evidence"] == "https://github.com/pytorch/pytorch/issues/196678"
+    assert "NaN" in e["title"] and d["error"] is None
+
+
+@pytest.mark.parametrize("release,cudnn,why", [("2.14.1", 92600, "cuDNN 92600 is outside"),
+                                               ("2.15.0", None, "torch 2.15.0 is outside"),
+                                               ("2.11.0", 91500, "cuDNN 91500 is outside"),
+                                               ("2.9.1", 92400, "torch 2.9.1 is outside")])
+def test_sm90_outside_the_affected_versions_changes_nothing(venv, tmp_path, nvml, release,
+                                                           cudnn, why):
+    d = guard(venv, tmp_path, nvml("9.0"), release, cudnn)
+    assert d["enabled"] is True
+    assert ["_set_sdp_use_cudnn", False] not in d["cudnn_calls"]
+    assert d["cuda"]["applies"] is False and d["cuda"]["done"] is False
+    assert why in d["cuda"]["reason"], d["cuda"]
+
+
+@pytest.mark.parametrize("cc", ["8.0", "10.0"])
+@pytest.mark.parametrize("cudnn", [92400, 92600])
+def test_other_devices_change_nothing_and_never_load_cudnn(venv, tmp_path, nvml, cc, cudnn):
+    d = guard(venv, tmp_path, nvml(cc), "2.14.1", cudnn)
+    assert d["import"]["applies"] is False and d["cuda"]["applies"] is False
+    assert "no visible GPU of compute capability 9.x" in d["import"]["reason"]
+    assert d["cudnn_calls"] == [] and d["enabled"] is True
+
+
+def test_known_bugs_off_keeps_torchs_choice(venv, tmp_path, nvml):
+    d = guard(venv, tmp_path, nvml("9.0", OUTOFCUDA_KNOWN_BUGS="0"))
+    assert d["cudnn_calls"] == [] and d["enabled"] is True
+    assert d["cuda"]["applies"] is None and d["cuda"]["done"] is False
+    assert "OUTOFCUDA_KNOWN_BUGS=0" in d["cuda"]["reason"]
+
+
+def test_torchs_own_deprioritisation_is_respected(venv, tmp_path, nvml):
+    d = guard(venv, tmp_path, nvml("9.0", TORCH_CUDNN_SDPA_DEPRIORITIZED="1"))
+    assert d["cudnn_calls"] == [] and d["enabled"] is True
+    assert "TORCH_CUDNN_SDPA_DEPRIORITIZED=1" in d["import"]["reason"]
+
+
+def test_a_cpu_build_is_not_affected(venv, workdir, nvml):
+    """The real CPU build of torch 2.13.0 next to an sm90 GPU."""
+    st = last_json(venv.run("import json, torch, _outofcuda; "
+                            "print(json.dumps(_outofcuda.status()['known_bugs']))",
+                            env=nvml("9.0"), cwd=workdir))
+    assert st[0]["applies"] is False and "no CUDA" in st[0]["reason"]
+
+
+def test_table_evaluated_on_given_facts(venv):
+    r = last_json(venv.run("""
+import json, _outofcuda
+c = _outofcuda._known_bugs_check
+print(json.dumps([c("2.14.1+cu130", True, 92400, [90], {})[0]["applies"],
+                  c("2.14.1", True, 92400, [90], {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"})[0]["applies"],
+                  c("2.14.1", True, None, [90], {})[0]["applies"],
+                  c("2.14.1", True, 92600, [90, 80], {})[0]["applies"],
+                  c(None, None, None, None, {})[0]["applies"]]))
+"""))
+    assert r == [True, False, None, False, None]
+
+
+# ---- the real CUDA build of torch 2.14.1 (no GPU) ----
+
+REAL = """
+import json, torch, _outofcuda
+C = torch._C
+def entry():
+    return _outofcuda.status()["known_bugs"][0]
+def cudnn_loaded():
+    with open("/proc/self/maps") as f:
+        return "libcudnn_graph" in f.read()
+at_import = entry()
+loaded_at_import = cudnn_loaded()
+# What CUDA's start runs, with stand-ins for the device calls (no GPU here).
+C._cuda_getDeviceCount = lambda: 1
+C._cuda_getDevice = lambda: 0
+C._cuda_setMemoryFraction = lambda fraction, device: None
+C._cuda_attach_out_of_memory_observer = lambda fn: None
+(cb,) = [fn for fn, _stack in torch.cuda._queued_calls
+         if getattr(fn, "__name__", "") == "outofcuda_at_cuda_init"]
+cb()
+print(json.dumps({"import": at_import, "cuda": entry(), "loaded_at_import": loaded_at_import,
+                  "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(),
+                  "cudnn": torch._C._cudnn.getVersionInt(),
+                  "initialized": torch.cuda.is_initialized(),
+                  "error": _outofcuda.status()["hook"]["error"]}))
+"""
+
+
+@pytest.mark.parametrize("cc,applies", [("9.0", True), ("8.0", False), ("10.0", False)])
+def test_real_cuda_build_reports_what_the_device_implies(cuda_venv, workdir, nvml, cc, applies):
+    d = last_json(cuda_venv.run(REAL, env=nvml(cc), cwd=workdir, args=("-W", "error")))
+    assert d["loaded_at_import"] is False and d["initialized"] is False
+    assert d["cudnn"] == 92400
+    if applies:
+        assert d["import"]["applies"] is None
+        assert d["cuda"]["applies"] is True and d["cuda"]["done"] is True, d["cuda"]
+        assert "torch 2.14.1, cuDNN 92400" in d["cuda"]["reason"]
+        assert d["cudnn_sdp"] is False
+    else:
+        assert d["import"]["applies"] is False and d["cuda"]["applies"] is False
+        assert d["cudnn_sdp"] is True
+    assert d["error"] is None
+
+
+def test_real_cuda_build_known_bugs_off(cuda_venv, workdir, nvml):
+    d = last_json(cuda_venv.run(REAL, env=nvml("9.0", OUTOFCUDA_KNOWN_BUGS="0"), cwd=workdir,
+                                args=("-W", "error")))
+    assert d["cudnn_sdp"] is True and d["cuda"]["done"] is False
+    assert "OUTOFCUDA_KNOWN_BUGS=0" in d["cuda"]["reason"]
+
+
+# ---- the command line ----
+
+def test_doctor_and_status_name_the_bug(cuda_venv, workdir, nvml):
+    r = cuda_venv.run(None, args=("-m", "outofcuda", "doctor", "--json"), env=nvml("9.0"),
+                      cwd=workdir, timeout=300)
+    (check,) = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "known_bugs"]
+    assert check["ok"] is True and f"{BUG} applies" in check["message"], check
+    assert "pytorch/issues/196678" in check["message"]
+    r = cuda_venv.run(None, args=("-m", "outofcuda", "doctor", "--json"),
+                      env=nvml("9.0", OUTOFCUDA_KNOWN_BUGS="0"), cwd=workdir, timeout=300)
+    (check,) = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "known_bugs"]
+    assert check["ok"] is False and "enable_cudnn_sdp(False)" in check["fix"]
+    r = cuda_venv.run(None, args=("-m", "outofcuda", "status"), env=nvml("8.0"), cwd=workdir,
+                      timeout=300)
+    assert f"known bug {BUG}: not affected" in r.stdout, r.stdout
