@@ -3,8 +3,8 @@ the hook's install path, called 10 000 times in one fresh interpreter with
 torch imported. Per function: growth of gc-tracked objects, of pymalloc
 blocks (sys.getallocatedblocks) and of RSS (the smaller of two such windows)
 stays under a small bound, and the reference counts of returned objects and
-of arguments are stable. A second
-copy of the extension loads under another sys.modules key (multi-phase init).
+of arguments are stable. A second copy of the extension loads under another
+sys.modules key (multi-phase init).
 
 OUTOFCUDA_GC_COLLECT=0 in the child: otherwise clear_cache() runs a full
 gc.collect() per call (10 000 of them with torch loaded take minutes)."""
