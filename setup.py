@@ -12,16 +12,19 @@ from setuptools.command.editable_wheel import editable_wheel
 
 HERE = Path(__file__).resolve().parent
 HOOK_FILES = ("outofcuda_hook.pth", "outofcuda_hook.start")
+# Files at the wheel's root: the hook, and the engine's type stubs beside the
+# engine (a top-level module, outside the package).
+ROOT_FILES = HOOK_FILES + ("_outofcuda.pyi",)
 VERSION = re.search(r'#define OC_VERSION "([^"]+)"', (HERE / "src" / "oc.h").read_text()).group(1)
 
 
 class build_py_with_hook(build_py):
-    """Copies the hook files into build_lib so they land at the wheel's root
+    """Copies the root files into build_lib so they land at the wheel's root
     and in its RECORD (pip uninstall then removes them)."""
 
     def run(self):
         super().run()
-        for name in HOOK_FILES:
+        for name in ROOT_FILES:
             self.copy_file(str(HERE / name), os.path.join(self.build_lib, name))
 
 
@@ -46,7 +49,7 @@ class editable_wheel_with_hook(editable_wheel):
                 if item.filename != record_name:
                     dst.writestr(item, src.read(item.filename))
             lines = [record.rstrip("\n")]
-            for name in HOOK_FILES:
+            for name in ROOT_FILES:
                 data = (HERE / name).read_bytes()
                 dst.writestr(name, data)
                 digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()

@@ -46,7 +46,7 @@ def compile_model(
     fullgraph: Optional[bool] = None,
 ) -> _M: ...
 def smart_dataloader(dataset: Any, **kwargs: Any) -> DataLoader[Any]: ...
-class GpuProcess(TypedDict):
+class _GpuProcess(TypedDict):
     """A process holding memory on a GPU, as NVML lists it."""
 
     pid: int
@@ -54,7 +54,7 @@ class GpuProcess(TypedDict):
     used_gb: Optional[float]   # None where the driver cannot tell
     this_process: bool
 
-class DeviceMemory(TypedDict):
+class _DeviceMemory(TypedDict):
     name: str
     total_gb: float
     allocated_gb: float
@@ -63,9 +63,9 @@ class DeviceMemory(TypedDict):
     peak_allocated_gb: float
     used_gb: float
     nvml_index: int
-    processes: Optional[List[GpuProcess]]  # largest first; None where NVML cannot list them
+    processes: Optional[List[_GpuProcess]]  # largest first; None where NVML cannot list them
 
-def memory_report() -> Dict[str, DeviceMemory]: ...
+def memory_report() -> Dict[str, _DeviceMemory]: ...
 def clear_cache() -> int: ...
 
 class CudaOptimizer:
@@ -88,7 +88,9 @@ class CudaOptimizer:
     def report(self) -> Dict[str, Dict[str, Any]]: ...
 
 # -- watchdog (outofcuda.monitor) --
-class Sample(NamedTuple):
+# outofcuda.monitor.Sample at run time. Names with a leading underscore here
+# are types only: the package does not export them.
+class _Sample(NamedTuple):
     time: float
     used: int
     total: int
@@ -123,7 +125,7 @@ class MemoryMonitor(ContextManager["MemoryMonitor"]):
     def running(self) -> bool: ...
     @property
     def reason(self) -> Optional[str]: ...
-    def samples(self) -> List[Sample]: ...
+    def samples(self) -> List[_Sample]: ...
     @property
     def events(self) -> List[Dict[str, Any]]: ...
     def to_csv(self, path: Union[str, "PathLike[str]"]) -> int: ...

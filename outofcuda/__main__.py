@@ -15,7 +15,7 @@ def main(argv=None):
     except ImportError as exc:
         # The C extension is missing or damaged: say so plainly instead of a
         # traceback, since this is exactly when someone runs `outofcuda doctor`.
-        print(f"outofcuda doctor: {exc}", file=sys.stderr)
+        print(exc if str(exc).startswith("outofcuda") else f"outofcuda: {exc}", file=sys.stderr)
         return 1
     return cli_main(argv)
 

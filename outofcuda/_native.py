@@ -34,6 +34,22 @@ def _check(mod):
     return mod
 
 
+def _shadowed_by_checkout(root):
+    """The message for a package imported from a source checkout that holds
+    no built extension: the checkout's outofcuda/ came first on sys.path."""
+    installed = [
+        d for d in sys.path
+        if d and _path.realpath(d) != root and _path.isfile(_path.join(d, "outofcuda", "__init__.py"))
+    ]
+    where = f" (installed in {installed[0]})" if installed else ""
+    return (
+        f"outofcuda: the package was imported from the source tree {root}, which holds no "
+        f"built extension: its outofcuda/ folder shadows the installed package{where} because "
+        "the working directory (or the script's folder) comes first on sys.path. Run from "
+        f"another directory, or build the checkout in place: pip install -e {root}"
+    )
+
+
 def _load():
     mod = sys.modules.get(_NAME)
     if mod is not None:
@@ -44,6 +60,9 @@ def _load():
         if _path.isfile(path):
             break
     else:
+        if _path.isfile(_path.join(root, "setup.py")) and _path.isfile(
+                _path.join(root, "src", "oc.h")):
+            raise ImportError(_shadowed_by_checkout(root))
         raise ImportError(
             f"outofcuda's C extension ({_NAME}) is missing from {root}; reinstall outofcuda: "
             "pip install --force-reinstall --no-deps 'outofcuda>=0.2'"

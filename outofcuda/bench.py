@@ -479,16 +479,24 @@ def plot(result, path):
     return True
 
 
+def add_arguments(ap, json=True):
+    """The benchmark's options, on its own parser and on `outofcuda bench`'s
+    (json=False there: the command line adds --json itself)."""
+    ap.add_argument("--out", default="bench-results",
+                    help="folder for gain.json, gain.md and gain.png (default: ./bench-results)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes even on a GPU")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help="comma-separated subset of: " + ", ".join(WORKLOADS) + " (default: all)")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per worker process")
+    ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    if json:
+        ap.add_argument("--json", action="store_true", help="print the JSON result")
+
+
 def main(argv=None, prog=None):
     """Runs the benchmark (or, with --worker, one worker); returns the exit code."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="bench-results", help="output folder")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes even on a GPU")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS),
-                    help="comma-separated subset of: " + ", ".join(WORKLOADS))
-    ap.add_argument("--timeout", type=int, default=300, help="seconds per worker process")
-    ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    ap.add_argument("--json", action="store_true", help="print the JSON result")
+    add_arguments(ap)
     ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     ap.add_argument("--size", choices=sorted(SIZES), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

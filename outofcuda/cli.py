@@ -25,7 +25,7 @@ from ._native import core
 
 HOOK_NAME = "outofcuda_hook.pth"
 START_NAME = "outofcuda_hook.start"
-ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 MIN_TORCH = (2, 0)
 PROBE_TIMEOUT_S = 180
 # Versioned: the name `outofcuda` 0.1.0 on PyPI is an older, unrelated package.
@@ -204,6 +204,12 @@ def status_data():
     st = pr.get("status") or {}
     devices, nvml_reason = gpus()
     hook = st.get("hook") or {}
+    optimizations = st.get("optimizations") or {}
+    if pr.get("torch") is None and pr.get("torch_error"):
+        # The probe's import failed: "not imported yet", what the engine can
+        # say from inside, would contradict the header's "not importable".
+        optimizations = {name: dict(e, reason="torch is not importable: nothing was applied")
+                         for name, e in optimizations.items()}
     return {
         "version": core.__version__,
         "python": sys.version.split()[0],
@@ -211,8 +217,7 @@ def status_data():
         "hook": {
             "files": files,
             "present": any(f["kind"] == "pth" and f["site_dir"] for f in files),
-            "disabled_by_env": os.environ.get("OUTOFCUDA_DISABLE", "").strip().lower()
-            in ("1", "true", "yes", "on"),
+            "disabled_by_env": core._disabled_by_env(),
             "installed": bool(hook.get("installed")),
             "fired": bool(hook.get("fired")),
             "error": hook.get("error") or pr.get("extension_error") or pr.get("error"),
@@ -221,7 +226,7 @@ def status_data():
         "torch_error": pr.get("torch_error"),
         "cuda": pr.get("cuda"),
         "cuda_initialized_by_import": pr.get("cuda_initialized"),
-        "optimizations": st.get("optimizations") or {},
+        "optimizations": optimizations,
         "known_bugs": st.get("known_bugs") or [],
         "config_warnings": st.get("config_warnings") or [],
         "gpus": devices,
@@ -372,7 +377,7 @@ def _check_hook(files, pr):
     if bad:
         return _check("hook_file", False, f"{bad[0]} is damaged (not one import line)",
                       "reinstall: " + REINSTALL)
-    if os.environ.get("OUTOFCUDA_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
+    if core._disabled_by_env():
         return _check("hook_file", False, "OUTOFCUDA_DISABLE is set: the hook does nothing",
                       "unset OUTOFCUDA_DISABLE")
     st = pr.get("status") or {}
@@ -434,7 +439,7 @@ def _splits_inside_expandable(items):
     return "max_split_size_mb" in items and items.get("expandable_segments") == "True"
 
 
-def _check_alloc_conf():
+def _check_alloc_conf(torch_version=None):
     cfg = _config()
     own, no_expandable = cfg["alloc_conf"], cfg["alloc_conf_no_expandable"]
     # outofcuda's defaults, those that join only without expandable segments too
@@ -442,7 +447,12 @@ def _check_alloc_conf():
     notes, problems, paired = [], [], []
     if _splits_inside_expandable(_alloc_items(own)):
         paired.append("OUTOFCUDA_ALLOC_CONF")
-    for var in ALLOC_VARS:
+    # The one variable this torch reads, by the engine's rule (allocconf.c);
+    # the others it ignores.
+    read, _value = core._alloc_var(torch_version)
+    notes += [f"{var} is set but torch {torch_version or '(unknown)'} reads {read}"
+              for var in ALLOC_VARS if var != read and var in os.environ]
+    for var in (read,):
         user = os.environ.get(var)
         if user is None:
             continue
@@ -486,51 +496,63 @@ def _check_alloc_conf():
 
 def _check_tf32_override():
     v = os.environ.get("NVIDIA_TF32_OVERRIDE")
-    if v is not None and v.strip() == "0":
+    if core._tf32_forced_off():
         return _check("nvidia_tf32_override", False,
-                      "NVIDIA_TF32_OVERRIDE=0 turns TF32 off in every CUDA library",
+                      f"NVIDIA_TF32_OVERRIDE={v!r} turns TF32 off in every CUDA library",
                       "unset NVIDIA_TF32_OVERRIDE unless you need full float32 precision")
     return _check("nvidia_tf32_override", True,
                   "not set" if v is None else f"NVIDIA_TF32_OVERRIDE={v} (does not force off)")
 
 
-def _check_visible_devices(n_gpus):
-    v = os.environ.get("CUDA_VISIBLE_DEVICES")
+def _check_visible_devices():
+    # The engine reads the variable as CUDA does (nvml.c): CUDA stops at the
+    # first entry it cannot resolve and shows only the devices before it.
+    vis = core.visible_devices()
+    v, stop = vis["value"], vis["stop"]
     if v is None:
         return _check("cuda_visible_devices", True, "not set: every GPU is visible")
-    items = [x.strip() for x in v.split(",")]
-    if v.strip() == "" or items[0] == "-1":
+    if vis["visible"] == 0 and stop in (None, "", "-1"):
         return _check("cuda_visible_devices", False,
                       f"CUDA_VISIBLE_DEVICES={v!r} hides every GPU",
                       "unset CUDA_VISIBLE_DEVICES or list the GPUs to use (e.g. 0,1)")
-    for x in items:
-        if x.isdigit():
-            if n_gpus and int(x) >= n_gpus:
-                return _check("cuda_visible_devices", False,
-                              f"CUDA_VISIBLE_DEVICES names GPU {x} but NVML sees {n_gpus}",
-                              f"use indices 0..{n_gpus - 1}")
-        elif not x.startswith(("GPU-", "MIG-")):
-            return _check("cuda_visible_devices", False,
-                          f"CUDA_VISIBLE_DEVICES={v!r}: {x!r} is neither an index nor a UUID",
-                          "use comma-separated indices or GPU-/MIG- UUIDs")
-    return _check("cuda_visible_devices", True, f"CUDA_VISIBLE_DEVICES={v}")
+    if stop is not None:
+        n = vis["devices"]
+        if stop.isdigit() and n is not None:
+            why = f"CUDA_VISIBLE_DEVICES names GPU {stop} but NVML sees {n}"
+            fix = f"use indices 0..{n - 1}" if n else "unset CUDA_VISIBLE_DEVICES"
+        elif stop.startswith(("GPU-", "MIG-")):
+            why = f"CUDA_VISIBLE_DEVICES={v!r}: {stop!r} matches no device NVML sees"
+            fix = "use the UUIDs `nvidia-smi -L` lists"
+        else:
+            why = f"CUDA_VISIBLE_DEVICES={v!r}: {stop!r} is neither an index nor a UUID"
+            fix = "use comma-separated indices or GPU-/MIG- UUIDs"
+        shown = vis["visible"]
+        return _check("cuda_visible_devices", False,
+                      f"{why}; CUDA stops there and shows {shown} GPU{'s' if shown != 1 else ''}",
+                      fix)
+    if vis["indices"] is None:
+        return _check("cuda_visible_devices", True,
+                      f"CUDA_VISIBLE_DEVICES={v} (NVML unavailable: entries not matched to GPUs)")
+    return _check("cuda_visible_devices", True, f"CUDA_VISIBLE_DEVICES={v}: NVML GPUs "
+                  f"{', '.join(map(str, vis['indices']))}")
 
 
-def _check_shm(workers):
+def _check_shm(cuda_available):
+    # The plan smart_dataloader follows (api.c): the same worker count and the
+    # same /dev/shm threshold.
+    plan = core._api_loader_plan(cuda_available)
+    workers, size, need = plan["num_workers"], plan["shm_bytes"], plan["shm_min_bytes"]
     if workers <= 0:
         return _check("dev_shm", True, "DataLoader workers disabled (OUTOFCUDA_NUM_WORKERS=0)")
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
+    if not plan["shm_present"]:
         return _check("dev_shm", False, f"/dev/shm is missing; {workers} DataLoader workers "
                       "need shared memory", "mount /dev/shm or set OUTOFCUDA_NUM_WORKERS=0")
-    size = st.f_frsize * st.f_blocks
-    need = max(512 * 2**20, workers * 256 * 2**20)
-    if size < need:
+    if not plan["shm_enough"]:
         return _check("dev_shm", False, f"/dev/shm is {_mib(size)}, small for {workers} "
                       f"DataLoader workers (want >= {_mib(need)})",
                       "docker run --shm-size=8g (or --ipc=host), or OUTOFCUDA_NUM_WORKERS=0")
-    return _check("dev_shm", True, f"/dev/shm is {_mib(size)} for {workers} workers")
+    return _check("dev_shm", True, f"/dev/shm is {_mib(size)} for {workers} workers "
+                  f"(want >= {_mib(need)})")
 
 
 def _check_installs():
@@ -568,8 +590,8 @@ def older_package_leftovers():
                 text = pth.read_text(encoding="utf-8", errors="replace")
             except OSError:
                 continue
-            # This project's hook imports `_outofcuda`; a line importing the
-            # package `outofcuda` is the older one's.
+            # This project's hook loads `outofcuda_hook` (the boot); a line
+            # importing the package `outofcuda` is the older one's.
             if re.search(r"(?<![\w.])outofcuda\b", text):
                 found.append(str(pth))
         ours = set()
@@ -640,10 +662,10 @@ def doctor_data():
         _check_hook(hook_files(), pr),
         _check_extension(pr),
         _check_torch(pr),
-        _check_alloc_conf(),
+        _check_alloc_conf(pr.get("torch")),
         _check_tf32_override(),
-        _check_visible_devices(len(devices)),
-        _check_shm(int(_config()["num_workers"])),
+        _check_visible_devices(),
+        _check_shm(bool(devices)),
         _check_installs(),
         _check_older_package(),
         _check_no_site(),
@@ -731,13 +753,14 @@ def _parser():
                    help="memory figures per GPU (text; JSON with --json)",
                    description="Per-device memory figures from outofcuda.memory_report() "
                    "(NVML, no CUDA context) as text; --json prints the same dict as JSON.")
+    from . import bench
+
     b = sub.add_parser("bench", parents=[common], help="run the gain benchmarks",
                        description="Runs the gain benchmark shipped in the package "
                        "(outofcuda.bench): tiny CPU smoke sizes without a GPU, full sizes on a "
-                       "GPU. --startup adds the start-up tax benchmark of a checkout.")
-    b.add_argument("--out", default="bench-results", help="folder for JSON/markdown/PNG")
-    b.add_argument("--smoke", action="store_true", help="tiny sizes even on a GPU")
-    b.add_argument("--workloads", help="comma-separated subset of the workloads (default: all)")
+                       "GPU; results go to --out (./bench-results by default). --startup adds "
+                       "the start-up tax benchmark of a checkout.")
+    bench.add_arguments(b, json=False)
     b.add_argument("--startup", action="store_true",
                    help="also run benchmarks/startup.py of a checkout (builds two venvs; minutes)")
     b.add_argument("--benchmarks-dir", help="checkout folder holding startup.py (default: "
@@ -760,12 +783,15 @@ def _bench(args):
         # Checked first: the gain benchmark takes minutes on a GPU.
         msg = ("--startup: benchmarks/startup.py not found (it builds virtual environments "
                "from a checkout): run from an outofcuda checkout or pass --benchmarks-dir")
-        _emit(args, {"error": msg}, f"outofcuda bench: {msg}")
+        print(f"outofcuda bench: {msg}", file=sys.stderr)
+        if args.json:
+            _emit(args, {"error": msg}, "")
         return 1
     from . import bench
 
-    rc = bench.main(["--out", args.out] + (["--smoke"] if args.smoke else [])
-                    + (["--workloads", args.workloads] if args.workloads else [])
+    rc = bench.main(["--out", args.out, "--workloads", args.workloads,
+                     "--timeout", str(args.timeout)]
+                    + (["--smoke"] if args.smoke else []) + (["--no-plot"] if args.no_plot else [])
                     + (["--json"] if args.json else []), prog="outofcuda bench")
     if args.startup:
         cmd = [sys.executable, str(bdir / "startup.py"), "--out",
@@ -774,12 +800,46 @@ def _bench(args):
     return rc
 
 
+# What a shell reports for a program that SIGPIPE ended (`yes | head -1`).
+EXIT_BROKEN_PIPE = 128 + 13
+
+
 def main(argv=None):
     """Entry point of ``outofcuda`` / ``python -m outofcuda``; returns the exit code.
+
+    When whoever reads the output goes away (``outofcuda status | head -1``)
+    it stops quietly, as other command-line tools do, with exit code 141.
 
     >>> main(["doctor", "--json"])  # doctest: +SKIP
     0
     """
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # Here, not at exit, so a closed pipe is caught below (also after
+            # --help, which ends in SystemExit).
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout once more at exit: point it at /dev/null so
+        # that flush cannot raise (and print) again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _no_device_reason():
+    """Why memory_report() lists no device, in status's words."""
+    devices, why = gpus()
+    if why:
+        return why
+    if devices:
+        return f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r} hides them"
+    return "NVML lists no GPU"
+
+
+def _main(argv):
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
@@ -804,6 +864,6 @@ def main(argv=None):
         except (ImportError, AttributeError) as e:
             _emit(args, {"error": str(e)}, f"outofcuda report: {e}")
             return 1
-        _emit(args, d, "\n".join(_render_tree(d)) or "no CUDA device")
+        _emit(args, d, "\n".join(_render_tree(d)) or f"no CUDA device ({_no_device_reason()})")
         return 0
     return _bench(args)

@@ -122,6 +122,11 @@ class MemoryMonitor:
 
     def start(self):
         """Start watching (a fresh timeline). Raises RuntimeError if already running."""
+        return self._start(stacklevel=3)
+
+    def _start(self, stacklevel):
+        # stacklevel names the user's frame: start()'s caller, or the line of
+        # the `with` statement when __enter__ starts it.
         global _warned_no_gpu
         if self.running:
             raise RuntimeError("this MemoryMonitor is already running")
@@ -135,7 +140,7 @@ class MemoryMonitor:
         if why and not _warned_no_gpu:
             _warned_no_gpu = True
             warnings.warn(f"outofcuda.MemoryMonitor: {why}; it records nothing", RuntimeWarning,
-                          stacklevel=2)
+                          stacklevel=stacklevel)
         return self
 
     def stop(self):
@@ -147,7 +152,7 @@ class MemoryMonitor:
             core._monitor_stop(self._handle)
 
     def __enter__(self):
-        return self.start()
+        return self._start(stacklevel=3)
 
     def __exit__(self, exc_type, exc, tb):
         self.stop()

@@ -83,8 +83,11 @@ def _allocator_settings():
     if frac.get("applied") and isinstance(frac.get("value"), dict):
         fraction = frac["value"].get("fraction")
     if alloc is None:
-        alloc = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-                 or os.environ.get("PYTORCH_ALLOC_CONF") or None)
+        # The variable this torch reads, as the engine reads it (an empty
+        # value counts as set from 2.11, and then hides the others).
+        import torch
+
+        alloc = core._alloc_var(str(torch.__version__))[1]
     return alloc, fraction
 
 
@@ -178,7 +181,7 @@ def _build_report(text=None, *, exhausted=False):
             observed = None
     fig, notes = _figures(text, observed)
     alloc_conf, fraction = _allocator_settings()
-    expandable = bool(alloc_conf and re.search(r"expandable_segments:\s*True", alloc_conf))
+    expandable = core._alloc_expandable(alloc_conf)
     autocast = observed.get("autocast") if observed else None
     if autocast is None:
         try:

@@ -344,3 +344,38 @@ const char *oc_alloc_env_name(long ver)
      * 2.11 PYTORCH_ALLOC_CONF is the documented name. */
     return ver >= 21100 ? "PYTORCH_ALLOC_CONF" : "PYTORCH_CUDA_ALLOC_CONF";
 }
+
+const char *oc_alloc_user_var(long ver, const char **value)
+{
+    static const char *const order[] = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF",
+                                        "PYTORCH_ALLOC_CONF"};
+    *value = NULL;
+    if (ver < 21100) {
+        *value = getenv("PYTORCH_CUDA_ALLOC_CONF");
+        return "PYTORCH_CUDA_ALLOC_CONF";
+    }
+    for (size_t i = 0; i < sizeof order / sizeof order[0]; i++) {
+        *value = getenv(order[i]);
+        if (*value != NULL)
+            return order[i];
+    }
+    return oc_alloc_env_name(ver);
+}
+
+int oc_alloc_has(const char *conf, const char *key, const char *value)
+{
+    oc_alloc_list l;
+    /* A string torch would refuse sets nothing. */
+    if (oc_alloc_parse(conf, &l, NULL, 0) != 0)
+        return 0;
+    for (int i = 0; i < l.n; i++) {
+        if (strcmp(l.e[i].key, key) == 0)
+            return strcmp(l.e[i].value, value) == 0;
+    }
+    return 0;
+}
+
+int oc_alloc_expandable(const char *conf)
+{
+    return oc_alloc_has(conf, "expandable_segments", "True");
+}

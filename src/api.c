@@ -142,7 +142,7 @@ static PyObject *hook_amp_choice(void)
 static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
 {
     const oc_config *cfg = oc_config_get();
-    char dev[32], reason[160];
+    char dev[32], reason[260], why[200] = "";
     PyObject *hook;
     int cc;
     (void)self;
@@ -167,10 +167,14 @@ static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
     hook = hook_amp_choice();
     if (hook != NULL)
         return Py_BuildValue("(Os)", hook, "the start-up hook's choice");
-    cc = oc_nvml_min_visible_cc();
-    if (cc < 0)
-        return Py_BuildValue("(ss)", "float16",
-                             "compute capability unknown; float16 runs on every GPU");
+    /* As the start-up hook (bridge.c) does: no guess when the capability is
+     * unknown; None leaves torch's own CUDA default. */
+    cc = oc_nvml_available(why, sizeof why) ? oc_nvml_min_visible_cc() : -1;
+    if (cc < 0) {
+        snprintf(reason, sizeof reason, "compute capability unknown: %s",
+                 why[0] ? why : "no visible GPU reported a compute capability");
+        return Py_BuildValue("(Os)", Py_None, reason);
+    }
     snprintf(reason, sizeof reason, "compute capability %d.%d %s 8.0 (from NVML)", cc / 10, cc % 10,
              cc >= 80 ? ">=" : "<");
     return Py_BuildValue("(ss)", cc >= 80 ? "bfloat16" : "float16", reason);
@@ -216,7 +220,10 @@ static int shm_size(const char *path, unsigned long long *total)
 /* _api_loader_plan(cuda_available, num_workers=-1, shm_path="/dev/shm",
  * shm_min_bytes=512 MiB) -> dict: the DataLoader arguments outofcuda proposes
  * (num_workers: the caller's, or -1 for outofcuda's), the CPU count behind
- * them and, the first time workers meet a too-small /dev/shm, a warning. */
+ * them, the shared-memory verdict for those workers (shm_present,
+ * shm_enough, shm_min_bytes: what smart_dataloader and `outofcuda doctor`
+ * both go by) and, the first time workers meet a too-small /dev/shm, a
+ * warning. */
 static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"cuda_available", "num_workers", "shm_path", "shm_min_bytes", NULL};
@@ -224,7 +231,7 @@ static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
     const oc_config *cfg = oc_config_get();
     const char *shm_path = "/dev/shm";
     unsigned long long shm_min = OC_SHM_MIN_BYTES, shm_total = 0;
-    int cuda_available, shm_ok;
+    int cuda_available, shm_ok, shm_enough;
     long cpus, workers, requested = -1;
     char warning[400] = "";
     (void)self;
@@ -236,7 +243,8 @@ static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
      * away, which compares with the affinity mask. */
     workers = requested >= 0 ? requested : (cfg->num_workers < cpus ? cfg->num_workers : cpus);
     shm_ok = shm_size(shm_path, &shm_total) == 0;
-    if (workers > 0 && !shm_warned && (!shm_ok || shm_total < shm_min)) {
+    shm_enough = workers <= 0 || (shm_ok && shm_total >= shm_min);
+    if (!shm_enough && !shm_warned) {
         shm_warned = 1;
         if (shm_ok)
             snprintf(warning, sizeof warning,
@@ -250,11 +258,12 @@ static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
                      "fail. Mount a tmpfs there or set num_workers=0",
                      shm_path);
     }
-    return Py_BuildValue("{s:l,s:l,s:O,s:O,s:l,s:K,s:s}", "num_workers", workers, "prefetch_factor",
-                         cfg->prefetch_factor, "persistent_workers",
-                         workers > 0 ? Py_True : Py_False, "pin_memory",
-                         (cfg->pin_memory && cuda_available) ? Py_True : Py_False, "cpus", cpus,
-                         "shm_bytes", shm_total, "shm_warning", warning);
+    return Py_BuildValue(
+        "{s:l,s:l,s:O,s:O,s:l,s:K,s:s,s:O,s:O,s:K}", "num_workers", workers, "prefetch_factor",
+        cfg->prefetch_factor, "persistent_workers", workers > 0 ? Py_True : Py_False, "pin_memory",
+        (cfg->pin_memory && cuda_available) ? Py_True : Py_False, "cpus", cpus, "shm_bytes",
+        shm_total, "shm_warning", warning, "shm_present", shm_ok ? Py_True : Py_False, "shm_enough",
+        shm_enough ? Py_True : Py_False, "shm_min_bytes", shm_min);
 }
 
 /* ---- model memory format ---- */

@@ -129,42 +129,17 @@ static int key_allowed(const char *key, void *ctx)
 /* Returns 1 when the allocator string chooses backend:cudaMallocAsync. */
 static int async_backend(const char *conf)
 {
-    static oc_alloc_list l;
-    if (oc_alloc_parse(conf, &l, NULL, 0) != 0)
-        return 0;
-    for (int i = 0; i < l.n; i++) {
-        if (strcmp(l.e[i].key, "backend") == 0)
-            return strcmp(l.e[i].value, "cudaMallocAsync") == 0;
-    }
-    return 0;
+    return oc_alloc_has(conf, "backend", "cudaMallocAsync");
 }
 
-/* The allocator variable the user set, as the release reads it: up to 2.10
- * the CUDA allocator reads PYTORCH_CUDA_ALLOC_CONF only; from 2.11 the first
- * set of PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF, PYTORCH_ALLOC_CONF
- * wins whole, and an empty value counts as set (c10::utils::get_env returns
- * it; CUDAAllocatorConfig::instance() stops at the first that has a value,
- * measured on 2.14.1). Returns the variable's name (where outofcuda writes) and its
- * value through *value ("" when unset). */
+/* The allocator variable the user set, as this release reads it
+ * (oc_alloc_user_var); its value through *value ("" when unset). */
 static const char *user_alloc_var(const char **value)
 {
-    static const char *const order[] = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF",
-                                        "PYTORCH_ALLOC_CONF"};
-    const char *v;
-    *value = "";
-    if (tv.ver < 21100) {
-        v = getenv("PYTORCH_CUDA_ALLOC_CONF");
-        *value = v ? v : "";
-        return "PYTORCH_CUDA_ALLOC_CONF";
-    }
-    for (size_t i = 0; i < 3; i++) {
-        v = getenv(order[i]);
-        if (v != NULL) {
-            *value = v;
-            return order[i];
-        }
-    }
-    return oc_alloc_env_name(tv.ver);
+    const char *name = oc_alloc_user_var(tv.ver, value);
+    if (*value == NULL)
+        *value = "";
+    return name;
 }
 
 /* The allocator variable as the user left it, so it can be given back once
@@ -514,7 +489,7 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
                       "this torch build has no CUDA (TF32 would only slow CPU matmuls)");
         return;
     }
-    if (override != NULL && strcmp(override, "0") == 0) {
+    if (oc_tf32_forced_off(override)) {
         oc_result_set("tf32", 0, NULL, "NVIDIA_TF32_OVERRIDE=0 asks for no TF32");
         return;
     }

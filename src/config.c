@@ -330,3 +330,12 @@ void oc_config_load(oc_config *cfg, oc_getenv_fn get, void *ctx)
     load_bool(cfg, get, ctx, "OUTOFCUDA_FRAMEWORK_OVERRIDE", &cfg->framework_override);
     load_bool(cfg, get, ctx, "OUTOFCUDA_KNOWN_BUGS", &cfg->known_bugs);
 }
+
+int oc_tf32_forced_off(const char *v)
+{
+    char buf[4];
+    /* NVIDIA documents NVIDIA_TF32_OVERRIDE=0 as the switch; " 0" (an env
+     * file's stray blank) is read the same way: the off switch errs on the
+     * side of the precision the user asked for. */
+    return v != NULL && trim_copy(v, buf, sizeof buf, 0) != NULL && strcmp(buf, "0") == 0;
+}

@@ -6,7 +6,8 @@
 
 #include <string.h>
 
-/* install() -> None. Never raises: it runs from a .pth line at start-up. */
+/* install() -> None. Never raises: the boot calls it from the start-up hook
+ * (for a torch imported before the finder), and apply() from user code. */
 static PyObject *oc_install(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -165,7 +166,7 @@ static PyObject *oc_merge_alloc_conf_py(PyObject *self, PyObject *args, PyObject
 static PyMethodDef module_methods[] = {
     {"install", oc_install, METH_NOARGS,
      "install()\n--\n\nPut outofcuda's import watcher on sys.meta_path (idempotent, never "
-     "raises). The .pth/.start hook calls this at interpreter start-up."},
+     "raises). outofcuda.apply() calls it; the boot calls it when torch is already imported."},
     {"config", oc_config_py, METH_NOARGS,
      "config()\n--\n\nThe OUTOFCUDA_* configuration as read from the environment."},
     {"_parse_config", oc_parse_config_py, METH_O, "Parse a dict as if it were the environment."},
@@ -188,6 +189,7 @@ static int module_exec(PyObject *m)
         PyModule_AddFunctions(m, oc_nvml_methods) < 0 ||
         PyModule_AddFunctions(m, oc_oom_methods) < 0 ||
         PyModule_AddFunctions(m, oc_api_methods) < 0 ||
+        PyModule_AddFunctions(m, oc_facts_methods) < 0 ||
         PyModule_AddFunctions(m, oc_summary_methods) < 0 ||
         PyModule_AddFunctions(m, oc_known_bugs_methods) < 0 ||
         PyModule_AddFunctions(m, oc_watcher_methods) < 0 || oc_watcher_init(m) < 0)
@@ -205,7 +207,8 @@ static PyModuleDef_Slot module_slots[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     "_outofcuda",
-    "outofcuda's C core: the start-up hook, the torch bridge and NVML access.",
+    "outofcuda's engine: the import watcher, the torch bridge, the API's decisions and NVML "
+    "access (the start-up hook is the boot, outofcuda_hook).",
     0,
     NULL,
     module_slots,

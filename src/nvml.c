@@ -374,6 +374,57 @@ static int mig_parent_index(const char *entry, int n)
     return (int)index;
 }
 
+/* NVML index of one CUDA_VISIBLE_DEVICES entry (blanks trimmed) among n
+ * NVML devices; -1 when CUDA cannot resolve it; -2 when NVML cannot be
+ * asked (n < 0) and the entry has a form that can name a device. */
+static int resolve_entry(const char *entry, int n)
+{
+    if (isdigit((unsigned char)entry[0])) {
+        char *end;
+        long x = strtol(entry, &end, 10);
+        if (*end != '\0')
+            return -1;
+        return n < 0 ? -2 : (x < n ? (int)x : -1);
+    }
+    if (strncmp(entry, "GPU-", 4) == 0)
+        return n < 0 ? -2 : uuid_prefix_index(entry, strlen(entry), n);
+    if (strncmp(entry, "MIG-", 4) == 0)
+        return n < 0 ? -2 : mig_parent_index(entry, n);
+    return -1;
+}
+
+/* Walks CUDA_VISIBLE_DEVICES (vis, set) as CUDA does among n NVML devices
+ * (n < 0: NVML cannot be asked): each entry that resolves goes into map (-2
+ * where NVML cannot say which device), up to max; the walk stops at the
+ * first entry CUDA cannot resolve, copied into stop (left as it is when
+ * every entry resolved). Returns how many entries resolved. */
+static int walk_visible(const char *vis, int n, int *map, int max, char *stop, size_t stopsz)
+{
+    int count = 0;
+    while (*vis && count < max) {
+        char entry[100];
+        size_t len = strcspn(vis, ",");
+        size_t a = 0, b = len;
+        int found = -1;
+        while (a < b && isspace((unsigned char)vis[a]))
+            a++;
+        while (b > a && isspace((unsigned char)vis[b - 1]))
+            b--;
+        if (b - a > 0 && b - a < sizeof entry) {
+            memcpy(entry, vis + a, b - a);
+            entry[b - a] = '\0';
+            found = resolve_entry(entry, n);
+        }
+        if (found == -1) {
+            snprintf(stop, stopsz, "%.*s", (int)(b - a), vis + a);
+            break;
+        }
+        map[count++] = found;
+        vis += len + (vis[len] == ',' ? 1 : 0);
+    }
+    return count;
+}
+
 /* Writes the NVML index of each device CUDA shows this process, in torch's
  * order, into map. Returns how many, or -1 without NVML. CUDA_VISIBLE_DEVICES
  * as indices, GPU-UUID prefixes or MIG instances (mapped to their GPU) is
@@ -384,6 +435,7 @@ int oc_nvml_visible_map(int *map, int max)
 {
     const char *vis = getenv("CUDA_VISIBLE_DEVICES");
     int n = oc_nvml_device_count(), count = 0;
+    char stop[100];
     if (n < 0)
         return -1;
     if (vis == NULL) {
@@ -391,35 +443,7 @@ int oc_nvml_visible_map(int *map, int max)
             map[count++] = i;
         return count;
     }
-    while (*vis && count < max) {
-        char entry[100];
-        size_t len = strcspn(vis, ",");
-        size_t a = 0, b = len;
-        int found = -1;
-        while (a < b && isspace((unsigned char)vis[a]))
-            a++;
-        while (b > a && isspace((unsigned char)vis[b - 1]))
-            b--;
-        if (b - a == 0 || b - a >= sizeof entry)
-            break;
-        memcpy(entry, vis + a, b - a);
-        entry[b - a] = '\0';
-        if (isdigit((unsigned char)entry[0])) {
-            char *end;
-            long x = strtol(entry, &end, 10);
-            if (*end == '\0' && x >= 0 && x < n)
-                found = (int)x;
-        } else if (strncmp(entry, "GPU-", 4) == 0) {
-            found = uuid_prefix_index(entry, strlen(entry), n);
-        } else if (strncmp(entry, "MIG-", 4) == 0) {
-            found = mig_parent_index(entry, n);
-        }
-        if (found < 0)
-            break;
-        map[count++] = found;
-        vis += len + (vis[len] == ',' ? 1 : 0);
-    }
-    return count;
+    return walk_visible(vis, n, map, max, stop, sizeof stop);
 }
 
 int oc_nvml_index(int torch_index)
@@ -521,6 +545,54 @@ static PyObject *py_nvml_index(PyObject *self, PyObject *arg)
     return PyLong_FromLong(found);
 }
 
+/* visible_devices() -> dict: CUDA_VISIBLE_DEVICES read as CUDA reads it.
+ * value: the variable or None; devices: NVML's device count or None without
+ * NVML; indices: the NVML indices CUDA shows, in torch's order (None
+ * without NVML); visible: how many entries resolve (without NVML: how many
+ * have a form that can name a device); stop: the entry CUDA stops at, or
+ * None. */
+static PyObject *py_visible_devices(PyObject *self, PyObject *unused)
+{
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    int map[OC_NVML_MAX_DEVICES], n = oc_nvml_device_count(), count;
+    char stop[100] = "";
+    PyObject *indices, *value, *devices, *stop_obj;
+    (void)self;
+    (void)unused;
+    if (vis == NULL) {
+        count = n < 0 ? 0 : (n < OC_NVML_MAX_DEVICES ? n : OC_NVML_MAX_DEVICES);
+        for (int i = 0; i < count; i++)
+            map[i] = i;
+    } else {
+        stop[0] = '\1'; /* not an entry: every entry resolved */
+        count = walk_visible(vis, n, map, OC_NVML_MAX_DEVICES, stop, sizeof stop);
+    }
+    indices = n < 0 ? (Py_INCREF(Py_None), Py_None) : PyList_New(0);
+    for (int i = 0; indices != NULL && indices != Py_None && i < count; i++) {
+        PyObject *x = PyLong_FromLong(map[i]);
+        if (x == NULL || PyList_Append(indices, x) < 0)
+            Py_CLEAR(indices);
+        Py_XDECREF(x);
+    }
+    if (indices == NULL)
+        return NULL;
+    value = vis ? PyUnicode_DecodeUTF8(vis, (Py_ssize_t)strlen(vis), "replace")
+                : (Py_INCREF(Py_None), Py_None);
+    devices = n < 0 ? (Py_INCREF(Py_None), Py_None) : PyLong_FromLong(n);
+    stop_obj = (vis == NULL || stop[0] == '\1')
+                   ? (Py_INCREF(Py_None), Py_None)
+                   : PyUnicode_DecodeUTF8(stop, (Py_ssize_t)strlen(stop), "replace");
+    if (value == NULL || devices == NULL || stop_obj == NULL) {
+        Py_XDECREF(value);
+        Py_XDECREF(devices);
+        Py_XDECREF(stop_obj);
+        Py_DECREF(indices);
+        return NULL;
+    }
+    return Py_BuildValue("{s:N,s:N,s:N,s:i,s:N}", "value", value, "devices", devices, "indices",
+                         indices, "visible", count, "stop", stop_obj);
+}
+
 PyMethodDef oc_nvml_methods[] = {
     {"nvml_index", py_nvml_index, METH_O,
      "nvml_index(torch_index)\n--\n\nNVML's index of torch's cuda:N (CUDA_VISIBLE_DEVICES "
@@ -529,6 +601,9 @@ PyMethodDef oc_nvml_methods[] = {
      "nvml_devices()\n--\n\n(devices, reason): every GPU NVML reports, without a CUDA context."},
     {"nvml_processes", py_nvml_processes, METH_O,
      "nvml_processes(index)\n--\n\nProcesses holding memory on GPU `index`: [(pid, bytes)]."},
+    {"visible_devices", py_visible_devices, METH_NOARGS,
+     "visible_devices()\n--\n\nCUDA_VISIBLE_DEVICES as CUDA reads it: value, devices, "
+     "indices, visible, stop."},
     {NULL, NULL, 0, NULL},
 };
 

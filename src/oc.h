@@ -15,6 +15,7 @@
  *   summary.c  OUTOFCUDA_SUMMARY: utilisation sampler and the at-exit block
  *   frameworks.c packages that own GPU memory (vLLM, SGLang, ...): table, detection
  *   report.c   status dict and the verbose table
+ *   facts.c    verdicts the Python layer asks for instead of parsing again
  *   nvml.c     NVML loaded with dlopen at run time
  *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python)
  *   allocconf.c allocator-string parse and merge (pure C, no Python)
@@ -195,6 +196,29 @@ typedef struct {
  * out) or OC_KB_UNDECIDED (a fact it needs is unknown). why (may be NULL)
  * says which, in words. */
 int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, size_t whysz);
+/* The allocator variable the CUDA allocator of release `ver` reads, as torch
+ * reads it: up to 2.10 PYTORCH_CUDA_ALLOC_CONF only; from 2.11 the first set
+ * of PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF, PYTORCH_ALLOC_CONF wins
+ * whole, and an empty value counts as set (c10::utils::get_env returns it;
+ * CUDAAllocatorConfig::instance() stops at the first that has a value,
+ * measured on 2.14.1). Returns the name (where outofcuda writes; the
+ * release's first name when none is set) and its value through *value (NULL
+ * when unset). */
+const char *oc_alloc_user_var(long ver, const char **value);
+
+/* Returns 1 when the allocator string sets key to value (the last entry of
+ * key wins, blanks around ignored), else 0 (also for a malformed
+ * string). */
+int oc_alloc_has(const char *conf, const char *key, const char *value);
+
+/* Returns 1 when the allocator string turns expandable segments on (its
+ * last expandable_segments entry is True, blanks around ignored as torch's
+ * tokenizer does), else 0 (also for a malformed string). */
+int oc_alloc_expandable(const char *conf);
+
+/* Returns 1 when NVIDIA_TF32_OVERRIDE's value v (NULL: unset) forces TF32
+ * off in NVIDIA's libraries: "0", C-locale blanks around allowed. */
+int oc_tf32_forced_off(const char *v);
 
 #ifndef OC_PURE_C
 /* ---- Python part ---- */
@@ -319,6 +343,9 @@ typedef struct {
 int oc_api_torch_stats(int torch_index, oc_torch_mem *out);
 /* gc.collect (if configured) + empty_cache; 0 ok, -1 with an exception set. */
 int oc_api_clear_cache(long long *released);
+
+/* facts.c */
+extern PyMethodDef oc_facts_methods[];
 
 /* monitor.c */
 int oc_monitor_add_type(PyObject *module);

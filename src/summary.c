@@ -523,7 +523,7 @@ static int make_hints(const sum_device *d, long workers, hint *h)
     }
     if (d->peak_reserved >= FRAG_MIN_RESERVED && d->peak_allocated >= 0) {
         double frag = (double)(d->peak_reserved - d->peak_allocated) / (double)d->peak_reserved;
-        int expandable = strstr(oc_g.alloc_value, "expandable_segments:True") != NULL;
+        int expandable = oc_alloc_expandable(oc_g.alloc_value);
         if (frag >= 0.25) {
             h[n].score = frag / 0.25;
             h[n].order = 1;

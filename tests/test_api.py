@@ -344,3 +344,48 @@ def test_compile_model_compile_true_names_the_argument_when_it_cannot_compile(ve
     name, messages = _json(r)
     assert name == "Linear" and len(messages) == 1
     assert "compile=True" in messages[0] and "C++ compiler" in messages[0]
+
+
+def test_public_names_in_the_stubs_exist(venv, workdir):
+    """Every public name outofcuda/__init__.pyi declares is an attribute of the
+    package at run time."""
+    r = venv.check("""
+        import ast, json, pathlib, outofcuda
+        tree = ast.parse((pathlib.Path(outofcuda.__file__).parent / "__init__.pyi").read_text())
+        names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        print(json.dumps(sorted(n for n in names if not n.startswith("_")
+                                and not hasattr(outofcuda, n))))
+    """, cwd=workdir)
+    assert _json(r) == []
+
+
+def test_engine_stub_ships_and_names_every_function(venv, workdir):
+    r = venv.check("""
+        import ast, json, sysconfig, pathlib, _outofcuda
+        stub = pathlib.Path(sysconfig.get_paths()["purelib"]) / "_outofcuda.pyi"
+        declared = {n.name for n in ast.parse(stub.read_text()).body
+                    if isinstance(n, ast.FunctionDef)}
+        real = {n for n in dir(_outofcuda)
+                if type(getattr(_outofcuda, n)).__name__ == "builtin_function_or_method"}
+        print(json.dumps([sorted(real - declared), sorted(declared - real)]))
+    """, cwd=workdir)
+    assert _json(r) == [[], []]
+
+
+WARNED = """
+import warnings, outofcuda
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as seen:
+    {how}
+print(seen[0].filename, seen[0].lineno)
+"""
+
+
+@pytest.mark.parametrize("how", ["with outofcuda.MemoryMonitor():\n        pass",
+                                 "outofcuda.MemoryMonitor().start().stop()"])
+def test_memory_monitor_warning_names_the_users_line(venv, workdir, how):
+    """No GPU here: MemoryMonitor's one warning points at the user's line."""
+    script = workdir / "train.py"
+    script.write_text(WARNED.format(how=how))
+    r = venv.check(None, args=[str(script)], cwd=workdir)
+    assert r.stdout.split() == [str(script), "5"], r.stdout

@@ -72,6 +72,11 @@ def test_bench_startup_without_a_checkout_fails_fast(venv, workdir):
     err = json.loads(r.stdout)["error"]
     assert "startup.py not found" in err
     assert not (workdir / "bench-results").exists()   # the gain benchmark did not start
+    assert "startup.py not found" in r.stderr
+    text = venv.run(None, args=["-m", "outofcuda", "bench", "--startup", "--benchmarks-dir",
+                                str(workdir)], cwd=workdir, timeout=60)
+    assert text.returncode == 1 and text.stdout == ""   # an error goes to stderr
+    assert text.stderr.startswith("outofcuda bench: --startup: benchmarks/startup.py not found")
 
 
 def test_gain_script_in_the_checkout_is_the_packaged_benchmark(venv, workdir):

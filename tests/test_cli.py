@@ -232,7 +232,9 @@ def test_report_text_by_default_json_on_request(venv, workdir):
     assert "text" in line and "--json" in line and "as JSON" not in line, line
     assert "--json prints" in " ".join(cli(venv, "report", "--help", cwd=workdir).stdout.split())
     plain = cli(venv, "report", cwd=workdir)
-    assert plain.returncode == 0 and plain.stdout.strip() == "no CUDA device", plain.stderr
+    # The reason is the one `status` gives under GPUs.
+    why = json.loads(cli(venv, "status", "--json", cwd=workdir).stdout)["nvml_error"]
+    assert plain.returncode == 0 and plain.stdout.strip() == f"no CUDA device ({why})", plain.stderr
     with pytest.raises(json.JSONDecodeError):
         json.loads(plain.stdout)
     assert json.loads(cli(venv, "report", "--json", cwd=workdir).stdout) == {}
@@ -354,3 +356,184 @@ def test_console_script(venv, workdir):
     r = subprocess.run([str(venv.path / "bin" / "outofcuda"), "doctor", "--json"],
                        capture_output=True, text=True, cwd=workdir, timeout=300)
     assert [c["name"] for c in json.loads(r.stdout)["checks"]] == CHECKS
+
+
+# ---- one owner for each fact: doctor and status ask the engine ----
+
+
+def _checks(r):
+    return {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+
+
+@pytest.mark.parametrize("value,off", [("0", True), (" 0", True), ("0\t", True), ("1", False),
+                                       ("00", False)])
+def test_tf32_override_is_one_verdict(cuda_venv, workdir, value, off):
+    """NVIDIA_TF32_OVERRIDE: what the hook does on a CUDA build and what doctor
+    says come from one rule (blanks around "0" still mean off)."""
+    env = {"NVIDIA_TF32_OVERRIDE": value}
+    st = json.loads(cli(cuda_venv, "status", "--json", env=env, cwd=workdir).stdout)
+    tf32 = st["optimizations"]["tf32"]
+    assert ("NVIDIA_TF32_OVERRIDE" in tf32["reason"]) is off, tf32
+    if off:
+        assert tf32["applied"] is False
+    check = _checks(cli(cuda_venv, "doctor", "--json", env=env, cwd=workdir))
+    assert check["nvidia_tf32_override"]["ok"] is not off, check["nvidia_tf32_override"]
+
+
+PLAN = """
+import json, _outofcuda
+print(json.dumps(_outofcuda._api_loader_plan(False)))
+"""
+
+
+def test_doctor_checks_shared_memory_for_the_dataloaders_plan(venv, workdir):
+    """doctor names the worker count smart_dataloader would use (capped at the
+    CPUs) and the /dev/shm threshold it warns at."""
+    env = {"OUTOFCUDA_NUM_WORKERS": "64"}
+    plan = json.loads(venv.check(PLAN, env=env, cwd=workdir).stdout)
+    check = _checks(cli(venv, "doctor", "--json", env=env, cwd=workdir))["dev_shm"]
+    assert f"for {plan['num_workers']} workers" in check["message"], check
+    assert f"want >= {plan['shm_min_bytes'] >> 20:,} MiB" in check["message"], check
+    assert check["ok"] is plan["shm_enough"]
+
+
+SHM_SCENARIO = """
+mount -t tmpfs -o size={size}m tmpfs /dev/shm || exit 77
+{python} -m outofcuda doctor --json > {out}/doctor.json
+{python} -W error::RuntimeWarning -c '
+import torch, outofcuda
+outofcuda.smart_dataloader(torch.utils.data.TensorDataset(torch.zeros(2)), batch_size=1)
+' 2> {out}/loader.err
+echo $? > {out}/loader.rc
+"""
+
+
+@pytest.mark.parametrize("size_mib", [300, 600])
+def test_doctor_and_smart_dataloader_agree_on_a_small_dev_shm(venv, workdir, size_mib):
+    """A /dev/shm of its own (a private mount namespace): doctor flags it exactly
+    when smart_dataloader warns about it."""
+    import shutil
+    import subprocess
+
+    from conftest import _clean_env
+
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare is missing")
+    script = SHM_SCENARIO.format(size=size_mib, python=venv.python, out=workdir)
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                       env=_clean_env({"OUTOFCUDA_NUM_WORKERS": "4"}), cwd=workdir,
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a private /dev/shm here: {r.stderr.strip()[-200:]}")
+    check = {c["name"]: c for c in json.loads((workdir / "doctor.json").read_text())["checks"]}
+    warned = (workdir / "loader.rc").read_text().strip() != "0"
+    assert warned == (size_mib < 512), (workdir / "loader.err").read_text()
+    assert check["dev_shm"]["ok"] is not warned, check["dev_shm"]
+
+
+def test_doctor_reads_the_allocator_variable_torch_reads(venv, workdir):
+    """torch 2.13 reads the first allocator variable that is set, an empty one
+    included: a malformed value in a variable it does not read is no problem."""
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": "expandable_segments"}
+    r = cli(venv, "doctor", "--json", env=env, cwd=workdir)
+    check = _checks(r)["alloc_conf"]
+    assert check["ok"], check
+    assert re.search(r"PYTORCH_ALLOC_CONF is set but torch 2\.13\.0\S* reads "
+                     r"PYTORCH_CUDA_ALLOC_CONF", check["message"]), check
+
+
+OOM_REPORT = """
+import json, outofcuda, _outofcuda as core
+core._oom_observer(0, 2 << 30, 80 << 30, 1 << 29)
+rep = outofcuda.last_oom()
+print(json.dumps([rep["allocator_config"], rep["expandable_segments"]]))
+"""
+
+
+@pytest.mark.parametrize("env,conf,expandable", [
+    # the empty variable torch reads first hides the other
+    ({"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}, "",
+     False),
+    # the last entry wins, blanks around the colon are allowed (torch's tokenizer)
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True,expandable_segments:False"},
+     "expandable_segments:True,expandable_segments:False", False),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments : True"}, "expandable_segments : True", True),
+])
+def test_oom_report_reads_the_allocator_as_torch_does(venv, workdir, env, conf, expandable):
+    r = venv.check(OOM_REPORT, env=env, cwd=workdir)
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [conf, expandable]
+
+
+@pytest.mark.parametrize("value,disabled", [("\u20031", False), ("\u00a0yes", False),
+                                            (" 1\t", True)])
+def test_disable_switch_is_read_as_the_boot_reads_it(venv, workdir, value, disabled):
+    """OUTOFCUDA_DISABLE with a Unicode blank is not a boolean to the C side (the
+    hook fires): status and doctor say the same."""
+    env = {"OUTOFCUDA_DISABLE": value}
+    d = json.loads(cli(venv, "status", "--json", env=env, cwd=workdir).stdout)
+    assert d["hook"]["fired"] is not disabled
+    assert d["hook"]["disabled_by_env"] is disabled
+    check = _checks(cli(venv, "doctor", "--json", env=env, cwd=workdir))["hook_file"]
+    assert ("OUTOFCUDA_DISABLE is set" in check["message"]) is disabled, check
+
+
+# ---- what a new user ran into ----
+
+
+@pytest.mark.parametrize("args", [["status"], ["status", "--json"], ["doctor"],
+                                  ["doctor", "--json"], ["report", "--json"]])
+def test_a_closed_pipe_ends_quietly(venv, workdir, args):
+    """`outofcuda status | head -1`: the reader goes away before the output
+    comes; the command stops without a traceback."""
+    import subprocess
+
+    from conftest import _clean_env
+
+    with subprocess.Popen([str(venv.python), "-m", "outofcuda", *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, cwd=workdir, env=_clean_env()) as p:
+        p.stdout.close()
+        err = p.stderr.read().decode()
+        rc = p.wait(timeout=300)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert err == "" and rc == 141
+
+
+def test_bench_accepts_what_its_usage_shows(venv, workdir):
+    """Every option bench's usage names is one `outofcuda bench` accepts, and
+    --help names the workloads and where results go."""
+    help_text = " ".join(cli(venv, "bench", "--help", cwd=workdir).stdout.split())
+    for word in ("--timeout", "--no-plot", "gpt_fp32", "mlp", "./bench-results"):
+        assert word in help_text, word
+    r = cli(venv, "bench", "--smoke", "--no-plot", "--timeout", "0", cwd=workdir)
+    assert r.returncode == 2 and "unrecognized arguments" not in r.stderr, r.stderr
+    assert "--timeout must be positive" in r.stderr and "--no-plot" in r.stderr
+
+
+def test_status_without_torch_says_one_thing(venv, workdir, tmp_path):
+    """torch that cannot be imported (a broken copy first on the path): the
+    header and the table give the same reason."""
+    broken = tmp_path / "broken" / "torch"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('this torch is broken')\n")
+    r = cli(venv, "status", env={"PYTHONPATH": str(broken.parent)}, cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    assert "not importable (ImportError: this torch is broken)" in " ".join(r.stdout.split())
+    assert "has not been imported" not in r.stdout, r.stdout
+    assert "torch is not importable: nothing was applied" in r.stdout, r.stdout
+
+
+def test_source_tree_shadowing_is_named(venv, tmp_path):
+    """`python -m outofcuda` in a checkout: the checkout's outofcuda/ (no built
+    extension) comes first on sys.path; the message says so, not "reinstall"."""
+    import shutil
+
+    tree = tmp_path / "checkout"
+    shutil.copytree(ROOT / "outofcuda", tree / "outofcuda",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    (tree / "src").mkdir()
+    shutil.copy2(ROOT / "src" / "oc.h", tree / "src" / "oc.h")
+    shutil.copy2(ROOT / "setup.py", tree / "setup.py")
+    r = cli(venv, "status", cwd=tree)
+    assert r.returncode == 1
+    assert "source tree" in r.stderr and "shadows the installed package" in r.stderr, r.stderr
+    assert str(venv.site) in r.stderr and "reinstall" not in r.stderr

@@ -97,7 +97,7 @@ def test_stub_utilization_sequences(stub_nvml, tmp_path, monkeypatch):
 def test_devices_status_and_doctor_list_the_gpus(venv, workdir, tmp_path, nvml):
     cfg = config(tmp_path / "nvml.cfg", [
         device(), device(name="Tesla V100-SXM2-16GB", uuid=UUID1, cc="7.0", total=16 * GIB,
-                         used=3 * GIB)])
+                         used=3 * GIB)], migs=[(MIG1, 1)])   # a MIG instance of GPU 1
     env = nvml(cfg)
     d = last_json(venv.run("import json, _outofcuda; print(json.dumps(_outofcuda.nvml_devices()))",
                            env=env, cwd=workdir))
@@ -129,6 +129,29 @@ def test_devices_status_and_doctor_list_the_gpus(venv, workdir, tmp_path, nvml):
                  env=dict(env, CUDA_VISIBLE_DEVICES=f"1,{MIG1}"))
     checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
     assert checks["cuda_visible_devices"]["ok"] is True
+
+
+@pytest.mark.parametrize("visible,ok,words", [
+    ("GPU-ffffffff", False, "'GPU-ffffffff' matches no device NVML sees"),
+    ("0,MIG-ffffffff-0000-0000-0000-000000000000", False, "shows 1 GPU"),
+    ("0,7,1", False, "names GPU 7 but NVML sees 2"),
+    ("-1", False, "hides every GPU"),
+    (" 1 , 0 ", True, "NVML GPUs 1, 0"),
+    ("GPU-9f8e", True, "NVML GPUs 1"),
+])
+def test_doctor_reads_cuda_visible_devices_as_the_engine_does(venv, workdir, tmp_path, nvml,
+                                                              visible, ok, words):
+    """doctor's verdict is nvml.c's: CUDA stops at the first entry no device
+    answers to, a UUID included."""
+    cfg = config(tmp_path / "nvml.cfg", MIXED, migs=[(MIG1, 1)])
+    env = dict(nvml(cfg), CUDA_VISIBLE_DEVICES=visible)
+    r = venv.run(None, args=("-m", "outofcuda", "doctor", "--json"), cwd=workdir, env=env)
+    check = {c["name"]: c for c in json.loads(r.stdout)["checks"]}["cuda_visible_devices"]
+    assert check["ok"] is ok and words in check["message"], check
+    shown = last_json(venv.run("import json, _outofcuda; print(json.dumps("
+                               "_outofcuda.visible_devices()['indices']))", env=env, cwd=workdir))
+    index = last_json(venv.run(DECIDE, env=env, cwd=workdir))[1]
+    assert index == (shown + [None] * 3)[:3]   # the map the rest of the engine uses
 
 
 # ---- autocast "auto" ----
@@ -197,8 +220,8 @@ MIXED = [device(cc="8.0"), device(name="Tesla V100-SXM2-16GB", uuid=UUID1, cc="7
     (MIG1, "float16", [1, None, None]),                  # a MIG instance of GPU 1
     (f"MIG-{UUID0}/1/0", "bfloat16", [0, None, None]),  # R450 MIG syntax
     ("0,7,1", "bfloat16", [0, None, None]),              # CUDA stops at the unknown entry
-    ("MIG-ffffffff-0000-0000-0000-000000000000,1", "float16", [None, None, None]),
-    ("-1", "float16", [None, None, None]),
+    ("MIG-ffffffff-0000-0000-0000-000000000000,1", None, [None, None, None]),
+    ("-1", None, [None, None, None]),                    # nothing visible: no capability
 ])
 def test_mixed_devices_and_cuda_visible_devices(venv, workdir, tmp_path, nvml, visible, dtype,
                                                 index):
@@ -295,8 +318,8 @@ def test_memory_report_from_nvml_with_processes(venv, workdir, tmp_path, nvml):
                       .read_text())
     fields = {c.name: [a.target.id for a in c.body if isinstance(a, ast.AnnAssign)]
               for c in stubs.body if isinstance(c, ast.ClassDef)}
-    assert fields["DeviceMemory"] == list(a100)
-    assert fields["GpuProcess"] == list(a100["processes"][0])
+    assert fields["_DeviceMemory"] == list(a100)
+    assert fields["_GpuProcess"] == list(a100["processes"][0])
 
 
 def test_report_command_lists_the_processes(venv, workdir, tmp_path, nvml):
@@ -449,7 +472,22 @@ def test_library_missing(venv, workdir):
     d = last_json(venv.run(ERRORS, cwd=workdir))
     assert d["devices"][0] == [] and "NVIDIA driver library not found" in d["devices"][1]
     assert d["report"] == {} and d["procs"] == [] and d["index"] is None
-    assert d["dtype"] == ["float16", "compute capability unknown; float16 runs on every GPU"]
+    # As the start-up hook decides (bridge.c): no guess, torch's own default.
+    assert d["dtype"][0] is None
+    assert d["dtype"][1].startswith("compute capability unknown: NVIDIA driver library not found")
+
+
+def test_unknown_capability_is_one_verdict_for_the_hook_and_the_api(cuda_venv, workdir):
+    """The CUDA build of torch without NVML: the start-up hook skips the
+    autocast dtype, and autocast_context()'s choice says the same, not float16."""
+    d = last_json(cuda_venv.run("""
+import json, torch, _outofcuda
+print(json.dumps([_outofcuda.status()["optimizations"]["amp_dtype"],
+                  _outofcuda._api_autocast_dtype("cuda")]))
+""", cwd=workdir))
+    hook, (dtype, reason) = d
+    assert hook["applied"] is False and hook["reason"].startswith("compute capability unknown: ")
+    assert dtype is None and reason == hook["reason"]
 
 
 @pytest.mark.parametrize("variant,errors,why", [
@@ -462,7 +500,7 @@ def test_nvml_unusable(venv, workdir, tmp_path, nvml, variant, errors, why):
     d = last_json(venv.run(ERRORS, env=nvml(cfg, variant), cwd=workdir))
     assert d["devices"][0] == [] and d["devices"][1].startswith(why)
     assert d["report"] == {} and d["procs"] == [] and d["index"] is None
-    assert d["dtype"][0] == "float16" and "unknown" in d["dtype"][1]
+    assert d["dtype"][0] is None and "unknown" in d["dtype"][1]
     r = venv.run(None, args=("-m", "outofcuda", "status"), env=nvml(cfg, variant), cwd=workdir)
     assert r.returncode == 0, r.stderr
     assert f"GPUs            none ({why}" in r.stdout, r.stdout
@@ -473,7 +511,7 @@ def test_device_count_fails(venv, workdir, tmp_path, nvml):
     d = last_json(venv.run(ERRORS, env=nvml(cfg), cwd=workdir))
     assert d["devices"] == [[], None]
     assert d["report"] == {} and d["index"] is None
-    assert d["dtype"][0] == "float16" and "unknown" in d["dtype"][1]
+    assert d["dtype"][0] is None and "unknown" in d["dtype"][1]
 
 
 @pytest.mark.parametrize("function", [
@@ -524,8 +562,9 @@ print(json.dumps({"uuid_prefix": uuid_prefix, "procs1": _outofcuda.nvml_processe
     unreadable = name in ("nvmlDeviceGetUUID", "nvmlDeviceGetHandleByIndex_v2")
     assert extra["uuid_prefix"] == (None if unreadable else 1)
     if name in ("nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetCudaComputeCapability"):
-        # One device unreadable: its capability is unknown, so float16.
-        assert d["dtype"] == ["float16", "compute capability unknown; float16 runs on every GPU"]
+        # One device unreadable: its capability is unknown, so torch's default.
+        assert d["dtype"] == [None, "compute capability unknown: no visible GPU reported a "
+                                    "compute capability"]
     else:
         assert d["dtype"] == ["float16", "compute capability 7.0 < 8.0 (from NVML)"]
 
@@ -542,12 +581,13 @@ def test_mig_lookup_fails_stops_the_list(venv, workdir, tmp_path, nvml, function
 
 def test_optional_symbol_missing(venv, workdir, tmp_path, nvml):
     """A driver without nvmlDeviceGetCudaComputeCapability: devices are listed,
-    the capability is unknown, and autocast falls back to float16."""
+    the capability is unknown, and autocast keeps torch's default."""
     cfg = config(tmp_path / "nvml.cfg", [device(cc="9.0")])
     d = last_json(venv.run(ERRORS, env=nvml(cfg, "no_cc"), cwd=workdir))
     assert d["devices"][0][0]["compute_capability"] == [-1, -1]
     assert d["report"]["cuda:0"]["total_gb"] == 80.0
-    assert d["dtype"] == ["float16", "compute capability unknown; float16 runs on every GPU"]
+    assert d["dtype"] == [None, "compute capability unknown: no visible GPU reported a "
+                                "compute capability"]
 
 
 # ---- the GPU checks cannot pass without a GPU ----

@@ -1,0 +1,107 @@
+/* facts.c - verdicts the Python layer (the CLI, the API, the OOM report)
+ * asks for instead of parsing the environment again: one owner for each
+ * fact, the same rules the start-up path applies. */
+#include "oc.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Applies verdict to the whole of str's UTF-8 text (no length cap, so a long
+ * value is never judged by a cut copy). Returns its answer, or -1 with an
+ * exception when str is not a str. */
+static int on_text(PyObject *str, const char *what, int (*verdict)(const char *))
+{
+    PyObject *bytes;
+    int r;
+    if (!PyUnicode_Check(str)) {
+        PyErr_Format(PyExc_TypeError, "%s expects a str", what);
+        return -1;
+    }
+    bytes = PyUnicode_AsEncodedString(str, "utf-8", "surrogateescape");
+    if (bytes == NULL)
+        return -1;
+    r = verdict(PyBytes_AsString(bytes));
+    Py_DECREF(bytes);
+    return r;
+}
+
+/* _parse_bool(word) -> True, False, or None when the word is not a boolean
+ * (the words every OUTOFCUDA_* switch accepts). */
+static PyObject *py_parse_bool(PyObject *self, PyObject *arg)
+{
+    int b;
+    (void)self;
+    if (!PyUnicode_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "_parse_bool expects a str");
+        return NULL;
+    }
+    b = on_text(arg, "_parse_bool", oc_parse_bool);
+    if (b == -1 && PyErr_Occurred())
+        return NULL;
+    if (b < 0)
+        Py_RETURN_NONE;
+    return PyBool_FromLong(b);
+}
+
+/* _disabled_by_env() -> bool: OUTOFCUDA_DISABLE turns outofcuda off (as the
+ * boot and the engine read it: C-locale blanks trimmed). */
+static PyObject *py_disabled_by_env(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(oc_disabled_by_env());
+}
+
+/* _tf32_forced_off() -> bool: NVIDIA_TF32_OVERRIDE turns TF32 off in
+ * NVIDIA's libraries (and outofcuda leaves TF32 alone). */
+static PyObject *py_tf32_forced_off(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(oc_tf32_forced_off(getenv("NVIDIA_TF32_OVERRIDE")));
+}
+
+/* _alloc_var(torch_version=None) -> (name, value or None): the allocator
+ * variable that release reads and its value (None when unset; "" counts as
+ * set from 2.11). An unknown version reads as a release before 2.11. */
+static PyObject *py_alloc_var(PyObject *self, PyObject *args)
+{
+    const char *version = NULL, *name, *value;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "|z", &version))
+        return NULL;
+    name = oc_alloc_user_var(version ? oc_torch_version_number(version) : 0, &value);
+    if (value == NULL)
+        return Py_BuildValue("(sO)", name, Py_None);
+    return Py_BuildValue("(sN)", name,
+                         PyUnicode_DecodeUTF8(value, (Py_ssize_t)strlen(value), "replace"));
+}
+
+/* _alloc_expandable(conf) -> bool: the allocator string turns expandable
+ * segments on. */
+static PyObject *py_alloc_expandable(PyObject *self, PyObject *arg)
+{
+    int on;
+    (void)self;
+    if (arg == Py_None)
+        Py_RETURN_FALSE;
+    on = on_text(arg, "_alloc_expandable", oc_alloc_expandable);
+    if (on < 0)
+        return NULL;
+    return PyBool_FromLong(on);
+}
+
+PyMethodDef oc_facts_methods[] = {
+    {"_parse_bool", py_parse_bool, METH_O,
+     "_parse_bool(word)\n--\n\nTrue, False, or None when the word is not a boolean."},
+    {"_disabled_by_env", py_disabled_by_env, METH_NOARGS,
+     "_disabled_by_env()\n--\n\nOUTOFCUDA_DISABLE turns outofcuda off."},
+    {"_tf32_forced_off", py_tf32_forced_off, METH_NOARGS,
+     "_tf32_forced_off()\n--\n\nNVIDIA_TF32_OVERRIDE turns TF32 off in NVIDIA's libraries."},
+    {"_alloc_var", py_alloc_var, METH_VARARGS,
+     "_alloc_var(torch_version=None)\n--\n\n(name, value or None) of the allocator variable "
+     "that torch release reads."},
+    {"_alloc_expandable", py_alloc_expandable, METH_O,
+     "_alloc_expandable(conf)\n--\n\nThe allocator string turns expandable segments on."},
+    {NULL, NULL, 0, NULL},
+};
