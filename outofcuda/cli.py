@@ -205,11 +205,14 @@ def status_data():
     devices, nvml_reason = gpus()
     hook = st.get("hook") or {}
     optimizations = st.get("optimizations") or {}
+    known_bugs = st.get("known_bugs") or []
     if pr.get("torch") is None and pr.get("torch_error"):
         # The probe's import failed: "not imported yet", what the engine can
         # say from inside, would contradict the header's "not importable".
         optimizations = {name: dict(e, reason="torch is not importable: nothing was applied")
                          for name, e in optimizations.items()}
+        known_bugs = [dict(e, reason="torch is not importable: nothing was decided")
+                      for e in known_bugs]
     return {
         "version": core.__version__,
         "python": sys.version.split()[0],
@@ -227,7 +230,7 @@ def status_data():
         "cuda": pr.get("cuda"),
         "cuda_initialized_by_import": pr.get("cuda_initialized"),
         "optimizations": optimizations,
-        "known_bugs": st.get("known_bugs") or [],
+        "known_bugs": known_bugs,
         "config_warnings": st.get("config_warnings") or [],
         "gpus": devices,
         "nvml_error": nvml_reason,

@@ -38,7 +38,7 @@ static PyObject *initialised_torch_cuda(void)
     Py_DECREF(torch);
     return cuda;
 error:
-    PyErr_Clear();
+    OC_CLEAR();
     Py_XDECREF(r);
     Py_XDECREF(cuda);
     Py_XDECREF(torch);
@@ -50,7 +50,7 @@ static long long stat_value(PyObject *stats, const char *key)
     PyObject *v = PyDict_GetItemString(stats, key);
     long long x = v ? PyLong_AsLongLong(v) : 0;
     if (x == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
+        OC_CLEAR();
         x = 0;
     }
     return x;
@@ -71,7 +71,7 @@ int oc_api_torch_stats(int torch_index, oc_torch_mem *out)
     out->peak_allocated = stat_value(stats, "allocated_bytes.all.peak");
     ok = 1;
 error:
-    PyErr_Clear();
+    OC_CLEAR();
     Py_XDECREF(stats);
     Py_DECREF(cuda);
     return ok;
@@ -85,7 +85,7 @@ static long long total_reserved(PyObject *cuda)
     long n = r ? PyLong_AsLong(r) : 0;
     long long sum = 0;
     Py_XDECREF(r);
-    PyErr_Clear();
+    OC_CLEAR();
     for (long i = 0; i < n && i < OC_NVML_MAX_DEVICES; i++) {
         oc_torch_mem m;
         if (oc_api_torch_stats((int)i, &m))
@@ -423,7 +423,7 @@ static int visit_node(PyObject *node, PyObject *saved, PyObject *stack)
         /* Only AccumulateGrad nodes have a variable: absence is the answer. */
         if (!PyErr_ExceptionMatches(PyExc_AttributeError))
             return -1;
-        PyErr_Clear();
+        PyErr_Clear(); /* absence: not an AccumulateGrad node */
     } else {
         PyObject *key = PyLong_FromVoidPtr(var);
         int have = key ? PyDict_Contains(saved, key) : -1, rc = have < 0 ? -1 : 0;
@@ -476,7 +476,7 @@ static PyObject *py_grad_set_aside(PyObject *self, PyObject *args)
     node = PyObject_GetAttrString(loss, "grad_fn");
     if (node == NULL) {
         if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            PyErr_Clear();
+            PyErr_Clear(); /* absence: replaced by the TypeError below */
             PyErr_SetString(PyExc_TypeError, "_grad_set_aside: loss must be a tensor");
         }
         return NULL;

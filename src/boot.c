@@ -10,6 +10,7 @@
  * site to compile beyond the .pth line (benchmarks/startup.py measures it). */
 #include "oc.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <structmember.h>
 
@@ -32,10 +33,10 @@ static int is_blank(char c)
 /* OUTOFCUDA_DISABLE as a boolean word: the words oc_parse_bool (config.c)
  * accepts for "yes", any case, blanks around. The boot links nothing of the
  * engine, so it reads the one variable it needs itself. */
-static int disabled_by_env(void)
+static int env_yes(const char *name)
 {
     static const char *const yes[] = {"1", "true", "yes", "on"};
-    const char *v = getenv("OUTOFCUDA_DISABLE");
+    const char *v = getenv(name);
     char word[8];
     size_t n = 0;
     if (v == NULL)
@@ -59,6 +60,42 @@ static int disabled_by_env(void)
     }
     return 0;
 }
+
+static int disabled_by_env(void)
+{
+    return env_yes("OUTOFCUDA_DISABLE");
+}
+
+/* Swallows the current exception; under OUTOFCUDA_DEBUG=1 prints it first,
+ * in the engine's format (common.c's oc_clear_at, which the boot does not
+ * link). Only an error path reads the variable: start-up pays nothing. */
+static void boot_clear(int line, const char *func)
+{
+    PyObject *type, *value, *tb, *name, *text = NULL, *utf8 = NULL;
+    if (!PyErr_Occurred())
+        return;
+    if (!env_yes("OUTOFCUDA_DEBUG")) {
+        PyErr_Clear(); /* recorded nowhere: OUTOFCUDA_DEBUG is off */
+        return;
+    }
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    name = type ? PyObject_GetAttrString(type, "__name__") : NULL;
+    if (name != NULL && value != NULL)
+        text = PyUnicode_FromFormat("%S: %S", name, value);
+    Py_XDECREF(name);
+    if (text != NULL)
+        utf8 = PyUnicode_AsUTF8String(text);
+    PyErr_Clear(); /* reported below as "?" */
+    fprintf(stderr, "outofcuda debug: boot.c:%d %s: %s\n", line, func,
+            utf8 ? PyBytes_AsString(utf8) : "?");
+    Py_XDECREF(utf8);
+    Py_XDECREF(text);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+}
+#define BOOT_CLEAR() boot_clear(__LINE__, __func__)
 
 /* ---- the engine, loaded on the first `import torch` ---- */
 
@@ -162,7 +199,7 @@ static PyObject *call_engine(const char *name, PyObject *args, PyObject *kw)
     eng = get_engine();
     if (eng == NULL) {
         engine_unusable = 1;
-        PyErr_Clear();
+        BOOT_CLEAR();
         Py_RETURN_NONE;
     }
     fn = PyObject_GetAttrString(eng, name);
@@ -186,7 +223,7 @@ static PyObject *finder_find_spec(PyObject *self, PyObject *args, PyObject *kw)
         PyUnicode_CompareWithASCIIString(first, "torch") != 0)
         Py_RETURN_NONE;
     if (first == NULL)
-        PyErr_Clear();
+        BOOT_CLEAR();
     /* engine._find_torch_spec(finder, *args, **kw) */
     n = PyTuple_Size(args);
     full = PyTuple_New(n + 1);
@@ -306,7 +343,7 @@ static PyObject *boot_install(PyObject *self, PyObject *unused)
         Py_RETURN_NONE;
     res = boot_install_raw(self, unused);
     if (res == NULL) {
-        PyErr_Clear();
+        BOOT_CLEAR();
         Py_RETURN_NONE;
     }
     Py_DECREF(res);
@@ -316,7 +353,7 @@ static PyObject *boot_install(PyObject *self, PyObject *unused)
         Py_XDECREF(res);
         Py_XDECREF(none);
     }
-    PyErr_Clear();
+    BOOT_CLEAR();
     Py_RETURN_NONE;
 }
 
@@ -375,7 +412,7 @@ PyMODINIT_FUNC PyInit_outofcuda_hook(void)
     modules = PyImport_GetModuleDict(); /* borrowed */
     if (PyDict_GetItemString(modules, OC_BOOT_NAME) == NULL &&
         PyDict_SetItemString(modules, OC_BOOT_NAME, m) < 0)
-        PyErr_Clear();
+        BOOT_CLEAR();
     res = boot_install(m, NULL);
     Py_XDECREF(res);
     return m;

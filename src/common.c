@@ -4,6 +4,7 @@
  * Nothing here calls up into the watcher, the bridge or the features. */
 #include "oc.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -18,6 +19,43 @@ static const char *env_getenv(const char *name, void *ctx)
 int oc_disabled_by_env(void)
 {
     return oc_parse_bool(getenv("OUTOFCUDA_DISABLE")) == 1;
+}
+
+/* Clears the current exception, which outofcuda swallows so that nothing it
+ * does can fail the program. With OUTOFCUDA_DEBUG=1 (read once) each one is
+ * first printed to stderr, where and what, as psutil's PSUTIL_DEBUG does:
+ * "outofcuda debug: bridge.c:312 set_flag: RuntimeError: ...". Never raises. */
+void oc_clear_at(const char *file, int line, const char *func)
+{
+    static int debug = -1;
+    PyObject *type, *value, *tb, *name = NULL, *text = NULL;
+    const char *base;
+    if (!PyErr_Occurred())
+        return;
+    if (debug < 0)
+        debug = oc_parse_bool(getenv("OUTOFCUDA_DEBUG")) == 1;
+    if (!debug) {
+        PyErr_Clear(); /* recorded nowhere: OUTOFCUDA_DEBUG is off */
+        return;
+    }
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (type != NULL)
+        name = PyObject_GetAttrString(type, "__name__");
+    if (value != NULL)
+        text = PyObject_Str(value);
+    PyErr_Clear(); /* reported below: a failing str() is its own "?" */
+    base = strrchr(file, '/');
+    fprintf(stderr, "outofcuda debug: %s:%d %s: %s: %s\n", base ? base + 1 : file, line, func,
+            name ? oc_utf8(name, (char[64]){0}, 64) : "?",
+            text ? oc_utf8(text, (char[400]){0}, 400) : "?");
+    fflush(stderr);
+    Py_XDECREF(name);
+    Py_XDECREF(text);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    PyErr_Clear(); /* recorded above */
 }
 
 /* Emits msg as one UserWarning of the module "outofcuda" (file "outofcuda",
@@ -38,7 +76,7 @@ void oc_warn(const char *msg)
                                            0, "outofcuda", NULL) < 0) {
         /* -W error turned the warning into an exception; outofcuda must not
          * raise from an import, so the message goes to stderr instead. */
-        PyErr_Clear();
+        PyErr_Clear(); /* reported: the message goes to stderr below */
         PySys_WriteStderr("%.1000s\n", utf8 != NULL ? PyBytes_AsString(utf8)
                                                     : "outofcuda: a warning could not be shown");
     }
@@ -58,9 +96,9 @@ void oc_set_error(const char *where)
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(tb);
-    PyErr_Clear();
+    PyErr_Clear(); /* recorded in oc_g.error below */
     if (text == NULL) {
-        PyErr_Clear();
+        OC_CLEAR();
         return;
     }
     if (oc_g.error == NULL) {
@@ -91,7 +129,7 @@ PyObject *oc_sys_module(const char *name)
     PyObject *mod = key ? PyImport_GetModule(key) : NULL;
     Py_XDECREF(key);
     if (mod == NULL)
-        PyErr_Clear();
+        PyErr_Clear(); /* absence: not imported */
     return mod;
 }
 
@@ -113,7 +151,7 @@ PyObject *oc_getattr_chain(PyObject *obj, const char *dotted)
         next = PyObject_GetAttrString(cur, part);
         Py_DECREF(cur);
         if (next == NULL) {
-            PyErr_Clear();
+            PyErr_Clear(); /* absence: the chain ends here (NULL) */
             return NULL;
         }
         cur = next;
@@ -127,7 +165,7 @@ int oc_call_bool(PyObject *owner, const char *name, int value)
     PyObject *fn, *res;
     fn = PyObject_GetAttrString(owner, name);
     if (fn == NULL) {
-        PyErr_Clear();
+        PyErr_Clear(); /* absence: the caller's 0 means missing */
         return 0;
     }
     res = PyObject_CallFunctionObjArgs(fn, value ? Py_True : Py_False, NULL);
@@ -146,7 +184,7 @@ const char *oc_utf8(PyObject *str, char *buf, size_t sz)
         return buf;
     bytes = PyUnicode_AsUTF8String(str);
     if (bytes == NULL) {
-        PyErr_Clear();
+        PyErr_Clear(); /* absence: an unencodable text copies as "" (oc_clear_at uses this) */
         return buf;
     }
     snprintf(buf, sz, "%s", PyBytes_AsString(bytes));

@@ -188,7 +188,7 @@ static void torch_facts(PyObject *torch, oc_kb_facts *f)
     Py_XDECREF(cuda);
     Py_XDECREF(s);
     Py_XDECREF(v);
-    PyErr_Clear();
+    OC_CLEAR();
 }
 
 /* Compute capabilities of the devices CUDA shows this process, from NVML
@@ -272,11 +272,11 @@ static long read_cudnn_version(PyObject *torch)
     PyObject *r;
     long v = -1;
     Py_XDECREF(c_mod);
-    PyErr_Clear();
+    OC_CLEAR();
     if (fn == NULL)
         fn = oc_getattr_chain(torch, "backends.cudnn.version");
     if (fn == NULL) {
-        PyErr_Clear();
+        OC_CLEAR();
         return -1;
     }
     r = PyObject_CallObject(fn, NULL);
@@ -286,7 +286,7 @@ static long read_cudnn_version(PyObject *torch)
         v = PyLong_AsLong(r);
     Py_XDECREF(r);
     Py_DECREF(fn);
-    PyErr_Clear();
+    OC_CLEAR();
     return v;
 }
 
@@ -300,7 +300,7 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
         return 0;
     c_mod = PyObject_GetAttrString(torch, "_C");
     if (c_mod == NULL) {
-        PyErr_Clear();
+        OC_CLEAR();
         return 0;
     }
     /* Already off (the program said so, or OUTOFCUDA was told): nothing to do. */
@@ -310,7 +310,7 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
         on = PyObject_IsTrue(r) != 0;
     Py_XDECREF(r);
     Py_XDECREF(get);
-    PyErr_Clear();
+    OC_CLEAR();
     if (!on) {
         snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
                  "; cuDNN attention was already off");
@@ -319,7 +319,7 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
     }
     rc = oc_call_bool(c_mod, "_set_sdp_use_cudnn", 0);
     Py_DECREF(c_mod);
-    PyErr_Clear();
+    OC_CLEAR();
     if (rc != 1) {
         snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
                  "; not avoided: torch._C._set_sdp_use_cudnn %s",
@@ -350,7 +350,7 @@ void oc_known_bugs_at_cuda_init(PyObject *torch)
         if (kb.state[i] == OC_KB_YES)
             kb.done[i] = act(torch, oc_known_bug_at(i), i);
     }
-    PyErr_Clear();
+    OC_CLEAR();
 }
 
 static PyObject *state_obj(int s)
@@ -405,7 +405,7 @@ static const char *mapping_getenv(const char *name, void *ctx)
     if (v != NULL && PyUnicode_Check(v))
         r = oc_utf8(v, value, sizeof value);
     Py_XDECREF(v);
-    PyErr_Clear();
+    OC_CLEAR();
     return r;
 }
 

@@ -100,7 +100,7 @@ static const char *dict_getenv(const char *name, void *ctx)
     b = PyUnicode_AsEncodedString(v, "utf-8", "surrogateescape");
     if (b == NULL || PyList_Append(env->keep, b) < 0) {
         Py_XDECREF(b);
-        PyErr_Clear();
+        OC_CLEAR();
         return NULL;
     }
     Py_DECREF(b);

@@ -302,7 +302,7 @@ static void call_on_high(oc_monitor *m, const mon_event *e, mon_event *err)
         snprintf(err->message, sizeof err->message, "on_high raised: %s",
                  text ? oc_utf8(text, (char[160]){0}, 160) : "?");
         Py_XDECREF(text);
-        PyErr_Clear();
+        OC_CLEAR();
         PyErr_Restore(t, v, tb);
         /* The caller's thread cannot catch it: report it the way Python
          * reports errors in callbacks nobody awaits. */
@@ -329,7 +329,7 @@ static void act_on_high(oc_monitor *m, const mon_sample *s)
         return;
     gil = PyGILState_Ensure();
     if (oc_api_clear_cache(&e.released) < 0) {
-        PyErr_Clear();
+        OC_CLEAR();
         snprintf(e.message, sizeof e.message, "emptying the cache failed");
     }
     PyGILState_Release(gil);
@@ -470,7 +470,7 @@ static void capsule_free(PyObject *capsule)
 {
     oc_monitor *m = PyCapsule_GetPointer(capsule, CAPSULE_NAME), **pp;
     if (m == NULL) {
-        PyErr_Clear();
+        OC_CLEAR();
         return;
     }
     monitor_stop(m);

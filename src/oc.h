@@ -10,18 +10,19 @@
  *   bridge.c   what happens when torch has imported: the optimisations,
  *              and the one callback queued for CUDA initialisation
  *   oom.c      out-of-memory handler and report
- *   api.c      decisions behind the Python API
  *   monitor.c  the native watchdog thread behind MemoryMonitor
- *   summary.c  OUTOFCUDA_SUMMARY: utilisation sampler and the at-exit block
- *   frameworks.c packages that own GPU memory (vLLM, SGLang, ...): table, detection
  *   report.c   status dict and the verbose table
  *   facts.c    verdicts the Python layer asks for instead of parsing again
- *   nvml.c     NVML loaded with dlopen at run time
- *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python)
- *   allocconf.c allocator-string parse and merge (pure C, no Python)
+ *   summary.c  OUTOFCUDA_SUMMARY: utilisation sampler and the at-exit block
+ *   api.c      decisions behind the Python API
  *   knownbugs.c the known-bugs table and its lookup (pure C part first),
  *              then the guards applied at import and at CUDA's start
+ *   frameworks.c packages that own GPU memory (vLLM, SGLang, ...): table, detection
  *   common.c   the shared ground: process state, warnings, small helpers
+ *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python)
+ *   allocconf.c allocator-string parse and merge (pure C, no Python)
+ *   nvml.c     NVML loaded with dlopen at run time
+ * (tests/test_static.py holds this order against the calls in the code)
  * (below: which file owns each shared function)
  */
 #ifndef OC_H
@@ -254,6 +255,11 @@ extern oc_state oc_g;
 const oc_config *oc_config_get(void); /* loads once, emits warnings */
 void oc_warn(const char *msg);        /* one warning; never raises */
 void oc_set_error(const char *where); /* keeps the current exception text */
+/* Swallows the current exception, leaving a trace under OUTOFCUDA_DEBUG=1.
+ * A bare PyErr_Clear() stays only where absence is the expected answer, or
+ * what it clears is recorded, with a comment saying so (tests/test_static.py). */
+void oc_clear_at(const char *file, int line, const char *func);
+#define OC_CLEAR() oc_clear_at(__FILE__, __LINE__, __func__)
 int oc_disabled_by_env(void);
 
 /* watcher.c */

@@ -54,7 +54,7 @@ static void take_error(char *buf, size_t sz, const char *what)
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
     s = value ? PyObject_Str(value) : NULL;
-    PyErr_Clear();
+    OC_CLEAR();
     snprintf(buf, sz, "%s: %s", what, oc_utf8(s, text, sizeof text));
     Py_XDECREF(s);
     Py_XDECREF(type);
@@ -69,17 +69,17 @@ static int autocast_enabled(PyObject *torch)
     int on;
     if (r == NULL) {
         /* Before 2.4 the function took no argument and meant CUDA. */
-        PyErr_Clear();
+        OC_CLEAR();
         r = PyObject_CallMethod(torch, "is_autocast_enabled", NULL);
     }
     if (r == NULL) {
-        PyErr_Clear();
+        OC_CLEAR();
         return -1;
     }
     on = PyObject_IsTrue(r);
     Py_DECREF(r);
     if (on < 0)
-        PyErr_Clear();
+        OC_CLEAR();
     return on;
 }
 
@@ -114,7 +114,7 @@ static PyObject *oom_observer(PyObject *self, PyObject *args)
     (void)self;
     PyErr_Fetch(&type, &value, &tb);
     if (!PyArg_ParseTuple(args, "lKKK", &device, &request, &limit, &device_free)) {
-        PyErr_Clear();
+        OC_CLEAR();
         goto done;
     }
     seen.seq++;
@@ -136,14 +136,14 @@ static PyObject *oom_observer(PyObject *self, PyObject *args)
         stats = cuda ? PyObject_CallMethod(cuda, "memory_stats", "l", device) : NULL;
         Py_XDECREF(cuda);
         if (stats == NULL)
-            PyErr_Clear();
+            OC_CLEAR();
     }
     seen.stats = stats;
     seen.autocast = autocast_enabled(torch);
     if (snapshot_path[0])
         dump_snapshot(torch);
 done:
-    PyErr_Clear();
+    OC_CLEAR();
     Py_XDECREF(torch);
     PyErr_Restore(type, value, tb);
     Py_RETURN_NONE;
@@ -167,7 +167,7 @@ static int start_history(PyObject *torch)
     kw = Py_BuildValue("{s:i}", "max_entries", SNAPSHOT_MAX_ENTRIES);
     r = (args && kw) ? PyObject_Call(fn, args, kw) : NULL;
     if (r == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
-        PyErr_Clear();
+        OC_CLEAR();
         Py_CLEAR(args);
         Py_CLEAR(kw);
         args = Py_BuildValue("(O)", Py_True);
@@ -212,7 +212,7 @@ void oc_oom_at_cuda_init(PyObject *torch)
     } else {
         observer_state = "attached";
     }
-    PyErr_Clear();
+    OC_CLEAR();
     Py_XDECREF(r);
     Py_XDECREF(obs);
     Py_XDECREF(attach);
@@ -280,7 +280,7 @@ static void oom_relief(void)
     PyObject *cuda = PyImport_ImportModule("torch.cuda");
     PyObject *r = NULL, *init = NULL;
     if (cuda == NULL) {
-        PyErr_Clear();
+        OC_CLEAR();
         return;
     }
     init = PyObject_CallMethod(cuda, "is_initialized", NULL);
@@ -288,13 +288,13 @@ static void oom_relief(void)
         r = PyObject_CallMethod(cuda, "empty_cache", NULL);
     Py_XDECREF(init);
     Py_XDECREF(r);
-    PyErr_Clear();
+    OC_CLEAR();
     if (oc_config_get()->gc_collect) {
         PyObject *gc = PyImport_ImportModule("gc");
         r = gc ? PyObject_CallMethod(gc, "collect", NULL) : NULL;
         Py_XDECREF(r);
         Py_XDECREF(gc);
-        PyErr_Clear();
+        OC_CLEAR();
     }
     Py_DECREF(cuda);
 }
@@ -306,7 +306,7 @@ static int is_oom(PyObject *type)
         return 0;
     r = PyObject_IsSubclass(type, oom_type);
     if (r < 0)
-        PyErr_Clear();
+        OC_CLEAR();
     return r == 1;
 }
 
@@ -336,7 +336,7 @@ static int package_beside_extension(void)
         goto error;
     ok = strcmp(oc_utf8(origin, got, sizeof got), want) == 0;
 error:
-    PyErr_Clear();
+    OC_CLEAR();
     Py_XDECREF(origin);
     Py_XDECREF(spec);
     Py_XDECREF(util);
@@ -356,7 +356,7 @@ static int print_report(PyObject *value)
     if (mod != NULL)
         r = PyObject_CallMethod(mod, OC_PY_OOM_PRINT, "O", value);
     printed = r != NULL && PyObject_IsTrue(r) == 1;
-    PyErr_Clear();
+    OC_CLEAR();
     Py_XDECREF(r);
     Py_XDECREF(mod);
     return printed;
@@ -372,12 +372,12 @@ static void print_summary(void)
         alloc = PyObject_CallMethod(cuda, "memory_allocated", NULL);
         reserved = alloc ? PyObject_CallMethod(cuda, "memory_reserved", NULL) : NULL;
     }
-    PyErr_Clear();
+    OC_CLEAR();
     PySys_WriteStderr("outofcuda: CUDA out of memory (allocated %.2f GiB, reserved %.2f GiB "
                       "by this process).\n",
                       alloc ? PyLong_AsDouble(alloc) / gib : 0.0,
                       reserved ? PyLong_AsDouble(reserved) / gib : 0.0);
-    PyErr_Clear();
+    OC_CLEAR();
     Py_XDECREF(alloc);
     Py_XDECREF(reserved);
     Py_XDECREF(cuda);
@@ -408,10 +408,10 @@ static PyObject *thread_excepthook(PyObject *self, PyObject *hook_args)
     PyObject *type = PyObject_GetAttrString(hook_args, "exc_type");
     (void)self;
     if (type == NULL)
-        PyErr_Clear();
+        OC_CLEAR();
     else if (is_oom(type)) {
         PyObject *value = PyObject_GetAttrString(hook_args, "exc_value");
-        PyErr_Clear();
+        OC_CLEAR();
         handle_uncaught(value ? value : Py_None);
         Py_XDECREF(value);
     }
@@ -436,7 +436,7 @@ static void record_status(const char *hooks)
                   "report and ranked actions before the traceback of an uncaught one, then empty "
                   "the cache");
     Py_XDECREF(value);
-    PyErr_Clear();
+    OC_CLEAR();
 }
 
 /* Sets `name` (an attribute of `owner`) to a new hook made from `def`,
@@ -448,7 +448,7 @@ static int chain_hook(PyObject *owner, const char *name, PyMethodDef *def, PyObj
     if (hook == NULL || PyObject_SetAttrString(owner, name, hook) < 0) {
         Py_XDECREF(hook);
         Py_XDECREF(current);
-        PyErr_Clear();
+        OC_CLEAR();
         return 0;
     }
     Py_DECREF(hook);
@@ -474,7 +474,7 @@ static void install_hooks(void)
     threading = PyImport_ImportModule("threading");
     if (threading != NULL)
         thread_set = chain_hook(threading, "excepthook", &thread_hook_def, &prev_thread_hook);
-    PyErr_Clear();
+    OC_CLEAR();
     Py_XDECREF(threading);
     Py_XDECREF(sys);
     record_status(sys_set && thread_set ? "sys.excepthook + threading.excepthook"
@@ -492,13 +492,13 @@ int oc_oom_install(PyObject *torch, const char *no_queue)
     int snapshot;
     oom_type = oc_getattr_chain(torch, "cuda.OutOfMemoryError");
     if (oom_type == NULL) {
-        PyErr_Clear();
+        OC_CLEAR();
         oc_result_set("oom_handler", 0, NULL, "this torch has no torch.cuda.OutOfMemoryError");
         return 0;
     }
     snapshot = read_snapshot_env();
     attach = oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
-    PyErr_Clear();
+    OC_CLEAR();
     /* Every CUDA (and ROCm) build has the observer; a CPU-only build has no
      * CUDA to report on. */
     observer_state = attach == NULL ? "none: this torch build has no CUDA OOM observer"
@@ -657,7 +657,7 @@ static unsigned long long kw_bytes(PyObject *kw, const char *key)
         return 0;
     x = PyLong_AsUnsignedLongLong(v);
     if (PyErr_Occurred()) {
-        PyErr_Clear();
+        OC_CLEAR();
         return 0;
     }
     return x;

@@ -63,7 +63,7 @@ static int torch_imported(void)
             spec && spec != Py_None ? PyObject_GetAttrString(spec, "_initializing") : NULL;
         done = initializing == NULL || PyObject_IsTrue(initializing) != 1;
     }
-    PyErr_Clear();
+    OC_CLEAR();
     Py_XDECREF(initializing);
     return done;
 }
@@ -95,7 +95,7 @@ static PyObject *c_call(PyObject *c_mod, const char *fn, const char *a, const ch
     if (f != NULL)
         r = a ? PyObject_CallFunction(f, "ss", a, b) : PyObject_CallObject(f, NULL);
     Py_XDECREF(f);
-    PyErr_Clear();
+    OC_CLEAR();
     return r;
 }
 
@@ -105,7 +105,7 @@ static PyObject *c_bool(PyObject *c_mod, const char *fn)
     PyObject *r = c_call(c_mod, fn, NULL, NULL);
     int t = r ? PyObject_IsTrue(r) : -1;
     Py_XDECREF(r);
-    PyErr_Clear();
+    OC_CLEAR();
     if (t < 0)
         return NULL;
     return PyBool_FromLong(t);
@@ -140,7 +140,7 @@ static PyObject *bool_dict(PyObject *c_mod, const char *const (*items)[2], size_
         }
         Py_DECREF(b);
     }
-    PyErr_Clear();
+    OC_CLEAR();
     return d;
 }
 
@@ -155,7 +155,7 @@ static PyObject *now_value(PyObject *c_mod, const char *name)
         if (m == NULL)
             return NULL;
         d = Py_BuildValue("{s:N}", "matmul", m);
-        PyErr_Clear();
+        OC_CLEAR();
         return d;
     }
     if (strcmp(name, "cudnn_benchmark") == 0)
@@ -184,7 +184,7 @@ static int differs(PyObject *set, PyObject *now)
         return -1;
     if (!PyDict_Check(set)) {
         int eq = PyObject_RichCompareBool(set, now, Py_EQ);
-        PyErr_Clear();
+        OC_CLEAR();
         return eq < 0 ? -1 : !eq;
     }
     if (!PyDict_Check(now))
@@ -195,7 +195,7 @@ static int differs(PyObject *set, PyObject *now)
         if (n == NULL)
             continue;
         eq = PyObject_RichCompareBool(v, n, Py_EQ);
-        PyErr_Clear();
+        OC_CLEAR();
         if (eq == 0)
             return 1;
     }
@@ -235,7 +235,7 @@ static PyObject *optimizations(void)
     PyObject *d = PyDict_New();
     PyObject *torch = torch_imported() ? oc_sys_module("torch") : NULL;
     PyObject *c_mod = torch ? PyObject_GetAttrString(torch, "_C") : NULL;
-    PyErr_Clear();
+    OC_CLEAR();
     Py_XDECREF(torch);
     if (d == NULL) {
         Py_XDECREF(c_mod);
@@ -318,7 +318,7 @@ static void value_text(PyObject *v, char *buf, size_t sz)
     }
     s = PyObject_Str(v);
     if (s == NULL) {
-        PyErr_Clear();
+        OC_CLEAR();
         snprintf(buf, sz, "?");
         return;
     }

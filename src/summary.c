@@ -356,7 +356,7 @@ void oc_summary_at_cuda_init(void)
     n = choose_devices(devices);
     if (summary_begin(devices, n, DEFAULT_INTERVAL_MS) < 0)
         oc_set_error("starting the exit summary");
-    PyErr_Clear();
+    OC_CLEAR();
 }
 
 int oc_summary_prepare(void)
@@ -374,7 +374,7 @@ static long long call_ll(PyObject *owner, const char *name, int arg)
     long long x = r ? PyLong_AsLongLong(r) : -1;
     Py_XDECREF(r);
     if (PyErr_Occurred()) {
-        PyErr_Clear();
+        OC_CLEAR();
         return -1;
     }
     return x;
@@ -390,7 +390,7 @@ static int torch_figures(sum_device *dev, int *n)
     PyObject *init = cuda ? PyObject_CallMethod(cuda, "is_initialized", NULL) : NULL;
     long long current;
     int ok = init != NULL && PyObject_IsTrue(init) == 1, kept = 0;
-    PyErr_Clear();
+    OC_CLEAR();
     Py_XDECREF(init);
     if (!ok)
         goto done;
@@ -450,10 +450,10 @@ static long dataloader_workers(void)
             if (x > best)
                 best = x;
         }
-        PyErr_Clear();
+        OC_CLEAR();
     }
 done:
-    PyErr_Clear();
+    OC_CLEAR();
     Py_XDECREF(refs);
     Py_XDECREF(gc);
     Py_XDECREF(args);
@@ -690,7 +690,7 @@ static int write_json(PyObject *doc, long rank, char *err, size_t errsz)
     }
     rc = 0;
 done:
-    PyErr_Clear();
+    OC_CLEAR();
     Py_XDECREF(b);
     Py_XDECREF(s);
     Py_XDECREF(json);
@@ -726,7 +726,7 @@ static void emit(const proc_figs *p, const sum_device *dev, int n)
             Py_DECREF(doc);
             goto done;
         }
-        PyErr_Clear();
+        OC_CLEAR();
         Py_XDECREF(doc);
         /* Never lose the figures: print them where the file could not go. */
         PySys_FormatStderr("outofcuda: OUTOFCUDA_SUMMARY: could not write the JSON (%s); the "
@@ -736,7 +736,7 @@ static void emit(const proc_figs *p, const sum_device *dev, int n)
     if (t.buf != NULL)
         PySys_FormatStderr("%s", t.buf);
 done:
-    PyErr_Clear();
+    OC_CLEAR();
     Py_XDECREF(devices);
     free(t.buf);
 }
@@ -773,7 +773,7 @@ static PyObject *at_exit(PyObject *self, PyObject *unused)
     p.workers = dataloader_workers();
     if (out.mode != OC_SUMMARY_OFF)
         emit(&p, dev, n);
-    PyErr_Clear();
+    OC_CLEAR();
     PyErr_Restore(type, value, tb);
     Py_RETURN_NONE;
 }
@@ -800,7 +800,7 @@ static PyObject *py_summary_start(PyObject *self, PyObject *args)
     }
     count = PyList_Check(seq) || PyTuple_Check(seq) ? PySequence_Size(seq) : -1;
     if (count < 0 || count > SUMMARY_MAX_DEVICES) {
-        PyErr_Clear();
+        OC_CLEAR();
         PyErr_Format(PyExc_TypeError, "_summary_start: devices must be a list of up to %d ints",
                      SUMMARY_MAX_DEVICES);
         return NULL;

@@ -22,7 +22,7 @@ static int guard_enter(void)
     if (PyDict_GetItemString(d, guard_key) != NULL)
         return 1;
     if (PyDict_SetItemString(d, guard_key, Py_True) < 0)
-        PyErr_Clear();
+        OC_CLEAR();
     return 0;
 }
 
@@ -34,7 +34,7 @@ static void guard_leave(void)
         return;
     PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
     if (PyDict_DelItemString(d, guard_key) < 0)
-        PyErr_Clear();
+        OC_CLEAR();
     PyErr_Restore(exc_type, exc_value, exc_tb);
 }
 
@@ -70,7 +70,7 @@ static PyObject *proxy_create_module(PyObject *self, PyObject *spec)
     PyObject *res;
     if (fn == NULL) {
         /* Loaders without create_module get the default module. */
-        PyErr_Clear();
+        OC_CLEAR();
         Py_RETURN_NONE;
     }
     res = PyObject_CallFunctionObjArgs(fn, spec, NULL);
@@ -84,14 +84,14 @@ static void restore_loader(PyObject *module, PyObject *loader)
 {
     PyObject *spec;
     if (PyObject_SetAttrString(module, "__loader__", loader) < 0)
-        PyErr_Clear();
+        OC_CLEAR();
     spec = PyObject_GetAttrString(module, "__spec__");
     if (spec == NULL) {
-        PyErr_Clear();
+        OC_CLEAR();
         return;
     }
     if (spec != Py_None && PyObject_SetAttrString(spec, "loader", loader) < 0)
-        PyErr_Clear();
+        OC_CLEAR();
     Py_DECREF(spec);
 }
 
@@ -123,7 +123,7 @@ static PyObject *proxy_exec_module(PyObject *self, PyObject *module)
         oc_g.prepared = 1;
         spec = PyObject_GetAttrString(module, "__spec__");
         if (spec == NULL)
-            PyErr_Clear();
+            OC_CLEAR();
         oc_bridge_before_torch(spec);
         Py_XDECREF(spec);
     }
@@ -149,7 +149,7 @@ static PyObject *proxy_getattro(PyObject *self, PyObject *name)
     PyObject *res = PyObject_GenericGetAttr(self, name);
     if (res != NULL || !PyErr_ExceptionMatches(PyExc_AttributeError))
         return res;
-    PyErr_Clear();
+    OC_CLEAR();
     return PyObject_GetAttr(((proxy_object *)self)->loader, name);
 }
 
@@ -221,7 +221,7 @@ static PyObject *find_with_others(PyObject *self, PyObject *name, PyObject *path
         fn = PyObject_GetAttrString(f, "find_spec");
         if (fn == NULL) {
             /* A legacy finder without find_spec: the import system handles it. */
-            PyErr_Clear();
+            OC_CLEAR();
             continue;
         }
         spec = PyObject_CallFunctionObjArgs(fn, name, path, target, NULL);
@@ -261,7 +261,7 @@ static PyObject *find_torch_spec(PyObject *module, PyObject *args, PyObject *kw)
         return spec;
     loader = PyObject_GetAttrString(spec, "loader");
     if (loader == NULL) {
-        PyErr_Clear();
+        OC_CLEAR();
         return spec;
     }
     /* A namespace package has no loader; a loader without exec_module is one
@@ -360,7 +360,7 @@ int oc_watcher_init(PyObject *module)
         return 0;
     f = PyObject_CallMethod(boot, "_finder", NULL);
     if (f == NULL) {
-        PyErr_Clear();
+        OC_CLEAR();
         return 0;
     }
     if (f != Py_None)
@@ -398,7 +398,7 @@ int oc_watcher_fire_if_imported(void)
     spec = PyObject_GetAttrString(torch, "__spec__");
     if (spec != NULL && spec != Py_None)
         initializing = PyObject_GetAttrString(spec, "_initializing");
-    PyErr_Clear();
+    OC_CLEAR();
     if (initializing != NULL)
         busy = PyObject_IsTrue(initializing) == 1;
     Py_XDECREF(initializing);

@@ -117,6 +117,19 @@ cases = {
     "_outofcuda._summary_start(error)": lambda: error(_outofcuda._summary_start, [0], 1),
     "_outofcuda._summary_stats": _outofcuda._summary_stats,
     "_outofcuda._microbatch_split": _outofcuda._microbatch_split,
+    "_outofcuda._parse_bool": lambda: (_outofcuda._parse_bool(" Yes "), _outofcuda._parse_bool("x")),
+    "_outofcuda._disabled_by_env": _outofcuda._disabled_by_env,
+    "_outofcuda._tf32_forced_off": _outofcuda._tf32_forced_off,
+    "_outofcuda._alloc_var": lambda: _outofcuda._alloc_var("2.14.1"),
+    "_outofcuda._alloc_expandable": lambda: _outofcuda._alloc_expandable(
+        "max_split_size_mb:128,expandable_segments:True"),
+    "_outofcuda.visible_devices": _outofcuda.visible_devices,
+    "_outofcuda._visible_ccs": _outofcuda._visible_ccs,
+    "_outofcuda._known_bugs_check": lambda: _outofcuda._known_bugs_check(
+        "2.14.1", True, 92400, [90, 80], {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "0"}),
+    "_outofcuda._known_bugs_check(error)": lambda: (
+        error(_outofcuda._known_bugs_check, "2.14.1", True, "x", None, {}),
+        error(_outofcuda._known_bugs_check, "2.14.1", True, 1, 5, {})),
     "_outofcuda._grad_set_aside": grad_set_aside,
     "_outofcuda._grad_set_aside(error)": lambda: (error(_outofcuda._grad_set_aside, 1, {}),
                                                   error(_outofcuda._grad_set_aside, leaf, [])),
@@ -177,6 +190,9 @@ CASES = [
     "outofcuda.autocast_context", "_outofcuda._summary_start",
     "_outofcuda._summary_start(error)", "_outofcuda._summary_stats",
     "_outofcuda._microbatch_split", "_outofcuda._grad_set_aside",
+    "_outofcuda._parse_bool", "_outofcuda._disabled_by_env", "_outofcuda._tf32_forced_off",
+    "_outofcuda._alloc_var", "_outofcuda._alloc_expandable", "_outofcuda.visible_devices",
+    "_outofcuda._visible_ccs", "_outofcuda._known_bugs_check", "_outofcuda._known_bugs_check(error)",
     "_outofcuda._grad_set_aside(error)",
 ]
 

@@ -230,3 +230,34 @@ def test_unread_bodies_catches_a_hidden_function():
     same_line = "static void h(void) {\n    PyGILState_Ensure();\n}\n"
     assert unread_bodies(seen) == 0
     assert unread_bodies(seen + same_line) == 1
+
+
+def _file_map():
+    """The C files in the order oc.h's map gives them."""
+    return re.findall(r"^ \*   (\w+\.c)\b", (SRC / "oc.h").read_text(), re.M)
+
+
+def _calls_between_files():
+    """(caller file, callee file, name) for every call of a function or use of a
+    table that one C file defines and another names (comments dropped)."""
+    texts = {p.name: p.read_text() for p in SRC.glob("*.c")}
+    owner = {}
+    for name, text in texts.items():
+        for m in re.finditer(r"^(?!static)[A-Za-z][\w \*]*?\b(oc_\w+)\s*(?:\(|\[\]\s*=)", text,
+                             re.M):
+            owner[m.group(1)] = name
+    out = []
+    for name, text in texts.items():
+        code = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+        for fn, home in owner.items():
+            if home != name and re.search(rf"\b{fn}\b", code):
+                out.append((name, home, fn))
+    return out
+
+
+def test_c_files_read_top_down_as_oc_h_maps_them():
+    order = _file_map()
+    assert sorted(order) == sorted(p.name for p in SRC.glob("*.c")), order
+    upward = [c for c in _calls_between_files() if order.index(c[1]) < order.index(c[0])]
+    assert not upward, f"calls to a file above the caller in oc.h's map: {upward}"
+    assert ("bridge.c", "oom.c", "oc_oom_at_cuda_init") in _calls_between_files()
