@@ -2,8 +2,10 @@
 # Everything that needs a GPU, in one go (< 8 minutes on an H200): installs this
 # checkout, runs every GPU test (tests/gpu) against the installed package, then
 # the gain benchmark. Exits 1 when there is no usable GPU, when a GPU test fails
-# or none passed (skips are listed in summary.txt with their reasons). Logs and results go to $OUT, flat, 8 files: summary.txt,
-# install.log, status.txt, gpu_tests.log, gain.log, gain.json, gain.md, gain.png.
+# or none passed (skips are listed in summary.txt with their reasons). Logs and results go to $OUT, flat, 9 files: summary.txt,
+# install.log, status.txt, gpu_tests.log, fragment.json (reserved vs allocated
+# after a fragmenting pattern, with and without max_split_size_mb beside
+# expandable segments), gain.log, gain.json, gain.md, gain.png.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh
 set -u
@@ -46,12 +48,17 @@ rc=0
 TESTS="$PWD/tests/gpu"
 if [ -d "$TESTS" ]; then
     # OUTOFCUDA_REQUIRE_GPU=1: the `gpu` fixture fails where it would skip.
-    (cd "$OUT" && OUTOFCUDA_REQUIRE_GPU=1 OUTOFCUDA_TEST_PYTHON="$(command -v "$PY")" timeout 200 \
+    (cd "$OUT" && OUTOFCUDA_REQUIRE_GPU=1 OUTOFCUDA_GPU_FIGURES="$OUT" \
+        OUTOFCUDA_TEST_PYTHON="$(command -v "$PY")" timeout 200 \
         "$PY" -m pytest "$TESTS" -q -rs -p no:cacheprovider --continue-on-collection-errors > "$OUT/gpu_tests.log" 2>&1)
     t=$?
     last="$(tail -1 "$OUT/gpu_tests.log")"
     note "gpu tests exit $t: $last"
     grep -E "^SKIPPED" "$OUT/gpu_tests.log" | tee -a "$SUMMARY"
+    # Allocator without max_split_size_mb beside expandable segments: reserved
+    # memory per live peak after the fragmenting pattern (tests/gpu/test_hook.py).
+    "$PY" -c "import json, sys; d = json.load(open(sys.argv[1])); print('fragment reserved/peak:', ', '.join(f'{k} {v[\"reserved_per_peak\"]:.2f}' for k, v in d.items()))" \
+        "$OUT/fragment.json" >> "$SUMMARY" 2>&1 || note "fragment.json missing (test_default_allocator_reuses_freed_blocks_inside_expandable_segments did not run)"
     [ "$t" -ne 0 ] && rc=1
     if ! echo "$last" | grep -q " passed"; then
         note "FAIL: no GPU test passed"

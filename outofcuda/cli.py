@@ -434,10 +434,22 @@ def _alloc_items(conf):
     return items
 
 
+def _splits_inside_expandable(items):
+    """True when an allocator string pairs max_split_size_mb with expandable
+    segments: inside them torch still applies max_split_size's oversize rules,
+    so freed blocks above it are not reused and reserved memory keeps growing
+    (pytorch issue 123548)."""
+    return "max_split_size_mb" in items and items.get("expandable_segments") == "True"
+
+
 def _check_alloc_conf(torch_version=None):
-    own = _config()["alloc_conf"]
-    defaults = _alloc_items(own)
-    notes, problems = [], []
+    cfg = _config()
+    own, no_expandable = cfg["alloc_conf"], cfg["alloc_conf_no_expandable"]
+    # outofcuda's defaults, those that join only without expandable segments too
+    defaults = dict(_alloc_items(no_expandable), **_alloc_items(own))
+    notes, problems, paired = [], [], []
+    if _splits_inside_expandable(_alloc_items(own)):
+        paired.append("OUTOFCUDA_ALLOC_CONF")
     # The one variable this torch reads, by the engine's rule (allocconf.c);
     # the others it ignores.
     read, _value = core._alloc_var(torch_version)
@@ -448,7 +460,7 @@ def _check_alloc_conf(torch_version=None):
         if user is None:
             continue
         try:
-            merged, _dropped = core._merge_alloc_conf(own, user)
+            merged, _dropped = core._merge_alloc_conf(own, user, no_expandable=no_expandable)
         except ValueError as e:
             problems.append(f"{var} is malformed ({e})")
             continue
@@ -456,6 +468,8 @@ def _check_alloc_conf(torch_version=None):
         # the user's choice (expandable_segments:False is the documented way
         # out) and wins by design: both are notes, never something to fix.
         items = _alloc_items(user)
+        if _splits_inside_expandable(items):
+            paired.append(var)
         kept = [f"{k}:{v} (default {defaults[k]})" for k, v in items.items()
                 if k in defaults and v != defaults[k]]
         same = [k for k, v in items.items() if k in defaults and v == defaults[k]]
@@ -464,10 +478,21 @@ def _check_alloc_conf(torch_version=None):
             note += f" keeps {', '.join(kept)} over outofcuda's defaults"
         if same:
             note += f"; {', '.join(same)} as outofcuda's defaults"
+        if "max_split_size_mb" in items and "expandable_segments" not in items:
+            note += "; no expandable segments beside its max_split_size_mb"
         notes.append(f"{note} (effective: {merged})")
     if problems:
         return _check("alloc_conf", False, "; ".join(problems),
                       "fix the value (torch would raise on it) or unset the variable")
+    if paired:
+        names = " and ".join(paired)
+        return _check("alloc_conf", False,
+                      f"{names} sets max_split_size_mb beside expandable_segments:True: inside "
+                      "expandable segments freed blocks above max_split_size are not reused, so "
+                      "reserved memory keeps growing (pytorch issue 123548)",
+                      f"remove max_split_size_mb from {names} (expandable segments already "
+                      "avoid most fragmentation), or set expandable_segments:False there if you "
+                      "need max_split_size_mb")
     return _check("alloc_conf", True, "; ".join(notes) or f"no user allocator settings "
                   f"(defaults: {own or 'none'})")
 

@@ -200,6 +200,90 @@ too_long:
     return -1;
 }
 
+int oc_alloc_value(const char *conf, const char *key, char *value, size_t valuesz)
+{
+    static oc_alloc_list l;
+    int i;
+    if (value != NULL && valuesz > 0)
+        value[0] = '\0';
+    if (oc_alloc_parse(conf, &l, NULL, 0) != 0)
+        return -1;
+    i = find_key(&l, key);
+    if (i < 0)
+        return 0;
+    if (value != NULL && valuesz > 0)
+        snprintf(value, valuesz, "%s", l.e[i].value);
+    return 1;
+}
+
+int oc_alloc_expandable_on(const char *conf)
+{
+    char v[16];
+    return oc_alloc_value(conf, "expandable_segments", v, sizeof v) == 1 && strcmp(v, "True") == 0;
+}
+
+/* Writes the entries of l except `skip` as one string. Returns 0 or -1. */
+static int join_except(const oc_alloc_list *l, const char *skip, char *out, size_t outsz)
+{
+    size_t len = 0;
+    out[0] = '\0';
+    for (int i = 0; i < l->n; i++) {
+        if (strcmp(l->e[i].key, skip) != 0 &&
+            append_item(out, outsz, &len, l->e[i].key, l->e[i].value) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+int oc_alloc_merge_defaults(const char *defaults, const char *no_expandable, const char *user,
+                            oc_key_allowed_fn allowed, void *ctx, char *out, size_t outsz,
+                            char *dropped, size_t droppedsz, char *err, size_t errsz,
+                            int *held_back)
+{
+    /* static: see oc_alloc_merge; these strings are the size of one setting. */
+    static oc_alloc_list d, u;
+    static char own[OC_ALLOC_CONF_MAX * 2], first[OC_ALLOC_CONF_MAX * 2], more[256];
+    *held_back = 0;
+    if (outsz == 0)
+        return -1;
+    out[0] = '\0';
+    if (oc_alloc_parse(user, &u, err, errsz) != 0 || oc_alloc_parse(defaults, &d, err, errsz) != 0)
+        return -1;
+    /* Inside expandable segments get_free_block() still applies
+     * max_split_size's oversize rules, so freed blocks above it are not
+     * reused and reserved memory grows (pytorch issue 123548): the user's
+     * max_split_size_mb gets no expandable segments from the defaults. */
+    if (join_except(&d, "", own, sizeof own) != 0)
+        goto too_long;
+    if (find_key(&u, "max_split_size_mb") >= 0 && find_key(&u, "expandable_segments") < 0 &&
+        find_key(&d, "expandable_segments") >= 0) {
+        if (join_except(&d, "expandable_segments", own, sizeof own) != 0)
+            goto too_long;
+        *held_back = 1;
+    }
+    if (oc_alloc_merge(own, user, allowed, ctx, first, sizeof first, dropped, droppedsz, err,
+                       errsz) != 0)
+        return -1;
+    if (no_expandable == NULL || !no_expandable[0] || oc_alloc_expandable_on(first)) {
+        if (strlen(first) >= outsz)
+            goto too_long;
+        snprintf(out, outsz, "%s", first);
+        return 0;
+    }
+    /* Expandable segments are off (the user's False, or a release without
+     * them): the settings meant for that case join as defaults. */
+    if (oc_alloc_merge(no_expandable, first, allowed, ctx, out, outsz, more, sizeof more, err,
+                       errsz) != 0)
+        return -1;
+    if (more[0] && append_word(dropped, droppedsz, more) != 0)
+        goto too_long;
+    return 0;
+too_long:
+    set_err(err, errsz, "the merged string is too long");
+    out[0] = '\0';
+    return -1;
+}
+
 long oc_torch_version_number(const char *v)
 {
     long part[3] = {0, 0, 0};

@@ -191,6 +191,10 @@ static int restore_allocator_env(void)
     return 0;
 }
 
+#define HELD_BACK_NOTE                                                                             \
+    "; expandable_segments left off beside the user's max_split_size_mb (together they let "       \
+    "reserved memory grow, pytorch issue 123548)"
+
 /* The words before the list of defaults' keys the merge left out. */
 static const char *dropped_note(const char *dropped, int async)
 {
@@ -200,14 +204,59 @@ static const char *dropped_note(const char *dropped, int async)
                  : "; left out (unknown to this torch): ";
 }
 
+/* A framework that owns GPU memory (frameworks.c), once outofcuda has left
+ * the allocator and the memory fraction to it: its name and why. */
+static struct {
+    char name[32];
+    char why[600];
+} owner;
+
+/* Returns 1 when a framework owns GPU memory in this process and outofcuda
+ * steps back (remembered in `owner`); 0 otherwise, with a note in
+ * override_note when OUTOFCUDA_FRAMEWORK_OVERRIDE=1 kept outofcuda's
+ * settings beside one. */
+static int framework_owns_memory(const oc_config *cfg, char *override_note, size_t notesz)
+{
+    char why[sizeof owner.why];
+    const char *name;
+    if (override_note != NULL && notesz > 0)
+        override_note[0] = '\0';
+    if (owner.name[0])
+        return 1;
+    name = oc_framework_in_use(why, sizeof why);
+    if (name == NULL)
+        return 0;
+    if (cfg->framework_override) {
+        if (override_note != NULL)
+            snprintf(override_note, notesz,
+                     "; %s is in use: OUTOFCUDA_FRAMEWORK_OVERRIDE=1 keeps outofcuda's settings",
+                     name);
+        return 0;
+    }
+    snprintf(owner.name, sizeof owner.name, "%s", name);
+    snprintf(owner.why, sizeof owner.why, "%s", why);
+    return 1;
+}
+
 static void prepare_allocator(const oc_config *cfg)
 {
-    char dropped[256], err[160];
+    char dropped[256], err[160], fw_note[120];
     const char *name, *user;
-    int async;
+    int async, held_back;
     oc_g.alloc_applied = 0;
     oc_g.alloc_env_name[0] = '\0';
     oc_g.alloc_value[0] = '\0';
+    /* The framework's own import is in progress (vllm/__init__.py imports
+     * torch through vllm.env_override): it reads the variable as the user
+     * set it, so it stays unwritten. */
+    if (framework_owns_memory(cfg, fw_note, sizeof fw_note)) {
+        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
+                 "left to %s: the allocator variable stays as the user set it, and no memory "
+                 "fraction is set (OUTOFCUDA_FRAMEWORK_OVERRIDE=1 applies outofcuda's anyway). "
+                 "%s",
+                 owner.name, owner.why);
+        return;
+    }
     if (!tv.known) {
         snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
                  "torch's version could not be read before it loaded");
@@ -221,8 +270,9 @@ static void prepare_allocator(const oc_config *cfg)
     }
     name = user_alloc_var(&user);
     async = async_backend(user) || (!user[0] && async_backend(cfg->alloc_conf));
-    if (oc_alloc_merge(cfg->alloc_conf, user, key_allowed, &async, oc_g.alloc_value,
-                       sizeof oc_g.alloc_value, dropped, sizeof dropped, err, sizeof err) != 0) {
+    if (oc_alloc_merge_defaults(cfg->alloc_conf, cfg->alloc_conf_no_expandable, user, key_allowed,
+                                &async, oc_g.alloc_value, sizeof oc_g.alloc_value, dropped,
+                                sizeof dropped, err, sizeof err, &held_back) != 0) {
         /* A value outofcuda cannot parse is the user's business: leave it whole. */
         snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
                  "left alone: %s is not understood (%s)", name, err);
@@ -232,8 +282,9 @@ static void prepare_allocator(const oc_config *cfg)
     snprintf(oc_g.alloc_env_name, sizeof oc_g.alloc_env_name, "%s", name);
     if (strcmp(oc_g.alloc_value, user) == 0) {
         /* Nothing to add: the variable stays exactly as the user set it. */
-        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "nothing added to %s%s%.200s", name,
-                 dropped_note(dropped, async), dropped);
+        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "nothing added to %s%s%.200s%s%s",
+                 name, dropped_note(dropped, async), dropped, held_back ? HELD_BACK_NOTE : "",
+                 fw_note);
         return;
     }
     {
@@ -248,8 +299,9 @@ static void prepare_allocator(const oc_config *cfg)
     }
     saved.written = 1;
     oc_g.alloc_applied = 1;
-    snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "%s set while torch loaded%s%s%.200s",
-             name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async), dropped);
+    snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "%s set while torch loaded%s%s%.200s%s%s",
+             name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async), dropped,
+             held_back ? HELD_BACK_NOTE : "", fw_note);
 }
 
 void oc_bridge_before_torch(PyObject *spec)
@@ -543,6 +595,100 @@ static void apply_sdpa(const oc_config *cfg, PyObject *c_mod)
     Py_XDECREF(value);
 }
 
+/* ---- torch's runtime allocator setter ---- */
+
+/* Hands `conf` to torch's runtime setter. The CUDA setter first: on 2.9 and
+ * 2.10 the CUDA allocator still keeps its own configuration beside the
+ * accelerator one. Returns 1 done, 0 when this torch has no setter, -1 when
+ * the setter raised (exception left set); *used names the setter tried. */
+static int call_setter(PyObject *c_mod, const char *conf, const char **used)
+{
+    static const char *const setters[] = {"_cuda_cudaCachingAllocator_set_allocator_settings",
+                                          "_accelerator_setAllocatorSettings"};
+    *used = NULL;
+    for (size_t i = 0; c_mod != NULL && i < 2; i++) {
+        PyObject *fn = PyObject_GetAttrString(c_mod, setters[i]), *r;
+        if (fn == NULL) {
+            PyErr_Clear();
+            continue;
+        }
+        *used = setters[i];
+        r = PyObject_CallFunction(fn, "s", conf);
+        Py_DECREF(fn);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+        return 1;
+    }
+    return 0;
+}
+
+/* A framework was imported after torch (a script that imports torch, then
+ * vllm, then uses CUDA): at CUDA initialisation, before the first
+ * allocation, torch's allocator gets back exactly the user's own string.
+ * torch's parser (AcceleratorAllocatorConfig::parseArgs, and the CUDA one
+ * before it) resets max_split_size, roundup_power2_divisions and
+ * garbage_collection_threshold when a string leaves them out, but keeps
+ * expandable_segments (measured on 2.14.1): where outofcuda turned it on
+ * and the user's string does not name it, it is turned off first. The
+ * `backend` key was read when torch loaded and stays. */
+static void hand_back_allocator(PyObject *c_mod)
+{
+    char reason[sizeof oc_g.alloc_reason + sizeof owner.why + 200];
+    const char *name, *user, *used;
+    int rc = 1;
+    if (!oc_g.alloc_applied) {
+        snprintf(reason, sizeof reason, "%s; left to %s from CUDA initialisation. %s",
+                 oc_g.alloc_reason, owner.name, owner.why);
+        oc_result_set("allocator", 0, NULL, reason);
+        return;
+    }
+    name = user_alloc_var(&user);
+    if (oc_alloc_expandable_on(oc_g.alloc_value) &&
+        oc_alloc_value(user, "expandable_segments", NULL, 0) != 1)
+        rc = call_setter(c_mod, "expandable_segments:False", &used);
+    if (rc == 1)
+        rc = call_setter(c_mod, user, &used);
+    if (rc != 1) {
+        oc_set_error("handing the user's allocator settings back to torch at CUDA "
+                     "initialisation");
+        snprintf(reason, sizeof reason,
+                 "%s; %s is in use but torch's setter refused the user's %s, so outofcuda's "
+                 "settings stay",
+                 oc_g.alloc_reason, owner.name, name);
+        oc_result_set("allocator", 1, NULL, reason);
+        return;
+    }
+    oc_g.alloc_applied = 0;
+    snprintf(reason, sizeof reason,
+             "handed back at CUDA initialisation: torch's allocator holds the user's own %s "
+             "('%.200s'), left to %s. %s",
+             name, user, owner.name, owner.why);
+    oc_result_set("allocator", 0, NULL, reason);
+}
+
+/* A step of the CUDA-init callback, the first: a framework imported after
+ * torch is found again here; then torch's allocator is handed back and the
+ * memory fraction (the next step) is left to the framework. A framework
+ * found at torch's import was left everything then. */
+static void framework_at_cuda_init(PyObject *torch)
+{
+    static int done;
+    char reason[sizeof owner.why + 120];
+    PyObject *c_mod;
+    if (done || owner.name[0])
+        return;
+    done = 1;
+    if (!framework_owns_memory(oc_config_get(), NULL, 0))
+        return;
+    c_mod = PyObject_GetAttrString(torch, "_C");
+    PyErr_Clear();
+    hand_back_allocator(c_mod);
+    Py_XDECREF(c_mod);
+    snprintf(reason, sizeof reason, "not set: left to %s. %s", owner.name, owner.why);
+    oc_result_set("memory_fraction", 0, NULL, reason);
+}
+
 /* ---- memory fraction, deferred to CUDA initialisation ---- */
 
 static struct {
@@ -569,6 +715,10 @@ static void fraction_at_cuda_init(PyObject *torch)
     if (!pending_fraction.armed)
         return;
     pending_fraction.armed = 0;
+    if (owner.name[0]) {
+        /* The framework step (first) left the fraction to a framework. */
+        return;
+    }
     c_mod = PyObject_GetAttrString(torch, "_C");
     if (c_mod == NULL)
         goto error;
@@ -614,6 +764,12 @@ static int arm_memory_fraction(const oc_config *cfg, const char *no_queue)
         oc_result_set("memory_fraction", 0, NULL, no_queue + 6);
         return 0;
     }
+    if (owner.name[0]) {
+        char reason[sizeof owner.why + 120];
+        snprintf(reason, sizeof reason, "not set: left to %s. %s", owner.name, owner.why);
+        oc_result_set("memory_fraction", 0, NULL, reason);
+        return 0;
+    }
     pending_fraction.fraction = cfg->memory_fraction;
     pending_fraction.armed = 1;
     value = Py_BuildValue("{s:d,s:O}", "fraction", cfg->memory_fraction, "device", Py_None);
@@ -626,10 +782,12 @@ static int arm_memory_fraction(const oc_config *cfg, const char *no_queue)
 /* ---- the one callback at CUDA initialisation ----
  *
  * Everything outofcuda does when CUDA starts runs from this one callback,
- * queued with torch.cuda._lazy_call, in this order: TF32 (only where the
- * program chose no precision), the memory fraction, the known-bug guards,
- * the OOM observer and exception hooks, the summary sampler. The rules, for
- * every step: it runs inside torch.cuda._lazy_init, on whichever thread first
+ * queued with torch.cuda._lazy_call, in this order: the framework check (a
+ * framework that owns GPU memory gets torch's allocator back and keeps the
+ * memory fraction to itself), TF32 (only where the program chose no
+ * precision), the memory fraction, the known-bug guards, the OOM observer and
+ * exception hooks, the summary sampler. The rules, for every step: it runs
+ * inside torch.cuda._lazy_init, on whichever thread first
  * touches CUDA (or at once, when CUDA was already initialised at queueing);
  * it must not raise (torch turns that into DeferredCudaCallError and the
  * initialisation fails) and must not call torch.cuda._lazy_call (from torch
@@ -644,6 +802,7 @@ static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
     (void)unused;
     if (torch == NULL)
         Py_RETURN_NONE;
+    framework_at_cuda_init(torch);
     tf32_at_cuda_init(torch);
     fraction_at_cuda_init(torch);
     oc_known_bugs_at_cuda_init(torch);
@@ -750,29 +909,17 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
  * key was read from the variable while torch's libraries loaded. */
 static void settle_allocator(PyObject *c_mod)
 {
-    /* The CUDA setter first: on 2.9 and 2.10 the CUDA allocator still keeps
-     * its own configuration beside the accelerator one. */
-    static const char *const setters[] = {"_cuda_cudaCachingAllocator_set_allocator_settings",
-                                          "_accelerator_setAllocatorSettings"};
     const char *used = NULL;
-    PyObject *r = NULL;
     size_t len;
+    int rc;
     if (!saved.written)
         return;
-    for (size_t i = 0; c_mod != NULL && used == NULL && i < 2; i++) {
-        PyObject *fn = PyObject_GetAttrString(c_mod, setters[i]);
-        if (fn == NULL) {
-            PyErr_Clear();
-            continue;
-        }
-        used = setters[i];
-        r = PyObject_CallFunction(fn, "s", oc_g.alloc_value);
-        Py_DECREF(fn);
-    }
+    rc = call_setter(c_mod, oc_g.alloc_value, &used);
     len = strlen(oc_g.alloc_reason);
-    if (used == NULL || r == NULL) {
-        if (used != NULL)
+    if (rc != 1) {
+        if (rc < 0)
             oc_set_error("handing the allocator settings to torch");
+        PyErr_Clear();
         oc_g.alloc_applied = 0;
         snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len,
                  "; not in effect: %s, so the variable was restored",
@@ -782,12 +929,36 @@ static void settle_allocator(PyObject *c_mod)
                  "; given to torch._C.%s, then the variable was restored for child processes",
                  used);
     }
-    Py_XDECREF(r);
-    PyErr_Clear();
     restore_allocator_env();
 }
 
-static void record_allocator(void)
+/* garbage_collection_threshold acts only under a memory limit: the
+ * allocator collects cached blocks in malloc() only when a fraction is set
+ * (`set_fraction` up to 2.10; from 2.11, with per_process_memory_fraction,
+ * `allowed_memory_maximum`, which a fraction of 1 leaves empty: no limit).
+ * Says so in the allocator's reason where the threshold cannot act. */
+static void note_idle_gc(const oc_config *cfg)
+{
+    char v[32];
+    const char *why = NULL;
+    size_t len = strlen(oc_g.alloc_reason);
+    if (oc_alloc_value(oc_g.alloc_value, "garbage_collection_threshold", v, sizeof v) != 1 ||
+        atof(v) <= 0.0)
+        return;
+    if (oc_alloc_value(oc_g.alloc_value, "per_process_memory_fraction", v, sizeof v) == 1 &&
+        atof(v) < 1.0)
+        return;
+    if (cfg->memory_fraction >= 1.0 && tv.ver >= 21100)
+        why = "OUTOFCUDA_MEMORY_FRACTION=1 sets no limit on this torch";
+    if (why == NULL)
+        return;
+    snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len,
+             "; garbage_collection_threshold cannot act: torch's allocator collects cached "
+             "blocks only under a memory fraction below 1, and %s (unless the program sets one)",
+             why);
+}
+
+static void record_allocator(const oc_config *cfg)
 {
     PyObject *v;
     if (!oc_g.prepared) {
@@ -802,6 +973,8 @@ static void record_allocator(void)
         return;
     }
     v = oc_g.alloc_value[0] && oc_g.alloc_applied ? PyUnicode_FromString(oc_g.alloc_value) : NULL;
+    if (oc_g.alloc_applied)
+        note_idle_gc(cfg);
     oc_result_set("allocator", oc_g.alloc_applied, v, oc_g.alloc_reason);
     Py_XDECREF(v);
 }
@@ -839,8 +1012,10 @@ void oc_bridge_after_torch(PyObject *torch)
     lazy_call = lazy_call_fn(torch, &no_queue);
     arm_tf32(cfg, torch, c_mod, no_queue);
     apply_cudnn(cfg, torch, c_mod);
-    record_allocator();
+    record_allocator(cfg);
     armed = pending_tf32 + arm_memory_fraction(cfg, no_queue);
+    /* The framework step may have to hand torch's allocator back. */
+    armed += oc_g.alloc_applied && no_queue == NULL;
     apply_sdpa(cfg, c_mod);
     armed += oc_known_bugs_at_import(torch, no_queue);
     apply_amp_dtype(cfg, torch);

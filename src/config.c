@@ -11,8 +11,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define OC_DEFAULT_ALLOC_CONF                                                                      \
-    "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True"
+/* No max_split_size_mb beside expandable segments: inside them the
+ * allocator still applies its oversize rules, so freed blocks above the
+ * limit are never reused and reserved memory grows (pytorch issue 123548,
+ * PR 193400). max_split_size_mb:128 joins only where expandable segments
+ * end up off (OC_DEFAULT_ALLOC_CONF_NO_EXPANDABLE, bridge.c). */
+#define OC_DEFAULT_ALLOC_CONF "garbage_collection_threshold:0.8,expandable_segments:True"
+#define OC_DEFAULT_ALLOC_CONF_NO_EXPANDABLE "max_split_size_mb:128"
 
 /* Length of the well-formed UTF-8 sequence at s (1 to 4), or 0 when the
  * bytes there are not one (a stray continuation byte, an overlong form, a
@@ -244,6 +249,8 @@ static void load_alloc_conf(oc_config *cfg, oc_getenv_fn get, void *ctx)
         return;
     }
     snprintf(cfg->alloc_conf, sizeof cfg->alloc_conf, "%s", v);
+    /* The user's own string replaces every default, conditional ones too. */
+    cfg->alloc_conf_no_expandable[0] = '\0';
 }
 
 /* OUTOFCUDA_SUMMARY: a boolean word (1: the block on stderr), or the path of
@@ -289,6 +296,8 @@ void oc_config_load(oc_config *cfg, oc_getenv_fn get, void *ctx)
     cfg->amp_dtype = OC_AMP_AUTO;
     cfg->memory_fraction = 0.95;
     snprintf(cfg->alloc_conf, sizeof cfg->alloc_conf, "%s", OC_DEFAULT_ALLOC_CONF);
+    snprintf(cfg->alloc_conf_no_expandable, sizeof cfg->alloc_conf_no_expandable, "%s",
+             OC_DEFAULT_ALLOC_CONF_NO_EXPANDABLE);
     cfg->gc_collect = 1;
     cfg->flash_attn = 1;
     cfg->mem_eff_attn = 1;
@@ -318,6 +327,7 @@ void oc_config_load(oc_config *cfg, oc_getenv_fn get, void *ctx)
     load_long(cfg, get, ctx, "OUTOFCUDA_NUM_WORKERS", 0, 1024, &cfg->num_workers);
     load_long(cfg, get, ctx, "OUTOFCUDA_PREFETCH_FACTOR", 1, 1024, &cfg->prefetch_factor);
     load_summary(cfg, get, ctx);
+    load_bool(cfg, get, ctx, "OUTOFCUDA_FRAMEWORK_OVERRIDE", &cfg->framework_override);
     load_bool(cfg, get, ctx, "OUTOFCUDA_KNOWN_BUGS", &cfg->known_bugs);
 }
 

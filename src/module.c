@@ -62,6 +62,14 @@ static PyObject *dict_from_config(const oc_config *c)
             Py_CLEAR(d);
         Py_XDECREF(v);
     }
+    if (d != NULL) {
+        PyObject *v = PyUnicode_FromString(c->alloc_conf_no_expandable);
+        if (v == NULL || PyDict_SetItemString(d, "alloc_conf_no_expandable", v) < 0 ||
+            PyDict_SetItemString(d, "framework_override",
+                                 c->framework_override ? Py_True : Py_False) < 0)
+            Py_CLEAR(d);
+        Py_XDECREF(v);
+    }
     if (d != NULL && PyDict_SetItemString(d, "known_bugs", c->known_bugs ? Py_True : Py_False) < 0)
         Py_CLEAR(d);
     return d;
@@ -131,20 +139,24 @@ static int allowed_for_version(const char *key, void *ctx)
     return oc_alloc_key_known(key, *(long *)ctx);
 }
 
-/* _merge_alloc_conf(defaults, user, torch_version=None) -> (merged, dropped)
+/* _merge_alloc_conf(defaults, user, torch_version=None, no_expandable="")
+ * -> (merged, dropped): outofcuda's merge (oc_alloc_merge_defaults).
  * ValueError when a string is malformed. */
 static PyObject *oc_merge_alloc_conf_py(PyObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"defaults", "user", "torch_version", NULL};
-    const char *defaults, *user, *tv = NULL;
+    static char *kwlist[] = {"defaults", "user", "torch_version", "no_expandable", NULL};
+    const char *defaults, *user, *tv = NULL, *no_expandable = "";
     char out[OC_ALLOC_CONF_MAX * 2], dropped[512], err[160];
     long ver;
+    int held_back;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|z", kwlist, &defaults, &user, &tv))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|zs", kwlist, &defaults, &user, &tv,
+                                     &no_expandable))
         return NULL;
     ver = tv ? oc_torch_version_number(tv) : 0;
-    if (oc_alloc_merge(defaults, user, tv ? allowed_for_version : NULL, &ver, out, sizeof out,
-                       dropped, sizeof dropped, err, sizeof err) != 0) {
+    if (oc_alloc_merge_defaults(defaults, no_expandable, user, tv ? allowed_for_version : NULL,
+                                &ver, out, sizeof out, dropped, sizeof dropped, err, sizeof err,
+                                &held_back) != 0) {
         PyErr_Format(PyExc_ValueError, "bad allocator configuration: %s", err);
         return NULL;
     }

@@ -17,6 +17,7 @@
  *   api.c      decisions behind the Python API
  *   knownbugs.c the known-bugs table and its lookup (pure C part first),
  *              then the guards applied at import and at CUDA's start
+ *   frameworks.c packages that own GPU memory (vLLM, SGLang, ...): table, detection
  *   common.c   the shared ground: process state, warnings, small helpers
  *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python)
  *   allocconf.c allocator-string parse and merge (pure C, no Python)
@@ -66,6 +67,10 @@ typedef struct {
     oc_amp_dtype amp_dtype;
     double memory_fraction;
     char alloc_conf[OC_ALLOC_CONF_MAX];
+    /* Defaults that join only where expandable segments end up off; empty
+     * when OUTOFCUDA_ALLOC_CONF replaced outofcuda's defaults. */
+    char alloc_conf_no_expandable[64];
+    int framework_override; /* OUTOFCUDA_FRAMEWORK_OVERRIDE */
     int gc_collect;
     int flash_attn;
     int mem_eff_attn;
@@ -117,6 +122,24 @@ typedef int (*oc_key_allowed_fn)(const char *key, void *ctx);
 int oc_alloc_merge(const char *defaults, const char *user, oc_key_allowed_fn allowed, void *ctx,
                    char *out, size_t outsz, char *dropped, size_t droppedsz, char *err,
                    size_t errsz);
+
+/* The value of `key` in an allocator string into value: 1 found, 0 absent,
+ * -1 malformed. */
+int oc_alloc_value(const char *conf, const char *key, char *value, size_t valuesz);
+
+/* Returns 1 when the string turns expandable segments on. */
+int oc_alloc_expandable_on(const char *conf);
+
+/* outofcuda's merge of its defaults under the user's string (the user's keys
+ * win, as oc_alloc_merge): the defaults' expandable_segments is left out
+ * when the user's string sets max_split_size_mb without naming
+ * expandable_segments (*held_back = 1), and `no_expandable` joins as a
+ * default only when the result does not turn expandable segments on.
+ * Returns 0, or -1 as oc_alloc_merge. */
+int oc_alloc_merge_defaults(const char *defaults, const char *no_expandable, const char *user,
+                            oc_key_allowed_fn allowed, void *ctx, char *out, size_t outsz,
+                            char *dropped, size_t droppedsz, char *err, size_t errsz,
+                            int *held_back);
 
 /* torch release number from a version string ("2.9.1+cu128" -> 20901). Returns
  * 0 when it cannot be read. */
@@ -219,7 +242,7 @@ typedef struct {
     PyObject *torch_version; /* str or NULL */
     char alloc_env_name[32]; /* variable written before torch loaded, or "" */
     char alloc_value[OC_ALLOC_CONF_MAX];
-    char alloc_reason[600];
+    char alloc_reason[1000];
     int alloc_applied;
     /* Events of this process, for the exit summary (GIL held). */
     unsigned long oom_events;    /* CUDA OOMs torch's observer reported */
@@ -251,6 +274,23 @@ void oc_bridge_after_torch(PyObject *torch);
 /* An `import torch` failed: restores the user's allocator variable and lets
  * the next attempt prepare afresh (it may load another copy of torch). */
 void oc_bridge_import_failed(void);
+
+/* frameworks.c: packages that size GPU memory and choose code paths from
+ * the allocator variable themselves; outofcuda leaves both to them. */
+typedef struct {
+    const char *package; /* its top-level module */
+    const char *name;    /* as people write it */
+    const char *owns;    /* what it manages itself */
+    const char *evidence;
+} oc_framework;
+/* The table's rows, NULL-terminated. */
+extern const oc_framework oc_frameworks[];
+/* The name of the framework this process runs under, or NULL: one whose package is in
+ * sys.modules (also while its own import is in progress, as when it imports
+ * torch), or torch_memory_saver preloaded through LD_PRELOAD. A package
+ * merely installed is not in use. Fills why with what was seen and why
+ * outofcuda steps back. Never raises. */
+const char *oc_framework_in_use(char *why, size_t whysz);
 
 /* report.c */
 int oc_result_set(const char *name, int applied, PyObject *value, const char *reason);

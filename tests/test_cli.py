@@ -75,13 +75,31 @@ def test_doctor_notes_user_allocator_override(venv, workdir):
 
 
 @pytest.mark.parametrize("value", [
-    # outofcuda's own defaults, as a child of an older outofcuda inherited them
-    "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True",
+    # outofcuda's own defaults, as a child of outofcuda inherits them
+    "garbage_collection_threshold:0.8,expandable_segments:True",
     "expandable_segments:False",           # the README's way out of expandable segments
+    "max_split_size_mb:512",               # without expandable segments beside it
 ])
 def test_doctor_accepts_defaults_and_the_documented_fix(venv, workdir, value):
     r = cli(venv, "doctor", "--json", env={"PYTORCH_CUDA_ALLOC_CONF": value}, cwd=workdir)
     assert "alloc_conf" not in _failed(r), r.stdout
+
+
+@pytest.mark.parametrize("env,var", [
+    # outofcuda 0.2.0's own default, as its children inherited it
+    ({"PYTORCH_CUDA_ALLOC_CONF":
+      "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True"},
+     "PYTORCH_CUDA_ALLOC_CONF"),
+    ({"OUTOFCUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:256"},
+     "OUTOFCUDA_ALLOC_CONF"),
+])
+def test_doctor_names_max_split_beside_expandable_segments(venv, workdir, env, var):
+    r = cli(venv, "doctor", "--json", env=env, cwd=workdir)
+    assert r.returncode == 1
+    check = _failed(r)["alloc_conf"]
+    assert var in check["message"] and "123548" in check["message"]
+    assert f"remove max_split_size_mb from {var}" in check["fix"]
+    assert "expandable_segments:False" in check["fix"]
 
 
 def test_doctor_fixes_a_malformed_allocator_variable(venv, workdir):

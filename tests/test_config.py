@@ -24,7 +24,10 @@ def test_defaults_match_the_product_table(venv):
         "cudnn_deterministic": False, "channels_last": True, "compile": False,
         "compile_mode": "reduce-overhead", "compile_fullgraph": False, "amp_dtype": "auto",
         "memory_fraction": 0.95,
-        "alloc_conf": "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True",
+        # no max_split_size_mb beside expandable segments (pytorch issue 123548):
+        # it joins only where they end up off
+        "alloc_conf": "garbage_collection_threshold:0.8,expandable_segments:True",
+        "alloc_conf_no_expandable": "max_split_size_mb:128", "framework_override": False,
         "gc_collect": True, "flash_attn": True, "mem_eff_attn": True, "math_attn": True,
         "pin_memory": True, "num_workers": 4, "prefetch_factor": 2, "warnings": [],
         "summary": "off", "known_bugs": True,
@@ -47,6 +50,7 @@ def test_every_bad_value_gets_one_named_warning_and_the_default(venv):
         {"OUTOFCUDA_PREFETCH_FACTOR": "0"}, {"OUTOFCUDA_AMP_DTYPE": "float64"},
         {"OUTOFCUDA_COMPILE_MODE": "fast"}, {"OUTOFCUDA_ALLOC_CONF": "expandable_segments"},
         {"OUTOFCUDA_ALLOC_CONF": "a:b,,c:d"}, {"OUTOFCUDA_ALLOC_CONF": "x:[1,2"},
+        {"OUTOFCUDA_FRAMEWORK_OVERRIDE": "sometimes"},
     ]
     (defaults,) = parse_many(venv, [{}])
     for case, c in zip(cases, parse_many(venv, cases)):
@@ -68,7 +72,14 @@ def test_good_values_are_taken(venv):
     assert c["memory_fraction"] == 0.5 and c["num_workers"] == 0
     assert c["amp_dtype"] == "bfloat16" and c["compile_mode"] == "max-autotune"
     assert c["alloc_conf"].startswith("roundup_power2_divisions:[256:1")
+    assert c["alloc_conf_no_expandable"] == ""  # the user's string replaces every default
     assert c["warnings"] == []
+
+
+def test_framework_override_is_a_boolean(venv):
+    got = parse_many(venv, [{"OUTOFCUDA_FRAMEWORK_OVERRIDE": "1"},
+                            {"OUTOFCUDA_FRAMEWORK_OVERRIDE": "off"}, {}])
+    assert [c["framework_override"] for c in got] == [True, False, False]
 
 
 MERGE = """
@@ -81,7 +92,8 @@ for args in json.loads(sys.stdin.read()):
         out.append(str(exc))
 print(json.dumps(out))
 """
-DEFAULTS = "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True"
+DEFAULTS = "garbage_collection_threshold:0.8,expandable_segments:True"
+NO_EXPANDABLE = "max_split_size_mb:128"
 
 
 def merge_many(venv, cases):
@@ -93,25 +105,36 @@ def merge_many(venv, cases):
 def test_merge_user_keys_win_key_by_key(venv):
     got = merge_many(venv, [
         [DEFAULTS, ""],
-        [DEFAULTS, "expandable_segments:False"],
+        [DEFAULTS, "expandable_segments:False", None, NO_EXPANDABLE],
         [DEFAULTS, " max_split_size_mb : 512 , backend:cudaMallocAsync"],
         [DEFAULTS, "roundup_power2_divisions:[256:1,512:2,>:4]"],
         [DEFAULTS, "max_split_size_mb:1,max_split_size_mb:2"],
-        [DEFAULTS, "", "2.0.1+cu118"],
-        [DEFAULTS, "", "2.1.0"],
+        [DEFAULTS, "", "2.0.1+cu118", NO_EXPANDABLE],
+        [DEFAULTS, "", "2.1.0", NO_EXPANDABLE],
         [DEFAULTS + ",per_process_memory_fraction:0.9", "", "2.9.1"],
         [DEFAULTS + ",per_process_memory_fraction:0.9", "", "2.11.0"],
+        [DEFAULTS, "max_split_size_mb:512,expandable_segments:True", None, NO_EXPANDABLE],
+        [DEFAULTS, "expandable_segments:False"],
     ])
     assert got[0] == [DEFAULTS, ""]
-    assert got[1] == ["expandable_segments:False,max_split_size_mb:128,garbage_collection_threshold:0.8", ""]
-    assert got[2] == ["max_split_size_mb:512,backend:cudaMallocAsync,garbage_collection_threshold:0.8,"
-                      "expandable_segments:True", ""]
+    # expandable segments off: max_split_size_mb:128 joins
+    assert got[1] == ["expandable_segments:False,garbage_collection_threshold:0.8,"
+                      "max_split_size_mb:128", ""]
+    # the user's max_split_size_mb: the defaults' expandable segments stay out
+    assert got[2] == ["max_split_size_mb:512,backend:cudaMallocAsync,"
+                      "garbage_collection_threshold:0.8", ""]
     assert got[3][0] == "roundup_power2_divisions:[256:1,512:2,>:4]," + DEFAULTS
     assert got[4][0].startswith("max_split_size_mb:2,") and got[4][0].count("max_split") == 1
-    assert got[5] == ["max_split_size_mb:128,garbage_collection_threshold:0.8", "expandable_segments"]
+    # 2.0 has no expandable segments: max_split_size_mb:128 applies there
+    assert got[5] == ["garbage_collection_threshold:0.8,max_split_size_mb:128",
+                      "expandable_segments"]
     assert got[6] == [DEFAULTS, ""]
     assert got[7] == [DEFAULTS, "per_process_memory_fraction"]
     assert got[8] == [DEFAULTS + ",per_process_memory_fraction:0.9", ""]
+    # a combination the user wrote is kept
+    assert got[9] == ["max_split_size_mb:512,expandable_segments:True,"
+                      "garbage_collection_threshold:0.8", ""]
+    assert got[10] == ["expandable_segments:False,garbage_collection_threshold:0.8", ""]
 
 
 def test_merge_rejects_malformed_strings(venv):

@@ -5,11 +5,17 @@ fresh interpreter under `-W error`; none may initialise CUDA.
 The `cuda_venv` fixture (tests/conftest.py) installs that build once per
 session; OUTOFCUDA_TEST_CUDA_VENV reuses an environment that has it."""
 import json
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
-# outofcuda's allocator defaults (OUTOFCUDA_ALLOC_CONF unset)
-DEFAULTS = "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:True"
+from conftest import _unavailable
+
+# outofcuda's allocator defaults (OUTOFCUDA_ALLOC_CONF unset): no max_split_size_mb
+# beside expandable segments (pytorch issue 123548)
+DEFAULTS = "garbage_collection_threshold:0.8,expandable_segments:True"
 
 FLAGS = """
 import json, os, sys, torch
@@ -123,8 +129,8 @@ _outofcuda.install()
 
 def test_allocator_holds_the_merge_and_the_variable_is_given_back(cuda_venv):
     f = flags(cuda_venv, env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"})
-    assert f["allocator"] == "max_split_size_mb:512,garbage_collection_threshold:0.8," \
-                             "expandable_segments:True"
+    # no expandable segments beside the user's max_split_size_mb
+    assert f["allocator"] == "max_split_size_mb:512,garbage_collection_threshold:0.8"
     assert f["alloc_env"] == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
     assert f["cuda_initialized"] is False
 
@@ -208,6 +214,146 @@ def test_queued_memory_fraction_takes_local_rank(cuda_venv, local_rank, device):
     assert f["status"]["applied"] and f["status"]["value"] == {"fraction": 0.95, "device": device}
     assert ("LOCAL_RANK" in f["status"]["reason"]) == (local_rank == "2")
     assert f["oom_queued"] and f["cuda_initialized"] is False
+
+
+# ---- frameworks that own GPU memory (src/frameworks.c) ----
+
+# torch's live expandable_segments setting: no getter reads it without CUDA
+# (_accelerator_getAllocatorSettings() returns the last string given), so it is
+# read from AcceleratorAllocatorConfig::instance(): the byte that follows
+# expandable_segments True/False, found by setting both after the state was
+# read (the configuration is left changed).
+EXPANDABLE = """
+def expandable_flag():
+    import ctypes, os, torch
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    instance = lib._ZN3c1016CachingAllocator26AcceleratorAllocatorConfig8instanceEv
+    instance.restype = ctypes.c_void_p
+    p, n = instance(), 512
+    now = ctypes.string_at(p, n)
+    seen = []
+    for value in ("True", "False", "True"):
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:" + value)
+        seen.append(ctypes.string_at(p, n))
+    (i,) = [i for i in range(n) if (seen[0][i], seen[1][i], seen[2][i]) == (1, 0, 1)]
+    return bool(now[i])
+"""
+
+# {imports} runs first: a framework imported before torch imports torch itself.
+CUDA_INIT = EXPANDABLE + """
+{imports}
+import json, os, torch, _outofcuda
+C = torch._C
+calls = []
+C._cuda_getDeviceCount = lambda: 4
+C._cuda_getDevice = lambda: 0
+C._cuda_setMemoryFraction = lambda fraction, device: calls.append([fraction, device])
+C._cuda_attach_out_of_memory_observer = lambda fn: None
+for fn, _stack in torch.cuda._queued_calls:
+    if getattr(fn, '__name__', '').startswith('outofcuda'):
+        fn()
+opts = _outofcuda.status()['optimizations']
+print('INIT=' + json.dumps({{
+    'allocator': C._accelerator_getAllocatorSettings(), 'fractions': calls,
+    'alloc_env': {{k: v for k, v in os.environ.items() if k.endswith('ALLOC_CONF')}},
+    'status': {{k: opts[k] for k in ('allocator', 'memory_fraction')}},
+    'error': _outofcuda.status()['hook']['error'],
+    'expandable': expandable_flag(), 'cuda_initialized': torch.cuda.is_initialized()}}))
+"""
+
+
+def cuda_init(venv, imports, env=None):
+    return report(venv, CUDA_INIT.format(imports=imports), env=env, prefix="INIT=")
+
+
+def test_torchs_setter_keeps_expandable_segments(cuda_venv):
+    # The fact the hand-back relies on, read from torch itself: its runtime
+    # parser resets max_split_size, roundup_power2_divisions and
+    # garbage_collection_threshold when a string leaves them out, but not
+    # expandable_segments.
+    f = report(cuda_venv, EXPANDABLE + """
+import json, torch
+S = torch._C._accelerator_setAllocatorSettings
+S("garbage_collection_threshold:0.8,expandable_segments:True")
+S("max_split_size_mb:256")
+print('KEPT=' + json.dumps([torch._C._accelerator_getAllocatorSettings(), expandable_flag()]))
+""", env={"OUTOFCUDA_DISABLE": "1"}, prefix="KEPT=")
+    assert f == ["max_split_size_mb:256", True]
+
+
+@pytest.fixture
+def frameworks_path(tmp_path):
+    from fake_frameworks import FILES, make_fake_framework
+    for name in FILES:
+        make_fake_framework(tmp_path / "fw", name)
+    return str(tmp_path / "fw")
+
+
+@pytest.mark.parametrize("framework", ["vllm", "sglang", "torch_memory_saver"])
+def test_framework_importing_torch_on_the_cuda_build(cuda_venv, frameworks_path, framework):
+    user = "garbage_collection_threshold:0.6"
+    f = cuda_init(cuda_venv, f"import {framework}", env={
+        "PYTHONPATH": frameworks_path, "PYTORCH_CUDA_ALLOC_CONF": user})
+    # torch read the user's variable as it was: outofcuda never wrote it.
+    assert f["allocator"] == user and f["alloc_env"] == {"PYTORCH_CUDA_ALLOC_CONF": user}
+    assert f["expandable"] is False and f["fractions"] == []
+    for entry in f["status"].values():
+        assert not entry["applied"] and "left to" in entry["reason"]
+        assert "handed back" not in entry["reason"]  # found at torch's import already
+    assert f["error"] is None and f["cuda_initialized"] is False
+
+
+@pytest.mark.parametrize("user", [None, "garbage_collection_threshold:0.6"])
+def test_framework_imported_after_torch_gets_the_users_allocator(cuda_venv, frameworks_path,
+                                                                 user):
+    env = {"PYTHONPATH": frameworks_path, "PYTORCH_ALLOC_CONF": user}
+    f = cuda_init(cuda_venv, "import torch; import vllm", env=env)
+    assert f["allocator"] == (user or "")        # exactly the user's own string
+    assert f["expandable"] is False              # turned off again before the user's string
+    assert f["fractions"] == []
+    assert "handed back" in f["status"]["allocator"]["reason"]
+    assert "vLLM" in f["status"]["memory_fraction"]["reason"]
+    assert f["error"] is None and f["cuda_initialized"] is False
+
+
+def test_plain_process_beside_installed_frameworks_keeps_everything(cuda_venv, frameworks_path):
+    f = cuda_init(cuda_venv, "", env={"PYTHONPATH": frameworks_path})
+    assert f["allocator"] == DEFAULTS and f["expandable"] is True
+    assert f["fractions"] == [[0.95, 0]]
+    assert all(entry["applied"] for entry in f["status"].values())
+
+
+@pytest.fixture(scope="session")
+def vllm_dir(cuda_base_venv, tmp_path_factory):
+    """The real vllm 0.33.0 wheel (no dependencies but `packaging`, enough to
+    import it beside torch 2.14.1), installed once into a folder of its own
+    that a scenario puts on PYTHONPATH: the CUDA environment stays as it is.
+    OUTOFCUDA_TEST_VLLM_DIR reuses one across runs."""
+    from conftest import _pip
+    reuse = os.environ.get("OUTOFCUDA_TEST_VLLM_DIR")
+    path = Path(reuse) if reuse else tmp_path_factory.mktemp("vllm") / "site"
+    if not (path / ".ready").exists():
+        try:
+            _pip(cuda_base_venv / "bin" / "python", "install", "--no-deps", "--target",
+                 str(path), "vllm==0.33.0", "packaging")
+        except subprocess.CalledProcessError as e:
+            _unavailable(f"pip install vllm==0.33.0 failed (exit {e.returncode})")
+        (path / ".ready").write_text("ok")
+    return str(path)
+
+
+@pytest.mark.parametrize("imports", ["import vllm", "import torch; import vllm"])
+def test_the_real_vllm_wheel_keeps_its_allocator(cuda_venv, vllm_dir, imports):
+    f = cuda_init(cuda_venv, imports, env={"PYTHONPATH": vllm_dir})
+    # What vLLM's own checks read (the variable) and what torch's allocator
+    # holds agree: nothing of outofcuda's in either, and no fraction.
+    assert f["allocator"] == "" and f["alloc_env"] == {}
+    assert f["expandable"] is False and f["fractions"] == []
+    reason = f["status"]["allocator"]["reason"]
+    assert "vLLM" in reason
+    # Found at torch's import when vllm imported torch, else at CUDA initialisation.
+    assert ("handed back" in reason) == imports.startswith("import torch")
+    assert f["error"] is None and f["cuda_initialized"] is False
 
 
 def test_excepthooks_untouched_on_cuda_build(cuda_venv):

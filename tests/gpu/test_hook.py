@@ -4,6 +4,7 @@ only on this process's device, bfloat16 is chosen on compute capability >= 8.0,
 and a child forked after `import torch` can still use CUDA. Each scenario is a
 fresh interpreter (the hook changes process-wide state)."""
 import json
+import os
 
 import pytest
 
@@ -54,7 +55,8 @@ print(json.dumps({"value": value, "settings": get() if get else None,
                   "expandable": [s.get("is_expandable") for s in segs],
                   "env": {k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}}))
 """, cwd=workdir))
-    assert "max_split_size_mb:128" in d["value"]
+    # No max_split_size_mb beside expandable segments (pytorch issue 123548).
+    assert d["value"] == "garbage_collection_threshold:0.8,expandable_segments:True", d
     # Handed to torch's runtime setter, the variable given back (unset here):
     # the allocator still uses the merge after the variable is gone.
     assert d["env"] == {"PYTORCH_CUDA_ALLOC_CONF": None, "PYTORCH_ALLOC_CONF": None}
@@ -62,6 +64,54 @@ print(json.dumps({"value": value, "settings": get() if get else None,
     # outofcuda's default turns expandable segments on: torch must have used them.
     assert "expandable_segments:True" in d["value"], d
     assert d["expandable"] and all(e is True for e in d["expandable"]), d
+
+
+# A fragmenting pattern: blocks from 1 GiB down to 64 MiB, each freed before
+# the next. Inside expandable segments max_split_size's oversize rules keep a
+# freed block of 128 MiB or more from serving a request more than
+# max_non_split_rounding (20 MiB) smaller, so with max_split_size_mb beside
+# expandable segments every request maps new pages (the freed block before it
+# coalesces with it and grows further out of reach); without it the one
+# freed block is split and reused. Live memory never exceeds 1 GiB.
+FRAGMENT = """
+import json, torch, _outofcuda
+MiB = 1 << 20
+for size in range(1024, 0, -64):
+    t = torch.empty(size * MiB, dtype=torch.uint8, device="cuda")
+    del t
+torch.cuda.synchronize()
+segs = torch.cuda.memory._snapshot()["segments"]
+settings = torch.cuda.memory._snapshot().get("allocator_settings", {})
+print(json.dumps({
+    "reserved": torch.cuda.memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated(),
+    "expandable": sorted({bool(s.get("is_expandable")) for s in segs}),
+    "settings": {k: str(v) for k, v in settings.items()},
+    "allocator": _outofcuda.status()["optimizations"]["allocator"]["value"]}))
+"""
+
+
+def test_default_allocator_reuses_freed_blocks_inside_expandable_segments(gpu, workdir):
+    runs = {}
+    for name, env in [("default", {}),
+                      # the pre-0.3 default, the combination of pytorch issue 123548
+                      ("max_split_beside_expandable", {
+                          "OUTOFCUDA_ALLOC_CONF": "max_split_size_mb:128,"
+                                                  "garbage_collection_threshold:0.8,"
+                                                  "expandable_segments:True"})]:
+        d = last_json(gpu.run(FRAGMENT, env=env, cwd=workdir))
+        d["reserved_per_peak"] = d["reserved"] / d["peak_allocated"]
+        runs[name] = d
+    figures = os.environ.get("OUTOFCUDA_GPU_FIGURES")
+    if figures:  # benchmarks/gpu_check.sh keeps the figures
+        with open(os.path.join(figures, "fragment.json"), "w") as f:
+            json.dump(runs, f, indent=1)
+    default, bad = runs["default"], runs["max_split_beside_expandable"]
+    assert "max_split_size_mb" not in default["allocator"], default
+    assert default["expandable"] == [True] and bad["expandable"] == [True], runs
+    # The pattern does fragment the combination (else this test proves nothing)...
+    assert bad["reserved_per_peak"] > 2.0, runs
+    # ...and outofcuda's default keeps reserved memory near the live peak.
+    assert default["reserved_per_peak"] < 1.5, runs
 
 
 # One size n for both fraction tests, fixed by the device's total memory:
