@@ -63,7 +63,7 @@ static void read_version_file(PyObject *spec)
     memset(&tv, 0, sizeof tv);
     o = spec ? PyObject_GetAttrString(spec, "origin") : NULL;
     if (o == NULL || !PyUnicode_Check(o)) {
-        PyErr_Clear();
+        OC_CLEAR();
         Py_XDECREF(o);
         return;
     }
@@ -101,7 +101,7 @@ static void read_version_module(PyObject *torch)
     long ver = s ? oc_torch_version_number(oc_utf8(s, buf, sizeof buf)) : 0;
     Py_XDECREF(s);
     Py_XDECREF(v);
-    PyErr_Clear();
+    OC_CLEAR();
     if (ver == 0)
         return;
     cuda = oc_getattr_chain(torch, "version.cuda");
@@ -166,7 +166,7 @@ static int set_environ(const char *name, const char *value)
         rc = PyMapping_DelItemString(environ, name);
         /* Already gone (something deleted it meanwhile) is what was asked. */
         if (rc < 0 && PyErr_ExceptionMatches(PyExc_KeyError)) {
-            PyErr_Clear();
+            PyErr_Clear(); /* absence: already gone is what was asked */
             rc = 0;
         }
     } else if (environ != NULL && v != NULL)
@@ -351,7 +351,7 @@ static int flags_frozen(PyObject *torch)
     r = PyObject_CallObject(fn, NULL);
     Py_DECREF(fn);
     if (r == NULL) {
-        PyErr_Clear();
+        OC_CLEAR();
         return 0;
     }
     frozen = PyObject_IsTrue(r) == 1;
@@ -380,7 +380,7 @@ static PyObject *call_c(PyObject *c_mod, const char *fn, const char *backend, co
     PyObject *r = backend ? PyObject_CallMethod(c_mod, fn, "ss", backend, op)
                           : PyObject_CallMethod(c_mod, fn, NULL);
     if (r == NULL)
-        PyErr_Clear();
+        OC_CLEAR();
     return r;
 }
 
@@ -419,7 +419,7 @@ static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
         }
         return 0;
     }
-    PyErr_Clear();
+    OC_CLEAR();
     {
         PyObject *tf32 = call_c(c_mod, "_get_cublas_allow_tf32", NULL, NULL);
         PyObject *fmp = call_c(c_mod, "_get_float32_matmul_precision", NULL, NULL);
@@ -431,7 +431,7 @@ static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
         }
         Py_XDECREF(tf32);
         Py_XDECREF(fmp);
-        PyErr_Clear();
+        OC_CLEAR();
         if (chosen < 0)
             snprintf(why, sz, "torch's float32 matmul precision could not be read");
         else if (chosen)
@@ -452,7 +452,7 @@ static void tf32_at_cuda_init(PyObject *torch)
     pending_tf32 = 0;
     c_mod = PyObject_GetAttrString(torch, "_C");
     if (c_mod == NULL) {
-        PyErr_Clear();
+        OC_CLEAR();
         return;
     }
     chosen = precision_chosen(c_mod, why, sizeof why);
@@ -499,7 +499,7 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
     }
     setter = PyObject_GetAttrString(c_mod, "_set_cublas_allow_tf32");
     if (setter == NULL) {
-        PyErr_Clear();
+        PyErr_Clear(); /* recorded: the step's reason says torch lacks it */
         oc_result_set("tf32", 0, NULL, "this torch has no torch._C._set_cublas_allow_tf32");
         return;
     }
@@ -609,7 +609,7 @@ static int call_setter(PyObject *c_mod, const char *conf, const char **used)
     for (size_t i = 0; c_mod != NULL && i < 2; i++) {
         PyObject *fn = PyObject_GetAttrString(c_mod, setters[i]), *r;
         if (fn == NULL) {
-            PyErr_Clear();
+            PyErr_Clear(); /* absence: the next setter is tried */
             continue;
         }
         *used = setters[i];
@@ -682,7 +682,7 @@ static void framework_at_cuda_init(PyObject *torch)
     if (!framework_owns_memory(oc_config_get(), NULL, 0))
         return;
     c_mod = PyObject_GetAttrString(torch, "_C");
-    PyErr_Clear();
+    OC_CLEAR();
     hand_back_allocator(c_mod);
     Py_XDECREF(c_mod);
     snprintf(reason, sizeof reason, "not set: left to %s. %s", owner.name, owner.why);
@@ -746,7 +746,7 @@ static void fraction_at_cuda_init(PyObject *torch)
 error:
     oc_set_error("memory fraction at CUDA initialisation");
 done:
-    PyErr_Clear();
+    OC_CLEAR();
     Py_XDECREF(r);
     Py_XDECREF(dev);
     Py_XDECREF(n);
@@ -808,7 +808,7 @@ static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
     oc_known_bugs_at_cuda_init(torch);
     oc_oom_at_cuda_init(torch);
     oc_summary_at_cuda_init();
-    PyErr_Clear();
+    OC_CLEAR();
     Py_DECREF(torch);
     Py_RETURN_NONE;
 }
@@ -820,7 +820,7 @@ static PyMethodDef at_cuda_init_def = {"outofcuda_at_cuda_init", at_cuda_init, M
 static PyObject *lazy_call_fn(PyObject *torch, const char **why_not)
 {
     PyObject *fn = oc_getattr_chain(torch, "cuda._lazy_call");
-    PyErr_Clear();
+    PyErr_Clear(); /* recorded: *why_not says why */
     *why_not = fn ? NULL : "none: this torch has no torch.cuda._lazy_call";
     return fn;
 }
@@ -833,7 +833,7 @@ static int queue_at_cuda_init(PyObject *lazy_call)
     Py_XDECREF(cb);
     if (r == NULL) {
         oc_set_error("queueing outofcuda's CUDA-init callback");
-        PyErr_Clear();
+        PyErr_Clear(); /* recorded by oc_set_error */
         return -1;
     }
     Py_DECREF(r);
@@ -872,11 +872,11 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
     fn = PyObject_GetAttrString(torch, "set_autocast_dtype");
     use_new = fn != NULL;
     if (fn == NULL) {
-        PyErr_Clear();
+        PyErr_Clear(); /* absence: an older torch, the GPU setter is tried */
         fn = PyObject_GetAttrString(torch, "set_autocast_gpu_dtype");
     }
     if (dtype == NULL || fn == NULL) {
-        PyErr_Clear();
+        OC_CLEAR();
         Py_XDECREF(dtype);
         Py_XDECREF(fn);
         oc_result_set("amp_dtype", 0, NULL, "this torch has no autocast dtype setter");
@@ -919,7 +919,7 @@ static void settle_allocator(PyObject *c_mod)
     if (rc != 1) {
         if (rc < 0)
             oc_set_error("handing the allocator settings to torch");
-        PyErr_Clear();
+        PyErr_Clear(); /* recorded above, or absence (no setter: the reason says so) */
         oc_g.alloc_applied = 0;
         snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len,
                  "; not in effect: %s, so the variable was restored",
@@ -992,10 +992,10 @@ void oc_bridge_after_torch(PyObject *torch)
         Py_XDECREF(old);
         Py_DECREF(v);
     }
-    PyErr_Clear();
+    OC_CLEAR();
     c_mod = PyObject_GetAttrString(torch, "_C");
     if (c_mod == NULL)
-        PyErr_Clear();
+        OC_CLEAR();
     settle_allocator(c_mod);
     if (cfg->disable) {
         Py_XDECREF(c_mod);
@@ -1030,7 +1030,7 @@ void oc_bridge_after_torch(PyObject *torch)
     }
     Py_XDECREF(lazy_call);
     Py_DECREF(c_mod);
-    PyErr_Clear();
+    OC_CLEAR();
     if (cfg->verbose)
         oc_report_verbose();
 }

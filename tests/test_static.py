@@ -261,3 +261,16 @@ def test_c_files_read_top_down_as_oc_h_maps_them():
     upward = [c for c in _calls_between_files() if order.index(c[1]) < order.index(c[0])]
     assert not upward, f"calls to a file above the caller in oc.h's map: {upward}"
     assert ("bridge.c", "oom.c", "oc_oom_at_cuda_init") in _calls_between_files()
+
+
+def test_every_swallowed_error_leaves_a_trace():
+    """OUTOFCUDA_DEBUG=1 prints each error outofcuda swallows (OC_CLEAR, and the
+    boot's BOOT_CLEAR): a bare PyErr_Clear() stays only where absence is the
+    expected answer or what it clears is recorded, and its line says so."""
+    bare = []
+    for path in sorted(SRC.glob("*.c")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if "PyErr_Clear()" in line and not re.search(
+                    r"/\*.*\b(absence|absent|recorded|reported)\b", line, re.I):
+                bare.append(f"{path.name}:{n}: {line.strip()}")
+    assert not bare, "PyErr_Clear() without a trace or a reason:\n" + "\n".join(bare)
