@@ -65,31 +65,13 @@ static void check_config(const oc_config *c)
         abort();
 }
 
-/* Normalised prefix: short names in the input map to the real variable
- * names so the fuzzer reaches every variable without guessing 30 bytes. */
-static const char *const names[] = {
-    "OUTOFCUDA_DISABLE",
-    "OUTOFCUDA_VERBOSE",
-    "OUTOFCUDA_TF32",
-    "OUTOFCUDA_CUDNN_BENCHMARK",
-    "OUTOFCUDA_CUDNN_DETERMINISTIC",
-    "OUTOFCUDA_CHANNELS_LAST",
-    "OUTOFCUDA_COMPILE",
-    "OUTOFCUDA_COMPILE_MODE",
-    "OUTOFCUDA_COMPILE_FULLGRAPH",
-    "OUTOFCUDA_AMP_DTYPE",
-    "OUTOFCUDA_MEMORY_FRACTION",
-    "OUTOFCUDA_ALLOC_CONF",
-    "OUTOFCUDA_GC_COLLECT",
-    "OUTOFCUDA_FLASH_ATTN",
-    "OUTOFCUDA_MEM_EFF_ATTN",
-    "OUTOFCUDA_MATH_ATTN",
-    "OUTOFCUDA_PIN_MEMORY",
-    "OUTOFCUDA_NUM_WORKERS",
-    "OUTOFCUDA_PREFETCH_FACTOR",
-    "OUTOFCUDA_SUMMARY",
-};
-#define N_NAMES (sizeof names / sizeof names[0])
+/* Normalised prefix: short names in the input map to the variables of the
+ * settings table (src/settings.c), so the fuzzer reaches every variable the
+ * loader reads without guessing 30 bytes, and a new one without an edit. */
+static const char *variable(unsigned char k)
+{
+    return oc_setting_at(k % oc_setting_count())->name;
+}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -114,7 +96,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             *eq = '\0';
             /* "#k=value" selects the k-th known name (mod N_NAMES). */
             if (p[0] == '#' && p[1] != '\0')
-                env.name[env.n] = names[(unsigned char)p[1] % N_NAMES];
+                env.name[env.n] = variable((unsigned char)p[1]);
             else
                 env.name[env.n] = p;
             env.value[env.n] = eq + 1;

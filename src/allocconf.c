@@ -351,11 +351,11 @@ const char *oc_alloc_user_var(long ver, const char **value)
                                         "PYTORCH_ALLOC_CONF"};
     *value = NULL;
     if (ver < 21100) {
-        *value = getenv("PYTORCH_CUDA_ALLOC_CONF");
+        *value = oc_env("PYTORCH_CUDA_ALLOC_CONF");
         return "PYTORCH_CUDA_ALLOC_CONF";
     }
     for (size_t i = 0; i < sizeof order / sizeof order[0]; i++) {
-        *value = getenv(order[i]);
+        *value = oc_env(order[i]);
         if (*value != NULL)
             return order[i];
     }

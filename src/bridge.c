@@ -288,7 +288,7 @@ static void prepare_allocator(const oc_config *cfg)
         return;
     }
     {
-        const char *had = getenv(name);
+        const char *had = oc_env(name);
         saved.had = had != NULL;
         snprintf(saved.value, sizeof saved.value, "%s", had ? had : "");
         snprintf(saved.name, sizeof saved.name, "%s", name);
@@ -475,7 +475,7 @@ static void tf32_at_cuda_init(PyObject *torch)
 
 static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, const char *no_queue)
 {
-    const char *override = getenv("NVIDIA_TF32_OVERRIDE");
+    const char *override = oc_env("NVIDIA_TF32_OVERRIDE");
     PyObject *setter;
     if (!cfg->tf32) {
         oc_result_set("tf32", 0, NULL, "OUTOFCUDA_TF32=0: torch's defaults kept");
@@ -698,7 +698,7 @@ static struct {
 
 static long local_rank(void)
 {
-    const char *s = getenv("LOCAL_RANK");
+    const char *s = oc_env("LOCAL_RANK");
     char *end;
     long r;
     if (s == NULL || !*s)

@@ -13,12 +13,12 @@ oc_state oc_g;
 static const char *env_getenv(const char *name, void *ctx)
 {
     (void)ctx;
-    return getenv(name);
+    return oc_env(name);
 }
 
 int oc_disabled_by_env(void)
 {
-    return oc_parse_bool(getenv("OUTOFCUDA_DISABLE")) == 1;
+    return oc_parse_bool(oc_env("OUTOFCUDA_DISABLE")) == 1;
 }
 
 /* Clears the current exception, which outofcuda swallows so that nothing it
@@ -33,7 +33,7 @@ void oc_clear_at(const char *file, int line, const char *func)
     if (!PyErr_Occurred())
         return;
     if (debug < 0)
-        debug = oc_parse_bool(getenv("OUTOFCUDA_DEBUG")) == 1;
+        debug = oc_parse_bool(oc_env("OUTOFCUDA_DEBUG")) == 1;
     if (!debug) {
         PyErr_Clear(); /* recorded nowhere: OUTOFCUDA_DEBUG is off */
         return;

@@ -7,16 +7,13 @@
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* No max_split_size_mb beside expandable segments: inside them the
- * allocator still applies its oversize rules, so freed blocks above the
- * limit are never reused and reserved memory grows (pytorch issue 123548,
- * PR 193400). max_split_size_mb:128 joins only where expandable segments
- * end up off (OC_DEFAULT_ALLOC_CONF_NO_EXPANDABLE, bridge.c). */
-#define OC_DEFAULT_ALLOC_CONF "garbage_collection_threshold:0.8,expandable_segments:True"
+/* The default that joins only where expandable segments end up off (see
+ * OC_DEFAULT_ALLOC_CONF in oc.h; bridge.c decides). */
 #define OC_DEFAULT_ALLOC_CONF_NO_EXPANDABLE "max_split_size_mb:128"
 
 /* Length of the well-formed UTF-8 sequence at s (1 to 4), or 0 when the
@@ -134,201 +131,156 @@ int oc_parse_bool(const char *s)
     return -1;
 }
 
-static void load_bool(oc_config *cfg, oc_getenv_fn get, void *ctx, const char *name, int *slot)
+/* ---- one parser per kind of value: 0 stored, -1 refused (nothing stored) ---- */
+
+/* The setting's field in cfg; numbers are stored with memcpy (the field's
+ * type is the setting's kind's: int, long or double). */
+#define FIELD(cfg, s) ((char *)(cfg) + (s)->offset)
+#define STORE(cfg, s, x) memcpy(FIELD(cfg, s), &(x), sizeof(x))
+
+static int parse_bool(oc_config *cfg, const oc_setting *s, const char *v)
 {
-    const char *v = lookup(get, ctx, name);
-    int b;
-    if (v == NULL)
-        return;
-    b = oc_parse_bool(v);
+    int b = oc_parse_bool(v);
     if (b < 0)
-        add_warning(cfg, name, v, "1/0, true/false, yes/no or on/off");
-    else
-        *slot = b;
+        return -1;
+    STORE(cfg, s, b);
+    return 0;
 }
 
-static void load_long(oc_config *cfg, oc_getenv_fn get, void *ctx, const char *name, long lo,
-                      long hi, long *slot)
+static int parse_long(oc_config *cfg, const oc_setting *s, const char *v)
 {
-    char buf[32], accepts[80];
-    const char *v = lookup(get, ctx, name);
-    char *end;
+    char buf[32], *end;
     long x;
-    if (v == NULL)
-        return;
-    snprintf(accepts, sizeof accepts, "a whole number from %ld to %ld", lo, hi);
-    if (trim_copy(v, buf, sizeof buf, 0) == NULL || buf[0] == '\0') {
-        add_warning(cfg, name, v, accepts);
-        return;
-    }
+    if (trim_copy(v, buf, sizeof buf, 0) == NULL || buf[0] == '\0')
+        return -1;
     errno = 0;
     x = strtol(buf, &end, 10);
-    if (errno != 0 || *end != '\0' || x < lo || x > hi) {
-        add_warning(cfg, name, v, accepts);
-        return;
-    }
-    *slot = x;
+    if (errno != 0 || *end != '\0' || x < s->lo || x > s->hi)
+        return -1;
+    STORE(cfg, s, x);
+    return 0;
 }
 
-static void load_fraction(oc_config *cfg, oc_getenv_fn get, void *ctx)
+static int parse_fraction(oc_config *cfg, const oc_setting *s, const char *v)
 {
-    static const char name[] = "OUTOFCUDA_MEMORY_FRACTION";
-    char buf[32];
-    const char *v = lookup(get, ctx, name);
-    char *end;
+    char buf[32], *end;
     double x;
-    if (v == NULL)
-        return;
-    if (trim_copy(v, buf, sizeof buf, 0) == NULL || buf[0] == '\0') {
-        add_warning(cfg, name, v, "a number f with 0 < f <= 1");
-        return;
-    }
+    if (trim_copy(v, buf, sizeof buf, 0) == NULL || buf[0] == '\0')
+        return -1;
     errno = 0;
     x = strtod(buf, &end);
     /* isfinite() also refuses "nan" and "inf", which strtod accepts. */
-    if (errno != 0 || *end != '\0' || !isfinite(x) || !(x > 0.0) || x > 1.0) {
-        add_warning(cfg, name, v, "a number f with 0 < f <= 1");
-        return;
-    }
-    cfg->memory_fraction = x;
+    if (errno != 0 || *end != '\0' || !isfinite(x) || !(x > 0.0) || x > 1.0)
+        return -1;
+    STORE(cfg, s, x);
+    return 0;
 }
 
-static void load_choice(oc_config *cfg, oc_getenv_fn get, void *ctx, const char *name,
-                        const char *const *choices, const int *values, size_t n, int *slot,
-                        const char *accepts)
+/* A word of s->words (any case, blanks around): its value from s->values
+ * into an int field, or, without values, the canonical word into a
+ * char[OC_WORD_MAX] field. */
+static int parse_word(oc_config *cfg, const oc_setting *s, const char *v)
 {
     char buf[40];
-    const char *v = lookup(get, ctx, name);
-    if (v == NULL)
-        return;
-    if (trim_copy(v, buf, sizeof buf, 1) != NULL) {
-        for (size_t i = 0; i < n; i++) {
-            if (strcmp(buf, choices[i]) == 0) {
-                *slot = values[i];
-                return;
-            }
-        }
+    if (trim_copy(v, buf, sizeof buf, 1) == NULL)
+        return -1;
+    for (size_t i = 0; s->words[i] != NULL; i++) {
+        if (strcmp(buf, s->words[i]) != 0)
+            continue;
+        if (s->values != NULL)
+            STORE(cfg, s, s->values[i]);
+        else
+            snprintf(FIELD(cfg, s), OC_WORD_MAX, "%s", s->words[i]);
+        return 0;
     }
-    add_warning(cfg, name, v, accepts);
+    return -1;
 }
 
-static void load_amp_dtype(oc_config *cfg, oc_getenv_fn get, void *ctx)
+static int parse_alloc(oc_config *cfg, const oc_setting *s, const char *v)
 {
-    static const char *const words[] = {"auto", "float16", "fp16", "half", "bfloat16", "bf16"};
-    static const int values[] = {OC_AMP_AUTO,    OC_AMP_FLOAT16,  OC_AMP_FLOAT16,
-                                 OC_AMP_FLOAT16, OC_AMP_BFLOAT16, OC_AMP_BFLOAT16};
-    int slot = (int)cfg->amp_dtype;
-    load_choice(cfg, get, ctx, "OUTOFCUDA_AMP_DTYPE", words, values, 6, &slot,
-                "auto, float16 or bfloat16");
-    cfg->amp_dtype = (oc_amp_dtype)slot;
-}
-
-static void load_compile_mode(oc_config *cfg, oc_getenv_fn get, void *ctx)
-{
-    static const char *const modes[] = {"default", "reduce-overhead", "max-autotune",
-                                        "max-autotune-no-cudagraphs"};
-    static const int values[] = {0, 1, 2, 3};
-    int slot = -1;
-    load_choice(cfg, get, ctx, "OUTOFCUDA_COMPILE_MODE", modes, values, 4, &slot,
-                "default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs");
-    if (slot >= 0)
-        snprintf(cfg->compile_mode, sizeof cfg->compile_mode, "%s", modes[slot]);
-}
-
-static void load_alloc_conf(oc_config *cfg, oc_getenv_fn get, void *ctx)
-{
-    static const char name[] = "OUTOFCUDA_ALLOC_CONF";
-    const char *v = lookup(get, ctx, name);
     oc_alloc_list list;
-    if (v == NULL)
-        return;
-    if (strlen(v) >= sizeof cfg->alloc_conf || oc_alloc_parse(v, &list, NULL, 0) != 0) {
-        add_warning(cfg, name, v,
-                    "a PyTorch allocator string such as 'expandable_segments:True' "
-                    "(key:value pairs separated by commas)");
-        return;
-    }
-    snprintf(cfg->alloc_conf, sizeof cfg->alloc_conf, "%s", v);
-    /* The user's own string replaces every default, conditional ones too. */
-    cfg->alloc_conf_no_expandable[0] = '\0';
+    if (strlen(v) >= OC_ALLOC_CONF_MAX || oc_alloc_parse(v, &list, NULL, 0) != 0)
+        return -1;
+    snprintf(FIELD(cfg, s), OC_ALLOC_CONF_MAX, "%s", v);
+    return 0;
 }
 
 /* OUTOFCUDA_SUMMARY: a boolean word (1: the block on stderr), or the path of
  * a JSON file to write instead, told apart by its ".json" ending so that a
  * typo such as "ture" is a warning, not a file called "ture". Whether the
  * directory exists is checked when the feature starts (summary.c). */
-static void load_summary(oc_config *cfg, oc_getenv_fn get, void *ctx)
+static int parse_summary(oc_config *cfg, const oc_setting *s, const char *v)
 {
-    static const char name[] = "OUTOFCUDA_SUMMARY";
     char buf[OC_SUMMARY_PATH_MAX];
-    const char *v = lookup(get, ctx, name), *p;
+    const char *p;
     size_t n;
-    int b;
-    if (v == NULL)
-        return;
-    b = oc_parse_bool(v);
+    int b = oc_parse_bool(v);
+    (void)s;
     if (b >= 0) {
         cfg->summary = b ? OC_SUMMARY_STDERR : OC_SUMMARY_OFF;
-        return;
+        return 0;
     }
     p = trim_copy(v, buf, sizeof buf, 0);
     n = p ? strlen(p) : 0;
     for (size_t i = 0; p && i < n; i++)
         if ((unsigned char)p[i] < 0x20 || p[i] == 0x7f)
             p = NULL;
-    if (p == NULL || n <= 5 || strcmp(p + n - 5, ".json") != 0 || p[n - 6] == '/') {
-        add_warning(cfg, name, v,
-                    "1/0 (the summary on stderr at exit, or none) or the path of a .json "
-                    "file to write it to (under 1024 characters)");
-        return;
-    }
+    if (p == NULL || n <= 5 || strcmp(p + n - 5, ".json") != 0 || p[n - 6] == '/')
+        return -1;
     cfg->summary = OC_SUMMARY_JSON;
     snprintf(cfg->summary_path, sizeof cfg->summary_path, "%s", p);
+    return 0;
+}
+
+static int parse(oc_config *cfg, const oc_setting *s, const char *v)
+{
+    switch (s->kind) {
+    case OC_SET_BOOL:
+        return parse_bool(cfg, s, v);
+    case OC_SET_LONG:
+        return parse_long(cfg, s, v);
+    case OC_SET_FRACTION:
+        return parse_fraction(cfg, s, v);
+    case OC_SET_WORD:
+        return parse_word(cfg, s, v);
+    case OC_SET_ALLOC:
+        return parse_alloc(cfg, s, v);
+    case OC_SET_SUMMARY:
+        return parse_summary(cfg, s, v);
+    case OC_SET_TEXT:
+    case OC_SET_FOREIGN:
+        break;
+    }
+    return -1;
 }
 
 void oc_config_load(oc_config *cfg, oc_getenv_fn get, void *ctx)
 {
+    size_t n = oc_setting_count();
     memset(cfg, 0, sizeof *cfg);
-    cfg->tf32 = 1;
-    cfg->cudnn_benchmark = 1;
-    cfg->channels_last = 1;
-    snprintf(cfg->compile_mode, sizeof cfg->compile_mode, "%s", "reduce-overhead");
-    cfg->amp_dtype = OC_AMP_AUTO;
-    cfg->memory_fraction = 0.95;
-    snprintf(cfg->alloc_conf, sizeof cfg->alloc_conf, "%s", OC_DEFAULT_ALLOC_CONF);
+    /* Defaults go through the same parsers as values: the table's default
+     * is what the README shows and what the loader starts from. */
+    for (size_t i = 0; i < n; i++) {
+        const oc_setting *s = oc_setting_at(i);
+        if (s->offset != OC_NO_FIELD && s->default_text != NULL)
+            parse(cfg, s, s->default_text);
+    }
     snprintf(cfg->alloc_conf_no_expandable, sizeof cfg->alloc_conf_no_expandable, "%s",
              OC_DEFAULT_ALLOC_CONF_NO_EXPANDABLE);
-    cfg->gc_collect = 1;
-    cfg->flash_attn = 1;
-    cfg->mem_eff_attn = 1;
-    cfg->math_attn = 1;
-    cfg->pin_memory = 1;
-    cfg->num_workers = 4;
-    cfg->prefetch_factor = 2;
-    cfg->known_bugs = 1;
-
-    load_bool(cfg, get, ctx, "OUTOFCUDA_DISABLE", &cfg->disable);
-    load_bool(cfg, get, ctx, "OUTOFCUDA_VERBOSE", &cfg->verbose);
-    load_bool(cfg, get, ctx, "OUTOFCUDA_TF32", &cfg->tf32);
-    load_bool(cfg, get, ctx, "OUTOFCUDA_CUDNN_BENCHMARK", &cfg->cudnn_benchmark);
-    load_bool(cfg, get, ctx, "OUTOFCUDA_CUDNN_DETERMINISTIC", &cfg->cudnn_deterministic);
-    load_bool(cfg, get, ctx, "OUTOFCUDA_CHANNELS_LAST", &cfg->channels_last);
-    load_bool(cfg, get, ctx, "OUTOFCUDA_COMPILE", &cfg->compile);
-    load_compile_mode(cfg, get, ctx);
-    load_bool(cfg, get, ctx, "OUTOFCUDA_COMPILE_FULLGRAPH", &cfg->compile_fullgraph);
-    load_amp_dtype(cfg, get, ctx);
-    load_fraction(cfg, get, ctx);
-    load_alloc_conf(cfg, get, ctx);
-    load_bool(cfg, get, ctx, "OUTOFCUDA_GC_COLLECT", &cfg->gc_collect);
-    load_bool(cfg, get, ctx, "OUTOFCUDA_FLASH_ATTN", &cfg->flash_attn);
-    load_bool(cfg, get, ctx, "OUTOFCUDA_MEM_EFF_ATTN", &cfg->mem_eff_attn);
-    load_bool(cfg, get, ctx, "OUTOFCUDA_MATH_ATTN", &cfg->math_attn);
-    load_bool(cfg, get, ctx, "OUTOFCUDA_PIN_MEMORY", &cfg->pin_memory);
-    load_long(cfg, get, ctx, "OUTOFCUDA_NUM_WORKERS", 0, 1024, &cfg->num_workers);
-    load_long(cfg, get, ctx, "OUTOFCUDA_PREFETCH_FACTOR", 1, 1024, &cfg->prefetch_factor);
-    load_summary(cfg, get, ctx);
-    load_bool(cfg, get, ctx, "OUTOFCUDA_FRAMEWORK_OVERRIDE", &cfg->framework_override);
-    load_bool(cfg, get, ctx, "OUTOFCUDA_KNOWN_BUGS", &cfg->known_bugs);
+    for (size_t i = 0; i < n; i++) {
+        const oc_setting *s = oc_setting_at(i);
+        const char *v;
+        if (s->offset == OC_NO_FIELD)
+            continue;
+        v = lookup(get, ctx, s->name);
+        if (v == NULL)
+            continue;
+        if (parse(cfg, s, v) < 0)
+            add_warning(cfg, s->name, v, s->accepts);
+        else if (s->kind == OC_SET_ALLOC)
+            /* The user's own string replaces every default, conditional ones too. */
+            cfg->alloc_conf_no_expandable[0] = '\0';
+    }
 }
 
 int oc_tf32_forced_off(const char *v)

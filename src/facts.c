@@ -58,7 +58,7 @@ static PyObject *py_tf32_forced_off(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    return PyBool_FromLong(oc_tf32_forced_off(getenv("NVIDIA_TF32_OVERRIDE")));
+    return PyBool_FromLong(oc_tf32_forced_off(oc_env("NVIDIA_TF32_OVERRIDE")));
 }
 
 /* _alloc_var(torch_version=None) -> (name, value or None): the allocator

@@ -62,7 +62,7 @@ static const char *found(const oc_framework *f, const char *seen, char *why, siz
 
 const char *oc_framework_in_use(char *why, size_t whysz)
 {
-    const char *preload = getenv("LD_PRELOAD");
+    const char *preload = oc_env("LD_PRELOAD");
     if (why != NULL && whysz > 0)
         why[0] = '\0';
     for (const oc_framework *f = oc_frameworks; f->package; f++) {

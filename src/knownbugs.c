@@ -173,7 +173,7 @@ static struct {
 static const char *proc_getenv(const char *name, void *ctx)
 {
     (void)ctx;
-    return getenv(name);
+    return oc_env(name);
 }
 
 /* torch's version and build, read from the module (never imports). */

@@ -4,6 +4,7 @@
  * common.c; the start-up hook is the separate boot extension (boot.c). */
 #include "oc.h"
 
+#include <stdio.h>
 #include <string.h>
 
 /* install() -> None. Never raises: the boot calls it from the start-up hook
@@ -24,55 +25,98 @@ static PyObject *oc_install(PyObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyObject *dict_from_config(const oc_config *c)
+/* A setting's value in c, as config() shows it (new ref). */
+static PyObject *setting_value(const oc_config *c, const oc_setting *s)
 {
-    static const char *const amp[] = {"auto", "float16", "bfloat16"};
-    PyObject *warnings = PyList_New(0), *d;
-    if (warnings == NULL)
-        return NULL;
-    for (int i = 0; i < c->n_warnings; i++) {
-        PyObject *s =
-            PyUnicode_DecodeUTF8(c->warnings[i], (Py_ssize_t)strlen(c->warnings[i]), "replace");
-        if (s == NULL || PyList_Append(warnings, s) < 0) {
-            Py_XDECREF(s);
-            Py_DECREF(warnings);
-            return NULL;
+    /* Numbers are read with memcpy, as config.c stores them. */
+    const char *base = (const char *)c + s->offset;
+    int i_val = 0;
+    long l_val = 0;
+    double d_val = 0.0;
+    switch (s->kind) {
+    case OC_SET_BOOL:
+        memcpy(&i_val, base, sizeof i_val);
+        return PyBool_FromLong(i_val);
+    case OC_SET_LONG:
+        memcpy(&l_val, base, sizeof l_val);
+        return PyLong_FromLong(l_val);
+    case OC_SET_FRACTION:
+        memcpy(&d_val, base, sizeof d_val);
+        return PyFloat_FromDouble(d_val);
+    case OC_SET_WORD:
+        memcpy(&i_val, base, sizeof i_val);
+        for (size_t i = 0; s->values != NULL && s->words[i] != NULL; i++) {
+            if (s->values[i] == i_val)
+                return PyUnicode_FromString(s->words[i]);
         }
-        Py_DECREF(s);
-    }
-    d = Py_BuildValue(
-        "{s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:s,s:O,s:s,s:d,s:s,s:O,s:O,s:O,s:O,s:O,s:l,s:l,s:N}",
-        "disable", c->disable ? Py_True : Py_False, "verbose", c->verbose ? Py_True : Py_False,
-        "tf32", c->tf32 ? Py_True : Py_False, "cudnn_benchmark",
-        c->cudnn_benchmark ? Py_True : Py_False, "cudnn_deterministic",
-        c->cudnn_deterministic ? Py_True : Py_False, "channels_last",
-        c->channels_last ? Py_True : Py_False, "compile", c->compile ? Py_True : Py_False,
-        "compile_mode", c->compile_mode, "compile_fullgraph",
-        c->compile_fullgraph ? Py_True : Py_False, "amp_dtype", amp[c->amp_dtype],
-        "memory_fraction", c->memory_fraction, "alloc_conf", c->alloc_conf, "gc_collect",
-        c->gc_collect ? Py_True : Py_False, "flash_attn", c->flash_attn ? Py_True : Py_False,
-        "mem_eff_attn", c->mem_eff_attn ? Py_True : Py_False, "math_attn",
-        c->math_attn ? Py_True : Py_False, "pin_memory", c->pin_memory ? Py_True : Py_False,
-        "num_workers", c->num_workers, "prefetch_factor", c->prefetch_factor, "warnings", warnings);
-    if (d != NULL) {
+        return PyUnicode_FromString(base);
+    case OC_SET_ALLOC:
+        return PyUnicode_FromString(base);
+    case OC_SET_SUMMARY: {
         static const char *const modes[] = {"off", "stderr", "json"};
         const char *text = c->summary == OC_SUMMARY_JSON ? c->summary_path : modes[c->summary];
-        PyObject *v = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
-        if (v == NULL || PyDict_SetItemString(d, "summary", v) < 0)
+        return PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
+    }
+    case OC_SET_TEXT:
+    case OC_SET_FOREIGN:
+        break;
+    }
+    Py_RETURN_NONE;
+}
+
+/* Every setting of the table that oc_config holds, keyed by its name less
+ * "OUTOFCUDA_" in lower case, then the parser's warnings. */
+static PyObject *dict_from_config(const oc_config *c)
+{
+    PyObject *d = PyDict_New(), *warnings = PyList_New(0), *v;
+    for (size_t i = 0; d != NULL && i < oc_setting_count(); i++) {
+        const oc_setting *s = oc_setting_at(i);
+        char key[64];
+        if (s->offset == OC_NO_FIELD)
+            continue;
+        snprintf(key, sizeof key, "%s", s->name + strlen("OUTOFCUDA_"));
+        for (char *k = key; *k; k++)
+            *k = (char)(*k >= 'A' && *k <= 'Z' ? *k - 'A' + 'a' : *k);
+        v = setting_value(c, s);
+        if (v == NULL || PyDict_SetItemString(d, key, v) < 0)
             Py_CLEAR(d);
         Py_XDECREF(v);
     }
-    if (d != NULL) {
-        PyObject *v = PyUnicode_FromString(c->alloc_conf_no_expandable);
-        if (v == NULL || PyDict_SetItemString(d, "alloc_conf_no_expandable", v) < 0 ||
-            PyDict_SetItemString(d, "framework_override",
-                                 c->framework_override ? Py_True : Py_False) < 0)
-            Py_CLEAR(d);
-        Py_XDECREF(v);
+    for (int i = 0; warnings != NULL && i < c->n_warnings; i++) {
+        PyObject *w =
+            PyUnicode_DecodeUTF8(c->warnings[i], (Py_ssize_t)strlen(c->warnings[i]), "replace");
+        if (w == NULL || PyList_Append(warnings, w) < 0)
+            Py_CLEAR(warnings);
+        Py_XDECREF(w);
     }
-    if (d != NULL && PyDict_SetItemString(d, "known_bugs", c->known_bugs ? Py_True : Py_False) < 0)
+    v = PyUnicode_FromString(c->alloc_conf_no_expandable);
+    if (d == NULL || warnings == NULL || v == NULL ||
+        PyDict_SetItemString(d, "alloc_conf_no_expandable", v) < 0 ||
+        PyDict_SetItemString(d, "warnings", warnings) < 0)
         Py_CLEAR(d);
+    Py_XDECREF(v);
+    Py_XDECREF(warnings);
     return d;
+}
+
+/* _settings() -> list of dicts: the table of every environment variable
+ * outofcuda reads (name, kind, default, accepts), for doctor and tests. */
+static PyObject *oc_settings_py(PyObject *self, PyObject *unused)
+{
+    static const char *const kinds[] = {"boolean",   "number",  "fraction", "word",
+                                        "allocator", "summary", "text",     "foreign"};
+    PyObject *list = PyList_New(0);
+    (void)self;
+    (void)unused;
+    for (size_t i = 0; list != NULL && i < oc_setting_count(); i++) {
+        const oc_setting *s = oc_setting_at(i);
+        PyObject *e = Py_BuildValue("{s:s,s:s,s:z,s:s}", "name", s->name, "kind", kinds[s->kind],
+                                    "default", s->default_text, "accepts", s->accepts);
+        if (e == NULL || PyList_Append(list, e) < 0)
+            Py_CLEAR(list);
+        Py_XDECREF(e);
+    }
+    return list;
 }
 
 /* config() -> dict: the configuration read once from the environment (warnings
@@ -170,6 +214,8 @@ static PyMethodDef module_methods[] = {
     {"config", oc_config_py, METH_NOARGS,
      "config()\n--\n\nThe OUTOFCUDA_* configuration as read from the environment."},
     {"_parse_config", oc_parse_config_py, METH_O, "Parse a dict as if it were the environment."},
+    {"_settings", oc_settings_py, METH_NOARGS,
+     "_settings()\n--\n\nThe table of every environment variable outofcuda reads."},
     {"_merge_alloc_conf", (PyCFunction)(void (*)(void))oc_merge_alloc_conf_py,
      METH_VARARGS | METH_KEYWORDS, "Merge allocator strings; the user's keys win."},
     {NULL, NULL, 0, NULL},

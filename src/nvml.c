@@ -433,7 +433,7 @@ static int walk_visible(const char *vis, int n, int *map, int max, char *stop, s
  * machines with one GPU model.) */
 int oc_nvml_visible_map(int *map, int max)
 {
-    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    const char *vis = oc_env("CUDA_VISIBLE_DEVICES");
     int n = oc_nvml_device_count(), count = 0;
     char stop[100];
     if (n < 0)
@@ -553,7 +553,7 @@ static PyObject *py_nvml_index(PyObject *self, PyObject *arg)
  * None. */
 static PyObject *py_visible_devices(PyObject *self, PyObject *unused)
 {
-    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    const char *vis = oc_env("CUDA_VISIBLE_DEVICES");
     int map[OC_NVML_MAX_DEVICES], n = oc_nvml_device_count(), count;
     char stop[100] = "";
     PyObject *indices, *value, *devices, *stop_obj;

@@ -22,6 +22,7 @@
  *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python)
  *   allocconf.c allocator-string parse and merge (pure C, no Python)
  *   nvml.c     NVML loaded with dlopen at run time
+ *   settings.c the table of every environment variable read, and oc_env()
  * (tests/test_static.py holds this order against the calls in the code)
  * (below: which file owns each shared function)
  */
@@ -50,6 +51,7 @@
 #define OC_WARN_LEN 320
 
 typedef enum { OC_AMP_AUTO = 0, OC_AMP_FLOAT16, OC_AMP_BFLOAT16 } oc_amp_dtype;
+#define OC_WORD_MAX 32
 
 #define OC_SUMMARY_PATH_MAX 1024
 typedef enum { OC_SUMMARY_OFF = 0, OC_SUMMARY_STDERR, OC_SUMMARY_JSON } oc_summary_mode;
@@ -62,7 +64,7 @@ typedef struct {
     int cudnn_deterministic;
     int channels_last;
     int compile;
-    char compile_mode[32];
+    char compile_mode[OC_WORD_MAX];
     int compile_fullgraph;
     oc_amp_dtype amp_dtype;
     double memory_fraction;
@@ -88,6 +90,47 @@ typedef struct {
 /* Returns the value of an environment variable or NULL; lets tests and the
  * fuzzer feed values without touching the process environment. */
 typedef const char *(*oc_getenv_fn)(const char *name, void *ctx);
+
+/* The one table of every environment variable outofcuda reads (config.c):
+ * its own OUTOFCUDA_* settings, loaded into oc_config, and the foreign ones
+ * it acts on, read where they act through oc_env(). The loader, config(),
+ * the warnings, the fuzz target and a README test all come from it. */
+typedef enum {
+    OC_SET_BOOL,     /* int field: 1/0, true/false, yes/no, on/off */
+    OC_SET_LONG,     /* long field in [lo, hi] */
+    OC_SET_FRACTION, /* double field, 0 < f <= 1 */
+    OC_SET_WORD,     /* one of words: values[i] into an int field, or the word itself */
+    OC_SET_ALLOC,    /* an allocator string */
+    OC_SET_SUMMARY,  /* OUTOFCUDA_SUMMARY: a boolean or a .json path */
+    OC_SET_TEXT,     /* read where it acts, through oc_env() (no field) */
+    OC_SET_FOREIGN,  /* another program's variable, read through oc_env() */
+} oc_setting_kind;
+
+#define OC_NO_FIELD ((size_t)-1)
+/* No max_split_size_mb beside expandable segments: inside them the
+ * allocator still applies its oversize rules, so freed blocks above the
+ * limit are never reused and reserved memory grows (pytorch issue 123548,
+ * PR 193400). max_split_size_mb:128 joins only where expandable segments
+ * end up off (config.c, bridge.c). */
+#define OC_DEFAULT_ALLOC_CONF "garbage_collection_threshold:0.8,expandable_segments:True"
+
+typedef struct {
+    const char *name;
+    oc_setting_kind kind;
+    const char *default_text; /* NULL: unset */
+    const char *accepts;      /* the values it takes, in words */
+    size_t offset;            /* offsetof(oc_config, field), or (size_t)-1 */
+    long lo, hi;              /* OC_SET_LONG */
+    const char *const *words; /* OC_SET_WORD, NULL-terminated */
+    const int *values;        /* OC_SET_WORD: words[i]'s value, or NULL */
+} oc_setting;
+
+size_t oc_setting_count(void);
+const oc_setting *oc_setting_at(size_t i);            /* NULL past the end */
+const oc_setting *oc_setting_named(const char *name); /* NULL when not in the table */
+/* getenv() of a variable of the table; every read of the environment goes
+ * through here (the boot, which links nothing, reads its two itself). */
+const char *oc_env(const char *name);
 
 /* Fills *cfg from the environment; never fails. Every bad value leaves the
  * default in place and appends one message to cfg->warnings. */

@@ -226,7 +226,7 @@ void oc_oom_at_cuda_init(PyObject *torch)
  * Returns 1 when set and usable. */
 static int read_snapshot_env(void)
 {
-    const char *v = getenv("OUTOFCUDA_OOM_SNAPSHOT");
+    const char *v = oc_env("OUTOFCUDA_OOM_SNAPSHOT");
     char dir[PATH_MAX], real[PATH_MAX], msg[OC_WARN_LEN + PATH_MAX];
     const char *base, *slash;
     struct stat st;

@@ -235,7 +235,7 @@ static long env_rank(void)
 {
     static const char *const names[] = {"RANK", "LOCAL_RANK"};
     for (int i = 0; i < 2; i++) {
-        const char *s = getenv(names[i]);
+        const char *s = oc_env(names[i]);
         char *end;
         long r;
         if (s == NULL || !*s)
@@ -325,7 +325,7 @@ static int choose_devices(int *torch_index)
 {
     int map[OC_NVML_MAX_DEVICES];
     int count = oc_nvml_visible_map(map, OC_NVML_MAX_DEVICES), n = 0;
-    const char *lr = getenv("LOCAL_RANK");
+    const char *lr = oc_env("LOCAL_RANK");
     char *end;
     long rank = lr && *lr ? strtol(lr, &end, 10) : -1;
     if (lr && *lr && *end != '\0')

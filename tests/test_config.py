@@ -1,6 +1,7 @@
 """The pure-C configuration parser and allocator merge (driven through the
 extension's test entry points), and bad environment values end to end."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -241,3 +242,39 @@ def test_known_bugs_bad_value_warns_and_keeps_the_guard(venv):
     (c,) = parse_many(venv, [{"OUTOFCUDA_KNOWN_BUGS": "maybe"}])
     assert c["known_bugs"] is True
     assert len(c["warnings"]) == 1 and "OUTOFCUDA_KNOWN_BUGS='maybe'" in c["warnings"][0]
+
+
+# ---- the one table of variables (src/settings.c) ----
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _readme_rows(header):
+    """{first column: second column} of the README table under `header`."""
+    lines = README.read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(header))
+    rows = {}
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells[1].strip("`")
+    return rows
+
+
+def test_readme_lists_exactly_the_variables_of_the_table(venv, workdir):
+    r = venv.check("import json, _outofcuda; print(json.dumps(_outofcuda._settings()))",
+                   cwd=workdir)
+    table = json.loads(r.stdout)
+    own = {s["name"]: s for s in table if s["kind"] != "foreign"}
+    foreign = {s["name"] for s in table if s["kind"] == "foreign"}
+    rows = _readme_rows("| variable | default | meaning |")
+    assert set(rows) == set(own), (set(rows) ^ set(own))
+    for name, s in own.items():
+        assert rows[name] == (s["default"] if s["default"] is not None else "unset"), name
+    assert set(_readme_rows("| variable | what outofcuda does with it |")) == foreign
+    # config() shows every setting the loader parses, from the same table.
+    cfg = json.loads(venv.check("import json, _outofcuda; print(json.dumps(_outofcuda.config()))",
+                                cwd=workdir).stdout)
+    loaded = {k for k in cfg if k not in ("warnings", "alloc_conf_no_expandable")}
+    assert {f"OUTOFCUDA_{k.upper()}" for k in loaded} <= set(own)

@@ -105,7 +105,8 @@ def test_fuzzer_detects_a_broken_invariant(fuzzers, tmp_path):
     exe = tmp_path / "broken"
     b = subprocess.run(["clang", "-std=c11", "-O1", "-DOC_PURE_C=", "-D_GNU_SOURCE",
                         "-fsanitize=fuzzer,address", "-o", str(exe), str(src),
-                        str(ROOT / "src" / "config.c"), str(ROOT / "src" / "allocconf.c"), "-lm"],
+                        str(ROOT / "src" / "config.c"), str(ROOT / "src" / "allocconf.c"),
+                        str(ROOT / "src" / "settings.c"), "-lm"],
                        capture_output=True, text=True, timeout=120)
     assert b.returncode == 0, b.stderr
     seed = FUZZ / "corpus" / "config" / "defaults"
@@ -116,14 +117,15 @@ def test_fuzzer_detects_a_broken_invariant(fuzzers, tmp_path):
 
 # ---- property tests: arbitrary environment values, fresh interpreter ----
 
-NAMES = [
-    "OUTOFCUDA_DISABLE", "OUTOFCUDA_VERBOSE", "OUTOFCUDA_TF32", "OUTOFCUDA_CUDNN_BENCHMARK",
-    "OUTOFCUDA_CUDNN_DETERMINISTIC", "OUTOFCUDA_CHANNELS_LAST", "OUTOFCUDA_COMPILE",
-    "OUTOFCUDA_COMPILE_MODE", "OUTOFCUDA_COMPILE_FULLGRAPH", "OUTOFCUDA_AMP_DTYPE",
-    "OUTOFCUDA_MEMORY_FRACTION", "OUTOFCUDA_ALLOC_CONF", "OUTOFCUDA_GC_COLLECT",
-    "OUTOFCUDA_FLASH_ATTN", "OUTOFCUDA_MEM_EFF_ATTN", "OUTOFCUDA_MATH_ATTN",
-    "OUTOFCUDA_PIN_MEMORY", "OUTOFCUDA_NUM_WORKERS", "OUTOFCUDA_PREFETCH_FACTOR",
-]
+def _loader_names():
+    """The variables of the settings table (src/settings.c) that the loader
+    parses into the configuration (those with a field)."""
+    text = (ROOT / "src" / "settings.c").read_text()
+    return [m.group(1) for m in re.finditer(r'\{"(OUTOFCUDA_\w+)",[^}]*?\}', text, re.S)
+            if "OC_NO_FIELD" not in m.group(0)]
+
+
+NAMES = _loader_names()
 # Anything an environment can hold: no NUL, no lone surrogates.
 ANY_TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
                    max_size=80)

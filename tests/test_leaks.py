@@ -117,6 +117,7 @@ cases = {
     "_outofcuda._summary_start(error)": lambda: error(_outofcuda._summary_start, [0], 1),
     "_outofcuda._summary_stats": _outofcuda._summary_stats,
     "_outofcuda._microbatch_split": _outofcuda._microbatch_split,
+    "_outofcuda._settings": _outofcuda._settings,
     "_outofcuda._oom_report": lambda: (_outofcuda._oom_report(),
                                        _outofcuda._oom_report("CUDA out of memory. Tried to "
                                                               "allocate 2.00 GiB. GPU 0", True)),
@@ -193,7 +194,7 @@ CASES = [
     "outofcuda.config", "outofcuda.memory_report", "outofcuda.clear_cache", "outofcuda.last_oom",
     "outofcuda.autocast_context", "_outofcuda._summary_start",
     "_outofcuda._summary_start(error)", "_outofcuda._summary_stats",
-    "_outofcuda._microbatch_split", "_outofcuda._grad_set_aside", "_outofcuda._oom_report",
+    "_outofcuda._microbatch_split", "_outofcuda._grad_set_aside", "_outofcuda._settings", "_outofcuda._oom_report",
     "_outofcuda._oom_report(error)",
     "_outofcuda._parse_bool", "_outofcuda._disabled_by_env", "_outofcuda._tf32_forced_off",
     "_outofcuda._alloc_var", "_outofcuda._alloc_expandable", "_outofcuda.visible_devices",

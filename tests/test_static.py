@@ -274,3 +274,26 @@ def test_every_swallowed_error_leaves_a_trace():
                     r"/\*.*\b(absence|absent|recorded|reported)\b", line, re.I):
                 bare.append(f"{path.name}:{n}: {line.strip()}")
     assert not bare, "PyErr_Clear() without a trace or a reason:\n" + "\n".join(bare)
+
+
+def _table_names():
+    return set(re.findall(r'^\s*\{"([A-Z][A-Z0-9_]*)", OC_SET_', (SRC / "settings.c").read_text(),
+                          re.M))
+
+
+def test_the_environment_is_read_through_the_table():
+    """Every read of the environment goes through oc_env() (src/settings.c),
+    whose table names every variable; the boot, which links nothing of the
+    engine, reads its own two, which must be in the table too."""
+    names = _table_names()
+    raw, unknown = [], []
+    for path in sorted(SRC.glob("*.c")):
+        code = re.sub(r"/\*.*?\*/", "", path.read_text(), flags=re.S)
+        if path.name not in ("settings.c", "boot.c") and re.search(r"\bgetenv\(", code):
+            raw.append(path.name)
+        for lit in re.findall(r'"((?:[A-Z][A-Z0-9]*_)+[A-Z0-9]+|RANK)"', code):
+            if not lit.startswith("OC_") and lit not in names:
+                unknown.append(f"{path.name}: {lit}")
+    assert not raw, f"getenv() outside the table's oc_env(): {raw}"
+    assert not unknown, f"variables read but not in src/settings.c: {unknown}"
+    assert {"OUTOFCUDA_DISABLE", "OUTOFCUDA_DEBUG", "LOCAL_RANK", "RANK"} <= names
