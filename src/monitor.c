@@ -649,60 +649,62 @@ static void *copy_ring(oc_monitor *m, const void *ring, const size_t *head, cons
     return copy;
 }
 
+/* One ring's items, oldest first, as a new list of item(m, x) (NULL with an
+ * exception). The items are copied under m's lock, and built after it is
+ * released. */
+static PyObject *ring_list(oc_monitor *m, const void *ring, const size_t *head, const size_t *count,
+                           size_t cap, size_t size,
+                           PyObject *(*item)(const oc_monitor *m, const void *x))
+{
+    size_t n;
+    char *copy = copy_ring(m, ring, head, count, cap, size, &n);
+    PyObject *list;
+    if (copy == NULL)
+        return PyErr_NoMemory();
+    list = PyList_New(0);
+    for (size_t i = 0; list != NULL && i < n; i++) {
+        PyObject *x = item(m, copy + i * size);
+        if (x == NULL || PyList_Append(list, x) < 0)
+            Py_CLEAR(list);
+        Py_XDECREF(x);
+    }
+    free(copy);
+    return list;
+}
+
+static PyObject *sample_tuple(const oc_monitor *m, const void *x)
+{
+    const mon_sample *s = x;
+    (void)m;
+    return Py_BuildValue("(dLLNNN)", s->t, s->used, s->total, none_if_negative(s->process),
+                         none_if_negative(s->reserved), none_if_negative(s->allocated));
+}
+
+static PyObject *event_item(const oc_monitor *m, const void *x)
+{
+    return event_dict(m, x);
+}
+
 /* _monitor_samples(capsule) -> [(time, used, total, process, reserved,
  * allocated)], oldest first; None where a figure was not read. */
 static PyObject *py_monitor_samples(PyObject *self, PyObject *capsule)
 {
     oc_monitor *m = get_monitor(capsule);
-    mon_sample *copy;
-    PyObject *list = NULL;
-    size_t n;
     (void)self;
     if (m == NULL)
         return NULL;
-    copy = copy_ring(m, m->ring, &m->head, &m->count, m->cap, sizeof *copy, &n);
-    if (copy == NULL)
-        return PyErr_NoMemory();
-    list = PyList_New((Py_ssize_t)n);
-    if (list == NULL)
-        goto error;
-    for (size_t i = 0; i < n; i++) {
-        PyObject *t = Py_BuildValue(
-            "(dLLNNN)", copy[i].t, copy[i].used, copy[i].total, none_if_negative(copy[i].process),
-            none_if_negative(copy[i].reserved), none_if_negative(copy[i].allocated));
-        if (t == NULL) {
-            Py_CLEAR(list);
-            goto error;
-        }
-        PyList_SetItem(list, (Py_ssize_t)i, t);
-    }
-error:
-    free(copy);
-    return list;
+    return ring_list(m, m->ring, &m->head, &m->count, m->cap, sizeof(mon_sample), sample_tuple);
 }
 
 /* _monitor_events(capsule) -> [dict], oldest first (the last 256 kept). */
 static PyObject *py_monitor_events(PyObject *self, PyObject *capsule)
 {
     oc_monitor *m = get_monitor(capsule);
-    mon_event *copy;
-    PyObject *list = NULL;
-    size_t n;
     (void)self;
     if (m == NULL)
         return NULL;
-    copy = copy_ring(m, m->events, &m->ev_head, &m->ev_count, EVENTS_MAX, sizeof *copy, &n);
-    if (copy == NULL)
-        return PyErr_NoMemory();
-    list = PyList_New(0);
-    for (size_t i = 0; list != NULL && i < n; i++) {
-        PyObject *d = event_dict(m, &copy[i]);
-        if (d == NULL || PyList_Append(list, d) < 0)
-            Py_CLEAR(list);
-        Py_XDECREF(d);
-    }
-    free(copy);
-    return list;
+    return ring_list(m, m->events, &m->ev_head, &m->ev_count, EVENTS_MAX, sizeof(mon_event),
+                     event_item);
 }
 
 static PyMethodDef monitor_methods[] = {
