@@ -28,11 +28,9 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #define CAPSULE_NAME "_outofcuda.monitor"
@@ -55,11 +53,8 @@ typedef struct {
 } mon_event;
 
 typedef struct oc_monitor {
-    atomic_int refs;      /* the capsule's and the running thread's; last frees */
-    pthread_mutex_t lock; /* guards everything below that the thread writes */
-    pthread_cond_t wake;
-    pthread_t thread;
-    pid_t pid;                        /* the process that owns the thread */
+    atomic_int refs;                  /* the capsule's and the running thread's; last frees */
+    oc_thread th;                     /* th.lock guards everything below that the thread writes */
     int running;                      /* a thread was started and not asked to stop (GIL) */
     int stop_requested;               /* under lock */
     int thread_started, thread_ended; /* under lock; ended: it dropped its reference */
@@ -94,13 +89,6 @@ static atomic_int shutting_down;
 /* 1 in a watchdog thread, which never joins a thread. */
 static _Thread_local int in_watchdog;
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
 /* Whether the interpreter has begun finalising; 0 where it cannot tell.
  * Py_IsFinalizing (3.13) and _Py_IsFinalizing (3.9 - 3.12) are outside the
  * Limited API, so they are looked up at run time and used only when present:
@@ -127,8 +115,7 @@ static int interpreter_finalizing(void)
  * capsule's reference is dropped). */
 static void monitor_free(oc_monitor *m)
 {
-    pthread_mutex_destroy(&m->lock);
-    pthread_cond_destroy(&m->wake);
+    oc_thread_destroy(&m->th);
     free(m->ring);
     free(m);
 }
@@ -148,15 +135,9 @@ static void monitor_release(oc_monitor *m)
  * GIL, before any other use of m. */
 static void adopt_after_fork(oc_monitor *m)
 {
-    pthread_condattr_t ca;
-    if (m->pid == getpid())
+    if (!oc_thread_inherited(&m->th))
         return;
-    pthread_mutex_init(&m->lock, NULL);
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&m->wake, &ca);
-    pthread_condattr_destroy(&ca);
-    m->pid = getpid();
+    oc_thread_init(&m->th);
     if (m->running)
         snprintf(m->why, sizeof m->why, "inherited across fork(): not running in this process");
     if (m->thread_started && !m->thread_ended) {
@@ -182,7 +163,7 @@ static void join_pending(void)
     Py_BEGIN_ALLOW_THREADS
     for (size_t i = 0; i < n; i++)
         if (list[i].pid == getpid())
-            pthread_join(list[i].thread, NULL);
+            oc_thread_join(list[i].thread, 0);
     Py_END_ALLOW_THREADS
     free(list);
 }
@@ -275,9 +256,9 @@ static PyObject *event_dict(const oc_monitor *m, const mon_event *e)
 static int should_stop(oc_monitor *m)
 {
     int stop;
-    pthread_mutex_lock(&m->lock);
+    pthread_mutex_lock(&m->th.lock);
     stop = m->stop_requested;
-    pthread_mutex_unlock(&m->lock);
+    pthread_mutex_unlock(&m->th.lock);
     return stop || atomic_load(&shutting_down) || interpreter_finalizing();
 }
 
@@ -343,11 +324,11 @@ static void act_on_high(oc_monitor *m, const mon_sample *s)
         call_on_high(m, &e, &err);
         PyGILState_Release(gil);
     }
-    pthread_mutex_lock(&m->lock);
+    pthread_mutex_lock(&m->th.lock);
     push_event(m, &e);
     if (err.error)
         push_event(m, &err);
-    pthread_mutex_unlock(&m->lock);
+    pthread_mutex_unlock(&m->th.lock);
 }
 
 /* Reads torch's allocator figures (with the GIL) into s when asked to, and
@@ -373,19 +354,10 @@ static void read_allocator(oc_monitor *m, mon_sample *s)
  * never spin holding the lock. */
 static void wait_next_poll(oc_monitor *m)
 {
-    struct timespec deadline;
     long long whole = (long long)m->interval;
-    long frac_ns = (long)((m->interval - (double)whole) * 1e9);
-    clock_gettime(CLOCK_MONOTONIC, &deadline);
-    deadline.tv_sec += (time_t)whole;
-    deadline.tv_nsec += frac_ns < 0 ? 0 : frac_ns > 999999999L ? 999999999L : frac_ns;
-    if (deadline.tv_nsec >= 1000000000L) {
-        deadline.tv_sec++;
-        deadline.tv_nsec -= 1000000000L;
-    }
-    while (!m->stop_requested)
-        if (pthread_cond_timedwait(&m->wake, &m->lock, &deadline) != 0)
-            break;
+    struct timespec deadline =
+        oc_thread_deadline(whole, (long)((m->interval - (double)whole) * 1e9));
+    oc_thread_wait(&m->th, &m->stop_requested, &deadline);
 }
 
 /* The thread: polls until asked to stop, then drops its reference to m
@@ -396,18 +368,18 @@ static void *watchdog(void *arg)
     int armed = 1;
     double last_action = -1e300;
     in_watchdog = 1;
-    pthread_mutex_lock(&m->lock);
+    pthread_mutex_lock(&m->th.lock);
     while (!m->stop_requested) {
         mon_sample s;
-        pthread_mutex_unlock(&m->lock);
-        s.t = now_s() - m->t0;
+        pthread_mutex_unlock(&m->th.lock);
+        s.t = oc_thread_now() - m->t0;
         if (read_memory(m, &s) == 0) {
             int high = (double)s.used >= m->threshold * (double)s.total;
             if (m->allocator_stats)
                 read_allocator(m, &s);
-            pthread_mutex_lock(&m->lock);
+            pthread_mutex_lock(&m->th.lock);
             push_sample(m, &s);
-            pthread_mutex_unlock(&m->lock);
+            pthread_mutex_unlock(&m->th.lock);
             /* Act on each upward crossing, and again while it stays high only
              * after `cooldown`: empty_cache() in a loop slows training. */
             if (high && (armed || s.t - last_action >= m->cooldown)) {
@@ -418,13 +390,13 @@ static void *watchdog(void *arg)
                 armed = 1;
             }
         }
-        pthread_mutex_lock(&m->lock);
+        pthread_mutex_lock(&m->th.lock);
         if (atomic_load(&shutting_down) || interpreter_finalizing())
             m->stop_requested = 1;
         wait_next_poll(m);
     }
     m->thread_ended = 1;
-    pthread_mutex_unlock(&m->lock);
+    pthread_mutex_unlock(&m->th.lock);
     monitor_release(m);
     return NULL;
 }
@@ -446,11 +418,8 @@ static void monitor_stop(oc_monitor *m)
         return;
     }
     m->running = 0;
-    t = m->thread;
-    pthread_mutex_lock(&m->lock);
-    m->stop_requested = 1;
-    pthread_cond_signal(&m->wake);
-    pthread_mutex_unlock(&m->lock);
+    t = m->th.thread;
+    oc_thread_request_stop(&m->th, &m->stop_requested);
     /* Drops a likely reference cycle (on_high -> MemoryMonitor -> capsule). */
     Py_CLEAR(m->on_high);
     if (in_watchdog || interpreter_finalizing()) {
@@ -458,7 +427,7 @@ static void monitor_stop(oc_monitor *m)
         return;
     }
     Py_BEGIN_ALLOW_THREADS
-    pthread_join(t, NULL);
+    oc_thread_join(t, 0);
     Py_END_ALLOW_THREADS
     join_pending();
 }
@@ -496,14 +465,10 @@ static oc_monitor *get_monitor(PyObject *capsule)
  * m. Returns 0 or an errno (then m keeps only the capsule's reference). */
 static int spawn(oc_monitor *m)
 {
-    sigset_t all, old;
     int rc;
-    sigfillset(&all);
     atomic_fetch_add(&m->refs, 1);
     m->thread_started = 1;
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    rc = pthread_create(&m->thread, NULL, watchdog, m);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    rc = oc_thread_start(&m->th, watchdog, m, NULL);
     if (rc != 0) {
         m->thread_started = 0;
         atomic_fetch_sub(&m->refs, 1);
@@ -523,7 +488,6 @@ static PyObject *py_monitor_start(PyObject *self, PyObject *args)
     PyObject *on_high, *capsule = NULL;
     const char *source;
     Py_ssize_t capacity;
-    pthread_condattr_t ca;
     int device, alloc_stats, rc;
     double threshold, interval, cooldown;
     (void)self;
@@ -548,12 +512,7 @@ static PyObject *py_monitor_start(PyObject *self, PyObject *args)
         return PyErr_NoMemory();
     }
     atomic_init(&m->refs, 1);
-    pthread_mutex_init(&m->lock, NULL);
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&m->wake, &ca);
-    pthread_condattr_destroy(&ca);
-    m->pid = getpid();
+    oc_thread_init(&m->th);
     m->cap = (size_t)capacity;
     m->torch_index = device;
     m->threshold = threshold;
@@ -588,7 +547,7 @@ static PyObject *py_monitor_start(PyObject *self, PyObject *args)
                      device);
         return capsule;
     }
-    m->t0 = now_s();
+    m->t0 = oc_thread_now();
     rc = spawn(m);
     if (rc != 0) {
         Py_DECREF(capsule);
@@ -656,10 +615,10 @@ static PyObject *py_monitor_info(PyObject *self, PyObject *capsule)
     (void)self;
     if (m == NULL)
         return NULL;
-    pthread_mutex_lock(&m->lock);
+    pthread_mutex_lock(&m->th.lock);
     dropped = m->dropped;
     count = m->count;
-    pthread_mutex_unlock(&m->lock);
+    pthread_mutex_unlock(&m->th.lock);
     return Py_BuildValue("{s:O,s:s,s:K,s:i,s:n}", "running", m->running ? Py_True : Py_False, "why",
                          m->why, "dropped", dropped, "nvml_index", m->nvml_index, "count",
                          (Py_ssize_t)count);
@@ -682,12 +641,48 @@ static void *copy_ring(oc_monitor *m, const void *ring, const size_t *head, cons
     char *copy = malloc(cap * size);
     if (copy == NULL)
         return NULL;
-    pthread_mutex_lock(&m->lock);
+    pthread_mutex_lock(&m->th.lock);
     *n = *count;
     for (size_t i = 0; i < *n; i++)
         memcpy(copy + i * size, (const char *)ring + ((*head + i) % cap) * size, size);
-    pthread_mutex_unlock(&m->lock);
+    pthread_mutex_unlock(&m->th.lock);
     return copy;
+}
+
+/* One ring's items, oldest first, as a new list of item(m, x) (NULL with an
+ * exception). The items are copied under m's lock, and built after it is
+ * released. */
+static PyObject *ring_list(oc_monitor *m, const void *ring, const size_t *head, const size_t *count,
+                           size_t cap, size_t size,
+                           PyObject *(*item)(const oc_monitor *m, const void *x))
+{
+    size_t n;
+    char *copy = copy_ring(m, ring, head, count, cap, size, &n);
+    PyObject *list;
+    if (copy == NULL)
+        return PyErr_NoMemory();
+    list = PyList_New(0);
+    for (size_t i = 0; list != NULL && i < n; i++) {
+        PyObject *x = item(m, copy + i * size);
+        if (x == NULL || PyList_Append(list, x) < 0)
+            Py_CLEAR(list);
+        Py_XDECREF(x);
+    }
+    free(copy);
+    return list;
+}
+
+static PyObject *sample_tuple(const oc_monitor *m, const void *x)
+{
+    const mon_sample *s = x;
+    (void)m;
+    return Py_BuildValue("(dLLNNN)", s->t, s->used, s->total, none_if_negative(s->process),
+                         none_if_negative(s->reserved), none_if_negative(s->allocated));
+}
+
+static PyObject *event_item(const oc_monitor *m, const void *x)
+{
+    return event_dict(m, x);
 }
 
 /* _monitor_samples(capsule) -> [(time, used, total, process, reserved,
@@ -695,55 +690,21 @@ static void *copy_ring(oc_monitor *m, const void *ring, const size_t *head, cons
 static PyObject *py_monitor_samples(PyObject *self, PyObject *capsule)
 {
     oc_monitor *m = get_monitor(capsule);
-    mon_sample *copy;
-    PyObject *list = NULL;
-    size_t n;
     (void)self;
     if (m == NULL)
         return NULL;
-    copy = copy_ring(m, m->ring, &m->head, &m->count, m->cap, sizeof *copy, &n);
-    if (copy == NULL)
-        return PyErr_NoMemory();
-    list = PyList_New((Py_ssize_t)n);
-    if (list == NULL)
-        goto error;
-    for (size_t i = 0; i < n; i++) {
-        PyObject *t = Py_BuildValue(
-            "(dLLNNN)", copy[i].t, copy[i].used, copy[i].total, none_if_negative(copy[i].process),
-            none_if_negative(copy[i].reserved), none_if_negative(copy[i].allocated));
-        if (t == NULL) {
-            Py_CLEAR(list);
-            goto error;
-        }
-        PyList_SetItem(list, (Py_ssize_t)i, t);
-    }
-error:
-    free(copy);
-    return list;
+    return ring_list(m, m->ring, &m->head, &m->count, m->cap, sizeof(mon_sample), sample_tuple);
 }
 
 /* _monitor_events(capsule) -> [dict], oldest first (the last 256 kept). */
 static PyObject *py_monitor_events(PyObject *self, PyObject *capsule)
 {
     oc_monitor *m = get_monitor(capsule);
-    mon_event *copy;
-    PyObject *list = NULL;
-    size_t n;
     (void)self;
     if (m == NULL)
         return NULL;
-    copy = copy_ring(m, m->events, &m->ev_head, &m->ev_count, EVENTS_MAX, sizeof *copy, &n);
-    if (copy == NULL)
-        return PyErr_NoMemory();
-    list = PyList_New(0);
-    for (size_t i = 0; list != NULL && i < n; i++) {
-        PyObject *d = event_dict(m, &copy[i]);
-        if (d == NULL || PyList_Append(list, d) < 0)
-            Py_CLEAR(list);
-        Py_XDECREF(d);
-    }
-    free(copy);
-    return list;
+    return ring_list(m, m->events, &m->ev_head, &m->ev_count, EVENTS_MAX, sizeof(mon_event),
+                     event_item);
 }
 
 static PyMethodDef monitor_methods[] = {

@@ -18,7 +18,10 @@
  *   knownbugs.c the known-bugs table and its lookup (pure C part first),
  *              then the guards applied at import and at CUDA's start
  *   frameworks.c packages that own GPU memory (vLLM, SGLang, ...): table, detection
+ *   thread.c   native threads: spawned with signals blocked, monotonic waits,
+ *              fork ownership, bounded joins (monitor.c and summary.c)
  *   common.c   the shared ground: process state, warnings, small helpers
+ *   advice.c   ranked advice: OOM actions and summary hints (pure C, no Python)
  *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python)
  *   allocconf.c allocator-string parse and merge (pure C, no Python)
  *   nvml.c     NVML loaded with dlopen at run time
@@ -264,6 +267,52 @@ int oc_alloc_expandable(const char *conf);
  * off in NVIDIA's libraries: "0", C-locale blanks around allowed. */
 int oc_tf32_forced_off(const char *v);
 
+/* advice.c: ranked advice. Each rule that fits the figures adds an item;
+ * items are ranked by score (higher first), ties by order (lower first). */
+#define OC_ADVICE_LEN 400
+#define OC_GIB (1024.0 * 1024.0 * 1024.0)
+typedef struct {
+    double score;
+    int order;
+    char text[OC_ADVICE_LEN];
+} oc_advice_item;
+void oc_advice_rank(oc_advice_item *items, int n);
+/* "512 MiB" under a GiB, else "1.50 GiB". */
+void oc_fmt_bytes(unsigned long long b, char *buf, size_t sz);
+
+/* Figures of one CUDA OOM as oc_oom_advise reads them; 0 means unknown for
+ * byte counts. */
+#define OC_OOM_OTHERS_MAX 8
+typedef struct {
+    unsigned long long request, total, limit, allocated, reserved, inactive_split;
+    double fraction; /* 0 when no fraction is set */
+    int expandable;  /* expandable_segments is on */
+    int autocast;    /* 1 on, 0 off, -1 unknown */
+    int exhausted;   /* auto_microbatch already split down to min_size */
+    int n_others;
+    struct {
+        unsigned int pid;
+        char name[64];
+        unsigned long long used;
+    } others[OC_OOM_OTHERS_MAX]; /* other processes on the GPU */
+} oc_oom_figures;
+/* Fills out[] (room for max) with the actions that fit f, most useful first
+ * (the bytes each would give back, where known). Returns how many. */
+int oc_oom_advise(const oc_oom_figures *f, oc_advice_item *out, int max);
+
+/* One device's figures at exit as oc_summary_hints reads them. */
+#define OC_SUMMARY_LOW_UTIL 50 /* percent: a sample under it counts as "under 50 %" */
+typedef struct {
+    unsigned long long util_samples, under_low, mem_samples, mem_peak, mem_total;
+    double util_sum;                         /* percent, summed over util_samples */
+    long long peak_allocated, peak_reserved; /* torch's; -1 unknown */
+    long workers;                            /* largest DataLoader num_workers; -1 none */
+    int expandable;                          /* expandable_segments is on */
+} oc_summary_figures;
+/* Fills out[] (room for max) with the hints that fit d, highest score
+ * first. Returns how many (at most 3). */
+int oc_summary_hints(const oc_summary_figures *d, oc_advice_item *out, int max);
+
 #ifndef OC_PURE_C
 /* ---- Python part ---- */
 #ifndef Py_LIMITED_API
@@ -271,6 +320,10 @@ int oc_tf32_forced_off(const char *v);
 #endif
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include <pthread.h>
+#include <sys/types.h>
+#include <time.h>
 
 /* Process-wide state: the hook fires once per process, whatever imports it. */
 typedef struct {
@@ -414,6 +467,35 @@ int oc_known_bugs_at_import(PyObject *torch, const char *no_queue);
 void oc_known_bugs_at_cuda_init(PyObject *torch);
 PyObject *oc_known_bugs_status(void); /* new list, or NULL with an exception */
 extern PyMethodDef oc_known_bugs_methods[];
+
+/* thread.c: one native thread, its lock and its condition variable, owned
+ * by the process that made them (pid). */
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake; /* on CLOCK_MONOTONIC */
+    pthread_t thread;
+    pid_t pid;
+} oc_thread;
+/* Fresh lock and condition variable, owned by this process (also what a
+ * copy inherited through fork() gets, never the parent's). */
+void oc_thread_init(oc_thread *t);
+void oc_thread_destroy(oc_thread *t);
+int oc_thread_inherited(const oc_thread *t); /* 1: made by another process */
+/* Starts fn(arg) with every signal blocked, named `name` where the system
+ * allows (NULL: unnamed). Returns 0 or an errno. */
+int oc_thread_start(oc_thread *t, void *(*fn)(void *), void *arg, const char *name);
+/* Sets *stop_requested under t's lock and wakes the thread. */
+void oc_thread_request_stop(oc_thread *t, int *stop_requested);
+/* Now plus seconds and nanoseconds (clamped to 0..999999999) on
+ * CLOCK_MONOTONIC, with no double round trip. */
+struct timespec oc_thread_deadline(long long seconds, long nanoseconds);
+/* With t's lock held: sleeps until *stop_requested is set or the deadline
+ * passes (or the wait fails); returns with the lock held. */
+void oc_thread_wait(oc_thread *t, const int *stop_requested, const struct timespec *deadline);
+/* Joins thread, waiting at most limit_s seconds where glibc can bound the
+ * wait (0: no bound). Returns 1 when joined. Call without the GIL. */
+int oc_thread_join(pthread_t thread, int limit_s);
+double oc_thread_now(void); /* CLOCK_MONOTONIC, in seconds */
 
 /* summary.c: OUTOFCUDA_SUMMARY, what the GPU did, printed at exit */
 int oc_summary_prepare(void);       /* with torch imported: 1 when the step has work */

@@ -1,8 +1,8 @@
 /* oom.c - what outofcuda does when CUDA runs out of memory: torch's OOM
  * observer records the figures at the moment of failure and optionally dumps
  * an allocator snapshot; the chained sys.excepthook / threading.excepthook
- * print the report for an uncaught OOM; oc_oom_advise ranks the actions that
- * fit the figures. The report itself is assembled and formatted by
+ * print the report for an uncaught OOM; oc_oom_advise (advice.c) ranks the
+ * actions that fit the figures. The report itself is assembled and formatted by
  * outofcuda/oom.py. Observer and hooks are set when CUDA initialises (from
  * torch's lazy-init queue), never at import: until then, and for good on a
  * CPU-only build, the process looks as without outofcuda. */
@@ -533,123 +533,9 @@ int oc_oom_install(PyObject *torch, const char *no_queue)
     return 1;
 }
 
-/* ---- the ranked actions ---- */
+/* ---- the ranked actions (the rules and their ranking: advice.c) ---- */
 
 #define ADVICE_MAX 12
-#define ADVICE_LEN 320
-
-typedef struct {
-    double score;
-    int order;
-    char text[ADVICE_LEN];
-} advice_item;
-
-/* Figures as oc_oom_advise reads them; 0 means unknown for byte counts. */
-typedef struct {
-    unsigned long long request, total, limit, allocated, reserved, inactive_split;
-    double fraction; /* 0 when no fraction is set */
-    int expandable;  /* expandable_segments is on */
-    int autocast;    /* 1 on, 0 off, -1 unknown */
-    int exhausted;   /* auto_microbatch already split down to min_size */
-    int n_others;
-    struct {
-        unsigned int pid;
-        char name[64];
-        unsigned long long used;
-    } others[8];
-} oom_figures;
-
-static void fmt_bytes(unsigned long long b, char *buf, size_t sz)
-{
-    double mib = (double)b / (1024.0 * 1024.0);
-    if (mib >= 1024.0)
-        snprintf(buf, sz, "%.2f GiB", mib / 1024.0);
-    else
-        snprintf(buf, sz, "%.0f MiB", mib);
-}
-
-static int by_score(const void *a, const void *b)
-{
-    const advice_item *x = a, *y = b;
-    if (x->score != y->score)
-        return x->score < y->score ? 1 : -1;
-    return x->order - y->order;
-}
-
-/* Fills out[] with the actions that fit f, most useful first (the bytes each
- * would give back, where known). Returns how many. Pure C. */
-static int oc_oom_advise(const oom_figures *f, advice_item *out, int max)
-{
-    int n = 0;
-    unsigned long long cap = f->limit ? f->limit : f->total;
-    unsigned long long frag = f->reserved > f->allocated ? f->reserved - f->allocated : 0;
-    unsigned long long floor_bytes = f->request > (256ULL << 20) ? f->request : (256ULL << 20);
-    char a[32], b[32];
-#define ADD(score_, ...)                                                                           \
-    do {                                                                                           \
-        if (n < max) {                                                                             \
-            out[n].score = (double)(score_);                                                       \
-            out[n].order = n;                                                                      \
-            snprintf(out[n].text, ADVICE_LEN, __VA_ARGS__);                                        \
-            n++;                                                                                   \
-        }                                                                                          \
-    } while (0)
-    for (int i = 0; i < f->n_others; i++) {
-        if (f->others[i].used < floor_bytes)
-            continue;
-        fmt_bytes(f->others[i].used, a, sizeof a);
-        ADD(f->others[i].used,
-            "Another process holds %s on this GPU: pid %u (%s). Stop it, or run on a free GPU "
-            "(CUDA_VISIBLE_DEVICES).",
-            a, f->others[i].pid, f->others[i].name[0] ? f->others[i].name : "name unknown");
-    }
-    if (frag > 0 && frag >= f->request &&
-        (frag >= f->reserved / 10 || f->inactive_split >= f->request)) {
-        fmt_bytes(frag, a, sizeof a);
-        if (!f->expandable)
-            ADD(frag,
-                "%s is reserved by PyTorch but not allocated (fragmentation): set "
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python.",
-                a);
-        else
-            ADD(frag / 4.0,
-                "%s is reserved but not allocated even with expandable segments: free large "
-                "tensors you no longer need (del, then torch.cuda.empty_cache() once) before "
-                "the next phase.",
-                a);
-    }
-    if (f->fraction > 0.0 && f->fraction < 1.0 && f->total > 0 &&
-        (double)f->total * (1.0 - f->fraction) >= (double)f->request) {
-        unsigned long long held = (unsigned long long)((double)f->total * (1.0 - f->fraction));
-        fmt_bytes(held, a, sizeof a);
-        ADD(held,
-            "The memory fraction %.2f keeps %s of this GPU away from PyTorch: raise "
-            "OUTOFCUDA_MEMORY_FRACTION (or torch.cuda.set_per_process_memory_fraction).",
-            f->fraction, a);
-    }
-    if (f->exhausted) {
-        ADD(f->allocated ? f->allocated : 1,
-            "Even the smallest micro-batch does not fit: the weights, gradients and optimiser "
-            "state fill the GPU. Recompute activations (torch.utils.checkpoint), use 8-bit or "
-            "sharded optimiser state (FSDP/ZeRO), or a smaller model.");
-    } else {
-        int own = cap == 0 || f->allocated == 0 || f->allocated * 2 >= cap;
-        fmt_bytes(f->allocated, b, sizeof b);
-        ADD(own ? (f->allocated ? f->allocated / 2 : 1) : f->request / 2,
-            "%s%s: train with outofcuda.auto_microbatch(step) (same gradients, smaller "
-            "micro-batches), search an inference batch with outofcuda.find_batch_size, or "
-            "recompute activations with torch.utils.checkpoint.",
-            f->allocated ? "This process's tensors hold " : "Activations grow with the batch",
-            f->allocated ? b : "");
-    }
-    if (f->autocast == 0)
-        ADD(f->allocated ? f->allocated / 3 : 1,
-            "Autocast is off: if the model runs in float32, run its forward pass under "
-            "outofcuda.autocast_context() (torch.autocast) to keep activations in 16 bits.");
-#undef ADD
-    qsort(out, (size_t)n, sizeof *out, by_score);
-    return n;
-}
 
 static unsigned long long kw_bytes(PyObject *kw, const char *key)
 {
@@ -682,9 +568,9 @@ static int kw_tristate(PyObject *kw, const char *key)
  * reserved, inactive_split (bytes), fraction (float), expandable, autocast,
  * exhausted (bool), others (list of (pid, name, bytes)). */
 /* The ranked actions for f, as a list of str (new ref), or NULL. */
-static PyObject *advice_list(const oom_figures *f)
+static PyObject *advice_list(const oc_oom_figures *f)
 {
-    advice_item items[ADVICE_MAX];
+    oc_advice_item items[ADVICE_MAX];
     int n = oc_oom_advise(f, items, ADVICE_MAX);
     PyObject *list = PyList_New(0);
     for (int i = 0; list != NULL && i < n; i++) {
@@ -698,7 +584,7 @@ static PyObject *advice_list(const oom_figures *f)
 
 static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
 {
-    oom_figures f;
+    oc_oom_figures f;
     PyObject *others, *fr;
     (void)self;
     if (PyTuple_Size(args) != 0) {
@@ -730,7 +616,7 @@ static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
         Py_ssize_t count = PySequence_Size(others);
         if (count < 0)
             return NULL;
-        for (Py_ssize_t i = 0; i < count && f.n_others < 8; i++) {
+        for (Py_ssize_t i = 0; i < count && f.n_others < OC_OOM_OTHERS_MAX; i++) {
             PyObject *item = PySequence_GetItem(others, i);
             PyObject *t = item ? PySequence_Tuple(item) : NULL;
             const char *name = "";
@@ -855,7 +741,7 @@ static int nvml_index_of(PyObject *cuda, long device, int cuda_up, oc_gpu_info *
 
 /* Other processes on NVML device `index`, most memory first, as a list of
  * {pid, name, used_bytes}; also fills f->others (the first 8). */
-static PyObject *other_processes(int index, oom_figures *f)
+static PyObject *other_processes(int index, oc_oom_figures *f)
 {
     oc_gpu_proc *procs = NULL;
     int n = oc_nvml_process_list(index, &procs);
@@ -881,7 +767,7 @@ static PyObject *other_processes(int index, oom_figures *f)
         if (procs[i].pid == me)
             continue;
         oc_proc_name(procs[i].pid, name, sizeof name);
-        if (f->n_others < 8) {
+        if (f->n_others < OC_OOM_OTHERS_MAX) {
             f->others[f->n_others].pid = procs[i].pid;
             snprintf(f->others[f->n_others].name, sizeof f->others[0].name, "%s", name);
             f->others[f->n_others].used = used;
@@ -959,7 +845,7 @@ static PyObject *py_oom_report(PyObject *self, PyObject *args, PyObject *kw)
     long long allocated, reserved, peak, inactive, num_ooms;
     PyObject *torch, *cuda = NULL, *stats = NULL, *notes = NULL, *others = NULL, *advice = NULL;
     PyObject *report = NULL, *r;
-    oom_figures f;
+    oc_oom_figures f;
     oc_gpu_info info;
     char alloc[OC_ALLOC_CONF_MAX], why[200] = "", message[400] = "";
     double fraction;

@@ -14,13 +14,11 @@
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #define SUMMARY_MAX_DEVICES 16
@@ -28,12 +26,8 @@
 #define MIN_INTERVAL_MS 10
 #define MAX_INTERVAL_MS 60000
 #define HINTS_MAX 3
-#define HINT_LEN 400
-#define LOW_UTIL 50        /* percent: a sample under it counts as "under 50 %" */
-#define MIN_UTIL_SAMPLES 5 /* fewer say nothing about a run */
-#define FEW_WORKERS 2      /* DataLoader num_workers at or below: "few" */
-#define FRAG_MIN_RESERVED (256LL << 20)
-#define GIB (1024.0 * 1024.0 * 1024.0)
+#define LOW_UTIL OC_SUMMARY_LOW_UTIL
+#define GIB OC_GIB
 #define JOIN_LIMIT_S 5
 
 typedef struct {
@@ -47,13 +41,10 @@ typedef struct {
 } sum_device;
 
 static struct {
-    pthread_mutex_t lock; /* guards the aggregates and stop_requested */
-    pthread_cond_t wake;
-    pthread_t thread;
-    pid_t pid; /* the process that started the sampler */
+    oc_thread th; /* th.lock guards the aggregates and stop_requested */
     int started, running, stop_requested;
     long interval_ms;
-    struct timespec t0;
+    double t0; /* oc_thread_now() when CUDA started */
     int n;
     sum_device dev[SUMMARY_MAX_DEVICES];
     char why[240]; /* why nothing is sampled, or "" */
@@ -70,13 +61,6 @@ static struct {
     char json_path[PATH_MAX];
 } out;
 
-static double seconds_since(const struct timespec *t0)
-{
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return (double)(now.tv_sec - t0->tv_sec) + (double)(now.tv_nsec - t0->tv_nsec) / 1e9;
-}
-
 /* ---- the sampler thread: no Python object, no GIL ---- */
 
 static void sample_device(sum_device *d)
@@ -85,7 +69,7 @@ static void sample_device(sum_device *d)
     unsigned gpu = 0, mem_busy = 0;
     int mem_ok = oc_nvml_device_info(d->nvml_index, &g) == 0 && g.total > 0;
     int util_ok = oc_nvml_utilization(d->nvml_index, &gpu, &mem_busy) == 0 && gpu <= 100;
-    pthread_mutex_lock(&S.lock);
+    pthread_mutex_lock(&S.th.lock);
     d->ticks++;
     if (mem_ok) {
         d->mem_samples++;
@@ -100,76 +84,25 @@ static void sample_device(sum_device *d)
         d->util_sum += gpu;
         d->under_low += gpu < LOW_UTIL;
     }
-    pthread_mutex_unlock(&S.lock);
-}
-
-/* Now plus interval_ms on CLOCK_MONOTONIC, in whole seconds and nanoseconds
- * (no double round trip: a large tv_sec cannot overflow through it). */
-static struct timespec deadline_after(long interval_ms)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_sec += (time_t)(interval_ms / 1000);
-    ts.tv_nsec += (interval_ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
-    return ts;
+    pthread_mutex_unlock(&S.th.lock);
 }
 
 static void *sampler(void *arg)
 {
     (void)arg;
-    pthread_mutex_lock(&S.lock);
+    pthread_mutex_lock(&S.th.lock);
     while (!S.stop_requested) {
         struct timespec deadline;
-        pthread_mutex_unlock(&S.lock);
+        pthread_mutex_unlock(&S.th.lock);
         for (int i = 0; i < S.n; i++)
             if (S.dev[i].nvml_index >= 0)
                 sample_device(&S.dev[i]);
-        deadline = deadline_after(S.interval_ms);
-        pthread_mutex_lock(&S.lock);
-        /* A wakeup with rc 0 may be spurious: wait again. Every error
-         * (ETIMEDOUT, or EINVAL from a bad deadline) ends the wait, so the
-         * loop can never spin without sampling. */
-        while (!S.stop_requested && pthread_cond_timedwait(&S.wake, &S.lock, &deadline) == 0)
-            ;
+        deadline = oc_thread_deadline(S.interval_ms / 1000, (S.interval_ms % 1000) * 1000000L);
+        pthread_mutex_lock(&S.th.lock);
+        oc_thread_wait(&S.th, &S.stop_requested, &deadline);
     }
-    pthread_mutex_unlock(&S.lock);
+    pthread_mutex_unlock(&S.th.lock);
     return NULL;
-}
-
-/* Starts the thread with every signal blocked (Ctrl-C stays with the main
- * thread). Returns 0 or an errno. */
-static int spawn(void)
-{
-    sigset_t all, old;
-    int rc;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    rc = pthread_create(&S.thread, NULL, sampler, NULL);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-#ifdef __linux__
-    /* Named before start returns, so `top -H` and tests see it at once. */
-    if (rc == 0)
-        pthread_setname_np(S.thread, "oc-summary");
-#endif
-    return rc;
-}
-
-/* Joins the sampler, waiting at most JOIN_LIMIT_S where glibc can bound the
- * wait (an NVML call can hang in a broken driver). Returns 1 when joined. */
-static int join_bounded(void)
-{
-#ifdef __GLIBC__
-    struct timespec limit;
-    clock_gettime(CLOCK_REALTIME, &limit);
-    limit.tv_sec += JOIN_LIMIT_S;
-    return pthread_timedjoin_np(S.thread, NULL, &limit) == 0;
-#else
-    return pthread_join(S.thread, NULL) == 0;
-#endif
 }
 
 /* Stops and joins the sampler, with the GIL held on entry (released for the
@@ -177,14 +110,12 @@ static int join_bounded(void)
 static void sampler_stop(void)
 {
     int joined;
-    if (!S.running || S.pid != getpid() || pthread_equal(pthread_self(), S.thread))
+    if (!S.running || oc_thread_inherited(&S.th) || pthread_equal(pthread_self(), S.th.thread))
         return;
-    pthread_mutex_lock(&S.lock);
-    S.stop_requested = 1;
-    pthread_cond_signal(&S.wake);
-    pthread_mutex_unlock(&S.lock);
+    oc_thread_request_stop(&S.th, &S.stop_requested);
+    /* At most JOIN_LIMIT_S: an NVML call can hang in a broken driver. */
     Py_BEGIN_ALLOW_THREADS
-    joined = join_bounded();
+    joined = oc_thread_join(S.th.thread, JOIN_LIMIT_S);
     Py_END_ALLOW_THREADS
     /* A thread stuck in a driver call is left behind rather than hang the
      * exit; it writes only to this static state, under the lock. */
@@ -276,19 +207,13 @@ static int register_at_exit(void)
  * given torch device indices. Returns 0, or -1 with an exception set. */
 static int summary_begin(const int *torch_index, int n, long interval_ms)
 {
-    pthread_condattr_t ca;
     char why[200] = "";
     int sampled = 0, rc;
-    if (S.started && S.pid == getpid())
+    if (S.started && !oc_thread_inherited(&S.th))
         return 0;
     /* Fresh primitives: a forked child may inherit a lock the parent's thread held. */
     memset(&S, 0, sizeof S);
-    pthread_mutex_init(&S.lock, NULL);
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&S.wake, &ca);
-    pthread_condattr_destroy(&ca);
-    S.pid = getpid();
+    oc_thread_init(&S.th);
     S.interval_ms = interval_ms;
     n = n < SUMMARY_MAX_DEVICES ? n : SUMMARY_MAX_DEVICES;
     S.n = n;
@@ -298,7 +223,7 @@ static int summary_begin(const int *torch_index, int n, long interval_ms)
         S.dev[i].peak_allocated = S.dev[i].peak_reserved = -1;
         sampled += S.dev[i].nvml_index >= 0;
     }
-    clock_gettime(CLOCK_MONOTONIC, &S.t0);
+    S.t0 = oc_thread_now();
     S.started = 1;
     if (register_at_exit() < 0)
         return -1;
@@ -310,7 +235,8 @@ static int summary_begin(const int *torch_index, int n, long interval_ms)
         snprintf(S.why, sizeof S.why, "NVML shows none of this process's CUDA devices");
         return 0;
     }
-    rc = spawn();
+    /* Named before start returns, so `top -H` and tests see it at once. */
+    rc = oc_thread_start(&S.th, sampler, NULL, "oc-summary");
     if (rc != 0) {
         snprintf(S.why, sizeof S.why, "the sampling thread could not start (%s)", strerror(rc));
         return 0;
@@ -463,81 +389,24 @@ done:
     return best;
 }
 
-/* ---- hints: pure C over the figures ---- */
-
-typedef struct {
-    double score; /* how far past its threshold the figure is; higher first */
-    int order;    /* ties: utilisation, then fragmentation, then memory */
-    char text[HINT_LEN];
-} hint;
-
-static int by_score(const void *a, const void *b)
-{
-    const hint *x = a, *y = b;
-    if (x->score != y->score)
-        return (x->score < y->score) - (x->score > y->score);
-    return x->order - y->order;
-}
+/* ---- hints: advice.c ranks them over the figures ---- */
 
 /* Up to HINTS_MAX hints for one device, highest score first. */
-static int make_hints(const sum_device *d, long workers, hint *h)
+static int make_hints(const sum_device *d, long workers, oc_advice_item *h)
 {
-    int n = 0;
-    if (d->util_samples >= MIN_UTIL_SAMPLES) {
-        double mean = d->util_sum / (double)d->util_samples;
-        double low = (double)d->under_low / (double)d->util_samples;
-        if (mean < LOW_UTIL || low >= 0.5) {
-            char what[200];
-            if (workers >= 0 && workers <= FEW_WORKERS)
-                snprintf(what, sizeof what,
-                         "the DataLoader has num_workers=%ld: raise it "
-                         "(outofcuda.smart_dataloader picks a count) and pin memory",
-                         workers);
-            else if (workers > FEW_WORKERS)
-                snprintf(what, sizeof what,
-                         "with num_workers=%ld, profile the host side (torch.profiler): "
-                         "data loading, .item()/.cpu() syncs, many small kernels",
-                         workers);
-            else
-                snprintf(what, sizeof what,
-                         "check the DataLoader (num_workers, pin_memory) and host-side "
-                         "syncs with torch.profiler");
-            h[n].score = (low > 1.0 - mean / 100.0 ? low : 1.0 - mean / 100.0) / 0.5;
-            h[n].order = 0;
-            snprintf(h[n++].text, HINT_LEN,
-                     "input pipeline: the GPU was under %d %% busy in %.0f %% of samples "
-                     "(mean %.0f %%); %s",
-                     LOW_UTIL, 100.0 * low, mean, what);
-        }
-    }
-    if (d->mem_samples > 0 && d->mem_total > 0 &&
-        (double)d->mem_peak < 0.5 * (double)d->mem_total) {
-        double unused = 1.0 - (double)d->mem_peak / (double)d->mem_total;
-        h[n].score = unused / 0.5;
-        h[n].order = 2;
-        snprintf(h[n++].text, HINT_LEN,
-                 "bigger batch: device memory peaked at %.2f of %.2f GiB (%.1f %%); a larger "
-                 "batch would keep the GPU busier (outofcuda.find_batch_size finds the largest "
-                 "that fits)",
-                 (double)d->mem_peak / GIB, (double)d->mem_total / GIB, 100.0 * (1.0 - unused));
-    }
-    if (d->peak_reserved >= FRAG_MIN_RESERVED && d->peak_allocated >= 0) {
-        double frag = (double)(d->peak_reserved - d->peak_allocated) / (double)d->peak_reserved;
-        int expandable = oc_alloc_expandable(oc_g.alloc_value);
-        if (frag >= 0.25) {
-            h[n].score = frag / 0.25;
-            h[n].order = 1;
-            snprintf(h[n++].text, HINT_LEN,
-                     "fragmentation: torch reserved %.2f GiB at peak for %.2f GiB of tensors "
-                     "(%.0f %% cached but unused); %s",
-                     (double)d->peak_reserved / GIB, (double)d->peak_allocated / GIB, 100.0 * frag,
-                     expandable ? "expandable_segments is on: vary tensor shapes less (pad "
-                                  "to fixed sizes)"
-                                : "set expandable_segments:True (OUTOFCUDA_ALLOC_CONF)");
-        }
-    }
-    qsort(h, (size_t)n, sizeof *h, by_score);
-    return n;
+    oc_summary_figures f;
+    memset(&f, 0, sizeof f);
+    f.util_samples = d->util_samples;
+    f.under_low = d->under_low;
+    f.util_sum = d->util_sum;
+    f.mem_samples = d->mem_samples;
+    f.mem_peak = d->mem_peak;
+    f.mem_total = d->mem_total;
+    f.peak_allocated = d->peak_allocated;
+    f.peak_reserved = d->peak_reserved;
+    f.workers = workers;
+    f.expandable = oc_alloc_expandable(oc_g.alloc_value);
+    return oc_summary_hints(&f, h, HINTS_MAX + 1);
 }
 
 /* ---- at exit: the block and the JSON ---- */
@@ -567,7 +436,8 @@ typedef struct {
     long long splits;
 } proc_figs;
 
-static void format_block(text *t, const sum_device *d, const proc_figs *p, const hint *h, int nh)
+static void format_block(text *t, const sum_device *d, const proc_figs *p, const oc_advice_item *h,
+                         int nh)
 {
     char pre[32] = "";
     if (p->rank >= 0)
@@ -621,7 +491,7 @@ static PyObject *none_or_double(int known, double x)
 }
 
 /* One device's entry of the JSON form (new reference or NULL). */
-static PyObject *device_dict(const sum_device *d, const hint *h, int nh)
+static PyObject *device_dict(const sum_device *d, const oc_advice_item *h, int nh)
 {
     PyObject *hints = PyList_New(0);
     int u = d->util_samples > 0, m = d->mem_samples > 0;
@@ -704,7 +574,7 @@ static void emit(const proc_figs *p, const sum_device *dev, int n)
     PyObject *devices = out.mode == OC_SUMMARY_JSON ? PyList_New(0) : NULL;
     char err[PATH_MAX + 200];
     for (int i = 0; i < n; i++) {
-        hint h[HINTS_MAX + 1];
+        oc_advice_item h[HINTS_MAX + 1];
         int nh = make_hints(&dev[i], p->workers, h);
         nh = nh < HINTS_MAX ? nh : HINTS_MAX;
         format_block(&t, &dev[i], p, h, nh);
@@ -753,17 +623,17 @@ static PyObject *at_exit(PyObject *self, PyObject *unused)
     (void)unused;
     /* A forked child inherits the registration but not the thread or the
      * figures' meaning: only the process that started the clock reports. */
-    if (!S.started || S.pid != getpid())
+    if (!S.started || oc_thread_inherited(&S.th))
         Py_RETURN_NONE;
     S.started = 0;
     PyErr_Fetch(&type, &value, &tb);
-    wall = seconds_since(&S.t0);
+    wall = oc_thread_now() - S.t0;
     sampler_stop();
     /* A copy: a thread that could not be joined may still write S.dev. */
-    pthread_mutex_lock(&S.lock);
+    pthread_mutex_lock(&S.th.lock);
     n = S.n;
     memcpy(dev, S.dev, sizeof dev);
-    pthread_mutex_unlock(&S.lock);
+    pthread_mutex_unlock(&S.th.lock);
     memset(&p, 0, sizeof p);
     p.wall = wall;
     p.rank = env_rank();
@@ -834,14 +704,14 @@ static PyObject *py_summary_stats(PyObject *self, PyObject *unused)
 {
     sum_device copy[SUMMARY_MAX_DEVICES];
     PyObject *list, *d;
-    int n = 0, mine = S.started && S.pid == getpid();
+    int n = 0, mine = S.started && !oc_thread_inherited(&S.th);
     (void)self;
     (void)unused;
     if (mine) {
-        pthread_mutex_lock(&S.lock);
+        pthread_mutex_lock(&S.th.lock);
         n = S.n;
         memcpy(copy, S.dev, sizeof copy);
-        pthread_mutex_unlock(&S.lock);
+        pthread_mutex_unlock(&S.th.lock);
     }
     list = PyList_New(0);
     for (int i = 0; list != NULL && i < n; i++) {

@@ -238,3 +238,22 @@ def stub_nvml_config(path, devices, procs=(), stride=24, errors=(), migs=(), dri
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def pure_c_driver(out_dir, driver, *sources):
+    """Builds tests/<driver> with the pure-C sources (src/<name>, OC_PURE_C,
+    no Python) under ASan and UBSan into out_dir; returns a function that
+    feeds it one case a line and returns its stdout."""
+    if shutil.which("gcc") is None:
+        pytest.fail(f"gcc is needed to build {driver}")
+    exe = Path(out_dir) / "driver"
+    subprocess.run(["gcc", "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", "-DOC_PURE_C",
+                    "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                    "-o", str(exe), str(ROOT / "tests" / driver),
+                    *(str(ROOT / "src" / s) for s in sources)], check=True)
+
+    def run(cases):
+        text = "".join(" ".join(map(str, c)) + "\n" for c in cases)
+        return subprocess.run([str(exe)], input=text, capture_output=True, text=True,
+                              check=True).stdout
+    return run

@@ -5,13 +5,11 @@ with the stand-in NVML (tests/stub_nvml) at compute capabilities 8.0, 9.0 and
 CUDA build of torch 2.14.1 (no GPU). Each scenario is a fresh interpreter."""
 import json
 import random
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import stub_nvml_config as config, stub_nvml_device as device
+from conftest import pure_c_driver, stub_nvml_config as config, stub_nvml_device as device
 from fake_torch import make_fake_torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,18 +35,10 @@ def last_json(r):
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    if shutil.which("gcc") is None:
-        pytest.fail("gcc is needed to build the known-bugs driver")
-    exe = tmp_path_factory.mktemp("kb") / "driver"
-    subprocess.run(["gcc", "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", "-DOC_PURE_C",
-                    "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-                    "-o", str(exe), str(ROOT / "tests" / "known_bugs" / "driver.c"),
-                    str(ROOT / "src" / "knownbugs.c")], check=True)
+    build = pure_c_driver(tmp_path_factory.mktemp("kb"), "known_bugs/driver.c", "knownbugs.c")
 
     def run(cases):
-        text = "".join(" ".join(map(str, c)) + "\n" for c in cases)
-        r = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True)
-        rows = [ln.split(" ", 2) for ln in r.stdout.splitlines()]
+        rows = [ln.split(" ", 2) for ln in build(cases).splitlines()]
         return [(i, int(d), why) for i, d, why in rows]
     return run
 

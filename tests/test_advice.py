@@ -1,0 +1,128 @@
+"""The ranked advice in pure C (src/advice.c, no Python): the OOM actions
+oc_oom_advise ranks for the report, and the exit summary's hints
+(oc_summary_hints). tests/advice/driver.c is built with gcc under ASan and
+UBSan and fed figures; each case checks the ranking and the scores."""
+import pytest
+
+from conftest import pure_c_driver
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@pytest.fixture(scope="module")
+def advise(tmp_path_factory):
+    build = pure_c_driver(tmp_path_factory.mktemp("advice"), "advice/driver.c", "advice.c")
+
+    def run(*cases):
+        out, items = [], []
+        for line in build(cases).splitlines():
+            if line == "--":
+                out.append(items)
+                items = []
+            else:
+                score, order, text = line.split(" ", 2)
+                items.append((float(score), int(order), text))
+        assert len(out) == len(cases), out
+        return out
+    return run
+
+
+def oom(request=0, total=0, limit=0, allocated=0, reserved=0, inactive_split=0, fraction=0.0,
+        expandable=0, autocast=-1, exhausted=0, others=()):
+    flat = [x for o in others for x in o]
+    return ("oom", request, total, limit, allocated, reserved, inactive_split, fraction,
+            expandable, autocast, exhausted, len(others), *flat)
+
+
+def hints(util_samples=0, util_sum=0.0, under_low=0, mem_samples=0, mem_peak=0, mem_total=0,
+          peak_allocated=-1, peak_reserved=-1, workers=-1, expandable=0):
+    return ("hints", util_samples, util_sum, under_low, mem_samples, mem_peak, mem_total,
+            peak_allocated, peak_reserved, workers, expandable)
+
+
+def heads(items):
+    return [text.split(" ", 3)[:3] for _, _, text in items]
+
+
+# ---- OOM actions ----
+
+def test_oom_actions_ranked_by_the_bytes_each_gives_back(advise):
+    [items] = advise(oom(request=1 * GiB, total=80 * GiB, allocated=40 * GiB,
+                         reserved=60 * GiB, fraction=0.5, autocast=0,
+                         others=[(4242, "python", 8 * GiB)]))
+    texts = [t for _, _, t in items]
+    assert [s for s, _, _ in items] == [40 * GiB, 20 * GiB, 20 * GiB, 40 * GiB // 3, 8 * GiB]
+    assert texts[0].startswith("The memory fraction 0.50 keeps 40.00 GiB of this GPU")
+    # 20 GiB each: the tie goes to the rule written first (fragmentation).
+    assert texts[1].startswith("20.00 GiB is reserved by PyTorch but not allocated")
+    assert texts[2].startswith("This process's tensors hold 40.00 GiB: train with "
+                               "outofcuda.auto_microbatch(step)")
+    assert texts[3].startswith("Autocast is off")
+    assert texts[4] == ("Another process holds 8.00 GiB on this GPU: pid 4242 (python). Stop it, "
+                        "or run on a free GPU (CUDA_VISIBLE_DEVICES).")
+
+
+def test_oom_small_processes_are_left_out_and_unknown_names_said(advise):
+    [items] = advise(oom(request=100 * MiB, total=16 * GiB, allocated=12 * GiB,
+                         others=[(1, "small", 255 * MiB), (2, "-", 1023 * MiB)]))
+    assert [t for _, _, t in items][0].startswith(
+        "This process's tensors hold 12.00 GiB")
+    assert items[1][2].startswith("Another process holds 1023 MiB on this GPU: pid 2 "
+                                  "(name unknown)")
+    assert len(items) == 2
+
+
+def test_oom_with_expandable_segments_counts_fragmentation_a_quarter(advise):
+    [on, off] = advise(oom(request=1 * GiB, total=80 * GiB, allocated=8 * GiB,
+                           reserved=48 * GiB, expandable=1),
+                       oom(request=1 * GiB, total=80 * GiB, allocated=8 * GiB,
+                           reserved=48 * GiB, expandable=0))
+    assert on[0][0] == 10 * GiB and on[0][2].startswith(
+        "40.00 GiB is reserved but not allocated even with expandable segments")
+    assert off[0][0] == 40 * GiB and "expandable_segments:True" in off[0][2]
+    # A process holding under half the GPU: the micro-batch action scores half the request.
+    assert on[1][0] == off[1][0] == GiB // 2
+
+
+def test_oom_exhausted_split_and_unknown_figures(advise):
+    [exhausted, unknown] = advise(oom(allocated=30 * GiB, total=40 * GiB, exhausted=1),
+                                  oom())
+    assert heads(exhausted) == [["Even", "the", "smallest"]]
+    assert exhausted[0][0] == 30 * GiB
+    assert [(s, t.split(":")[0]) for s, _, t in unknown] == [(1, "Activations grow with the batch")]
+
+
+# ---- exit-summary hints ----
+
+def test_summary_hints_ranked_by_how_far_past_the_threshold(advise):
+    [items] = advise(hints(util_samples=10, util_sum=200, under_low=8, mem_samples=10,
+                           mem_peak=1 * GiB, mem_total=80 * GiB, peak_allocated=1 * GiB,
+                           peak_reserved=2 * GiB, workers=1))
+    assert [(round(s, 4), o) for s, o, _ in items] == [(2.0, 1), (1.975, 2), (1.6, 0)]
+    assert items[0][2] == ("fragmentation: torch reserved 2.00 GiB at peak for 1.00 GiB of "
+                           "tensors (50 % cached but unused); set expandable_segments:True "
+                           "(OUTOFCUDA_ALLOC_CONF)")
+    assert items[1][2].startswith("bigger batch: device memory peaked at 1.00 of 80.00 GiB (1.2 %)")
+    assert items[2][2] == ("input pipeline: the GPU was under 50 % busy in 80 % of samples "
+                           "(mean 20 %); the DataLoader has num_workers=1: raise it "
+                           "(outofcuda.smart_dataloader picks a count) and pin memory")
+
+
+def test_summary_hints_ties_and_thresholds(advise):
+    # Same score 1.0 for utilisation (half the samples low) and fragmentation
+    # (a quarter unused): utilisation first, by order.
+    [tie, quiet, few, many, on] = advise(
+        hints(util_samples=10, util_sum=600, under_low=5, peak_allocated=768 * MiB,
+              peak_reserved=1 * GiB, workers=8),
+        hints(util_samples=4, util_sum=0, under_low=4, mem_samples=1, mem_peak=60,
+              mem_total=100, peak_allocated=0, peak_reserved=255 * MiB),
+        hints(util_samples=5, util_sum=100, under_low=5, workers=2),
+        hints(util_samples=5, util_sum=100, under_low=5, workers=3),
+        hints(peak_allocated=0, peak_reserved=1 * GiB, expandable=1))
+    assert [(s, o) for s, o, _ in tie] == [(1.0, 0), (1.0, 1)]
+    assert "with num_workers=8, profile the host side" in tie[0][2]
+    assert quiet == []
+    assert "num_workers=2: raise it" in few[0][2]
+    assert "with num_workers=3, profile" in many[0][2]
+    assert on[0][2].endswith("expandable_segments is on: vary tensor shapes less (pad to "
+                             "fixed sizes)")
