@@ -89,4 +89,15 @@ def mlp(*widths, acts=("Tanh",)):
     for i, (a, b) in enumerate(zip(widths[1:], widths[2:])):
         layers += [getattr(torch.nn, acts[i % len(acts)])(), torch.nn.Linear(a, b)]
     return torch.nn.Sequential(*layers)
+
+
+def grads(model):
+    """A copy of each parameter's gradient."""
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def rel_err(a, b):
+    """The largest relative error of the tensors a against the tensors b."""
+    return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
+               for x, y in zip(a, b))
 '''

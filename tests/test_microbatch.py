@@ -30,15 +30,6 @@ def check(n):
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n}.00 MiB.")
 
 
-def grads(model):
-    return [p.grad.detach().clone() for p in model.parameters()]
-
-
-def rel_err(a, b):
-    return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
-               for x, y in zip(a, b))
-
-
 def compare(model, step_fn, call):
     """Gradient error of `call(wrapped)` split 4 ways against the unsplit step."""
     LIMIT["n"] = None

@@ -48,15 +48,6 @@ def block():
                                             dropout=0.0, batch_first=True)
 
 
-def grads(model):
-    return [p.grad.detach().clone() for p in model.parameters()]
-
-
-def rel_err(a, b):
-    return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
-               for x, y in zip(a, b))
-
-
 def reference(model, loss_fn, batch):
     model.zero_grad(set_to_none=True)
     loss = loss_fn(batch)
