@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kit import last_json
+
 ROOT = Path(__file__).resolve().parent.parent
 TORCH_SPEC = os.environ.get("OUTOFCUDA_TEST_TORCH", "torch==2.13.0")
 
@@ -108,6 +110,11 @@ class Venv:
         r = self.run(code, **kw)
         assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
         return r
+
+    def json(self, code, prefix=None, *, quiet=False, **kw):
+        """Runs code (as run does) and returns the JSON value it printed last
+        (kit.last_json: the exit must be 0; prefix, quiet as there)."""
+        return last_json(self.run(code, **kw), prefix, quiet=quiet)
 
 
 @pytest.fixture(scope="session")

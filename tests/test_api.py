@@ -6,9 +6,7 @@ import shutil
 
 import pytest
 
-
-def _json(r):
-    return json.loads(r.stdout.strip().splitlines()[-1])
+from kit import last_json
 
 
 def test_import_is_cheap_and_memory_report_never_initialises_cuda(venv, workdir):
@@ -25,7 +23,7 @@ def test_import_is_cheap_and_memory_report_never_initialises_cuda(venv, workdir)
         print(json.dumps([before, after_api, rep, rep2, released,
                           torch.cuda.is_initialized(), torch.cuda.memory_stats()]))
     """, cwd=workdir)
-    torch_before, torch_after_api, rep, rep2, released, initialised, stats = _json(r)
+    torch_before, torch_after_api, rep, rep2, released, initialised, stats = last_json(r)
     assert torch_before is False and torch_after_api is False
     assert rep == {} and rep2 == {}
     assert released == 0
@@ -51,7 +49,7 @@ def test_autocast_context_uses_bfloat16_on_cpu(venv, workdir):
                 errors.append(str(e))
         print(json.dumps([str(default), str(explicit), str(off), type(ctx).__name__, errors]))
     """, cwd=workdir)
-    default, explicit, off, ctx, errors = _json(r)
+    default, explicit, off, ctx, errors = last_json(r)
     assert default == "torch.bfloat16"
     assert explicit == "torch.float16"
     assert off == "torch.float32"
@@ -105,7 +103,7 @@ MODELS = """
 
 
 def test_compile_model_channels_last_and_conv3d(venv, workdir):
-    res = _json(venv.check(MODELS, cwd=workdir))
+    res = last_json(venv.check(MODELS, cwd=workdir))
     assert res["conv"] is True and res["eq2"] is True
     assert res["c3"] is True and res["eq3"] is True
     assert res["mixed"] == [True, True] and res["eqm"] is True
@@ -113,7 +111,7 @@ def test_compile_model_channels_last_and_conv3d(venv, workdir):
 
 
 def test_compile_model_respects_channels_last_off(venv, workdir):
-    res = _json(venv.check(MODELS, cwd=workdir, env={"OUTOFCUDA_CHANNELS_LAST": "0"}))
+    res = last_json(venv.check(MODELS, cwd=workdir, env={"OUTOFCUDA_CHANNELS_LAST": "0"}))
     # A 3x3 conv weight in the default layout is not channels-last contiguous.
     assert res["conv"] is False and res["eq2"] is True
     assert res["c3"] is False and res["eq3"] is True
@@ -136,7 +134,7 @@ def test_compile_model_really_compiles_with_outofcuda_compile(venv, workdir):
     """, cwd=workdir, timeout=600,
         env={"OUTOFCUDA_COMPILE": "1", "OUTOFCUDA_COMPILE_MODE": "default",
              "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor")})
-    name, frames_ok, graphs, equal, diff = _json(r)
+    name, frames_ok, graphs, equal, diff = last_json(r)
     assert name == "OptimizedModule"
     assert frames_ok >= 1 and graphs >= 1
     assert diff <= 1e-6, (equal, diff)
@@ -157,7 +155,7 @@ def test_compile_model_warns_once_and_runs_when_compiling_is_impossible(venv, wo
         print(json.dumps([type(out).__name__, [str(i.message) for i in w],
                           bool(torch.equal(out(x), model(x)))]))
     """, cwd=workdir, env={"OUTOFCUDA_COMPILE": "1", "PATH": str(empty), "CXX": None})
-    name, messages, equal = _json(r)
+    name, messages, equal = last_json(r)
     assert name == "Linear" and equal is True
     assert len(messages) == 1
     assert "OUTOFCUDA_COMPILE=1" in messages[0] and "C++ compiler" in messages[0]
@@ -189,7 +187,7 @@ def test_smart_dataloader_iterates_with_0_and_2_workers_and_caller_wins(venv, wo
         res["errs"] = errs
         print(json.dumps(res))
     """, cwd=workdir, env={"OUTOFCUDA_NUM_WORKERS": "64", "OUTOFCUDA_PREFETCH_FACTOR": "3"})
-    res = _json(r)
+    res = last_json(r)
     import os
     cpus = len(os.sched_getaffinity(0))
     assert res["default"] == {"workers": min(64, cpus), "prefetch": 3, "persistent": True,
@@ -228,7 +226,7 @@ def test_small_shared_memory_warns_once(venv, workdir):
         second = _outofcuda._api_loader_plan(False, 2, "/dev/shm", big)["shm_warning"]
         print(json.dumps([first, second]))
     """, cwd=workdir)
-    first, second = _json(r)
+    first, second = last_json(r)
     assert "/dev/shm holds only" in first and "--shm-size" in first
     assert second == ""
     r = venv.check("""
@@ -237,7 +235,7 @@ def test_small_shared_memory_warns_once(venv, workdir):
         missing = _outofcuda._api_loader_plan(False, 2, "/no/such/shm")["shm_warning"]
         print(json.dumps([none, missing]))
     """, cwd=workdir)
-    none, missing = _json(r)
+    none, missing = last_json(r)
     assert none == ""        # no workers, no shared memory needed
     assert "/no/such/shm is missing" in missing
 
@@ -254,7 +252,7 @@ def test_cuda_optimizer_delegates(venv, workdir):
         print(json.dumps([model.weight.is_contiguous(memory_format=torch.channels_last),
                           str(y.dtype), opt.clear(), opt.report(), repr(opt)]))
     """, cwd=workdir)
-    assert _json(r) == [True, "torch.bfloat16", 0, {}, "CudaOptimizer()"]
+    assert last_json(r) == [True, "torch.bfloat16", 0, {}, "CudaOptimizer()"]
 
 
 def test_type_stubs_ship_and_cover_the_public_api(venv, workdir):
@@ -265,7 +263,7 @@ def test_type_stubs_ship_and_cover_the_public_api(venv, workdir):
         names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
         print(json.dumps([sorted(set(outofcuda.__all__) - names), (pkg / "py.typed").exists()]))
     """, cwd=workdir)
-    assert _json(r) == [[], True]
+    assert last_json(r) == [[], True]
 
 
 def test_compile_model_arguments_override_the_environment(venv, workdir):
@@ -315,7 +313,7 @@ def test_compile_model_arguments_override_the_environment(venv, workdir):
     """, cwd=workdir, env={"OUTOFCUDA_CHANNELS_LAST": "0", "OUTOFCUDA_COMPILE": "0",
                            "OUTOFCUDA_COMPILE_MODE": "max-autotune-no-cudagraphs",
                            "OUTOFCUDA_COMPILE_FULLGRAPH": "1"})
-    res = _json(r)
+    res = last_json(r)
     assert res["env"] is False and res["off"] is False and res["on"] is True
     assert res["not_compiled"] == "Linear" and res["opt_prepare"] == "Linear"
     assert res["compiled"] == "OptimizedModule"
@@ -341,7 +339,7 @@ def test_compile_model_compile_true_names_the_argument_when_it_cannot_compile(ve
             out = outofcuda.compile_model(torch.nn.Linear(4, 2), compile=True)
         print(json.dumps([type(out).__name__, [str(i.message) for i in w]]))
     """, cwd=workdir, env={"PATH": str(empty), "CXX": None})
-    name, messages = _json(r)
+    name, messages = last_json(r)
     assert name == "Linear" and len(messages) == 1
     assert "compile=True" in messages[0] and "C++ compiler" in messages[0]
 
@@ -356,7 +354,7 @@ def test_public_names_in_the_stubs_exist(venv, workdir):
         print(json.dumps(sorted(n for n in names if not n.startswith("_")
                                 and not hasattr(outofcuda, n))))
     """, cwd=workdir)
-    assert _json(r) == []
+    assert last_json(r) == []
 
 
 def test_engine_stub_ships_and_names_every_function(venv, workdir):
@@ -369,7 +367,7 @@ def test_engine_stub_ships_and_names_every_function(venv, workdir):
                 if type(getattr(_outofcuda, n)).__name__ == "builtin_function_or_method"}
         print(json.dumps([sorted(real - declared), sorted(declared - real)]))
     """, cwd=workdir)
-    assert _json(r) == [[], []]
+    assert last_json(r) == [[], []]
 
 
 WARNED = """

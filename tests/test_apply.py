@@ -3,20 +3,16 @@ site, so no .pth file), before and after ``import torch``, twice, and beside
 the hook. A stand-in of a CUDA build (tests/fake_torch.py), since a CPU-only
 build of torch keeps its own defaults (nothing readable to apply), and real
 torch (a CPU build) beside the hook."""
-import json
 import re
 
 from fake_torch import make_fake_torch
+from kit import last_json
 
 
 def applied_count(stderr):
     """How many times the optimisations were applied: OUTOFCUDA_VERBOSE=1
     prints this line each time."""
     return len(re.findall(r"^outofcuda \S+: torch \S+ imported$", stderr, re.M))
-
-
-def _json(r):
-    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def _no_site(venv, code, workdir, env=None):
@@ -42,7 +38,7 @@ import torch
 after = outofcuda.status()
 print(json.dumps([before["hook"], armed["hook"], again["hook"], after]))
 """, workdir, env=_cuda_stand_in(tmp_path))
-    before, armed, again, after = _json(r)
+    before, armed, again, after = last_json(r)
     assert before == {"installed": False, "fired": False, "error": None}
     assert armed == {"installed": True, "fired": False, "error": None}
     assert again == armed
@@ -65,7 +61,7 @@ second = outofcuda.apply()
 print(json.dumps([untouched, benchmark_before, torch._C._get_cudnn_benchmark(),
                   first, second, torch.cuda.is_initialized()]))
 """, workdir, env=_cuda_stand_in(tmp_path))
-    untouched, bench_before, bench_after, first, second, cuda_up = _json(r)
+    untouched, bench_before, bench_after, first, second, cuda_up = last_json(r)
     assert untouched["applied"] is False and "did not run" in untouched["reason"]
     assert bench_before is False and bench_after is True
     assert first == second
@@ -91,9 +87,9 @@ import torch
 print(json.dumps([torch._C.ENV_AT_LOAD, outofcuda.status()["optimizations"]["allocator"]]))
 """
     env = {"PYTHONPATH": str(root)}
-    early = _json(_no_site(venv, code.format(first="outofcuda.apply()", second=""), workdir,
+    early = last_json(_no_site(venv, code.format(first="outofcuda.apply()", second=""), workdir,
                            env))
-    late = _json(_no_site(venv, code.format(first="", second="outofcuda.apply()"), workdir,
+    late = last_json(_no_site(venv, code.format(first="", second="outofcuda.apply()"), workdir,
                           env))
     env_at_load, alloc = early
     assert alloc["applied"] is True
@@ -115,7 +111,7 @@ after_import = outofcuda.status()
 again = outofcuda.apply()
 print(json.dumps([hook_before, armed, after_import, again]))
 """, cwd=workdir, env={"OUTOFCUDA_VERBOSE": "1"})
-    hook_before, armed, after_import, again = _json(r)
+    hook_before, armed, after_import, again = last_json(r)
     assert hook_before == armed == {"installed": True, "fired": False, "error": None}
     assert after_import == again
     assert again["hook"] == {"installed": True, "fired": True, "error": None}
@@ -128,6 +124,6 @@ import json, outofcuda, torch
 st = outofcuda.apply()
 print(json.dumps([st["hook"], torch.backends.cudnn.benchmark]))
 """, workdir, {"OUTOFCUDA_DISABLE": "1"})
-    hook, benchmark = _json(r)
+    hook, benchmark = last_json(r)
     assert hook["installed"] is False and hook["fired"] is False
     assert benchmark is False

@@ -4,7 +4,6 @@ fresh interpreter under `-W error`; none may initialise CUDA.
 
 The `cuda_venv` fixture (tests/conftest.py) installs that build once per
 session; OUTOFCUDA_TEST_CUDA_VENV reuses an environment that has it."""
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -46,11 +45,7 @@ TORCH_DEFAULTS = {"matmul_tf32": False, "matmul_precision": "highest", "cudnn_tf
 
 
 def report(venv, code, env=None, args=(), prefix="FLAGS="):
-    r = venv.run(code, env=env, args=("-W", "error", *args))
-    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
-    assert r.stderr == "", r.stderr
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith(prefix)][-1]
-    return json.loads(line[len(prefix):])
+    return venv.json(code, prefix, quiet=True, env=env, args=("-W", "error", *args))
 
 
 def flags(venv, env=None):

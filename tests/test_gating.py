@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from fake_torch import RELEASES, make_fake_torch
+from kit import last_json
 
 REPORT = """
 import json, os, torch, _outofcuda
@@ -26,9 +27,7 @@ def run_release(venv, tmp_path, release, env=None, cuda=True, code=REPORT, args=
     full_env = {"PYTHONPATH": str(root)}
     full_env.update(env or {})
     r = venv.run(code, env=full_env, args=("-W", "error", *args), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("REPORT=")][-1]
-    return json.loads(line[len("REPORT="):]), r
+    return last_json(r, "REPORT="), r
 
 
 def names(report):
@@ -268,7 +267,7 @@ def test_a_retried_import_reads_the_good_torchs_facts(venv, tmp_path):
     r = venv.run(RETRY, env={"PYTHONPATH": f"{broken}:{good}:{tmp_path}"}, args=("-W", "error"),
                  cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    rep = json.loads(r.stdout.split("REPORT=")[-1])
+    rep = last_json(r, "REPORT=")
     opts = rep["status"]["optimizations"]
     assert rep["version"] == "2.14.1"
     assert opts["tf32"]["applied"] and opts["memory_fraction"]["applied"]
@@ -293,7 +292,7 @@ def test_status_says_when_another_finder_loaded_torch(venv, tmp_path):
     root = make_fake_torch(tmp_path / "fake", "2.14.1")
     r = venv.run(AHEAD, env={"PYTHONPATH": str(root)}, args=("-W", "error"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    st = json.loads(r.stdout.split("REPORT=")[-1])
+    st = last_json(r, "REPORT=")
     assert st["hook"]["installed"] and not st["hook"]["fired"]
     reason = st["optimizations"]["tf32"]["reason"]
     assert "without passing outofcuda's import watcher" in reason, reason

@@ -5,12 +5,14 @@ with the stand-in NVML (tests/stub_nvml) at compute capabilities 8.0, 9.0 and
 CUDA build of torch 2.14.1 (no GPU). Each scenario is a fresh interpreter."""
 import json
 import random
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from conftest import pure_c_driver, stub_nvml_config as config, stub_nvml_device as device
 from fake_torch import make_fake_torch
+from kit import last_json
 
 ROOT = Path(__file__).resolve().parent.parent
 BUG = "cudnn-sdpa-nan-grad-sm90"
@@ -25,10 +27,8 @@ def nvml(stub_nvml, tmp_path):
     return env
 
 
-def last_json(r):
-    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
-    assert r.stderr == "", r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+# Every scenario here must also run silently (stderr empty).
+last_json = partial(last_json, quiet=True)
 
 
 # ---- the lookup in pure C ----

@@ -12,6 +12,8 @@ import json
 
 import pytest
 
+import kit
+
 CALLS = 10_000
 # Bounds per function over 10 000 calls (a leak of one object per call shows
 # as 10 000; these leave room for caches that fill once and for allocator noise).
@@ -19,15 +21,11 @@ MAX_GC_OBJECTS = 20
 MAX_BLOCKS = 200
 MAX_RSS_BYTES = 1 << 20
 
-CHILD_TEMPLATE = r"""
-import gc, json, os, sys, tempfile, warnings
+CHILD_TEMPLATE = kit.CHILD + r"""
+import gc, json, tempfile, warnings
 warnings.simplefilter("ignore")          # the no-GPU RuntimeWarning of MemoryMonitor, once
 import torch, _outofcuda, outofcuda, outofcuda_hook
 watcher = outofcuda_hook._finder()
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 src = tempfile.NamedTemporaryFile("w", suffix=".mem", delete=False)
 src.write("100 1000 10\n"); src.close()
@@ -174,9 +172,7 @@ CHILD = CHILD_TEMPLATE.replace("CALLS", str(CALLS))
 @pytest.fixture(scope="module")
 def leak_figures(venv, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("leaks")
-    r = venv.run(CHILD, env={"OUTOFCUDA_GC_COLLECT": "0"}, cwd=cwd, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return venv.json(CHILD, env={"OUTOFCUDA_GC_COLLECT": "0"}, cwd=cwd, timeout=600)
 
 
 CASES = [

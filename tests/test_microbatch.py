@@ -10,7 +10,9 @@ built wheel's environment.
 import json
 import textwrap
 
-PRELUDE = '''
+from kit import CHILD
+
+PRELUDE = CHILD + '''
 import collections, json, warnings
 import torch
 import outofcuda
@@ -26,19 +28,6 @@ def check(n):
     SEEN.append(n)
     if LIMIT["n"] is not None and n > LIMIT["n"]:
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n}.00 MiB.")
-
-
-def mlp():
-    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def grads(model):
-    return [p.grad.detach().clone() for p in model.parameters()]
-
-
-def rel_err(a, b):
-    return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
-               for x, y in zip(a, b))
 
 
 def compare(model, step_fn, call):
@@ -57,8 +46,7 @@ def compare(model, step_fn, call):
 
 
 def run(venv, workdir, body):
-    r = venv.check(PRELUDE + textwrap.dedent(body), cwd=workdir)
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return venv.json(PRELUDE + textwrap.dedent(body), cwd=workdir)
 
 
 def test_mapping_and_sequence_batches_split_and_keep_their_type(venv, workdir):

@@ -14,16 +14,11 @@ import time
 import pytest
 
 from conftest import SANITIZE, _clean_env, _sanitizer_env
+from kit import CHILD, last_json
 
-PRELUDE = """
-import faulthandler, json, os, signal, sys, threading, time
-# A scenario that hangs fails fast with every thread's traceback instead of
-# running into the runner's timeout.
-faulthandler.dump_traceback_later(GUARD_S, exit=True)
-# Ctrl-C behaves the same however the test run was started: a background job
-# without job control inherits SIGINT ignored, and Python then never raises
-# KeyboardInterrupt.
-signal.signal(signal.SIGINT, signal.default_int_handler)
+PRELUDE = CHILD + """
+import json, threading
+guard(GUARD_S)
 import outofcuda
 from outofcuda import MemoryMonitor
 SRC = sys.argv[1] if len(sys.argv) > 1 else "src.txt"
@@ -32,21 +27,6 @@ def feed(used, total=1000, process=100):
     with open(tmp, "w") as f:
         f.write(f"{used} {total} {process}")
     os.replace(tmp, SRC)
-def tasks():
-    return len(os.listdir("/proc/self/task"))
-def wait_for(pred, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
-def need(pred, what, timeout=10.0):
-    \"\"\"Waits for pred; exits with a clear message when it does not come.\"\"\"
-    if not wait_for(pred, timeout):
-        sys.stderr.write(f"timed out after {timeout} s waiting for: {what}\\n")
-        sys.stderr.flush()
-        os._exit(3)
 feed(100)
 """
 GUARD_S = 40
@@ -58,7 +38,7 @@ def _script(body, guard=GUARD_S):
 
 def _run(venv, workdir, body, **kw):
     r = venv.check(_script(body), cwd=workdir, **kw)
-    return r, json.loads(r.stdout.strip().splitlines()[-1])
+    return r, last_json(r)
 
 
 def test_arguments_are_validated(venv, workdir):
@@ -97,14 +77,14 @@ def test_arguments_are_validated(venv, workdir):
 def test_without_a_gpu_it_starts_records_nothing_says_why_once(venv, workdir):
     r, res = _run(venv, workdir, """
         import torch
-        base = tasks()
+        base = threads()
         a = MemoryMonitor(interval=0.01)
         with a:
             time.sleep(0.1)
-            inside = [a.running, tasks() - base]
+            inside = [a.running, threads() - base]
         b = MemoryMonitor().start()
         b.stop()
-        print(json.dumps([inside, a.reason, a.samples(), a.events, tasks() - base,
+        print(json.dumps([inside, a.reason, a.samples(), a.events, threads() - base,
                           torch.cuda.is_initialized()]))
     """)
     inside, reason, samples, events, leaked, initialised = res
@@ -185,12 +165,12 @@ def test_timeline_is_bounded(venv, workdir):
 def test_repeated_start_stop_leaks_no_threads_and_joins_promptly(venv, workdir):
     _, res = _run(venv, workdir, """
         import gc
-        base_py, base_native = threading.active_count(), tasks()
+        base_py, base_native = threading.active_count(), threads()
         m = MemoryMonitor(interval=60, _source=SRC)
         peak, slowest = 0, 0.0
         for i in range(40):
             m.start()
-            peak = max(peak, tasks() - base_native)
+            peak = max(peak, threads() - base_native)
             t = time.monotonic()
             m.stop()
             slowest = max(slowest, time.monotonic() - t)
@@ -205,7 +185,7 @@ def test_repeated_start_stop_leaks_no_threads_and_joins_promptly(venv, workdir):
             double = str(e)
         again.stop()
         print(json.dumps([peak, slowest, threading.active_count() - base_py,
-                          tasks() - base_native, double]))
+                          threads() - base_native, double]))
     """)
     peak, slowest, py_leak, native_leak, double = res
     assert peak == 1
@@ -228,7 +208,7 @@ def _run_sigint_ignored(venv, workdir, body, timeout=60):
 @pytest.mark.parametrize("inherited", ["default", "ignored"])
 def test_keyboard_interrupt_stops_the_watchdog(venv, workdir, inherited):
     body = """
-        base = tasks()
+        base = threads()
         m = MemoryMonitor(interval=0.01, _source=SRC)
         caught = False
         try:
@@ -238,15 +218,15 @@ def test_keyboard_interrupt_stops_the_watchdog(venv, workdir, inherited):
                 need(lambda: False, "SIGINT to arrive as KeyboardInterrupt")  # main gets it
         except KeyboardInterrupt:
             caught = True
-        need(lambda: tasks() == base, "the watchdog thread to end")
-        print(json.dumps([caught, m.running, tasks() - base]))
+        need(lambda: threads() == base, "the watchdog thread to end")
+        print(json.dumps([caught, m.running, threads() - base]))
     """
     if inherited == "default":
         _, res = _run(venv, workdir, body)
     else:
         r = _run_sigint_ignored(venv, workdir, body)
         assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
-        res = json.loads(r.stdout.strip().splitlines()[-1])
+        res = last_json(r)
     assert res == [True, False, 0]
 
 
@@ -254,7 +234,7 @@ def test_on_high_may_stop_its_own_monitor(venv, workdir):
     """stop() from the watchdog's own thread cannot join that thread: it asks
     it to end, and the thread is joined later by another thread."""
     _, res = _run(venv, workdir, """
-        base = tasks()
+        base = threads()
         seen = []
         def on_high(ev):
             seen.append(threading.get_ident())
@@ -264,14 +244,14 @@ def test_on_high_may_stop_its_own_monitor(venv, workdir):
                           _source=SRC).start()
         feed(900)
         need(lambda: len(seen) == 2, "on_high to run and return")
-        need(lambda: tasks() == base, "the self-stopped watchdog thread to end")
+        need(lambda: threads() == base, "the self-stopped watchdog thread to end")
         t = time.monotonic()
         m.stop()                          # idempotent; joins what is left
         again = MemoryMonitor(interval=0.01, _source=SRC).start()
         need(lambda: len(again.samples()) > 1, "a new monitor to poll")
         again.stop()
         print(json.dumps([seen[1], seen[0] != threading.get_ident(), m.running,
-                          [e["kind"] for e in m.events], tasks() - base]))
+                          [e["kind"] for e in m.events], threads() - base]))
     """)
     assert res == [False, True, False, ["high"], 0]
 
@@ -280,7 +260,7 @@ def test_monitors_that_stop_each_other_from_on_high_do_not_deadlock(venv, workdi
     """Two watchdogs each stopping the other from on_high: a watchdog never
     waits for another thread, so neither can wait on the other."""
     _, res = _run(venv, workdir, """
-        base = tasks()
+        base = threads()
         mons = {}
         calls = []
         def stopper(other):
@@ -299,8 +279,8 @@ def test_monitors_that_stop_each_other_from_on_high_do_not_deadlock(venv, workdi
                  "one watchdog to stop the other")
             mons["a"].stop(); mons["b"].stop()
             feed(100)
-        need(lambda: tasks() == base, "every watchdog thread to end")
-        print(json.dumps([len(calls) >= 20, tasks() - base]))
+        need(lambda: threads() == base, "every watchdog thread to end")
+        print(json.dumps([len(calls) >= 20, threads() - base]))
     """)
     assert res == [True, 0]
 
@@ -312,7 +292,7 @@ def test_monitors_that_stop_each_other_from_on_high_do_not_deadlock(venv, workdi
 DROPPED_IN_OWN_THREAD = """
     import gc
     gc.disable()                      # only the watchdog's gc.collect() collects
-    base = tasks()
+    base = threads()
     done = []
     holder = []
     def drop(ev):
@@ -322,7 +302,7 @@ DROPPED_IN_OWN_THREAD = """
                                 _source=SRC).start())
     feed(900)
     need(lambda: done, "on_high to drop its monitor")
-    need(lambda: tasks() == base, "the watchdog of the dropped monitor to end")
+    need(lambda: threads() == base, "the watchdog of the dropped monitor to end")
     for i in range(5):
         def count(ev, i=i):
             done.append(i)
@@ -332,14 +312,14 @@ DROPPED_IN_OWN_THREAD = """
         need(lambda: len(m.events) > 1, "the watchdog to act")
         del m
         # Its own watchdog's gc.collect() frees it, in that watchdog's thread.
-        need(lambda: tasks() == base, "the watchdog of the collected monitor to end")
+        need(lambda: threads() == base, "the watchdog of the collected monitor to end")
         junk = [bytearray(4096) for _ in range(200)]   # reuse freed memory
     feed(100)
     gc.enable()
     gc.collect()
     outofcuda.monitor.core._monitor_stop_all()
-    need(lambda: tasks() == base, "every watchdog thread to end")
-    print(json.dumps([done[0], tasks() - base]))
+    need(lambda: threads() == base, "every watchdog thread to end")
+    print(json.dumps([done[0], threads() - base]))
 """
 
 
@@ -409,11 +389,11 @@ def test_no_watchdog_starts_once_shutdown_began(venv, workdir):
         warnings.simplefilter("ignore")
         def late():
             m = MemoryMonitor(interval=0.01, threshold=0.01, on_high=print, _source=SRC).start()
-            print("late", m.running, m.reason, tasks() - base, flush=True)
+            print("late", m.running, m.reason, threads() - base, flush=True)
             keep.append(m)
         keep = []
         run_last.append(late)          # registered before outofcuda's handler: runs after it
-        base = tasks()
+        base = threads()
         running = MemoryMonitor(interval=0.01, threshold=0.01, on_high=lambda e: None,
                                 _source=SRC).start()
         feed(900)
@@ -459,7 +439,7 @@ def test_a_forked_child_does_not_inherit_a_running_monitor(venv, workdir):
             pid = os.fork()
             if pid == 0:
                 os.close(r)
-                state = [m.running, m.reason, tasks(), len(m.samples()) > 0]
+                state = [m.running, m.reason, threads(), len(m.samples()) > 0]
                 m.stop()
                 outofcuda.monitor.core._monitor_stop_all()
                 os.write(w, json.dumps(state).encode())
@@ -516,7 +496,7 @@ def test_allocator_stats_do_not_initialise_cuda(venv, workdir):
 STRESS_CHILD = """
     import gc, random
     feed(900)            # above the threshold: each poll takes the GIL and calls on_high
-    base = tasks()
+    base = threads()
     rng = random.Random(os.getpid())
     stop_file = sys.argv[2]
     def make():
@@ -553,8 +533,8 @@ STRESS_CHILD = """
             print("caught", caught, flush=True)
     gc.collect()
     outofcuda.monitor.core._monitor_stop_all()
-    need(lambda: tasks() == base, "every watchdog thread to end")
-    print(json.dumps({"caught": caught, "leaked": tasks() - base}), flush=True)
+    need(lambda: threads() == base, "every watchdog thread to end")
+    print(json.dumps({"caught": caught, "leaked": threads() - base}), flush=True)
 """
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import stub_nvml_config as config, stub_nvml_device as device
 from fake_torch import make_fake_torch
+from kit import CHILD, last_json
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -30,11 +31,6 @@ def nvml(stub_nvml_libs, tmp_path):
         return {"LD_LIBRARY_PATH": str(stub_nvml_libs[variant]), "STUB_NVML_CONFIG": str(cfg),
                 **more}
     return env
-
-
-def last_json(r):
-    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
-    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 # ---- the stand-in itself ----
@@ -432,11 +428,8 @@ def test_nvml_paths_do_not_leak(venv, workdir, tmp_path, nvml):
     RSS stay flat, so neither the Python objects nor the C buffers leak."""
     procs = [(0, "self", GIB), (0, 4000001, GIB)] + [(i % 2, 200000 + i, MIB) for i in range(98)]
     cfg = config(tmp_path / "nvml.cfg", MIXED, procs=procs, stride=32)
-    d = last_json(venv.run("""
-import gc, json, os, sys, _outofcuda, outofcuda
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    d = venv.json(CHILD + """
+import gc, json, _outofcuda, outofcuda
 cases = {"memory_report": outofcuda.memory_report, "nvml_devices": _outofcuda.nvml_devices,
          "nvml_processes": lambda: _outofcuda.nvml_processes(0),
          "autocast_dtype": lambda: _outofcuda._api_autocast_dtype("cuda")}
@@ -452,7 +445,7 @@ for name, fn in cases.items():
     out[name] = [len(gc.get_objects()) - o0, sys.getallocatedblocks() - b0, rss() - r0]
 out["sample"] = len(outofcuda.memory_report()["cuda:0"]["processes"])
 print(json.dumps(out))
-""", env=nvml(cfg), cwd=workdir, timeout=300))
+""", env=nvml(cfg), cwd=workdir, timeout=300)
     assert d.pop("sample") == 51
     for name, (objects, blocks, rss) in d.items():
         assert objects <= 20 and blocks <= 200 and rss <= 1 << 20, (name, objects, blocks, rss)

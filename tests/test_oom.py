@@ -13,7 +13,9 @@ wheel's environment.
 import json
 import textwrap
 
-BUDGET = '''
+from kit import CHILD, last_json
+
+BUDGET = CHILD + '''
 import json, math, sys
 import torch
 import outofcuda
@@ -37,23 +39,13 @@ class Budget:
                 "capacity of 79.10 GiB of which 12.00 MiB is free.")
 
 
-def mlp():
-    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(),
-                               torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 3))
+def mlp3():
+    return mlp(12, 32, 32, 3, acts=("Tanh", "GELU"))
 
 
 def block():
     return torch.nn.TransformerEncoderLayer(d_model=12, nhead=3, dim_feedforward=24,
                                             dropout=0.0, batch_first=True)
-
-
-def grads(model):
-    return [p.grad.detach().clone() for p in model.parameters()]
-
-
-def rel_err(a, b):
-    return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
-               for x, y in zip(a, b))
 
 
 def reference(model, loss_fn, batch):
@@ -67,14 +59,13 @@ def reference(model, loss_fn, batch):
 
 
 def run(venv, workdir, body, **kw):
-    r = venv.check(BUDGET + textwrap.dedent(body), cwd=workdir, **kw)
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return venv.json(BUDGET + textwrap.dedent(body), cwd=workdir, **kw)
 
 
 def test_gradients_match_full_batch_for_every_split(venv, workdir):
     out = run(venv, workdir, """
     results = {}
-    for name, make in (("mlp", mlp), ("block", block)):
+    for name, make in (("mlp", mlp3), ("block", block)):
         model = make()
         x = torch.randn(16, 5, 12) if name == "block" else torch.randn(16, 12)
         t = torch.randn(16, 5, 12) if name == "block" else torch.randint(0, 3, (16,))
@@ -107,7 +98,7 @@ def test_gradients_match_full_batch_for_every_split(venv, workdir):
     # Uneven last micro-batch (10 samples, budget 4: pieces of 3, 3, 3, 1), a
     # gradient already accumulated at entry, and an optimiser the wrapper
     # must leave alone.
-    model = mlp()
+    model = mlp3()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x, t = torch.randn(10, 12), torch.randint(0, 3, (10,))
     budget = Budget(None)
@@ -139,7 +130,7 @@ def test_gradients_match_full_batch_for_every_split(venv, workdir):
             assert torch.equal(v, before_state[k][n]), n
 
     # dict and tuple batches; values that are not tensors reach every piece.
-    model = mlp()
+    model = mlp3()
     x, t = torch.randn(12, 12), torch.randint(0, 3, (12,))
     seen = []
 
@@ -181,7 +172,7 @@ def test_gradients_match_full_batch_for_every_split(venv, workdir):
 
 def test_oom_in_backward_of_third_microbatch_and_gradscaler(venv, workdir):
     out = run(venv, workdir, """
-    model = mlp()
+    model = mlp3()
     x, t = torch.randn(16, 12), torch.randint(0, 3, (16,))
     budget = Budget(None)
     state = {"calls": 0, "raised": 0, "grads_when_raised": None}
@@ -233,7 +224,7 @@ def test_oom_in_backward_of_third_microbatch_and_gradscaler(venv, workdir):
 def test_errors_pass_through_and_exhaustion_reraises_with_report(venv, workdir):
     out = run(venv, workdir, """
     assert outofcuda.last_oom() is None
-    model = mlp()
+    model = mlp3()
     x, t = torch.randn(8, 12), torch.randint(0, 3, (8,))
     res = {}
 
@@ -562,7 +553,7 @@ def test_uncaught_oom_report_once_cuda_initialised_then_chains(venv, tmp_path, w
     """)
     err = r.stderr
     assert r.returncode == 1, err
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = last_json(r, status=1)
     # Before CUDA initialises: Python's own hooks, and the user's hook untouched.
     assert out["before_user"] == [True, True]
     assert out["before"]["hooks"] == [False, True] and out["before"]["earlier"] is True

@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 
+from kit import CHILD
+
 PROBE = """
 import json, os, sys
 def probe(tag=None):
@@ -176,13 +178,9 @@ def test_subinterpreter_refused_cleanly(venv, workdir):
     assert "Traceback" not in r.stderr and "Error processing line" not in r.stderr, r.stderr
 
 
-MONITOR_PRELUDE = """
-import faulthandler, json, os, signal, sys, threading, time
-# A scenario that hangs fails fast with every thread's traceback.
-faulthandler.dump_traceback_later(40, exit=True)
-# Ctrl-C raises KeyboardInterrupt however the test run was started (a
-# background job inherits SIGINT ignored).
-signal.signal(signal.SIGINT, signal.default_int_handler)
+MONITOR_PRELUDE = CHILD + """
+import json, threading
+guard(40)
 import torch, outofcuda
 src = os.path.abspath("mem.txt")
 with open(src, "w") as f:
@@ -191,21 +189,12 @@ events = []
 # _source feeds the watchdog a file instead of NVML, so on a machine without
 # a GPU its thread really polls and calls on_high.
 kw = {"_source": src}
-def threads():
-    return len(os.listdir("/proc/self/task"))
-def need(pred, what, timeout=10.0):
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            sys.stderr.write(f"timed out after {timeout} s waiting for: {what}\\n")
-            os._exit(3)
-        time.sleep(0.01)
 base = threads()
 """
 
 
 def _monitor_run(venv, workdir, body):
-    return venv.run(textwrap.dedent(MONITOR_PRELUDE) + textwrap.dedent(body), cwd=workdir,
+    return venv.run(MONITOR_PRELUDE + textwrap.dedent(body), cwd=workdir,
                     env={"PYTHONWARNINGS": "ignore::RuntimeWarning"}, timeout=60)
 
 

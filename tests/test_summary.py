@@ -16,24 +16,15 @@ import pytest
 
 from conftest import stub_nvml_config, stub_nvml_device
 from fake_torch import make_fake_torch
+from kit import CHILD
 
 GIB = 1024 ** 3
 
-PRELUDE = """
-import atexit, json, os, sys, time
+PRELUDE = CHILD + """
+import atexit, json
 import _outofcuda
-
-def threads():
-    return sorted(open(f"/proc/self/task/{t}/comm").read().strip()
-                  for t in os.listdir("/proc/self/task"))
-
-def wait_for(what, pred, timeout=20.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.005)
-    sys.exit(f"timed out waiting for {what}: {_outofcuda._summary_stats()}")
+# need(pred, what, **SAMPLED): a wait for the sampler that names its figures on timing out
+SAMPLED = {"timeout": 20.0, "detail": _outofcuda._summary_stats, "poll": 0.005}
 
 def samples(device=0):
     devs = _outofcuda._summary_stats()["devices"]
@@ -78,9 +69,10 @@ def test_mean_and_share_under_50_are_what_nvml_served(venv, workdir, stub_nvml):
                f"{6 * GIB} {8 * GIB} 90 90 90 40")
     r = run(venv, workdir, """
         assert _outofcuda._summary_start([0, 1], 10) is True
-        assert "oc-summary" in threads(), threads()
+        assert "oc-summary" in thread_names(), thread_names()
         # Every value served, then a few ticks that get no utilisation.
-        wait_for("all values sampled", lambda: samples(0)["ticks"] >= 7 and samples(1)["ticks"] >= 7)
+        need(lambda: samples(0)["ticks"] >= 7 and samples(1)["ticks"] >= 7, "all values sampled",
+             **SAMPLED)
         print(json.dumps(_outofcuda._summary_stats()))
     """, env)
     stats = json.loads(r.stdout)
@@ -125,7 +117,7 @@ def test_block_at_exit_ranks_number_backed_hints(venv, workdir, stub_nvml, worke
         step(torch.ones(8, 2, requires_grad=True))
         assert tries == [8, 4, 4], tries
         _outofcuda._summary_start([0], 10)
-        wait_for("5 utilisation samples", lambda: samples()["util_samples"] >= 5)
+        need(lambda: samples()["util_samples"] >= 5, "5 utilisation samples", **SAMPLED)
     """, env)
     (b,) = blocks(r.stderr)
     assert "  events         0 CUDA OOMs, 1 micro-batch split" in b
@@ -147,7 +139,7 @@ def test_json_path_form_resolved_at_start_and_rank_file(venv, workdir, stub_nvml
     run(venv, workdir, """
         _outofcuda._summary_start([0], 10)
         os.chdir("/")  # the path was made absolute when the summary started
-        wait_for("6 samples", lambda: samples()["util_samples"] >= 6)
+        need(lambda: samples()["util_samples"] >= 6, "6 samples", **SAMPLED)
     """, env)
     doc = json.loads((workdir / "out" / "run.json").read_text())
     assert doc["version"] == 1 and doc["rank"] is None and doc["interval_ms"] == 10
@@ -166,7 +158,7 @@ def test_json_path_form_resolved_at_start_and_rank_file(venv, workdir, stub_nvml
     env.update(RANK="3", LOCAL_RANK="1", WORLD_SIZE="4")
     r = run(venv, workdir, """
         _outofcuda._summary_start([0], 10)
-        wait_for("1 sample", lambda: samples()["util_samples"] >= 1)
+        need(lambda: samples()["util_samples"] >= 1, "1 sample", **SAMPLED)
     """, env)
     assert "outofcuda summary" not in r.stderr
     assert json.loads((workdir / "out" / "run.rank3.json").read_text())["rank"] == 3
@@ -177,7 +169,7 @@ def test_every_line_carries_the_rank_under_torchrun(venv, workdir, stub_nvml):
                LOCAL_RANK="1", WORLD_SIZE="8")
     r = run(venv, workdir, """
         _outofcuda._summary_start([0], 10)
-        wait_for("5 samples", lambda: samples()["util_samples"] >= 5)
+        need(lambda: samples()["util_samples"] >= 5, "5 samples", **SAMPLED)
     """, env)
     lines = r.stderr.strip().splitlines()
     assert lines[0].startswith("[rank 5] outofcuda summary: cuda:0 Stand-in GPU 0"), r.stderr
@@ -188,10 +180,11 @@ def test_every_line_carries_the_rank_under_torchrun(venv, workdir, stub_nvml):
 FAKE_CUDA_INIT = """
 import torch
 queued = [getattr(fn, "__name__", "") for fn, _stack in torch.cuda._queued_calls]
-before = threads()
+before = thread_names()
 torch.cuda._fake_cuda_init()
-wait_for("the sampler", lambda: samples(0)["util_samples"] >= 5 and samples(1)["ticks"] >= 1)
-after = threads()
+need(lambda: samples(0)["util_samples"] >= 5 and samples(1)["ticks"] >= 1, "the sampler",
+     **SAMPLED)
+after = thread_names()
 print(json.dumps([queued, before, after, _outofcuda._summary_stats()]))
 """
 
@@ -237,7 +230,7 @@ def test_local_rank_picks_the_one_device_sampled(venv, workdir, stub_nvml, tmp_p
     r = run(venv, workdir, """
         import torch
         torch.cuda._fake_cuda_init()
-        wait_for("the sampler", lambda: samples(0)["util_samples"] >= 1)
+        need(lambda: samples(0)["util_samples"] >= 1, "the sampler", **SAMPLED)
         print(json.dumps(_outofcuda._summary_stats()))
     """, env)
     assert [d["device"] for d in json.loads(r.stdout)["devices"]] == [1]
@@ -255,7 +248,7 @@ def test_unset_or_off_queues_nothing_starts_nothing_prints_nothing(
         import torch
         queued = [getattr(fn, "__name__", "") for fn, _stack in torch.cuda._queued_calls]
         torch.cuda._fake_cuda_init()
-        print(json.dumps([queued, threads(), atexit._ncallbacks() - n,
+        print(json.dumps([queued, thread_names(), atexit._ncallbacks() - n,
                           _outofcuda._summary_stats()]))
     """, env)
     queued, names, new_callbacks, stats = json.loads(r.stdout)
@@ -273,7 +266,7 @@ def test_real_cpu_torch_never_initialises_cuda_so_no_thread_and_no_block(venv, w
         ds = torch.utils.data.TensorDataset(torch.randn(64, 8))
         loader = torch.utils.data.DataLoader(ds, batch_size=16, num_workers=2)
         total = sum(float((b[0] @ torch.randn(8, 8)).sum()) for b in loader)
-        print(json.dumps([threads(), atexit._ncallbacks() - n, torch.cuda.is_initialized()]))
+        print(json.dumps([thread_names(), atexit._ncallbacks() - n, torch.cuda.is_initialized()]))
     """
     results = {}
     for value in ("1", None):
@@ -311,7 +304,7 @@ def test_bad_values_warn_once_and_leave_the_summary_off(venv, workdir, stub_nvml
         r = run(venv, workdir, """
             import torch
             torch.cuda._fake_cuda_init()
-            print(json.dumps([threads(), _outofcuda._summary_stats()["running"]]))
+            print(json.dumps([thread_names(), _outofcuda._summary_stats()["running"]]))
         """, env)
         names, running = json.loads(r.stdout)
         assert "oc-summary" not in names and not running
@@ -325,7 +318,8 @@ def test_a_driver_call_that_never_returns_does_not_hang_the_exit(venv, workdir, 
     env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 40 60 hang")
     r = run(venv, workdir, """
         _outofcuda._summary_start([0], 10)
-        wait_for("the stuck call", lambda: os.path.exists(os.environ["STUB_NVML_CONFIG"] + ".hanging"))
+        need(lambda: os.path.exists(os.environ["STUB_NVML_CONFIG"] + ".hanging"), "the stuck call",
+             **SAMPLED)
     """, env, timeout=60)
     (b,) = blocks(r.stderr)
     assert "  utilisation    mean 50.0 %; under 50 % in 50.0 % of 2 samples (every 10 ms" in b[1]
@@ -334,7 +328,7 @@ def test_a_driver_call_that_never_returns_does_not_hang_the_exit(venv, workdir, 
 def test_without_nvml_the_block_says_why(venv, workdir):
     r = run(venv, workdir, """
         _outofcuda._summary_start([0], 10)
-        assert "oc-summary" not in threads()
+        assert "oc-summary" not in thread_names()
         print(json.dumps(_outofcuda._summary_stats()))
     """, {"LD_LIBRARY_PATH": str(workdir)})
     stats = json.loads(r.stdout)

@@ -2,16 +2,13 @@
 
 Each scenario runs in a fresh interpreter from the built wheel. Skips cleanly
 where there is no NVIDIA GPU or torch cannot use CUDA."""
-import json
 import textwrap
 
 import pytest
 
+from kit import last_json
+
 GIB = float(1 << 30)
-
-
-def _json(r):
-    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def test_memory_report_matches_torch_and_nvml(gpu, workdir):
@@ -35,7 +32,7 @@ def test_memory_report_matches_torch_and_nvml(gpu, workdir):
             "props_total": torch.cuda.get_device_properties(0).total_memory,
             "name": torch.cuda.get_device_name(0)}))
     """, cwd=workdir)
-    d = _json(r)
+    d = last_json(r)
     rep = d["rep"]
     # Before CUDA initialised: NVML figures only, and no context created.
     assert d["init_after_report"] is False
@@ -68,7 +65,7 @@ def test_memory_report_lists_this_process(gpu, workdir):
                           "raw": _outofcuda.nvml_processes(rep["nvml_index"]),
                           "comm": open("/proc/self/comm").read().strip()}))
     """, cwd=workdir)
-    d = _json(r)
+    d = last_json(r)
     procs = d["procs"]
     assert procs is not None, "NVML could not list the processes of this GPU"
     assert len(procs) == len(d["raw"])
@@ -91,7 +88,7 @@ def test_clear_cache_returns_the_bytes_released(gpu, workdir):
         released = outofcuda.clear_cache()
         print(json.dumps([held, released, torch.cuda.memory_reserved()]))
     """, cwd=workdir)
-    held, released, after = _json(r)
+    held, released, after = last_json(r)
     assert held >= 2 << 30
     assert released == held - after and released >= 2 << 30
 
@@ -124,7 +121,7 @@ def test_monitor_crosses_a_provoked_threshold_clears_and_records(gpu, workdir):
                           "max_sample_reserved": max((s.reserved or 0) for s in samples),
                           "n": len(samples), "csv_rows": mon.to_csv("vram.csv")}))
     """, cwd=workdir, timeout=180)
-    d = _json(r)
+    d = last_json(r)
     assert d["n"] > 5
     assert d["events"], "the watchdog never saw the threshold crossed"
     e = d["events"][0]
@@ -156,7 +153,7 @@ def test_monitor_plot_of_a_gpu_timeline_is_a_png(gpu, workdir):
         print(json.dumps({"n": len(mon.samples()),
                           "png": open("vram.png", "rb").read(8).hex()}))
     """, cwd=workdir, timeout=120)
-    d = _json(r)
+    d = last_json(r)
     assert d["n"] >= 5
     assert d["png"] == "89504e470d0a1a0a"          # PNG signature
 
@@ -179,7 +176,7 @@ AUTOCAST = textwrap.dedent("""
 
 
 def test_autocast_context_picks_bfloat16_on_an_h200(gpu, workdir):
-    main, thread, hook, decision = _json(gpu.check(AUTOCAST, cwd=workdir))
+    main, thread, hook, decision = last_json(gpu.check(AUTOCAST, cwd=workdir))
     assert main == "torch.bfloat16" and thread == "torch.bfloat16"
     assert hook["applied"] is True and hook["value"] == "bfloat16"
     assert decision[0] == "bfloat16"
@@ -188,7 +185,7 @@ def test_autocast_context_picks_bfloat16_on_an_h200(gpu, workdir):
 def test_autocast_without_the_hook_decides_from_nvml(gpu, workdir):
     # OUTOFCUDA_DISABLE: the hook does nothing; the API still reads the
     # compute capability from NVML (9.0 on an H200).
-    main, thread, hook, decision = _json(gpu.check(AUTOCAST, cwd=workdir,
+    main, thread, hook, decision = last_json(gpu.check(AUTOCAST, cwd=workdir,
                                                    env={"OUTOFCUDA_DISABLE": "1"}))
     assert main == "torch.bfloat16" and thread == "torch.bfloat16"
     assert hook["applied"] is False
@@ -196,7 +193,7 @@ def test_autocast_without_the_hook_decides_from_nvml(gpu, workdir):
 
 
 def test_autocast_follows_outofcuda_amp_dtype(gpu, workdir):
-    main, thread, _, decision = _json(gpu.check(AUTOCAST, cwd=workdir,
+    main, thread, _, decision = last_json(gpu.check(AUTOCAST, cwd=workdir,
                                                 env={"OUTOFCUDA_AMP_DTYPE": "float16"}))
     assert main == thread == "torch.float16"
     assert decision == ["float16", "OUTOFCUDA_AMP_DTYPE=float16"]

@@ -8,10 +8,7 @@ import os
 
 import pytest
 
-
-def last_json(r):
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+from kit import last_json
 
 
 def test_flags_act_without_initialising_cuda(gpu, workdir):

@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from kit import last_json
+
 REPRO = """
 import json, math, torch, torch.nn.functional as F, _outofcuda
 torch.manual_seed(0)
@@ -26,11 +28,6 @@ print(json.dumps({"nonfinite": (~torch.isfinite(q.grad)).sum().item(),
                   "cc": list(torch.cuda.get_device_capability()),
                   "bug": _outofcuda.status()["known_bugs"][0]}))
 """
-
-
-def last_json(r):
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def test_reproduction_with_and_without_the_guard(gpu, workdir):

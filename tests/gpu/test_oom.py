@@ -7,8 +7,9 @@ own until CUDA initialises, and then print the report for an uncaught OOM.
 The `gpu` fixture (tests/gpu/conftest.py) skips where there is no NVIDIA GPU
 or torch cannot use CUDA. Every scenario runs in a fresh interpreter (the hook
 and the OOM observer are process-wide)."""
-import json
 import textwrap
+
+from kit import last_json
 
 # 20 SGD steps of an MLP whose full batch needs more than the cap allows.
 TRAIN = """
@@ -38,21 +39,16 @@ print(json.dumps({"losses": losses, "pieces": step.pieces, "splits": step.splits
 """
 
 
-def _json(r):
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def test_training_survives_a_memory_cap_with_the_same_losses(gpu, workdir):
-    free = _json(gpu.run("import json, torch; print(json.dumps(torch.cuda.mem_get_info()))"))
+    free = last_json(gpu.run("import json, torch; print(json.dumps(torch.cuda.mem_get_info()))"))
     total = free[1]
     # About 4 GiB: the weights and gradients (0.5 GiB), the batch's input
     # (0.5 GiB) and a micro-batch's activations fit; the full batch's nine
     # saved activations of 0.5 GiB each do not.
     fraction = f"{4 * 1024 ** 3 / total:.4f}"
-    capped = _json(gpu.run(TRAIN, cwd=workdir, timeout=600,
+    capped = last_json(gpu.run(TRAIN, cwd=workdir, timeout=600,
                            env={"OUTOFCUDA_MEMORY_FRACTION": fraction}))
-    free_run = _json(gpu.run(TRAIN, cwd=workdir, timeout=600,
+    free_run = last_json(gpu.run(TRAIN, cwd=workdir, timeout=600,
                              env={"OUTOFCUDA_MEMORY_FRACTION": "1.0"}))
     assert capped["splits"] >= 1 and capped["pieces"] >= 2
     assert free_run["pieces"] == 1
@@ -90,7 +86,7 @@ def test_report_agrees_with_memory_stats_nvml_and_other_process(gpu, workdir):
                            "total": total, "holder": holder.pid, "snap_keys": sorted(s),
                            "status": _outofcuda.status()["optimizations"]["oom_handler"]}}))
     """, cwd=workdir, timeout=300, env={"OUTOFCUDA_OOM_SNAPSHOT": "snap.pickle"})
-    out = _json(r)
+    out = last_json(r)
     rep = out["rep"]
     assert rep["source"] == "observer"
     assert rep["request_bytes"] == 1 << 50

@@ -3,7 +3,6 @@ the GPU machine by benchmarks/gpu_check.sh): a program that chose nothing gets
 TF32 matmuls once CUDA starts; one that chose before CUDA started computes
 exactly as without outofcuda. The matmul's error against a float64 product
 tells TF32 (about 1e-3 relative) from full float32 (about 1e-6)."""
-import json
 
 import pytest
 
@@ -34,9 +33,7 @@ ACTIONS = ["pass",
 
 
 def run(gpu, workdir, action, env=None):
-    r = gpu.run(PROGRAM.format(action=action), env=env, cwd=workdir)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.split("P=")[-1])
+    return gpu.json(PROGRAM.format(action=action), "P=", env=env, cwd=workdir)
 
 
 def tf32(err):

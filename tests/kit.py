@@ -1,0 +1,103 @@
+"""The helpers of both sides of the subprocess boundary, written once.
+
+Parent side (the test): `last_json(r)` reads the JSON value a scenario printed
+last; `Venv.json` (tests/conftest.py) runs a scenario and reads it in one call.
+
+Child side (the scenario script): `CHILD` is plain Python source that a
+script puts before its body (`CHILD + textwrap.dedent(body)`): bounded waits
+that exit with a message naming what never came, the thread count, the
+resident set size, a small model and the hang guard. It is a plain string, not
+an f-string, so its braces are single, and it imports only the standard
+library at its top (torch only inside `mlp`), so it changes nothing a scenario
+measures about imports or sys.path.
+"""
+import json
+
+
+def last_json(r, prefix=None, *, quiet=False, status=0):
+    """The JSON value a finished scenario printed last. r must have exited with status (0);
+    prefix: the value is the rest of the last stdout line starting with it
+    (other lines may follow), else the whole last line; quiet: stderr must be
+    empty too."""
+    assert r.returncode == status, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    if quiet:
+        assert r.stderr == "", r.stderr
+    lines = r.stdout.strip().splitlines()
+    if prefix is None:
+        return json.loads(lines[-1])
+    line = [ln for ln in lines if ln.startswith(prefix)][-1]
+    return json.loads(line[len(prefix):])
+
+
+CHILD = r'''
+import faulthandler, os, signal, sys, time
+
+
+def guard(seconds):
+    """A scenario that hangs fails fast with every thread's traceback instead
+    of running into the runner's timeout; Ctrl-C raises KeyboardInterrupt
+    however the test run was started (a background job without job control
+    inherits SIGINT ignored)."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def wait_for(pred, timeout=10.0, poll=0.01):
+    """True once pred() is, False when timeout seconds pass first."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(poll)
+    return False
+
+
+def need(pred, what, timeout=10.0, detail=None, poll=0.01):
+    """Waits for pred; exits (status 3) with a message naming what never came,
+    and detail() after it where given."""
+    if not wait_for(pred, timeout, poll):
+        more = f": {detail()}" if detail else ""
+        sys.stderr.write(f"timed out after {timeout} s waiting for: {what}{more}\n")
+        sys.stderr.flush()
+        os._exit(3)
+
+
+def threads():
+    """How many threads this process has."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def thread_names():
+    """This process's thread names, sorted."""
+    return sorted(open(f"/proc/self/task/{t}/comm").read().strip()
+                  for t in os.listdir("/proc/self/task"))
+
+
+def rss():
+    """Resident set size in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def mlp(*widths, acts=("Tanh",)):
+    """Linear layers of these widths (12, 16, 3 when none are given) with the
+    torch.nn activations `acts`, in turn, between them: mlp() is
+    Linear(12, 16), Tanh, Linear(16, 3)."""
+    import torch
+    widths = widths or (12, 16, 3)
+    layers = [torch.nn.Linear(widths[0], widths[1])]
+    for i, (a, b) in enumerate(zip(widths[1:], widths[2:])):
+        layers += [getattr(torch.nn, acts[i % len(acts)])(), torch.nn.Linear(a, b)]
+    return torch.nn.Sequential(*layers)
+
+
+def grads(model):
+    """A copy of each parameter's gradient."""
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def rel_err(a, b):
+    """The largest relative error of the tensors a against the tensors b."""
+    return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
+               for x, y in zip(a, b))
+'''
