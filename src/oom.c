@@ -800,15 +800,16 @@ static double fraction_set(void)
 }
 
 /* The allocator string in effect as outofcuda knows it: what it handed to
- * torch, else the variable this torch reads. "" when none. */
-static void allocator_config(PyObject *torch, char *buf, size_t sz)
+ * torch, else the variable this torch reads (an empty one counts as set).
+ * Returns 0 when neither is there. */
+static int allocator_config(PyObject *torch, char *buf, size_t sz)
 {
     PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, "allocator") : NULL;
     PyObject *v = e ? PyDict_GetItemString(e, "value") : NULL;
     buf[0] = '\0';
     if (v != NULL && PyUnicode_Check(v)) {
         oc_utf8(v, buf, sz);
-        return;
+        return 1;
     }
     {
         PyObject *ver = PyObject_GetAttrString(torch, "__version__");
@@ -821,6 +822,7 @@ static void allocator_config(PyObject *torch, char *buf, size_t sz)
         Py_XDECREF(ver);
         oc_alloc_user_var(oc_torch_version_number(text), &value);
         snprintf(buf, sz, "%s", value ? value : "");
+        return value != NULL;
     }
 }
 
@@ -849,7 +851,7 @@ static PyObject *py_oom_report(PyObject *self, PyObject *args, PyObject *kw)
     oc_gpu_info info;
     char alloc[OC_ALLOC_CONF_MAX], why[200] = "", message[400] = "";
     double fraction;
-    int autocast;
+    int autocast, have_alloc;
     (void)self;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|zp:_oom_report", kwlist, &text, &exhausted))
         return NULL;
@@ -917,7 +919,7 @@ static PyObject *py_oom_report(PyObject *self, PyObject *args, PyObject *kw)
     }
     if (others == NULL)
         goto done;
-    allocator_config(torch, alloc, sizeof alloc);
+    have_alloc = allocator_config(torch, alloc, sizeof alloc);
     fraction = fraction_set();
     autocast = use_seen && seen.autocast >= 0 ? seen.autocast : autocast_enabled(torch);
     if (!(use_seen && fraction > 0.0))
@@ -959,7 +961,7 @@ static PyObject *py_oom_report(PyObject *self, PyObject *args, PyObject *kw)
         figure(reserved >= 0 && allocated >= 0 ? (reserved > allocated ? reserved - allocated : 0)
                                                : -1),
         "inactive_split_bytes", figure(inactive), "num_ooms", figure(num_ooms), "other_processes",
-        others, "allocator_config", alloc[0] ? alloc : NULL, "expandable_segments",
+        others, "allocator_config", have_alloc ? alloc : NULL, "expandable_segments",
         f.expandable ? Py_True : Py_False, "memory_fraction",
         fraction > 0.0 ? PyFloat_FromDouble(fraction) : figure(-1), "autocast",
         autocast < 0 ? figure(-1) : PyBool_FromLong(autocast), "snapshot",

@@ -68,9 +68,16 @@ def threads():
 
 
 def thread_names():
-    """This process's thread names, sorted."""
-    return sorted(open(f"/proc/self/task/{t}/comm").read().strip()
-                  for t in os.listdir("/proc/self/task"))
+    """This process's thread names, sorted. A thread that ends between the
+    listing and the read (torch's and Python's own come and go) is left out."""
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:
+            pass
+    return sorted(names)
 
 
 def rss():
