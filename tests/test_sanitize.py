@@ -269,7 +269,7 @@ def test_monitor_stopped_from_its_own_thread(san, tmp_path):
     """on_high stops its own monitor, then the monitor is dropped at once."""
     from test_monitor import _script
     r = _run(san, _script("""
-        base = tasks()
+        base = threads()
         for i in range(10):
             done = []
             def on_high(ev):
@@ -284,7 +284,7 @@ def test_monitor_stopped_from_its_own_thread(san, tmp_path):
             feed(100)
         import gc; gc.collect()
         outofcuda.monitor.core._monitor_stop_all()
-        need(lambda: tasks() == base, "every watchdog thread to end")
+        need(lambda: threads() == base, "every watchdog thread to end")
         print("ok")
     """, guard=120), cwd=tmp_path, env={"PYTHONWARNINGS": "ignore::RuntimeWarning"})
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]
