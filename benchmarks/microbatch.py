@@ -8,8 +8,7 @@ steps, where auto_microbatch adds each step's gradient into the kept one.
 
     python benchmarks/microbatch.py [--rounds 30] [--steps 2000] [--json out.json]
 
-Run it with a Python that has torch and outofcuda (or from a checkout whose
-extension is built in place: ``python setup.py build_ext -i``).
+Run it with a Python that has torch and outofcuda installed.
 """
 import argparse
 import json
@@ -17,8 +16,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 
 def main(argv=None):

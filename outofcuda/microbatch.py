@@ -150,25 +150,40 @@ class _GradGuard:
     call's gradient builds up alone in ``.grad``, and on success the two are
     added (in place into the entry tensor, so its identity is kept)."""
 
+    __slots__ = ("saved", "aside")
+
     def __init__(self):
         self.saved = {}
+        self.aside = 0   # gradients set aside: 0 when every leaf started empty
 
     def adopt(self, loss):
-        core._grad_set_aside(loss, self.saved)
+        self.aside += core._grad_set_aside(loss, self.saved)
 
     def undo(self):
-        for leaf, grad in self.saved.values():
-            leaf.grad = grad
-        self.saved.clear()
+        _restore(self.saved)
 
     def commit(self):
-        for leaf, grad in self.saved.values():
-            if grad is not None and leaf.grad is not None:
-                grad.add_(leaf.grad)
-                leaf.grad = grad
-            elif grad is not None:
-                leaf.grad = grad
+        if self.aside:
+            _add_back(self.saved)
         self.saved.clear()
+
+
+def _restore(saved):
+    """Every leaf's gradient back to what it was at entry."""
+    for leaf, grad in saved.values():
+        leaf.grad = grad
+    saved.clear()
+
+
+def _add_back(saved):
+    """The entry gradients set aside, with this call's added in place (the
+    entry tensor keeps its identity)."""
+    for leaf, grad in saved.values():
+        if grad is not None and leaf.grad is not None:
+            grad.add_(leaf.grad)
+            leaf.grad = grad
+        elif grad is not None:
+            leaf.grad = grad
 
 
 def _check_fn(fn, who):
@@ -273,6 +288,7 @@ class _MicroBatcher:
         functools.update_wrapper(self, fn)
         self.fn, self.scaler, self.min_size, self.retry_after = fn, scaler, min_size, retry_after
         self.ddp, self._instance = ddp, instance
+        self._prefix = instance or ()
         self._state = state if state is not None else _SplitState()
 
     def __get__(self, instance, owner=None):
@@ -320,24 +336,23 @@ class _MicroBatcher:
         return tuple(found)
 
     def _run_whole(self, args, kwargs, torch):
-        """One attempt on the whole batch: no slicing, no no_sync()."""
-        guard = _GradGuard()
+        """One attempt on the whole batch: no slicing, no no_sync(), and the
+        gradient bookkeeping of _GradGuard inlined (this is every step's path)."""
+        saved = {}
         try:
-            loss = self.fn(*(self._instance or ()), *args, **kwargs)
-            _check_loss(loss, torch)
-            guard.adopt(loss)
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            loss = self.fn(*self._prefix, *args, **kwargs)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                _check_loss(loss, torch)
+            aside = core._grad_set_aside(loss, saved)
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         except BaseException:
-            guard.undo()
+            _restore(saved)
             raise
-        guard.commit()
+        if aside:
+            _add_back(saved)
         return loss.detach()
 
-    def _run(self, n, size, args, kwargs):
-        import torch
-
-        if size >= n:
-            return self._run_whole(args, kwargs, torch)
+    def _run(self, n, size, args, kwargs, torch):
         prefix = self._instance or ()
         syncs = self._sync_modules(args, kwargs)
         guard, total = _GradGuard(), None
@@ -381,13 +396,14 @@ class _MicroBatcher:
             size, st.clean_calls = min(n, size * 2), 0
         while True:
             try:
-                out = self._run(n, size, args, kwargs)
+                out = (self._run_whole(args, kwargs, torch) if size >= n
+                       else self._run(n, size, args, kwargs, torch))
             except BaseException as exc:
                 if not is_oom(exc):
                     raise
                 error = exc
             else:
-                st.pieces = math.ceil(n / size)
+                st.pieces = 1 if size >= n else math.ceil(n / size)
                 if size < n:
                     st.micro_size = size
                     st.clean_calls += 1

@@ -413,26 +413,51 @@ static PyObject *list_pop(PyObject *list)
     return item;
 }
 
+/* Types of autograd nodes seen without a `variable` (all but AccumulateGrad):
+ * a failed attribute look-up builds an exception, which every node of every
+ * step would pay; a type is asked once. Holds its types for the process. */
+static PyObject *no_variable_types;
+
 /* One autograd node: records the leaf it accumulates into (first time only)
- * and sets its gradient aside, then pushes the nodes it leads to. */
-static int visit_node(PyObject *node, PyObject *saved, PyObject *stack)
+ * and sets its gradient aside, then pushes the nodes it leads to. Counts the
+ * gradients set aside in *aside. */
+static int visit_node(PyObject *node, PyObject *saved, PyObject *stack, long *aside)
 {
-    PyObject *var = PyObject_GetAttrString(node, "variable"), *next;
+    PyObject *type = PyObject_Type(node), *var = NULL, *next;
     Py_ssize_t n;
-    if (var == NULL) {
-        /* Only AccumulateGrad nodes have a variable: absence is the answer. */
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
-            return -1;
-        PyErr_Clear(); /* absence: not an AccumulateGrad node */
-    } else {
+    int known = type && no_variable_types ? PySet_Contains(no_variable_types, type) : 0;
+    if (type == NULL || known < 0) {
+        Py_XDECREF(type);
+        return -1;
+    }
+    if (!known) {
+        var = PyObject_GetAttrString(node, "variable");
+        if (var == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                Py_DECREF(type);
+                return -1;
+            }
+            PyErr_Clear(); /* absence: not an AccumulateGrad node */
+            if (no_variable_types == NULL)
+                no_variable_types = PySet_New(NULL);
+            if (no_variable_types == NULL || PySet_Add(no_variable_types, type) < 0) {
+                Py_DECREF(type);
+                return -1;
+            }
+        }
+    }
+    Py_DECREF(type);
+    if (var != NULL) {
         PyObject *key = PyLong_FromVoidPtr(var);
         int have = key ? PyDict_Contains(saved, key) : -1, rc = have < 0 ? -1 : 0;
         if (have == 0) {
             PyObject *grad = PyObject_GetAttrString(var, "grad");
             PyObject *entry = grad ? PyTuple_Pack(2, var, grad) : NULL;
             rc = entry ? PyDict_SetItem(saved, key, entry) : -1;
-            if (rc == 0 && grad != Py_None)
+            if (rc == 0 && grad != Py_None) {
                 rc = PyObject_SetAttrString(var, "grad", Py_None);
+                *aside += rc == 0;
+            }
             Py_XDECREF(entry);
             Py_XDECREF(grad);
         }
@@ -461,14 +486,16 @@ static int visit_node(PyObject *node, PyObject *saved, PyObject *stack)
     return 0;
 }
 
-/* _grad_set_aside(loss, saved): every leaf that backward() of `loss` will
- * accumulate a gradient into, put in `saved` (id -> (leaf, its gradient at
- * entry)) unless already there, with that gradient set aside (.grad = None)
- * so this attempt's gradient builds up alone. auto_microbatch undoes or adds
- * them; the walk is in C because every step, OOM or not, makes it. */
+/* _grad_set_aside(loss, saved) -> int: every leaf that backward() of `loss`
+ * will accumulate a gradient into, put in `saved` (id -> (leaf, its gradient
+ * at entry)) unless already there, with that gradient set aside (.grad =
+ * None) so this attempt's gradient builds up alone; returns how many
+ * gradients were set aside (0: nothing to add back). auto_microbatch undoes
+ * or adds them; the walk is in C because every step, OOM or not, makes it. */
 static PyObject *py_grad_set_aside(PyObject *self, PyObject *args)
 {
     PyObject *loss, *saved, *stack, *seen, *node;
+    long aside = 0;
     int rc = 0;
     (void)self;
     if (!PyArg_ParseTuple(args, "OO!:_grad_set_aside", &loss, &PyDict_Type, &saved))
@@ -489,7 +516,7 @@ static PyObject *py_grad_set_aside(PyObject *self, PyObject *args)
     while (rc == 0 && (node = list_pop(stack)) != NULL) {
         int was = node == Py_None ? 1 : PySet_Contains(seen, node);
         if (was == 0)
-            rc = PySet_Add(seen, node) < 0 ? -1 : visit_node(node, saved, stack);
+            rc = PySet_Add(seen, node) < 0 ? -1 : visit_node(node, saved, stack, &aside);
         else if (was < 0)
             rc = -1;
         Py_DECREF(node);
@@ -500,7 +527,7 @@ static PyObject *py_grad_set_aside(PyObject *self, PyObject *args)
     Py_XDECREF(seen);
     if (rc < 0)
         return NULL;
-    Py_RETURN_NONE;
+    return PyLong_FromLong(aside);
 }
 
 /* auto_microbatch counts its splits here, where the exit summary reads them. */

@@ -79,3 +79,20 @@ def test_startup_pass_ratio(wheel, workdir):
     f = d["finder_per_import"]
     assert f["modules_imported"] > 150 and f["per_import"] < 10_000, f
     assert "python -c pass" in r.stdout and d["import_torch"] is None
+
+
+def test_microbatch_benchmark_smoke(venv, workdir):
+    """benchmarks/microbatch.py measures both loops and writes their ratios
+    (the figures themselves are never asserted: the machine is shared)."""
+    out = workdir / "mb.json"
+    r = venv.run(None, args=[str(ROOT / "benchmarks" / "microbatch.py"), "--rounds", "2",
+                             "--steps", "20", "--json", str(out)], cwd=workdir, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads(out.read_text())
+    for loop in ("fresh_gradients", "accumulating"):
+        row = d[loop]
+        assert row["bare_us"] > 0 and row["auto_microbatch_us"] > 0
+        assert row["ratio"] == pytest.approx(row["auto_microbatch_us"] / row["bare_us"])
+    bad = venv.run(None, args=[str(ROOT / "benchmarks" / "microbatch.py"), "--rounds", "0"],
+                   cwd=workdir)
+    assert bad.returncode == 2 and "--rounds and --steps must be at least 1" in bad.stderr
