@@ -9,7 +9,7 @@ import pytest
 PROGRAM = """
 import json, torch
 {action}
-a = torch.randn(2048, 2048, device="cuda", generator=None)
+a = torch.randn(2048, 2048, device="cuda")
 b = torch.randn(2048, 2048, device="cuda")
 ref = (a.double() @ b.double())
 err = ((a @ b).double() - ref).abs().max().item() / ref.abs().max().item()
@@ -37,8 +37,9 @@ def run(gpu, workdir, action, env=None):
 
 
 def tf32(err):
-    # TF32 keeps 10 mantissa bits: errors near 1e-3; float32 near 1e-6.
-    return err > 1e-4
+    # Max error over the max of a 2048-deep product of normals: TF32 (10
+    # mantissa bits) near 5e-4, full float32 near 1e-7.
+    return err > 1e-5
 
 
 @pytest.mark.parametrize("action", ACTIONS)
