@@ -216,10 +216,15 @@ int oc_alloc_value(const char *conf, const char *key, char *value, size_t values
     return 1;
 }
 
-int oc_alloc_expandable_on(const char *conf)
+int oc_alloc_has(const char *conf, const char *key, const char *value)
 {
-    char v[16];
-    return oc_alloc_value(conf, "expandable_segments", v, sizeof v) == 1 && strcmp(v, "True") == 0;
+    char v[sizeof((oc_alloc_list *)0)->e[0].value];
+    return oc_alloc_value(conf, key, v, sizeof v) == 1 && strcmp(v, value) == 0;
+}
+
+int oc_alloc_expandable(const char *conf)
+{
+    return oc_alloc_has(conf, "expandable_segments", "True");
 }
 
 /* Writes the entries of l except `skip` as one string. Returns 0 or -1. */
@@ -264,7 +269,7 @@ int oc_alloc_merge_defaults(const char *defaults, const char *no_expandable, con
     if (oc_alloc_merge(own, user, allowed, ctx, first, sizeof first, dropped, droppedsz, err,
                        errsz) != 0)
         return -1;
-    if (no_expandable == NULL || !no_expandable[0] || oc_alloc_expandable_on(first)) {
+    if (no_expandable == NULL || !no_expandable[0] || oc_alloc_expandable(first)) {
         if (strlen(first) >= outsz)
             goto too_long;
         snprintf(out, outsz, "%s", first);
@@ -360,22 +365,4 @@ const char *oc_alloc_user_var(long ver, const char **value)
             return order[i];
     }
     return oc_alloc_env_name(ver);
-}
-
-int oc_alloc_has(const char *conf, const char *key, const char *value)
-{
-    oc_alloc_list l;
-    /* A string torch would refuse sets nothing. */
-    if (oc_alloc_parse(conf, &l, NULL, 0) != 0)
-        return 0;
-    for (int i = 0; i < l.n; i++) {
-        if (strcmp(l.e[i].key, key) == 0)
-            return strcmp(l.e[i].value, value) == 0;
-    }
-    return 0;
-}
-
-int oc_alloc_expandable(const char *conf)
-{
-    return oc_alloc_has(conf, "expandable_segments", "True");
 }

@@ -374,16 +374,6 @@ static int flags_frozen(PyObject *torch)
 
 static int pending_tf32;
 
-/* Calls torch._C.<fn>(args) and returns the result, or NULL (cleared). */
-static PyObject *call_c(PyObject *c_mod, const char *fn, const char *backend, const char *op)
-{
-    PyObject *r = backend ? PyObject_CallMethod(c_mod, fn, "ss", backend, op)
-                          : PyObject_CallMethod(c_mod, fn, NULL);
-    if (r == NULL)
-        OC_CLEAR();
-    return r;
-}
-
 /* Returns 1 when the program already chose its float32 matmul precision
  * (why says how), 0 when it did not, -1 when that cannot be read (why says
  * so). On 2.9+ every choice, through either API, the global switch, cuDNN's
@@ -400,7 +390,8 @@ static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
     if (getter != NULL) {
         Py_DECREF(getter);
         for (size_t i = 0; i < 3; i++) {
-            PyObject *r = call_c(c_mod, "_get_fp32_precision_getter", levels[i][0], levels[i][1]);
+            PyObject *r =
+                oc_call_quiet(c_mod, "_get_fp32_precision_getter", levels[i][0], levels[i][1]);
             char v[32];
             if (r == NULL || !PyUnicode_Check(r)) {
                 Py_XDECREF(r);
@@ -421,8 +412,8 @@ static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
     }
     OC_CLEAR();
     {
-        PyObject *tf32 = call_c(c_mod, "_get_cublas_allow_tf32", NULL, NULL);
-        PyObject *fmp = call_c(c_mod, "_get_float32_matmul_precision", NULL, NULL);
+        PyObject *tf32 = oc_call_quiet(c_mod, "_get_cublas_allow_tf32", NULL, NULL);
+        PyObject *fmp = oc_call_quiet(c_mod, "_get_float32_matmul_precision", NULL, NULL);
         char v[32] = "";
         int chosen = -1;
         if (tf32 != NULL && fmp != NULL && PyUnicode_Check(fmp)) {
@@ -644,7 +635,7 @@ static void hand_back_allocator(PyObject *c_mod)
         return;
     }
     name = user_alloc_var(&user);
-    if (oc_alloc_expandable_on(oc_g.alloc_value) &&
+    if (oc_alloc_expandable(oc_g.alloc_value) &&
         oc_alloc_value(user, "expandable_segments", NULL, 0) != 1)
         rc = call_setter(c_mod, "expandable_segments:False", &used);
     if (rc == 1)

@@ -170,11 +170,16 @@ int oc_alloc_merge(const char *defaults, const char *user, oc_key_allowed_fn all
                    size_t errsz);
 
 /* The value of `key` in an allocator string into value: 1 found, 0 absent,
- * -1 malformed. */
+ * -1 malformed. A key given twice holds its last value, as torch applies
+ * it (oc_alloc_parse keeps one entry). */
 int oc_alloc_value(const char *conf, const char *key, char *value, size_t valuesz);
 
-/* Returns 1 when the string turns expandable segments on. */
-int oc_alloc_expandable_on(const char *conf);
+/* Returns 1 when the allocator string sets key to value (blanks around
+ * ignored), else 0 (also for a malformed string). */
+int oc_alloc_has(const char *conf, const char *key, const char *value);
+
+/* Returns 1 when the allocator string turns expandable segments on. */
+int oc_alloc_expandable(const char *conf);
 
 /* outofcuda's merge of its defaults under the user's string (the user's keys
  * win, as oc_alloc_merge): the defaults' expandable_segments is left out
@@ -252,16 +257,6 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
  * release's first name when none is set) and its value through *value (NULL
  * when unset). */
 const char *oc_alloc_user_var(long ver, const char **value);
-
-/* Returns 1 when the allocator string sets key to value (the last entry of
- * key wins, blanks around ignored), else 0 (also for a malformed
- * string). */
-int oc_alloc_has(const char *conf, const char *key, const char *value);
-
-/* Returns 1 when the allocator string turns expandable segments on (its
- * last expandable_segments entry is True, blanks around ignored as torch's
- * tokenizer does), else 0 (also for a malformed string). */
-int oc_alloc_expandable(const char *conf);
 
 /* Returns 1 when NVIDIA_TF32_OVERRIDE's value v (NULL: unset) forces TF32
  * off in NVIDIA's libraries: "0", C-locale blanks around allowed. */
@@ -457,7 +452,14 @@ PyObject *oc_getattr_chain(PyObject *obj, const char *dotted);
 /* sys.modules[name] (new ref), or NULL with no exception: never imports. */
 PyObject *oc_sys_module(const char *name);                      /* new ref or NULL, no exception */
 int oc_call_bool(PyObject *owner, const char *name, int value); /* 1 called, 0 missing, -1 error */
-const char *oc_utf8(PyObject *str, char *buf, size_t sz);       /* copy of str into buf */
+/* owner.name() or, with a, owner.name(a, b): the result (new ref), or NULL
+ * with the error swallowed (a missing attribute included), traced under
+ * OUTOFCUDA_DEBUG at the caller's line. */
+PyObject *oc_call_quiet_at(PyObject *owner, const char *name, const char *a, const char *b,
+                           const char *file, int line, const char *func);
+#define oc_call_quiet(owner, name, a, b)                                                           \
+    oc_call_quiet_at(owner, name, a, b, __FILE__, __LINE__, __func__)
+const char *oc_utf8(PyObject *str, char *buf, size_t sz); /* copy of str into buf */
 
 /* knownbugs.c: decides what it can with torch imported (never reads the
  * cuDNN version: that loads cuDNN), and the rest from the CUDA-init callback,
