@@ -176,6 +176,17 @@ int oc_call_bool(PyObject *owner, const char *name, int value)
     return 1;
 }
 
+PyObject *oc_call_quiet_at(PyObject *owner, const char *name, const char *a, const char *b,
+                           const char *file, int line, const char *func)
+{
+    PyObject *fn = PyObject_GetAttrString(owner, name), *r = NULL;
+    if (fn != NULL)
+        r = a ? PyObject_CallFunction(fn, "ss", a, b) : PyObject_CallObject(fn, NULL);
+    Py_XDECREF(fn);
+    oc_clear_at(file, line, func);
+    return r;
+}
+
 const char *oc_utf8(PyObject *str, char *buf, size_t sz)
 {
     PyObject *bytes;

@@ -88,21 +88,10 @@ static const char *pending_reason(void)
  * mixed torch's two precision APIs, and warn on 2.9.0, so matmul TF32 is
  * read through the new API where it exists). */
 
-/* torch._C.<fn>(...) or NULL, nothing raised. */
-static PyObject *c_call(PyObject *c_mod, const char *fn, const char *a, const char *b)
-{
-    PyObject *f = PyObject_GetAttrString(c_mod, fn), *r = NULL;
-    if (f != NULL)
-        r = a ? PyObject_CallFunction(f, "ss", a, b) : PyObject_CallObject(f, NULL);
-    Py_XDECREF(f);
-    OC_CLEAR();
-    return r;
-}
-
 /* A bool getter's answer as Py_True/Py_False (new ref), or NULL. */
 static PyObject *c_bool(PyObject *c_mod, const char *fn)
 {
-    PyObject *r = c_call(c_mod, fn, NULL, NULL);
+    PyObject *r = oc_call_quiet(c_mod, fn, NULL, NULL);
     int t = r ? PyObject_IsTrue(r) : -1;
     Py_XDECREF(r);
     OC_CLEAR();
@@ -113,7 +102,7 @@ static PyObject *c_bool(PyObject *c_mod, const char *fn)
 
 static PyObject *matmul_tf32_now(PyObject *c_mod)
 {
-    PyObject *r = c_call(c_mod, "_get_fp32_precision_getter", "cuda", "matmul");
+    PyObject *r = oc_call_quiet(c_mod, "_get_fp32_precision_getter", "cuda", "matmul");
     char v[32];
     if (r == NULL)
         return c_bool(c_mod, "_get_cublas_allow_tf32");
@@ -165,7 +154,7 @@ static PyObject *now_value(PyObject *c_mod, const char *name)
     if (strcmp(name, "sdpa") == 0)
         return bool_dict(c_mod, sdpa, 3);
     if (strcmp(name, "allocator") == 0) {
-        PyObject *r = c_call(c_mod, "_accelerator_getAllocatorSettings", NULL, NULL);
+        PyObject *r = oc_call_quiet(c_mod, "_accelerator_getAllocatorSettings", NULL, NULL);
         if (r != NULL && !PyUnicode_Check(r))
             Py_CLEAR(r);
         return r;
