@@ -214,19 +214,39 @@ static void device_facts(oc_kb_facts *f)
     }
 }
 
-static void gather(PyObject *torch, oc_kb_facts *f)
+/* Decides every entry still undecided, from the torch facts first: NVML is
+ * asked about the devices only when some entry still needs them, so that a
+ * CPU-only build, or a torch outside every entry's releases, never loads
+ * the driver's library at `import torch`. */
+static void decide_all(PyObject *torch, size_t n)
 {
-    memset(f, 0, sizeof *f);
-    torch_facts(torch, f);
-    device_facts(f);
-    f->cudnn = kb.cudnn;
-    f->getenv_fn = proc_getenv;
+    oc_kb_facts f;
+    int undecided = 0;
+    memset(&f, 0, sizeof f);
+    torch_facts(torch, &f);
+    f.n_cc = -1;
+    f.cudnn = kb.cudnn;
+    f.getenv_fn = proc_getenv;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1) {
+            if (!undecided)
+                break;
+            device_facts(&f);
+        }
+        undecided = 0;
+        for (size_t i = 0; i < n; i++) {
+            if (kb.state[i] != OC_KB_UNDECIDED)
+                continue;
+            kb.state[i] =
+                oc_known_bug_decide(oc_known_bug_at(i), &f, kb.reason[i], sizeof kb.reason[i]);
+            undecided |= kb.state[i] == OC_KB_UNDECIDED;
+        }
+    }
 }
 
 int oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
 {
     const oc_config *cfg = oc_config_get();
-    oc_kb_facts f;
     size_t n = oc_known_bug_count();
     memset(&kb, 0, sizeof kb);
     kb.cudnn = -1;
@@ -241,12 +261,11 @@ int oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
         }
         return 0;
     }
-    gather(torch, &f);
-    for (size_t i = 0; i < n; i++) {
-        kb.state[i] =
-            oc_known_bug_decide(oc_known_bug_at(i), &f, kb.reason[i], sizeof kb.reason[i]);
+    for (size_t i = 0; i < n; i++)
+        kb.state[i] = OC_KB_UNDECIDED;
+    decide_all(torch, n);
+    for (size_t i = 0; i < n; i++)
         kb.pending |= kb.state[i] == OC_KB_UNDECIDED;
-    }
     if (kb.pending && no_queue != NULL) {
         /* Nothing will run when CUDA starts: it stays undecided, and says why. */
         for (size_t i = 0; i < n; i++) {
@@ -333,7 +352,7 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
 
 void oc_known_bugs_at_cuda_init(PyObject *torch)
 {
-    oc_kb_facts f;
+    int undecided[OC_KB_MAX_ENTRIES];
     size_t n = oc_known_bug_count();
     if (!kb.decided || !kb.pending || torch == NULL)
         return;
@@ -341,13 +360,11 @@ void oc_known_bugs_at_cuda_init(PyObject *torch)
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
     kb.cudnn = read_cudnn_version(torch);
-    gather(torch, &f);
+    for (size_t i = 0; i < n; i++)
+        undecided[i] = kb.state[i] == OC_KB_UNDECIDED;
+    decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {
-        if (kb.state[i] != OC_KB_UNDECIDED)
-            continue;
-        kb.state[i] =
-            oc_known_bug_decide(oc_known_bug_at(i), &f, kb.reason[i], sizeof kb.reason[i]);
-        if (kb.state[i] == OC_KB_YES)
+        if (undecided[i] && kb.state[i] == OC_KB_YES)
             kb.done[i] = act(torch, oc_known_bug_at(i), i);
     }
     OC_CLEAR();

@@ -187,6 +187,25 @@ def test_a_cpu_build_is_not_affected(venv, workdir, nvml):
     assert st[0]["applies"] is False and "no CUDA" in st[0]["reason"]
 
 
+@pytest.mark.parametrize("release", [None, "2.9.1", "2.15.0"])
+def test_no_driver_library_is_loaded_where_no_entry_can_apply(venv, workdir, nvml, tmp_path,
+                                                               release):
+    """A CPU-only build (the real 2.13.0), or a CUDA build outside every
+    entry's releases with the autocast dtype given (so nothing else asks
+    NVML): `import torch` loads no libnvidia-ml, the table is decided from
+    torch's facts alone."""
+    env = nvml("9.0", OUTOFCUDA_AMP_DTYPE="bfloat16")
+    if release is not None:
+        env["PYTHONPATH"] = str(make_fake_torch(tmp_path / "fake", release))
+    st = last_json(venv.run("""
+import json, torch, _outofcuda
+maps = open("/proc/self/maps").read()
+print(json.dumps({"nvml_loaded": "libnvidia-ml" in maps,
+                  "applies": _outofcuda.status()["known_bugs"][0]["applies"]}))
+""", env=env, cwd=workdir))
+    assert st == {"nvml_loaded": False, "applies": False}
+
+
 def test_table_evaluated_on_given_facts(venv):
     r = last_json(venv.run("""
 import json, _outofcuda
