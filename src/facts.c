@@ -25,24 +25,6 @@ static int on_text(PyObject *str, const char *what, int (*verdict)(const char *)
     return r;
 }
 
-/* _parse_bool(word) -> True, False, or None when the word is not a boolean
- * (the words every OUTOFCUDA_* switch accepts). */
-static PyObject *py_parse_bool(PyObject *self, PyObject *arg)
-{
-    int b;
-    (void)self;
-    if (!PyUnicode_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "_parse_bool expects a str");
-        return NULL;
-    }
-    b = on_text(arg, "_parse_bool", oc_parse_bool);
-    if (b == -1 && PyErr_Occurred())
-        return NULL;
-    if (b < 0)
-        Py_RETURN_NONE;
-    return PyBool_FromLong(b);
-}
-
 /* _disabled_by_env() -> bool: OUTOFCUDA_DISABLE turns outofcuda off (as the
  * boot and the engine read it: C-locale blanks trimmed). */
 static PyObject *py_disabled_by_env(PyObject *self, PyObject *unused)
@@ -92,8 +74,6 @@ static PyObject *py_alloc_expandable(PyObject *self, PyObject *arg)
 }
 
 PyMethodDef oc_facts_methods[] = {
-    {"_parse_bool", py_parse_bool, METH_O,
-     "_parse_bool(word)\n--\n\nTrue, False, or None when the word is not a boolean."},
     {"_disabled_by_env", py_disabled_by_env, METH_NOARGS,
      "_disabled_by_env()\n--\n\nOUTOFCUDA_DISABLE turns outofcuda off."},
     {"_tf32_forced_off", py_tf32_forced_off, METH_NOARGS,

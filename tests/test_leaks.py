@@ -125,7 +125,6 @@ cases = {
                                        _outofcuda._oom_report("CUDA out of memory. Tried to "
                                                               "allocate 2.00 GiB. GPU 0", True)),
     "_outofcuda._oom_report(error)": lambda: error(_outofcuda._oom_report, 5),
-    "_outofcuda._parse_bool": lambda: (_outofcuda._parse_bool(" Yes "), _outofcuda._parse_bool("x")),
     "_outofcuda._disabled_by_env": _outofcuda._disabled_by_env,
     "_outofcuda._tf32_forced_off": _outofcuda._tf32_forced_off,
     "_outofcuda._alloc_var": lambda: _outofcuda._alloc_var("2.14.1"),
@@ -197,7 +196,7 @@ CASES = [
     "_outofcuda._summary_start(error)", "_outofcuda._summary_stats",
     "_outofcuda._microbatch_split", "_outofcuda._grad_set_aside", "_outofcuda._settings", "_outofcuda._oom_report",
     "_outofcuda._oom_report(error)",
-    "_outofcuda._parse_bool", "_outofcuda._disabled_by_env", "_outofcuda._tf32_forced_off",
+    "_outofcuda._disabled_by_env", "_outofcuda._tf32_forced_off",
     "_outofcuda._alloc_var", "_outofcuda._alloc_expandable", "_outofcuda.visible_devices",
     "_outofcuda._visible_ccs", "_outofcuda._known_bugs_check", "_outofcuda._known_bugs_check(error)",
     "_outofcuda._grad_set_aside(error)",
