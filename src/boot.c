@@ -10,7 +10,6 @@
  * site to compile beyond the .pth line (benchmarks/startup.py measures it). */
 #include "oc.h"
 
-#include <stdio.h>
 #include <stdlib.h>
 #include <structmember.h>
 
@@ -87,8 +86,10 @@ static void boot_clear(int line, const char *func)
     if (text != NULL)
         utf8 = PyUnicode_AsUTF8String(text);
     PyErr_Clear(); /* reported below as "?" */
-    fprintf(stderr, "outofcuda debug: boot.c:%d %s: %s\n", line, func,
-            utf8 ? PyBytes_AsString(utf8) : "?");
+    /* Through sys.stderr, not C's stderr: no stdio symbol for the loader to
+     * bind when the boot loads in every process. */
+    PySys_WriteStderr("outofcuda debug: boot.c:%d %s: %.900s\n", line, func,
+                      utf8 ? PyBytes_AsString(utf8) : "?");
     Py_XDECREF(utf8);
     Py_XDECREF(text);
     Py_XDECREF(type);
