@@ -273,6 +273,12 @@ def test_readme_lists_exactly_the_variables_of_the_table(venv, workdir):
     for name, s in own.items():
         assert rows[name] == (s["default"] if s["default"] is not None else "unset"), name
     assert set(_readme_rows("| variable | what outofcuda does with it |")) == foreign
+    # The words a word setting takes come from the table too (compile_model checks its mode
+    # against them); other kinds have none.
+    words = {s["name"]: s["words"] for s in table}
+    assert words["OUTOFCUDA_COMPILE_MODE"] == ["default", "reduce-overhead", "max-autotune",
+                                               "max-autotune-no-cudagraphs"]
+    assert words["OUTOFCUDA_TF32"] is None
     # config() shows every setting the loader parses, from the same table.
     cfg = json.loads(venv.check("import json, _outofcuda; print(json.dumps(_outofcuda.config()))",
                                 cwd=workdir).stdout)
