@@ -25,7 +25,6 @@ from ._native import core
 
 HOOK_NAME = "outofcuda_hook.pth"
 START_NAME = "outofcuda_hook.start"
-ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 MIN_TORCH = (2, 0)
 PROBE_TIMEOUT_S = 180
 # Versioned: the name `outofcuda` 0.1.0 on PyPI is an older, unrelated package.
@@ -418,43 +417,20 @@ def _check_torch(pr):
     return _check("torch", True, f"torch {version} is supported")
 
 
-def _alloc_items(conf):
-    """{key: value} of an allocator string (the last occurrence wins, as in torch)."""
-    items, depth, start = {}, 0, 0
-    for i, ch in enumerate(conf + ","):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            key, _, value = conf[start:i].partition(":")
-            if key.strip():
-                items[key.strip()] = value.strip()
-            start = i + 1
-    return items
-
-
-def _splits_inside_expandable(items):
-    """True when an allocator string pairs max_split_size_mb with expandable
-    segments: inside them torch still applies max_split_size's oversize rules,
-    so freed blocks above it are not reused and reserved memory keeps growing
-    (pytorch issue 123548)."""
-    return "max_split_size_mb" in items and items.get("expandable_segments") == "True"
-
-
 def _check_alloc_conf(torch_version=None):
     cfg = _config()
     own, no_expandable = cfg["alloc_conf"], cfg["alloc_conf_no_expandable"]
     # outofcuda's defaults, those that join only without expandable segments too
-    defaults = dict(_alloc_items(no_expandable), **_alloc_items(own))
+    own_items, own_split = core._alloc_items(own)
+    defaults = dict(core._alloc_items(no_expandable)[0], **dict(own_items))
     notes, problems, paired = [], [], []
-    if _splits_inside_expandable(_alloc_items(own)):
+    if own_split == "inside_expandable":
         paired.append("OUTOFCUDA_ALLOC_CONF")
     # The one variable this torch reads, by the engine's rule (allocconf.c);
     # the others it ignores.
     read, _value = core._alloc_var(torch_version)
     notes += [f"{var} is set but torch {torch_version or '(unknown)'} reads {read}"
-              for var in ALLOC_VARS if var != read and var in os.environ]
+              for var in core._alloc_vars() if var != read and var in os.environ]
     for var in (read,):
         user = os.environ.get(var)
         if user is None:
@@ -467,8 +443,9 @@ def _check_alloc_conf(torch_version=None):
         # A key set to outofcuda's own value changes nothing; another value is
         # the user's choice (expandable_segments:False is the documented way
         # out) and wins by design: both are notes, never something to fix.
-        items = _alloc_items(user)
-        if _splits_inside_expandable(items):
+        items, split = core._alloc_items(user)
+        items = dict(items)
+        if split == "inside_expandable":
             paired.append(var)
         kept = [f"{k}:{v} (default {defaults[k]})" for k, v in items.items()
                 if k in defaults and v != defaults[k]]
@@ -478,7 +455,7 @@ def _check_alloc_conf(torch_version=None):
             note += f" keeps {', '.join(kept)} over outofcuda's defaults"
         if same:
             note += f"; {', '.join(same)} as outofcuda's defaults"
-        if "max_split_size_mb" in items and "expandable_segments" not in items:
+        if split == "no_expandable":
             note += "; no expandable segments beside its max_split_size_mb"
         notes.append(f"{note} (effective: {merged})")
     if problems:

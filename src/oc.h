@@ -181,6 +181,18 @@ int oc_alloc_has(const char *conf, const char *key, const char *value);
 /* Returns 1 when the allocator string turns expandable segments on. */
 int oc_alloc_expandable(const char *conf);
 
+/* max_split_size_mb beside expandable segments. Inside them torch still
+ * applies max_split_size's oversize rules, so freed blocks above it are not
+ * reused and reserved memory keeps growing (pytorch issue 123548): the
+ * doctor flags OC_SPLIT_INSIDE_EXPANDABLE, and the merge gives a string in
+ * OC_SPLIT_NO_EXPANDABLE no expandable segments from the defaults. */
+typedef enum {
+    OC_SPLIT_NONE,              /* no max_split_size_mb (or a malformed string) */
+    OC_SPLIT_INSIDE_EXPANDABLE, /* max_split_size_mb with expandable_segments:True */
+    OC_SPLIT_NO_EXPANDABLE,     /* max_split_size_mb, expandable_segments not named */
+} oc_split_rule;
+oc_split_rule oc_alloc_split_rule(const char *conf);
+
 /* outofcuda's merge of its defaults under the user's string (the user's keys
  * win, as oc_alloc_merge): the defaults' expandable_segments is left out
  * when the user's string sets max_split_size_mb without naming
@@ -257,6 +269,9 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
  * release's first name when none is set) and its value through *value (NULL
  * when unset). */
 const char *oc_alloc_user_var(long ver, const char **value);
+/* The allocator variables in the order torch 2.11+ reads them; NULL past the
+ * end. */
+const char *oc_alloc_var_at(size_t i);
 
 /* Returns 1 when NVIDIA_TF32_OVERRIDE's value v (NULL: unset) forces TF32
  * off in NVIDIA's libraries: "0", C-locale blanks around allowed. */
