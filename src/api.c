@@ -12,7 +12,6 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
-#define GIB (1024.0 * 1024.0 * 1024.0)
 /* Docker's default /dev/shm is 64 MiB; a few workers each holding
  * prefetch_factor batches of images exhaust anything this small ("bus error"
  * or "unable to write to file </torch_...>"). */
@@ -302,7 +301,7 @@ static PyObject *py_memory_format(PyObject *self, PyObject *args)
 static double gb(unsigned long long bytes)
 {
     /* GiB rounded to the MiB, the product's `total_gb: 80.0` for an 80 GiB card. */
-    return (double)(long long)((double)bytes / GIB * 1000.0 + 0.5) / 1000.0;
+    return (double)(long long)((double)bytes / OC_GIB * 1000.0 + 0.5) / 1000.0;
 }
 
 static int by_used_desc(const void *a, const void *b)

@@ -369,7 +369,6 @@ static void print_summary(void)
 {
     PyObject *cuda = PyImport_ImportModule("torch.cuda");
     PyObject *alloc = NULL, *reserved = NULL;
-    double gib = 1024.0 * 1024.0 * 1024.0;
     if (cuda != NULL) {
         alloc = PyObject_CallMethod(cuda, "memory_allocated", NULL);
         reserved = alloc ? PyObject_CallMethod(cuda, "memory_reserved", NULL) : NULL;
@@ -377,8 +376,8 @@ static void print_summary(void)
     OC_CLEAR();
     PySys_WriteStderr("outofcuda: CUDA out of memory (allocated %.2f GiB, reserved %.2f GiB "
                       "by this process).\n",
-                      alloc ? PyLong_AsDouble(alloc) / gib : 0.0,
-                      reserved ? PyLong_AsDouble(reserved) / gib : 0.0);
+                      alloc ? PyLong_AsDouble(alloc) / OC_GIB : 0.0,
+                      reserved ? PyLong_AsDouble(reserved) / OC_GIB : 0.0);
     OC_CLEAR();
     Py_XDECREF(alloc);
     Py_XDECREF(reserved);

@@ -27,7 +27,6 @@
 #define MAX_INTERVAL_MS 60000
 #define HINTS_MAX 3
 #define LOW_UTIL OC_SUMMARY_LOW_UTIL
-#define GIB OC_GIB
 #define JOIN_LIMIT_S 5
 
 typedef struct {
@@ -462,11 +461,11 @@ static void format_block(text *t, const sum_device *d, const proc_figs *p, const
                                     : "no sample taken yet");
     if (d->mem_samples > 0)
         appendf(t, "%s  device memory  peak %.2f of %.2f GiB (%.1f %%, all processes)\n", pre,
-                (double)d->mem_peak / GIB, (double)d->mem_total / GIB,
+                (double)d->mem_peak / OC_GIB, (double)d->mem_total / OC_GIB,
                 100.0 * (double)d->mem_peak / (double)d->mem_total);
     if (d->peak_allocated >= 0 && d->peak_reserved >= 0)
         appendf(t, "%s  this process   peak allocated %.2f GiB, peak reserved %.2f GiB\n", pre,
-                (double)d->peak_allocated / GIB, (double)d->peak_reserved / GIB);
+                (double)d->peak_allocated / OC_GIB, (double)d->peak_reserved / OC_GIB);
     else
         appendf(t, "%s  this process   no allocator figures (torch's CUDA is not initialised)\n",
                 pre);
