@@ -94,14 +94,8 @@ static void read_version_file(PyObject *spec)
  * module has no version to read. */
 static void read_version_module(PyObject *torch)
 {
-    PyObject *v = oc_getattr_chain(torch, "__version__");
-    PyObject *s = v ? PyObject_Str(v) : NULL;
     PyObject *cuda, *hip;
-    char buf[64];
-    long ver = s ? oc_torch_version_number(oc_utf8(s, buf, sizeof buf)) : 0;
-    Py_XDECREF(s);
-    Py_XDECREF(v);
-    OC_CLEAR();
+    long ver = oc_torch_version(torch);
     if (ver == 0)
         return;
     cuda = oc_getattr_chain(torch, "version.cuda");

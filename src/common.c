@@ -202,3 +202,15 @@ const char *oc_utf8(PyObject *str, char *buf, size_t sz)
     Py_DECREF(bytes);
     return buf;
 }
+
+long oc_torch_version(PyObject *torch)
+{
+    PyObject *v = oc_getattr_chain(torch, "__version__");
+    PyObject *s = v ? PyObject_Str(v) : NULL;
+    char buf[64];
+    long ver = oc_torch_version_number(oc_utf8(s, buf, sizeof buf));
+    Py_XDECREF(s);
+    Py_XDECREF(v);
+    OC_CLEAR();
+    return ver;
+}

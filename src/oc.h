@@ -475,6 +475,9 @@ PyObject *oc_call_quiet_at(PyObject *owner, const char *name, const char *a, con
 #define oc_call_quiet(owner, name, a, b)                                                           \
     oc_call_quiet_at(owner, name, a, b, __FILE__, __LINE__, __func__)
 const char *oc_utf8(PyObject *str, char *buf, size_t sz); /* copy of str into buf */
+/* The imported torch's release (oc_torch_version_number of its __version__);
+ * 0 when it has none to read (errors swallowed). */
+long oc_torch_version(PyObject *torch);
 
 /* knownbugs.c: decides what it can with torch imported (never reads the
  * cuDNN version: that loads cuDNN), and the rest from the CUDA-init callback,

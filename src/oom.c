@@ -811,15 +811,8 @@ static int allocator_config(PyObject *torch, char *buf, size_t sz)
         return 1;
     }
     {
-        PyObject *ver = PyObject_GetAttrString(torch, "__version__");
-        PyObject *s = ver ? PyObject_Str(ver) : NULL;
-        char text[64] = "";
         const char *value = NULL;
-        oc_utf8(s, text, sizeof text);
-        OC_CLEAR();
-        Py_XDECREF(s);
-        Py_XDECREF(ver);
-        oc_alloc_user_var(oc_torch_version_number(text), &value);
+        oc_alloc_user_var(oc_torch_version(torch), &value);
         snprintf(buf, sz, "%s", value ? value : "");
         return value != NULL;
     }
