@@ -681,22 +681,11 @@ static struct {
     double fraction;
 } pending_fraction;
 
-static long local_rank(void)
-{
-    const char *s = oc_env("LOCAL_RANK");
-    char *end;
-    long r;
-    if (s == NULL || !*s)
-        return -1;
-    r = strtol(s, &end, 10);
-    return (*end == '\0' && r >= 0 && r < 4096) ? r : -1;
-}
-
 /* A step of the CUDA-init callback: this process's device only. */
 static void fraction_at_cuda_init(PyObject *torch)
 {
     PyObject *c_mod = NULL, *n = NULL, *dev = NULL, *r = NULL, *value;
-    long rank = local_rank(), count = 0, device = 0;
+    long rank = oc_env_rank("LOCAL_RANK"), count = 0, device = 0;
     if (!pending_fraction.armed)
         return;
     pending_fraction.armed = 0;

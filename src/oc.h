@@ -134,6 +134,11 @@ const oc_setting *oc_setting_named(const char *name); /* NULL when not in the ta
 /* getenv() of a variable of the table; every read of the environment goes
  * through here (the boot, which links nothing, reads its two itself). */
 const char *oc_env(const char *name);
+/* A torchrun rank variable of the table (RANK, LOCAL_RANK) as a whole number
+ * from 0 (below a million, the largest job's ranks); -1 when unset, empty or
+ * anything else. Where LOCAL_RANK names a device, one past the devices counts
+ * as absent at the caller. */
+long oc_env_rank(const char *name);
 
 /* Fills *cfg from the environment; never fails. Every bad value leaves the
  * default in place and appends one message to cfg->warnings. */

@@ -163,19 +163,8 @@ static oc_summary_mode resolve_output(void)
 /* RANK (torchrun's global rank), else LOCAL_RANK, else -1. */
 static long env_rank(void)
 {
-    static const char *const names[] = {"RANK", "LOCAL_RANK"};
-    for (int i = 0; i < 2; i++) {
-        const char *s = oc_env(names[i]);
-        char *end;
-        long r;
-        if (s == NULL || !*s)
-            continue;
-        errno = 0;
-        r = strtol(s, &end, 10);
-        if (errno == 0 && *end == '\0' && r >= 0 && r < 1000000)
-            return r;
-    }
-    return -1;
+    long r = oc_env_rank("RANK");
+    return r >= 0 ? r : oc_env_rank("LOCAL_RANK");
 }
 
 /* ---- starting ---- */
@@ -250,11 +239,7 @@ static int choose_devices(int *torch_index)
 {
     int map[OC_NVML_MAX_DEVICES];
     int count = oc_nvml_visible_map(map, OC_NVML_MAX_DEVICES), n = 0;
-    const char *lr = oc_env("LOCAL_RANK");
-    char *end;
-    long rank = lr && *lr ? strtol(lr, &end, 10) : -1;
-    if (lr && *lr && *end != '\0')
-        rank = -1;
+    long rank = oc_env_rank("LOCAL_RANK");
     if (count <= 0) {
         torch_index[0] = rank >= 0 && rank < SUMMARY_MAX_DEVICES ? (int)rank : 0;
         return 1;
