@@ -304,15 +304,6 @@ static double gb(unsigned long long bytes)
     return (double)(long long)((double)bytes / OC_GIB * 1000.0 + 0.5) / 1000.0;
 }
 
-static int by_used_desc(const void *a, const void *b)
-{
-    const oc_gpu_proc *x = a, *y = b;
-    /* Unknown sizes (NOT_AVAILABLE) last. */
-    unsigned long long ux = x->used == OC_NVML_NOT_AVAILABLE ? 0 : x->used;
-    unsigned long long uy = y->used == OC_NVML_NOT_AVAILABLE ? 0 : y->used;
-    return ux < uy ? 1 : ux > uy ? -1 : (x->pid > y->pid) - (x->pid < y->pid);
-}
-
 /* The processes holding memory on NVML device `index`, largest first, as
  * [{pid, name, used_gb, this_process}]; None where NVML cannot list them. */
 static PyObject *process_dicts(int index)
@@ -323,7 +314,7 @@ static PyObject *process_dicts(int index)
     PyObject *list;
     if (n < 0)
         Py_RETURN_NONE;
-    qsort(procs, (size_t)n, sizeof *procs, by_used_desc);
+    oc_nvml_sort_procs(procs, n);
     list = PyList_New(0);
     for (int i = 0; list != NULL && i < n; i++) {
         char name[256];

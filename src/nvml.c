@@ -308,6 +308,21 @@ int oc_nvml_process_list(int index, oc_gpu_proc **out)
     return -1;
 }
 
+static int by_used_desc(const void *a, const void *b)
+{
+    const oc_gpu_proc *x = a, *y = b;
+    /* Unknown sizes (NOT_AVAILABLE) last. */
+    unsigned long long ux = x->used == OC_NVML_NOT_AVAILABLE ? 0 : x->used;
+    unsigned long long uy = y->used == OC_NVML_NOT_AVAILABLE ? 0 : y->used;
+    return ux < uy ? 1 : ux > uy ? -1 : (x->pid > y->pid) - (x->pid < y->pid);
+}
+
+void oc_nvml_sort_procs(oc_gpu_proc *procs, int n)
+{
+    if (procs != NULL && n > 1)
+        qsort(procs, (size_t)n, sizeof *procs, by_used_desc);
+}
+
 int oc_proc_name(unsigned int pid, char *buf, size_t sz)
 {
     char path[48];

@@ -429,6 +429,8 @@ typedef struct {
 /* Every process NVML lists on GPU `index`, in *out (malloc'd, free() it);
  * count or -1. used is OC_NVML_NOT_AVAILABLE where the driver cannot tell. */
 int oc_nvml_process_list(int index, oc_gpu_proc **out);
+/* Sorts such a list most memory first, unknown sizes last, ties by pid. */
+void oc_nvml_sort_procs(oc_gpu_proc *procs, int n);
 #define OC_NVML_NOT_AVAILABLE 0xFFFFFFFFFFFFFFFFull
 int oc_proc_name(unsigned int pid, char *buf, size_t sz); /* /proc name: 0, or -1 */
 #define OC_NVML_MAX_DEVICES 64

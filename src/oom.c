@@ -746,19 +746,7 @@ static PyObject *other_processes(int index, oc_oom_figures *f)
     int n = oc_nvml_process_list(index, &procs);
     unsigned int me = (unsigned int)getpid();
     PyObject *list = PyList_New(0);
-    for (int i = 0; i < n; i++) { /* insertion sort: a few processes */
-        for (int j = i; j > 0; j--) {
-            unsigned long long a =
-                procs[j - 1].used == OC_NVML_NOT_AVAILABLE ? 0 : procs[j - 1].used;
-            unsigned long long b = procs[j].used == OC_NVML_NOT_AVAILABLE ? 0 : procs[j].used;
-            oc_gpu_proc t;
-            if (a >= b)
-                break;
-            t = procs[j - 1];
-            procs[j - 1] = procs[j];
-            procs[j] = t;
-        }
-    }
+    oc_nvml_sort_procs(procs, n);
     for (int i = 0; list != NULL && i < n; i++) {
         unsigned long long used = procs[i].used == OC_NVML_NOT_AVAILABLE ? 0 : procs[i].used;
         char name[64];
