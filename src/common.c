@@ -4,9 +4,11 @@
  * Nothing here calls up into the watcher, the bridge or the features. */
 #include "oc.h"
 
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 oc_state oc_g;
 
@@ -213,4 +215,26 @@ long oc_torch_version(PyObject *torch)
     Py_XDECREF(v);
     OC_CLEAR();
     return ver;
+}
+
+int oc_resolve_file_path(const char *path, char *dir, size_t dirsz, char *out, size_t outsz)
+{
+    char real[PATH_MAX];
+    struct stat st;
+    const char *slash = strrchr(path, '/');
+    const char *base = slash ? slash + 1 : path;
+    out[0] = '\0';
+    if (slash == NULL)
+        snprintf(dir, dirsz, ".");
+    else if (slash == path)
+        snprintf(dir, dirsz, "/");
+    else
+        snprintf(dir, dirsz, "%.*s", (int)(slash - path), path);
+    if (realpath(dir, real) == NULL || stat(real, &st) != 0 || !S_ISDIR(st.st_mode))
+        return -1;
+    if (snprintf(out, outsz, "%s/%s", strcmp(real, "/") ? real : "", base) >= (int)outsz) {
+        out[0] = '\0';
+        return -2;
+    }
+    return 0;
 }

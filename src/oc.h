@@ -485,6 +485,12 @@ const char *oc_utf8(PyObject *str, char *buf, size_t sz); /* copy of str into bu
 /* The imported torch's release (oc_torch_version_number of its __version__);
  * 0 when it has none to read (errors swallowed). */
 long oc_torch_version(PyObject *torch);
+/* A file to write later (OUTOFCUDA_OOM_SNAPSHOT, OUTOFCUDA_SUMMARY's .json):
+ * its directory, as given, into dir (for messages), resolved now (the working
+ * directory may change before the file is written), and the file's absolute
+ * path into out. Returns 0; -1 when the directory does not exist; -2 when the
+ * path does not fit out (out is "" on failure). */
+int oc_resolve_file_path(const char *path, char *dir, size_t dirsz, char *out, size_t outsz);
 
 /* knownbugs.c: decides what it can with torch imported (never reads the
  * cuDNN version: that loads cuDNN), and the rest from the CUDA-init callback,

@@ -227,9 +227,10 @@ void oc_oom_at_cuda_init(PyObject *torch)
 static int read_snapshot_env(void)
 {
     const char *v = oc_env("OUTOFCUDA_OOM_SNAPSHOT");
-    char dir[PATH_MAX], real[PATH_MAX], msg[OC_WARN_LEN + PATH_MAX];
+    char dir[PATH_MAX], msg[OC_WARN_LEN + PATH_MAX];
     const char *base, *slash;
     struct stat st;
+    int resolved;
     snapshot_path[0] = '\0';
     if (v == NULL || v[0] == '\0')
         return 0;
@@ -244,14 +245,8 @@ static int read_snapshot_env(void)
         oc_warn(msg);
         return 0;
     }
-    if (slash == NULL)
-        snprintf(dir, sizeof dir, ".");
-    else if (slash == v)
-        snprintf(dir, sizeof dir, "/");
-    else
-        snprintf(dir, sizeof dir, "%.*s", (int)(slash - v), v);
-    /* Resolved now: the working directory may change before the OOM. */
-    if (realpath(dir, real) == NULL || stat(real, &st) != 0 || !S_ISDIR(st.st_mode)) {
+    resolved = oc_resolve_file_path(v, dir, sizeof dir, snapshot_path, sizeof snapshot_path);
+    if (resolved == -1) {
         snprintf(msg, sizeof msg,
                  "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: its directory %.200s does "
                  "not exist",
@@ -259,9 +254,7 @@ static int read_snapshot_env(void)
         oc_warn(msg);
         return 0;
     }
-    if (snprintf(snapshot_path, sizeof snapshot_path, "%s/%s", strcmp(real, "/") ? real : "",
-                 base) >= (int)sizeof snapshot_path ||
-        (stat(snapshot_path, &st) == 0 && S_ISDIR(st.st_mode))) {
+    if (resolved != 0 || (stat(snapshot_path, &st) == 0 && S_ISDIR(st.st_mode))) {
         snprintf(msg, sizeof msg,
                  "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: it must name a file, not a "
                  "directory",

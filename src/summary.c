@@ -129,26 +129,15 @@ static void sampler_stop(void)
 static oc_summary_mode resolve_output(void)
 {
     const oc_config *cfg = oc_config_get();
-    char dir[OC_SUMMARY_PATH_MAX], real[PATH_MAX], msg[OC_WARN_LEN + 2 * OC_SUMMARY_PATH_MAX];
-    const char *slash, *base;
-    struct stat st;
+    char dir[OC_SUMMARY_PATH_MAX], msg[OC_WARN_LEN + 2 * OC_SUMMARY_PATH_MAX];
     if (out.resolved)
         return out.mode;
     out.resolved = 1;
     out.mode = cfg->summary;
     if (out.mode != OC_SUMMARY_JSON)
         return out.mode;
-    slash = strrchr(cfg->summary_path, '/');
-    base = slash ? slash + 1 : cfg->summary_path;
-    if (slash == NULL)
-        snprintf(dir, sizeof dir, ".");
-    else if (slash == cfg->summary_path)
-        snprintf(dir, sizeof dir, "/");
-    else
-        snprintf(dir, sizeof dir, "%.*s", (int)(slash - cfg->summary_path), cfg->summary_path);
-    if (realpath(dir, real) == NULL || stat(real, &st) != 0 || !S_ISDIR(st.st_mode) ||
-        snprintf(out.json_path, sizeof out.json_path, "%s/%s", strcmp(real, "/") ? real : "",
-                 base) >= (int)sizeof out.json_path) {
+    if (oc_resolve_file_path(cfg->summary_path, dir, sizeof dir, out.json_path,
+                             sizeof out.json_path) != 0) {
         snprintf(msg, sizeof msg,
                  "outofcuda: ignoring OUTOFCUDA_SUMMARY=%.300s: the directory %.300s does not "
                  "exist; no summary will be written",
