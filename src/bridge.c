@@ -490,7 +490,7 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
     }
     Py_DECREF(setter);
     if (no_queue != NULL) {
-        oc_result_set("tf32", 0, NULL, no_queue + 6);
+        oc_result_set("tf32", 0, NULL, no_queue);
         return;
     }
     pending_tf32 = 1;
@@ -735,7 +735,7 @@ static int arm_memory_fraction(const oc_config *cfg, const char *no_queue)
         return 0;
     }
     if (no_queue != NULL) {
-        oc_result_set("memory_fraction", 0, NULL, no_queue + 6);
+        oc_result_set("memory_fraction", 0, NULL, no_queue);
         return 0;
     }
     if (owner.name[0]) {
@@ -789,13 +789,13 @@ static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
 
 static PyMethodDef at_cuda_init_def = {"outofcuda_at_cuda_init", at_cuda_init, METH_NOARGS, NULL};
 
-/* torch.cuda._lazy_call, or NULL with *why_not saying why ("none: ...",
- * static storage). */
+/* torch.cuda._lazy_call, or NULL with *why_not saying why (a reason, static
+ * storage). */
 static PyObject *lazy_call_fn(PyObject *torch, const char **why_not)
 {
     PyObject *fn = oc_getattr_chain(torch, "cuda._lazy_call");
     PyErr_Clear(); /* recorded: *why_not says why */
-    *why_not = fn ? NULL : "none: this torch has no torch.cuda._lazy_call";
+    *why_not = fn ? NULL : "this torch has no torch.cuda._lazy_call";
     return fn;
 }
 

@@ -267,8 +267,7 @@ int oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
         for (size_t i = 0; i < n; i++) {
             size_t len = strlen(kb.reason[i]);
             if (kb.state[i] == OC_KB_UNDECIDED)
-                snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, " (never: %s)",
-                         no_queue + 6);
+                snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, " (never: %s)", no_queue);
         }
         kb.pending = 0;
     }

@@ -447,7 +447,7 @@ int oc_nvml_utilization(int index, unsigned *gpu, unsigned *mem);
 
 /* oom.c */
 /* With torch imported: prepares the observer and hooks. no_queue is NULL when
- * bridge.c's CUDA-init callback is queued, else why not ("none: ..."). Returns
+ * bridge.c's CUDA-init callback is queued, else why not (a reason). Returns
  * 1 when oc_oom_at_cuda_init has work. Never raises. */
 int oc_oom_install(PyObject *torch, const char *no_queue);
 void oc_oom_at_cuda_init(PyObject *torch); /* a step of the CUDA-init callback */

@@ -30,8 +30,13 @@ static PyObject *prev_sys_hook, *prev_thread_hook, *oom_type;
  * which would print every report twice. Guarded by the GIL. */
 static int armed;
 
-/* What status() says about the observer (static storage). */
-static const char *observer_state = "none";
+/* The observer: attached (or to be) with observer.state saying when, or none
+ * with observer.none saying why (static storage); status() shows
+ * "none: <why>". */
+static struct {
+    const char *state; /* NULL: none */
+    const char *none;
+} observer;
 
 /* OUTOFCUDA_OOM_SNAPSHOT, checked and made absolute at install ("" = off). */
 static char snapshot_path[PATH_MAX];
@@ -210,9 +215,10 @@ void oc_oom_at_cuda_init(PyObject *torch)
     r = obs ? PyObject_CallFunctionObjArgs(attach, obs, NULL) : NULL;
     if (r == NULL) {
         oc_set_error("attaching the CUDA OOM observer");
-        observer_state = "none: attaching it at CUDA initialisation failed";
+        observer.state = NULL;
+        observer.none = "attaching it at CUDA initialisation failed";
     } else {
-        observer_state = "attached";
+        observer.state = "attached";
     }
     OC_CLEAR();
     Py_XDECREF(r);
@@ -423,8 +429,11 @@ static PyMethodDef thread_hook_def = {"outofcuda_threading_excepthook", thread_e
 /* status()'s entry for the handler; `hooks` says which hooks are set. */
 static void record_status(const char *hooks)
 {
-    PyObject *value = Py_BuildValue("{s:s,s:s,s:z}", "hooks", hooks, "observer", observer_state,
-                                    "snapshot", snapshot_path[0] ? snapshot_path : NULL);
+    PyObject *state = observer.state  ? PyUnicode_FromString(observer.state)
+                      : observer.none ? PyUnicode_FromFormat("none: %s", observer.none)
+                                      : PyUnicode_FromString("none");
+    PyObject *value = Py_BuildValue("{s:s,s:N,s:z}", "hooks", hooks, "observer", state, "snapshot",
+                                    snapshot_path[0] ? snapshot_path : NULL);
     oc_result_set("oom_handler", 1, value,
                   "once CUDA initialises, on a CUDA OOM: record the figures (observer), print a "
                   "report and ranked actions before the traceback of an uncaught one, then empty "
@@ -495,17 +504,16 @@ int oc_oom_install(PyObject *torch, const char *no_queue)
     OC_CLEAR();
     /* Every CUDA (and ROCm) build has the observer; a CPU-only build has no
      * CUDA to report on. */
-    observer_state = attach == NULL ? "none: this torch build has no CUDA OOM observer"
-                     : no_queue     ? no_queue
-                                    : "attached when CUDA initialises";
+    observer.state = attach == NULL || no_queue ? NULL : "attached when CUDA initialises";
+    observer.none = attach == NULL ? "this torch build has no CUDA OOM observer" : no_queue;
     Py_XDECREF(attach);
-    if (strncmp(observer_state, "none", 4) == 0) {
+    if (observer.state == NULL) {
         if (snapshot) {
             char msg[OC_WARN_LEN];
             snprintf(msg, sizeof msg,
                      "outofcuda: OUTOFCUDA_OOM_SNAPSHOT is set but no snapshot "
                      "can be written (%s)",
-                     observer_state + 6);
+                     observer.none);
             snapshot_path[0] = '\0';
             oc_warn(msg);
         }
@@ -517,7 +525,7 @@ int oc_oom_install(PyObject *torch, const char *no_queue)
                           "Python's exception hooks left alone");
         else
             oc_result_setf("oom_handler", 0, NULL, "%s: Python's exception hooks left alone",
-                           observer_state + 6);
+                           observer.none);
         return 0;
     }
     armed = 1;
