@@ -141,9 +141,8 @@ static PyObject *hook_amp_choice(void)
 static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
 {
     const oc_config *cfg = oc_config_get();
-    char dev[32], reason[260], why[200] = "";
+    char dev[32], reason[260];
     PyObject *hook;
-    int cc;
     (void)self;
     if (!PyUnicode_Check(arg)) {
         PyErr_SetString(PyExc_TypeError, "device_type must be a str such as 'cuda' or 'cpu'");
@@ -151,10 +150,8 @@ static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
     }
     oc_utf8(arg, dev, sizeof dev);
     if (cfg->amp_dtype != OC_AMP_AUTO) {
-        const char *name = cfg->amp_dtype == OC_AMP_BFLOAT16 ? "bfloat16" : "float16";
-        return Py_BuildValue("(ss)", name,
-                             cfg->amp_dtype == OC_AMP_BFLOAT16 ? "OUTOFCUDA_AMP_DTYPE=bfloat16"
-                                                               : "OUTOFCUDA_AMP_DTYPE=float16");
+        const char *name = oc_amp_cuda_dtype(cfg, reason, sizeof reason);
+        return Py_BuildValue("(ss)", name, reason);
     }
     if (strcmp(dev, "cpu") == 0)
         return Py_BuildValue("(ss)", "bfloat16", "CPU autocast computes in bfloat16");
@@ -166,17 +163,29 @@ static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
     hook = hook_amp_choice();
     if (hook != NULL)
         return Py_BuildValue("(Os)", hook, "the start-up hook's choice");
-    /* As the start-up hook (bridge.c) does: no guess when the capability is
-     * unknown; None leaves torch's own CUDA default. */
+    /* The start-up hook's rule (bridge.c asks the same): no guess when the
+     * capability is unknown; None leaves torch's own CUDA default. */
+    return Py_BuildValue("(zs)", oc_amp_cuda_dtype(cfg, reason, sizeof reason), reason);
+}
+
+const char *oc_amp_cuda_dtype(const oc_config *cfg, char *reason, size_t sz)
+{
+    char why[200] = "";
+    int cc;
+    if (cfg->amp_dtype != OC_AMP_AUTO) {
+        const char *name = cfg->amp_dtype == OC_AMP_BFLOAT16 ? "bfloat16" : "float16";
+        snprintf(reason, sz, "OUTOFCUDA_AMP_DTYPE=%s", name);
+        return name;
+    }
     cc = oc_nvml_available(why, sizeof why) ? oc_nvml_min_visible_cc() : -1;
     if (cc < 0) {
-        snprintf(reason, sizeof reason, "compute capability unknown: %s",
+        snprintf(reason, sz, "compute capability unknown: %s",
                  why[0] ? why : "no visible GPU reported a compute capability");
-        return Py_BuildValue("(Os)", Py_None, reason);
+        return NULL;
     }
-    snprintf(reason, sizeof reason, "compute capability %d.%d %s 8.0 (from NVML)", cc / 10, cc % 10,
+    snprintf(reason, sz, "compute capability %d.%d %s 8.0 (from NVML)", cc / 10, cc % 10,
              cc >= 80 ? ">=" : "<");
-    return Py_BuildValue("(ss)", cc >= 80 ? "bfloat16" : "float16", reason);
+    return cc >= 80 ? "bfloat16" : "float16";
 }
 
 /* ---- DataLoader plan ---- */

@@ -818,29 +818,20 @@ static int queue_at_cuda_init(PyObject *lazy_call)
 
 static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
 {
-    char why[200] = "", reason[300];
+    char why[260] = "", reason[300];
     const char *dtype_name;
     PyObject *dtype, *fn, *r;
-    int cc = -1, use_new;
+    int use_new;
     if (!tv.cuda_build) {
         oc_result_set("amp_dtype", 0, NULL, "this torch build has no CUDA");
         return;
     }
-    if (cfg->amp_dtype == OC_AMP_AUTO) {
-        cc = oc_nvml_available(why, sizeof why) ? oc_nvml_min_visible_cc() : -1;
-        if (cc < 0 && why[0] == '\0')
-            snprintf(why, sizeof why, "no visible GPU reported a compute capability");
-        if (cc < 0) {
-            oc_result_setf("amp_dtype", 0, NULL, "compute capability unknown: %s", why);
-            return;
-        }
-        dtype_name = cc >= 80 ? "bfloat16" : "float16";
-        snprintf(reason, sizeof reason, "auto: compute capability %d.%d %s 8.0 (from NVML)",
-                 cc / 10, cc % 10, cc >= 80 ? ">=" : "<");
-    } else {
-        dtype_name = cfg->amp_dtype == OC_AMP_BFLOAT16 ? "bfloat16" : "float16";
-        snprintf(reason, sizeof reason, "OUTOFCUDA_AMP_DTYPE=%s", dtype_name);
+    dtype_name = oc_amp_cuda_dtype(cfg, why, sizeof why);
+    if (dtype_name == NULL) {
+        oc_result_set("amp_dtype", 0, NULL, why);
+        return;
     }
+    snprintf(reason, sizeof reason, "%s%s", cfg->amp_dtype == OC_AMP_AUTO ? "auto: " : "", why);
     dtype = PyObject_GetAttrString(torch, dtype_name);
     /* 2.4 added set_autocast_dtype(device, dtype) and deprecated the GPU one. */
     fn = PyObject_GetAttrString(torch, "set_autocast_dtype");

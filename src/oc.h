@@ -462,6 +462,11 @@ typedef struct {
 int oc_api_torch_stats(int torch_index, oc_torch_mem *out);
 /* gc.collect (if configured) + empty_cache; 0 ok, -1 with an exception set. */
 int oc_api_clear_cache(long long *released);
+/* The CUDA autocast dtype ("bfloat16" or "float16"): OUTOFCUDA_AMP_DTYPE's,
+ * or under auto the compute capability's (8.0 and up: bfloat16; the lowest
+ * visible GPU's, from NVML); NULL when auto cannot know it. reason: why, in
+ * words. */
+const char *oc_amp_cuda_dtype(const oc_config *cfg, char *reason, size_t sz);
 
 /* facts.c */
 extern PyMethodDef oc_facts_methods[];
