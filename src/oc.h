@@ -539,5 +539,53 @@ double oc_thread_now(void); /* CLOCK_MONOTONIC, in seconds */
 int oc_summary_prepare(void);       /* with torch imported: 1 when the step has work */
 void oc_summary_at_cuda_init(void); /* a step of the CUDA-init callback */
 extern PyMethodDef oc_summary_methods[];
+
+/* Both extensions: the sibling extension `to`, loaded by path from the
+ * directory of `self` (the module of the extension named `from`): never by
+ * name, as the working directory may be on sys.path. `dir/from<suffix>` ->
+ * `dir/to<suffix>`; not put in sys.modules. New reference, or NULL with an
+ * exception. Here, inline, because the boot links nothing of the engine. */
+static inline PyObject *oc_load_sibling(PyObject *self, const char *from, const char *to)
+{
+    PyObject *file = PyModule_GetFilenameObject(self), *name, *head, *tail, *path = NULL;
+    PyObject *util, *spec = NULL, *loader = NULL, *mod = NULL, *res = NULL;
+    Py_ssize_t len, at;
+    if (file == NULL)
+        return NULL;
+    len = PyUnicode_GetLength(file);
+    name = PyUnicode_FromString(from);
+    at = name ? PyUnicode_Find(file, name, 0, len, -1) : -2;
+    Py_XDECREF(name);
+    if (at >= 0) {
+        head = PyUnicode_Substring(file, 0, at);
+        tail = PyUnicode_Substring(file, at + (Py_ssize_t)strlen(from), len);
+        if (head != NULL && tail != NULL)
+            path = PyUnicode_FromFormat("%U%s%U", head, to, tail);
+        Py_XDECREF(head);
+        Py_XDECREF(tail);
+    } else if (at == -1) {
+        PyErr_Format(PyExc_ImportError, "%U is not named %s*", file, from);
+    }
+    Py_DECREF(file);
+    if (path == NULL)
+        return NULL;
+    util = PyImport_ImportModule("importlib.util");
+    if (util != NULL)
+        spec = PyObject_CallMethod(util, "spec_from_file_location", "sO", to, path);
+    if (spec == Py_None)
+        PyErr_Format(PyExc_ImportError, "%U is not a loadable extension", path);
+    else if (spec != NULL)
+        mod = PyObject_CallMethod(util, "module_from_spec", "O", spec);
+    loader = mod ? PyObject_GetAttrString(spec, "loader") : NULL;
+    res = loader ? PyObject_CallMethod(loader, "exec_module", "O", mod) : NULL;
+    if (res == NULL)
+        Py_CLEAR(mod);
+    Py_XDECREF(res);
+    Py_XDECREF(loader);
+    Py_XDECREF(spec);
+    Py_XDECREF(util);
+    Py_DECREF(path);
+    return mod;
+}
 #endif /* OC_PURE_C */
 #endif /* OC_H */
