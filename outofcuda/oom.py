@@ -16,8 +16,6 @@ from ._native import core
 
 __all__ = ["last_oom"]
 
-_GIB = 1024.0 ** 3
-
 _lock = threading.Lock()
 # pending: the text of an OOM a retry may survive (see _note), reported only
 # if last_oom() is called.
@@ -65,9 +63,7 @@ def _build_report(text=None, *, exhausted=False):
 
 
 def _gib(b):
-    if b is None:
-        return "unknown"
-    return f"{b / _GIB:.2f} GiB" if b >= 1024 ** 3 else f"{b / 1024 ** 2:.0f} MiB"
+    return "unknown" if b is None else core._fmt_bytes(b)
 
 
 def format_report(report):

@@ -659,3 +659,15 @@ def test_the_python_function_the_engine_calls_exists(venv, workdir):
     r = venv.check(f"import importlib; print(callable(getattr(importlib.import_module("
                    f"{module!r}), {func!r}, None)))", cwd=workdir)
     assert r.stdout.strip() == "True", (module, func)
+
+
+def test_report_bytes_are_written_by_the_engine(venv, workdir):
+    """One writer of byte counts: the report's figures read as the advice's
+    (whole MiB under a GiB, two decimals of GiB from there)."""
+    got = venv.json("""
+import json, _outofcuda
+from outofcuda import oom
+sizes = [0, (1 << 30) - (1 << 19), 1 << 30, 3 << 29, 80 << 30]
+print(json.dumps([[_outofcuda._fmt_bytes(n) for n in sizes], oom._gib(None), oom._gib(3 << 29)]))
+""", cwd=workdir)
+    assert got == [["0 MiB", "1024 MiB", "1.00 GiB", "1.50 GiB", "80.00 GiB"], "unknown", "1.50 GiB"]
