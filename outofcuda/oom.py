@@ -24,16 +24,6 @@ _last = {"report": None, "seq": 0, "pending": None}
 
 # ---- recognising an OOM ----------------------------------------------------
 
-def _oom_types():
-    import torch
-
-    types = [torch.cuda.OutOfMemoryError]
-    other = getattr(torch, "OutOfMemoryError", None)
-    if other is not None and other not in types:
-        types.append(other)
-    return tuple(types)
-
-
 def is_oom(exc):
     """True when ``exc`` means the GPU ran out of memory: a
     ``torch.cuda.OutOfMemoryError``, or the RuntimeError texts older code paths
@@ -42,12 +32,7 @@ def is_oom(exc):
     >>> is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     True
     """
-    if isinstance(exc, _oom_types()):
-        return True
-    if type(exc) is RuntimeError:
-        text = str(exc)
-        return "CUDA out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text
-    return False
+    return core._is_oom(exc)
 
 
 # ---- the report ------------------------------------------------------------

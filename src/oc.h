@@ -451,6 +451,12 @@ int oc_nvml_utilization(int index, unsigned *gpu, unsigned *mem);
  * 1 when oc_oom_at_cuda_init has work. Never raises. */
 int oc_oom_install(PyObject *torch, const char *no_queue);
 void oc_oom_at_cuda_init(PyObject *torch); /* a step of the CUDA-init callback */
+/* What counts as a CUDA OOM: torch's type (torch.cuda.OutOfMemoryError or
+ * torch.OutOfMemoryError, from the torch in sys.modules), or a plain
+ * RuntimeError whose text older paths raise instead (cuBLAS workspace,
+ * torch before 1.13; exc needed for the text). Never raises. */
+typedef enum { OC_OOM_NONE, OC_OOM_TYPE, OC_OOM_TEXT } oc_oom_kind;
+oc_oom_kind oc_oom_kind_of(PyObject *type, PyObject *exc);
 extern PyMethodDef oc_oom_methods[];
 
 /* api.c */

