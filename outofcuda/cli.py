@@ -237,34 +237,18 @@ def status_data():
 
 
 # Text output fits 80 columns and cuts nothing: long values wrap onto
-# continuation lines (the same layout as the OUTOFCUDA_VERBOSE table).
-WIDTH = 80
+# continuation lines. The layout and the wrapping are the OUTOFCUDA_VERBOSE
+# table's (report.c): WIDTH, VALUE_COL ("  name(20) applied(8) value") and
+# REASON_INDENT come from there.
+_LAYOUT = core._text_layout()
+WIDTH, VALUE_COL, REASON_INDENT = _LAYOUT["width"], _LAYOUT["value_col"], _LAYOUT["reason_indent"]
 LABEL = 16  # "hook fires      yes"
-VALUE_COL = 32  # "  name(20) applied(8) value"
-REASON_INDENT = 6
 
 
 def _wrap(text, first, indent):
     """Lines of at most ``first`` characters (the first) and WIDTH - indent
-    (the rest, prefixed with indent spaces). A line breaks at its last space,
-    else after its last '/' or ',' (a path, an allocator string), else at the
-    width."""
-    lines, width = [], first
-    while len(text) > width:
-        cut = skip = 0
-        for n in range(width, 0, -1):
-            if text[n] == " ":
-                cut, skip = n, 1
-                break
-            if text[n - 1] in "/,":
-                cut = n
-                break
-        cut = cut or width
-        lines.append(text[:cut])
-        text = text[cut + skip:]
-        width = WIDTH - indent
-    lines.append(text)
-    return [lines[0]] + [" " * indent + ln for ln in lines[1:]]
+    (the rest, prefixed with indent spaces), broken as the verbose table's."""
+    return core._wrap(text, first, indent)
 
 
 def _row(label, value):
