@@ -357,7 +357,7 @@ static PyObject *py_memory_report(PyObject *self, PyObject *unused)
     if (report == NULL)
         return NULL;
     n = oc_nvml_visible_map(map, OC_NVML_MAX_DEVICES);
-    for (int t = 0; t < n; t++) {
+    for (int t = 0; report != NULL && t < n; t++) {
         oc_gpu_info g;
         oc_torch_mem m;
         char key[32];
@@ -373,14 +373,10 @@ static PyObject *py_memory_report(PyObject *self, PyObject *unused)
                           gb(g.used), "nvml_index", map[t]);
         procs = d ? process_dicts(map[t]) : NULL;
         if (procs == NULL || PyDict_SetItemString(d, "processes", procs) < 0 ||
-            PyDict_SetItemString(report, key, d) < 0) {
-            Py_XDECREF(procs);
-            Py_XDECREF(d);
-            Py_DECREF(report);
-            return NULL;
-        }
-        Py_DECREF(procs);
-        Py_DECREF(d);
+            PyDict_SetItemString(report, key, d) < 0)
+            Py_CLEAR(report);
+        Py_XDECREF(procs);
+        Py_XDECREF(d);
     }
     return report;
 }

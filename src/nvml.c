@@ -527,20 +527,14 @@ static PyObject *py_nvml_processes(PyObject *self, PyObject *arg)
     (void)self;
     if (index == -1 && PyErr_Occurred())
         return NULL;
-    list = PyList_New(0);
-    if (list == NULL)
-        return NULL;
     n = (index >= 0 && index < 4096) ? oc_nvml_process_list((int)index, &procs) : -1;
-    for (int i = 0; i < n; i++) {
+    list = PyList_New(n > 0 ? n : 0);
+    for (int i = 0; list != NULL && i < n; i++) {
         unsigned long long used = procs[i].used == NVML_NOT_AVAILABLE ? 0 : procs[i].used;
         PyObject *t = Py_BuildValue("(IK)", procs[i].pid, used);
-        if (t == NULL || PyList_Append(list, t) < 0) {
-            Py_XDECREF(t);
-            Py_DECREF(list);
-            free(procs);
-            return NULL;
-        }
-        Py_DECREF(t);
+        /* SetItem takes t, even when it fails; a NULL slot is freed with the list. */
+        if (t == NULL || PyList_SetItem(list, i, t) < 0)
+            Py_CLEAR(list);
     }
     free(procs);
     return list;
