@@ -810,11 +810,10 @@ static double fraction_set(void)
     if (e == NULL || PyDict_GetItemString(e, "applied") != Py_True || fr == NULL)
         return 0.0;
     x = PyFloat_AsDouble(fr);
-    if (PyErr_Occurred()) {
+    if (x == -1.0 && PyErr_Occurred())
         OC_CLEAR();
-        return 0.0;
-    }
-    return x;
+    /* Recorded as 0 < f <= 1; anything else (an error's -1) reads as none. */
+    return x > 0.0 ? x : 0.0;
 }
 
 /* The allocator string in effect as outofcuda knows it: what it handed to
