@@ -100,8 +100,9 @@ def _compile_blocker(torch, model):
     return None
 
 
-# The modes OUTOFCUDA_COMPILE_MODE accepts (src/config.c), in the same order.
-_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+def _compile_modes():
+    """The modes OUTOFCUDA_COMPILE_MODE accepts, in order: the engine's table."""
+    return next(s["words"] for s in core._settings() if s["name"] == "OUTOFCUDA_COMPILE_MODE")
 
 
 _FLAG_VARS = {"channels_last": "OUTOFCUDA_CHANNELS_LAST", "compile": "OUTOFCUDA_COMPILE",
@@ -120,8 +121,9 @@ def _compile_options(compile, mode, fullgraph):
     _check_flag("compile", compile)
     _check_flag("fullgraph", fullgraph)
     if mode is not None:
-        if not isinstance(mode, str) or mode.strip().lower() not in _COMPILE_MODES:
-            raise ValueError(f"compile_model: mode must be one of {', '.join(_COMPILE_MODES)} "
+        modes = _compile_modes()
+        if not isinstance(mode, str) or mode.strip().lower() not in modes:
+            raise ValueError(f"compile_model: mode must be one of {', '.join(modes)} "
                              f"or None (None: OUTOFCUDA_COMPILE_MODE), got {mode!r}")
         mode = mode.strip().lower()
     cfg = core.config()

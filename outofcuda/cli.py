@@ -25,7 +25,6 @@ from ._native import core
 
 HOOK_NAME = "outofcuda_hook.pth"
 START_NAME = "outofcuda_hook.start"
-ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 MIN_TORCH = (2, 0)
 PROBE_TIMEOUT_S = 180
 # Versioned: the name `outofcuda` 0.1.0 on PyPI is an older, unrelated package.
@@ -238,34 +237,18 @@ def status_data():
 
 
 # Text output fits 80 columns and cuts nothing: long values wrap onto
-# continuation lines (the same layout as the OUTOFCUDA_VERBOSE table).
-WIDTH = 80
+# continuation lines. The layout and the wrapping are the OUTOFCUDA_VERBOSE
+# table's (report.c): WIDTH, VALUE_COL ("  name(20) applied(8) value") and
+# REASON_INDENT come from there.
+_LAYOUT = core._text_layout()
+WIDTH, VALUE_COL, REASON_INDENT = _LAYOUT["width"], _LAYOUT["value_col"], _LAYOUT["reason_indent"]
 LABEL = 16  # "hook fires      yes"
-VALUE_COL = 32  # "  name(20) applied(8) value"
-REASON_INDENT = 6
 
 
 def _wrap(text, first, indent):
     """Lines of at most ``first`` characters (the first) and WIDTH - indent
-    (the rest, prefixed with indent spaces). A line breaks at its last space,
-    else after its last '/' or ',' (a path, an allocator string), else at the
-    width."""
-    lines, width = [], first
-    while len(text) > width:
-        cut = skip = 0
-        for n in range(width, 0, -1):
-            if text[n] == " ":
-                cut, skip = n, 1
-                break
-            if text[n - 1] in "/,":
-                cut = n
-                break
-        cut = cut or width
-        lines.append(text[:cut])
-        text = text[cut + skip:]
-        width = WIDTH - indent
-    lines.append(text)
-    return [lines[0]] + [" " * indent + ln for ln in lines[1:]]
+    (the rest, prefixed with indent spaces), broken as the verbose table's."""
+    return core._wrap(text, first, indent)
 
 
 def _row(label, value):
@@ -418,43 +401,20 @@ def _check_torch(pr):
     return _check("torch", True, f"torch {version} is supported")
 
 
-def _alloc_items(conf):
-    """{key: value} of an allocator string (the last occurrence wins, as in torch)."""
-    items, depth, start = {}, 0, 0
-    for i, ch in enumerate(conf + ","):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            key, _, value = conf[start:i].partition(":")
-            if key.strip():
-                items[key.strip()] = value.strip()
-            start = i + 1
-    return items
-
-
-def _splits_inside_expandable(items):
-    """True when an allocator string pairs max_split_size_mb with expandable
-    segments: inside them torch still applies max_split_size's oversize rules,
-    so freed blocks above it are not reused and reserved memory keeps growing
-    (pytorch issue 123548)."""
-    return "max_split_size_mb" in items and items.get("expandable_segments") == "True"
-
-
 def _check_alloc_conf(torch_version=None):
     cfg = _config()
     own, no_expandable = cfg["alloc_conf"], cfg["alloc_conf_no_expandable"]
     # outofcuda's defaults, those that join only without expandable segments too
-    defaults = dict(_alloc_items(no_expandable), **_alloc_items(own))
+    own_items, own_split = core._alloc_items(own)
+    defaults = dict(core._alloc_items(no_expandable)[0], **dict(own_items))
     notes, problems, paired = [], [], []
-    if _splits_inside_expandable(_alloc_items(own)):
+    if own_split == "inside_expandable":
         paired.append("OUTOFCUDA_ALLOC_CONF")
     # The one variable this torch reads, by the engine's rule (allocconf.c);
     # the others it ignores.
     read, _value = core._alloc_var(torch_version)
     notes += [f"{var} is set but torch {torch_version or '(unknown)'} reads {read}"
-              for var in ALLOC_VARS if var != read and var in os.environ]
+              for var in core._alloc_vars() if var != read and var in os.environ]
     for var in (read,):
         user = os.environ.get(var)
         if user is None:
@@ -467,8 +427,9 @@ def _check_alloc_conf(torch_version=None):
         # A key set to outofcuda's own value changes nothing; another value is
         # the user's choice (expandable_segments:False is the documented way
         # out) and wins by design: both are notes, never something to fix.
-        items = _alloc_items(user)
-        if _splits_inside_expandable(items):
+        items, split = core._alloc_items(user)
+        items = dict(items)
+        if split == "inside_expandable":
             paired.append(var)
         kept = [f"{k}:{v} (default {defaults[k]})" for k, v in items.items()
                 if k in defaults and v != defaults[k]]
@@ -478,7 +439,7 @@ def _check_alloc_conf(torch_version=None):
             note += f" keeps {', '.join(kept)} over outofcuda's defaults"
         if same:
             note += f"; {', '.join(same)} as outofcuda's defaults"
-        if "max_split_size_mb" in items and "expandable_segments" not in items:
+        if split == "no_expandable":
             note += "; no expandable segments beside its max_split_size_mb"
         notes.append(f"{note} (effective: {merged})")
     if problems:

@@ -87,17 +87,23 @@ def _check_loss(loss, torch):
             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
 
 
+def _copy_with(x, pairs):
+    """A shallow copy of x with new[k] = v for each pair, or None where x
+    cannot be copied or written. A copy keeps what the constructor would lose:
+    a defaultdict's factory, a UserDict subclass's own attributes."""
+    try:
+        new = copy.copy(x)
+        for k, v in pairs:
+            new[k] = v
+        return new
+    except Exception:  # noqa: BLE001 - the caller builds a new one
+        return None
+
+
 def _rebuild_mapping(x, items):
-    if isinstance(x, MutableMapping):
-        # A shallow copy keeps what the constructor would lose: a
-        # defaultdict's factory, a UserDict subclass's own attributes.
-        try:
-            new = copy.copy(x)
-            for k, v in items:
-                new[k] = v
-            return new
-        except Exception:  # noqa: BLE001 - fall back to building a new one
-            pass
+    new = _copy_with(x, items) if isinstance(x, MutableMapping) else None
+    if new is not None:
+        return new
     try:
         return type(x)(items)
     except Exception:  # noqa: BLE001 - a read-only Mapping with its own constructor
@@ -107,14 +113,10 @@ def _rebuild_mapping(x, items):
 def _rebuild_sequence(x, items):
     if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
         return type(x)(*items)
-    if isinstance(x, MutableSequence) and not isinstance(x, list):
-        try:
-            new = copy.copy(x)
-            for i, v in enumerate(items):
-                new[i] = v
-            return new
-        except Exception:  # noqa: BLE001 - fall back to building a new one
-            pass
+    mutable = isinstance(x, MutableSequence) and not isinstance(x, list)
+    new = _copy_with(x, enumerate(items)) if mutable else None
+    if new is not None:
+        return new
     try:
         return type(x)(items)
     except Exception:  # noqa: BLE001 - a Sequence with its own constructor

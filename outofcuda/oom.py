@@ -16,8 +16,6 @@ from ._native import core
 
 __all__ = ["last_oom"]
 
-_GIB = 1024.0 ** 3
-
 _lock = threading.Lock()
 # pending: the text of an OOM a retry may survive (see _note), reported only
 # if last_oom() is called.
@@ -25,16 +23,6 @@ _last = {"report": None, "seq": 0, "pending": None}
 
 
 # ---- recognising an OOM ----------------------------------------------------
-
-def _oom_types():
-    import torch
-
-    types = [torch.cuda.OutOfMemoryError]
-    other = getattr(torch, "OutOfMemoryError", None)
-    if other is not None and other not in types:
-        types.append(other)
-    return tuple(types)
-
 
 def is_oom(exc):
     """True when ``exc`` means the GPU ran out of memory: a
@@ -44,12 +32,7 @@ def is_oom(exc):
     >>> is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     True
     """
-    if isinstance(exc, _oom_types()):
-        return True
-    if type(exc) is RuntimeError:
-        text = str(exc)
-        return "CUDA out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text
-    return False
+    return core._is_oom(exc)
 
 
 # ---- the report ------------------------------------------------------------
@@ -65,9 +48,7 @@ def _build_report(text=None, *, exhausted=False):
 
 
 def _gib(b):
-    if b is None:
-        return "unknown"
-    return f"{b / _GIB:.2f} GiB" if b >= 1024 ** 3 else f"{b / 1024 ** 2:.0f} MiB"
+    return "unknown" if b is None else core._fmt_bytes(b)
 
 
 def format_report(report):

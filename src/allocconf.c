@@ -14,6 +14,14 @@ static void set_err(char *err, size_t errsz, const char *msg)
         snprintf(err, errsz, "%s", msg);
 }
 
+/* A merge whose result does not fit: no half string, and -1. */
+static int merged_too_long(char *out, char *err, size_t errsz)
+{
+    set_err(err, errsz, "the merged string is too long");
+    out[0] = '\0';
+    return -1;
+}
+
 /* Copies [b, e) without surrounding blanks into out. Returns 0, or -1 when it
  * does not fit. */
 static int copy_trimmed(const char *b, const char *e, char *out, size_t outsz)
@@ -195,9 +203,7 @@ int oc_alloc_merge(const char *defaults, const char *user, oc_key_allowed_fn all
     }
     return 0;
 too_long:
-    set_err(err, errsz, "the merged string is too long");
-    out[0] = '\0';
-    return -1;
+    return merged_too_long(out, err, errsz);
 }
 
 int oc_alloc_value(const char *conf, const char *key, char *value, size_t valuesz)
@@ -225,6 +231,21 @@ int oc_alloc_has(const char *conf, const char *key, const char *value)
 int oc_alloc_expandable(const char *conf)
 {
     return oc_alloc_has(conf, "expandable_segments", "True");
+}
+
+oc_split_rule oc_alloc_split_rule(const char *conf)
+{
+    char v[sizeof((oc_alloc_list *)0)->e[0].value];
+    if (oc_alloc_value(conf, "max_split_size_mb", NULL, 0) != 1)
+        return OC_SPLIT_NONE;
+    switch (oc_alloc_value(conf, "expandable_segments", v, sizeof v)) {
+    case 0:
+        return OC_SPLIT_NO_EXPANDABLE;
+    case 1:
+        return strcmp(v, "True") == 0 ? OC_SPLIT_INSIDE_EXPANDABLE : OC_SPLIT_NONE;
+    default:
+        return OC_SPLIT_NONE;
+    }
 }
 
 /* Writes the entries of l except `skip` as one string. Returns 0 or -1. */
@@ -260,7 +281,7 @@ int oc_alloc_merge_defaults(const char *defaults, const char *no_expandable, con
      * max_split_size_mb gets no expandable segments from the defaults. */
     if (join_except(&d, "", own, sizeof own) != 0)
         goto too_long;
-    if (find_key(&u, "max_split_size_mb") >= 0 && find_key(&u, "expandable_segments") < 0 &&
+    if (oc_alloc_split_rule(user) == OC_SPLIT_NO_EXPANDABLE &&
         find_key(&d, "expandable_segments") >= 0) {
         if (join_except(&d, "expandable_segments", own, sizeof own) != 0)
             goto too_long;
@@ -284,9 +305,7 @@ int oc_alloc_merge_defaults(const char *defaults, const char *no_expandable, con
         goto too_long;
     return 0;
 too_long:
-    set_err(err, errsz, "the merged string is too long");
-    out[0] = '\0';
-    return -1;
+    return merged_too_long(out, err, errsz);
 }
 
 long oc_torch_version_number(const char *v)
@@ -350,19 +369,26 @@ const char *oc_alloc_env_name(long ver)
     return ver >= 21100 ? "PYTORCH_ALLOC_CONF" : "PYTORCH_CUDA_ALLOC_CONF";
 }
 
+/* The allocator variables in the order torch 2.11+ reads them. */
+static const char *const alloc_vars[] = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF",
+                                         "PYTORCH_ALLOC_CONF"};
+
+const char *oc_alloc_var_at(size_t i)
+{
+    return i < sizeof alloc_vars / sizeof alloc_vars[0] ? alloc_vars[i] : NULL;
+}
+
 const char *oc_alloc_user_var(long ver, const char **value)
 {
-    static const char *const order[] = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF",
-                                        "PYTORCH_ALLOC_CONF"};
     *value = NULL;
     if (ver < 21100) {
         *value = oc_env("PYTORCH_CUDA_ALLOC_CONF");
         return "PYTORCH_CUDA_ALLOC_CONF";
     }
-    for (size_t i = 0; i < sizeof order / sizeof order[0]; i++) {
-        *value = oc_env(order[i]);
+    for (size_t i = 0; oc_alloc_var_at(i) != NULL; i++) {
+        *value = oc_env(alloc_vars[i]);
         if (*value != NULL)
-            return order[i];
+            return alloc_vars[i];
     }
     return oc_alloc_env_name(ver);
 }

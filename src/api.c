@@ -12,7 +12,6 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
-#define GIB (1024.0 * 1024.0 * 1024.0)
 /* Docker's default /dev/shm is 64 MiB; a few workers each holding
  * prefetch_factor batches of images exhaust anything this small ("bus error"
  * or "unable to write to file </torch_...>"). */
@@ -142,9 +141,8 @@ static PyObject *hook_amp_choice(void)
 static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
 {
     const oc_config *cfg = oc_config_get();
-    char dev[32], reason[260], why[200] = "";
+    char dev[32], reason[260];
     PyObject *hook;
-    int cc;
     (void)self;
     if (!PyUnicode_Check(arg)) {
         PyErr_SetString(PyExc_TypeError, "device_type must be a str such as 'cuda' or 'cpu'");
@@ -152,10 +150,8 @@ static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
     }
     oc_utf8(arg, dev, sizeof dev);
     if (cfg->amp_dtype != OC_AMP_AUTO) {
-        const char *name = cfg->amp_dtype == OC_AMP_BFLOAT16 ? "bfloat16" : "float16";
-        return Py_BuildValue("(ss)", name,
-                             cfg->amp_dtype == OC_AMP_BFLOAT16 ? "OUTOFCUDA_AMP_DTYPE=bfloat16"
-                                                               : "OUTOFCUDA_AMP_DTYPE=float16");
+        const char *name = oc_amp_cuda_dtype(cfg, reason, sizeof reason);
+        return Py_BuildValue("(ss)", name, reason);
     }
     if (strcmp(dev, "cpu") == 0)
         return Py_BuildValue("(ss)", "bfloat16", "CPU autocast computes in bfloat16");
@@ -167,17 +163,29 @@ static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
     hook = hook_amp_choice();
     if (hook != NULL)
         return Py_BuildValue("(Os)", hook, "the start-up hook's choice");
-    /* As the start-up hook (bridge.c) does: no guess when the capability is
-     * unknown; None leaves torch's own CUDA default. */
+    /* The start-up hook's rule (bridge.c asks the same): no guess when the
+     * capability is unknown; None leaves torch's own CUDA default. */
+    return Py_BuildValue("(zs)", oc_amp_cuda_dtype(cfg, reason, sizeof reason), reason);
+}
+
+const char *oc_amp_cuda_dtype(const oc_config *cfg, char *reason, size_t sz)
+{
+    char why[200] = "";
+    int cc;
+    if (cfg->amp_dtype != OC_AMP_AUTO) {
+        const char *name = cfg->amp_dtype == OC_AMP_BFLOAT16 ? "bfloat16" : "float16";
+        snprintf(reason, sz, "OUTOFCUDA_AMP_DTYPE=%s", name);
+        return name;
+    }
     cc = oc_nvml_available(why, sizeof why) ? oc_nvml_min_visible_cc() : -1;
     if (cc < 0) {
-        snprintf(reason, sizeof reason, "compute capability unknown: %s",
+        snprintf(reason, sz, "compute capability unknown: %s",
                  why[0] ? why : "no visible GPU reported a compute capability");
-        return Py_BuildValue("(Os)", Py_None, reason);
+        return NULL;
     }
-    snprintf(reason, sizeof reason, "compute capability %d.%d %s 8.0 (from NVML)", cc / 10, cc % 10,
+    snprintf(reason, sz, "compute capability %d.%d %s 8.0 (from NVML)", cc / 10, cc % 10,
              cc >= 80 ? ">=" : "<");
-    return Py_BuildValue("(ss)", cc >= 80 ? "bfloat16" : "float16", reason);
+    return cc >= 80 ? "bfloat16" : "float16";
 }
 
 /* ---- DataLoader plan ---- */
@@ -302,16 +310,7 @@ static PyObject *py_memory_format(PyObject *self, PyObject *args)
 static double gb(unsigned long long bytes)
 {
     /* GiB rounded to the MiB, the product's `total_gb: 80.0` for an 80 GiB card. */
-    return (double)(long long)((double)bytes / GIB * 1000.0 + 0.5) / 1000.0;
-}
-
-static int by_used_desc(const void *a, const void *b)
-{
-    const oc_gpu_proc *x = a, *y = b;
-    /* Unknown sizes (NOT_AVAILABLE) last. */
-    unsigned long long ux = x->used == OC_NVML_NOT_AVAILABLE ? 0 : x->used;
-    unsigned long long uy = y->used == OC_NVML_NOT_AVAILABLE ? 0 : y->used;
-    return ux < uy ? 1 : ux > uy ? -1 : (x->pid > y->pid) - (x->pid < y->pid);
+    return (double)(long long)((double)bytes / OC_GIB * 1000.0 + 0.5) / 1000.0;
 }
 
 /* The processes holding memory on NVML device `index`, largest first, as
@@ -324,7 +323,7 @@ static PyObject *process_dicts(int index)
     PyObject *list;
     if (n < 0)
         Py_RETURN_NONE;
-    qsort(procs, (size_t)n, sizeof *procs, by_used_desc);
+    oc_nvml_sort_procs(procs, n);
     list = PyList_New(0);
     for (int i = 0; list != NULL && i < n; i++) {
         char name[256];
@@ -358,7 +357,7 @@ static PyObject *py_memory_report(PyObject *self, PyObject *unused)
     if (report == NULL)
         return NULL;
     n = oc_nvml_visible_map(map, OC_NVML_MAX_DEVICES);
-    for (int t = 0; t < n; t++) {
+    for (int t = 0; report != NULL && t < n; t++) {
         oc_gpu_info g;
         oc_torch_mem m;
         char key[32];
@@ -374,14 +373,10 @@ static PyObject *py_memory_report(PyObject *self, PyObject *unused)
                           gb(g.used), "nvml_index", map[t]);
         procs = d ? process_dicts(map[t]) : NULL;
         if (procs == NULL || PyDict_SetItemString(d, "processes", procs) < 0 ||
-            PyDict_SetItemString(report, key, d) < 0) {
-            Py_XDECREF(procs);
-            Py_XDECREF(d);
-            Py_DECREF(report);
-            return NULL;
-        }
-        Py_DECREF(procs);
-        Py_DECREF(d);
+            PyDict_SetItemString(report, key, d) < 0)
+            Py_CLEAR(report);
+        Py_XDECREF(procs);
+        Py_XDECREF(d);
     }
     return report;
 }

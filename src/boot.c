@@ -100,69 +100,6 @@ static void boot_clear(int line, const char *func)
 
 /* ---- the engine, loaded on the first `import torch` ---- */
 
-/* `dir/outofcuda_hook<suffix>` -> `dir/_outofcuda<suffix>`: the engine is
- * resolved from this file's location, never by name on sys.path (the working
- * directory is on sys.path by the time torch is imported). */
-static PyObject *engine_path(void)
-{
-    PyObject *file = PyModule_GetFilenameObject(boot_module), *name, *head, *tail, *path = NULL;
-    Py_ssize_t len, at;
-    if (file == NULL)
-        return NULL;
-    len = PyUnicode_GetLength(file);
-    name = PyUnicode_FromString(OC_BOOT_NAME);
-    at = name ? PyUnicode_Find(file, name, 0, len, -1) : -2;
-    Py_XDECREF(name);
-    if (at < 0) {
-        if (at == -1)
-            PyErr_Format(PyExc_ImportError, "%U is not named " OC_BOOT_NAME "*", file);
-        Py_DECREF(file);
-        return NULL;
-    }
-    head = PyUnicode_Substring(file, 0, at);
-    tail = PyUnicode_Substring(file, at + (Py_ssize_t)strlen(OC_BOOT_NAME), len);
-    if (head != NULL && tail != NULL)
-        path = PyUnicode_FromFormat("%U" OC_ENGINE_NAME "%U", head, tail);
-    Py_XDECREF(head);
-    Py_XDECREF(tail);
-    Py_DECREF(file);
-    return path;
-}
-
-static PyObject *load_engine_by_path(void)
-{
-    PyObject *path = engine_path(), *util = NULL, *spec = NULL, *loader = NULL, *mod = NULL;
-    PyObject *res;
-    if (path == NULL)
-        return NULL;
-    util = PyImport_ImportModule("importlib.util");
-    if (util == NULL)
-        goto done;
-    spec = PyObject_CallMethod(util, "spec_from_file_location", "sO", OC_ENGINE_NAME, path);
-    if (spec == NULL)
-        goto done;
-    if (spec == Py_None) {
-        PyErr_Format(PyExc_ImportError, "%U is not a loadable extension", path);
-        goto done;
-    }
-    mod = PyObject_CallMethod(util, "module_from_spec", "O", spec);
-    loader = mod ? PyObject_GetAttrString(spec, "loader") : NULL;
-    if (loader == NULL)
-        goto done;
-    res = PyObject_CallMethod(loader, "exec_module", "O", mod);
-    if (res == NULL) {
-        Py_CLEAR(mod);
-        goto done;
-    }
-    Py_DECREF(res);
-done:
-    Py_XDECREF(loader);
-    Py_XDECREF(spec);
-    Py_XDECREF(util);
-    Py_DECREF(path);
-    return mod;
-}
-
 /* The engine module (borrowed), or NULL with an exception. An `_outofcuda`
  * already in sys.modules is used only when it is the engine (it carries the
  * watcher entry point); a foreign module of that name stays where it is. */
@@ -177,7 +114,7 @@ static PyObject *get_engine(void)
         engine = mod;
         return engine;
     }
-    mod = load_engine_by_path();
+    mod = oc_load_sibling(boot_module, OC_BOOT_NAME, OC_ENGINE_NAME);
     if (mod == NULL)
         return NULL;
     if (PyDict_GetItemString(modules, OC_ENGINE_NAME) == NULL &&

@@ -94,14 +94,8 @@ static void read_version_file(PyObject *spec)
  * module has no version to read. */
 static void read_version_module(PyObject *torch)
 {
-    PyObject *v = oc_getattr_chain(torch, "__version__");
-    PyObject *s = v ? PyObject_Str(v) : NULL;
     PyObject *cuda, *hip;
-    char buf[64];
-    long ver = s ? oc_torch_version_number(oc_utf8(s, buf, sizeof buf)) : 0;
-    Py_XDECREF(s);
-    Py_XDECREF(v);
-    OC_CLEAR();
+    long ver = oc_torch_version(torch);
     if (ver == 0)
         return;
     cuda = oc_getattr_chain(torch, "version.cuda");
@@ -496,7 +490,7 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
     }
     Py_DECREF(setter);
     if (no_queue != NULL) {
-        oc_result_set("tf32", 0, NULL, no_queue + 6);
+        oc_result_set("tf32", 0, NULL, no_queue);
         return;
     }
     pending_tf32 = 1;
@@ -687,22 +681,11 @@ static struct {
     double fraction;
 } pending_fraction;
 
-static long local_rank(void)
-{
-    const char *s = oc_env("LOCAL_RANK");
-    char *end;
-    long r;
-    if (s == NULL || !*s)
-        return -1;
-    r = strtol(s, &end, 10);
-    return (*end == '\0' && r >= 0 && r < 4096) ? r : -1;
-}
-
 /* A step of the CUDA-init callback: this process's device only. */
 static void fraction_at_cuda_init(PyObject *torch)
 {
     PyObject *c_mod = NULL, *n = NULL, *dev = NULL, *r = NULL, *value;
-    long rank = local_rank(), count = 0, device = 0;
+    long rank = oc_env_rank("LOCAL_RANK"), count = 0, device = 0;
     if (!pending_fraction.armed)
         return;
     pending_fraction.armed = 0;
@@ -752,7 +735,7 @@ static int arm_memory_fraction(const oc_config *cfg, const char *no_queue)
         return 0;
     }
     if (no_queue != NULL) {
-        oc_result_set("memory_fraction", 0, NULL, no_queue + 6);
+        oc_result_set("memory_fraction", 0, NULL, no_queue);
         return 0;
     }
     if (owner.name[0]) {
@@ -806,13 +789,13 @@ static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
 
 static PyMethodDef at_cuda_init_def = {"outofcuda_at_cuda_init", at_cuda_init, METH_NOARGS, NULL};
 
-/* torch.cuda._lazy_call, or NULL with *why_not saying why ("none: ...",
- * static storage). */
+/* torch.cuda._lazy_call, or NULL with *why_not saying why (a reason, static
+ * storage). */
 static PyObject *lazy_call_fn(PyObject *torch, const char **why_not)
 {
     PyObject *fn = oc_getattr_chain(torch, "cuda._lazy_call");
     PyErr_Clear(); /* recorded: *why_not says why */
-    *why_not = fn ? NULL : "none: this torch has no torch.cuda._lazy_call";
+    *why_not = fn ? NULL : "this torch has no torch.cuda._lazy_call";
     return fn;
 }
 
@@ -835,29 +818,20 @@ static int queue_at_cuda_init(PyObject *lazy_call)
 
 static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
 {
-    char why[200] = "", reason[300];
+    char why[260] = "", reason[300];
     const char *dtype_name;
     PyObject *dtype, *fn, *r;
-    int cc = -1, use_new;
+    int use_new;
     if (!tv.cuda_build) {
         oc_result_set("amp_dtype", 0, NULL, "this torch build has no CUDA");
         return;
     }
-    if (cfg->amp_dtype == OC_AMP_AUTO) {
-        cc = oc_nvml_available(why, sizeof why) ? oc_nvml_min_visible_cc() : -1;
-        if (cc < 0 && why[0] == '\0')
-            snprintf(why, sizeof why, "no visible GPU reported a compute capability");
-        if (cc < 0) {
-            oc_result_setf("amp_dtype", 0, NULL, "compute capability unknown: %s", why);
-            return;
-        }
-        dtype_name = cc >= 80 ? "bfloat16" : "float16";
-        snprintf(reason, sizeof reason, "auto: compute capability %d.%d %s 8.0 (from NVML)",
-                 cc / 10, cc % 10, cc >= 80 ? ">=" : "<");
-    } else {
-        dtype_name = cfg->amp_dtype == OC_AMP_BFLOAT16 ? "bfloat16" : "float16";
-        snprintf(reason, sizeof reason, "OUTOFCUDA_AMP_DTYPE=%s", dtype_name);
+    dtype_name = oc_amp_cuda_dtype(cfg, why, sizeof why);
+    if (dtype_name == NULL) {
+        oc_result_set("amp_dtype", 0, NULL, why);
+        return;
     }
+    snprintf(reason, sizeof reason, "%s%s", cfg->amp_dtype == OC_AMP_AUTO ? "auto: " : "", why);
     dtype = PyObject_GetAttrString(torch, dtype_name);
     /* 2.4 added set_autocast_dtype(device, dtype) and deprecated the GPU one. */
     fn = PyObject_GetAttrString(torch, "set_autocast_dtype");

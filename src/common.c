@@ -4,9 +4,11 @@
  * Nothing here calls up into the watcher, the bridge or the features. */
 #include "oc.h"
 
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 oc_state oc_g;
 
@@ -201,4 +203,38 @@ const char *oc_utf8(PyObject *str, char *buf, size_t sz)
     snprintf(buf, sz, "%s", PyBytes_AsString(bytes));
     Py_DECREF(bytes);
     return buf;
+}
+
+long oc_torch_version(PyObject *torch)
+{
+    PyObject *v = oc_getattr_chain(torch, "__version__");
+    PyObject *s = v ? PyObject_Str(v) : NULL;
+    char buf[64];
+    long ver = oc_torch_version_number(oc_utf8(s, buf, sizeof buf));
+    Py_XDECREF(s);
+    Py_XDECREF(v);
+    OC_CLEAR();
+    return ver;
+}
+
+int oc_resolve_file_path(const char *path, char *dir, size_t dirsz, char *out, size_t outsz)
+{
+    char real[PATH_MAX];
+    struct stat st;
+    const char *slash = strrchr(path, '/');
+    const char *base = slash ? slash + 1 : path;
+    out[0] = '\0';
+    if (slash == NULL)
+        snprintf(dir, dirsz, ".");
+    else if (slash == path)
+        snprintf(dir, dirsz, "/");
+    else
+        snprintf(dir, dirsz, "%.*s", (int)(slash - path), path);
+    if (realpath(dir, real) == NULL || stat(real, &st) != 0 || !S_ISDIR(st.st_mode))
+        return -1;
+    if (snprintf(out, outsz, "%s/%s", strcmp(real, "/") ? real : "", base) >= (int)outsz) {
+        out[0] = '\0';
+        return -2;
+    }
+    return 0;
 }

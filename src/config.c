@@ -147,32 +147,31 @@ static int parse_bool(oc_config *cfg, const oc_setting *s, const char *v)
     return 0;
 }
 
-static int parse_long(oc_config *cfg, const oc_setting *s, const char *v)
+/* A whole number from s->lo to s->hi (OC_SET_LONG, a long field), or a
+ * fraction f with 0 < f <= 1 (OC_SET_FRACTION, a double field). */
+static int parse_number(oc_config *cfg, const oc_setting *s, const char *v)
 {
     char buf[32], *end;
-    long x;
+    long whole = 0;
+    double f = 0.0;
+    int ok;
     if (trim_copy(v, buf, sizeof buf, 0) == NULL || buf[0] == '\0')
         return -1;
     errno = 0;
-    x = strtol(buf, &end, 10);
-    if (errno != 0 || *end != '\0' || x < s->lo || x > s->hi)
-        return -1;
-    STORE(cfg, s, x);
-    return 0;
-}
-
-static int parse_fraction(oc_config *cfg, const oc_setting *s, const char *v)
-{
-    char buf[32], *end;
-    double x;
-    if (trim_copy(v, buf, sizeof buf, 0) == NULL || buf[0] == '\0')
-        return -1;
-    errno = 0;
-    x = strtod(buf, &end);
+    if (s->kind == OC_SET_LONG)
+        whole = strtol(buf, &end, 10);
+    else
+        f = strtod(buf, &end);
     /* isfinite() also refuses "nan" and "inf", which strtod accepts. */
-    if (errno != 0 || *end != '\0' || !isfinite(x) || !(x > 0.0) || x > 1.0)
+    ok = errno == 0 && *end == '\0' &&
+         (s->kind == OC_SET_LONG ? whole >= s->lo && whole <= s->hi
+                                 : isfinite(f) && f > 0.0 && f <= 1.0);
+    if (!ok)
         return -1;
-    STORE(cfg, s, x);
+    if (s->kind == OC_SET_LONG)
+        STORE(cfg, s, whole);
+    else
+        STORE(cfg, s, f);
     return 0;
 }
 
@@ -238,9 +237,8 @@ static int parse(oc_config *cfg, const oc_setting *s, const char *v)
     case OC_SET_BOOL:
         return parse_bool(cfg, s, v);
     case OC_SET_LONG:
-        return parse_long(cfg, s, v);
     case OC_SET_FRACTION:
-        return parse_fraction(cfg, s, v);
+        return parse_number(cfg, s, v);
     case OC_SET_WORD:
         return parse_word(cfg, s, v);
     case OC_SET_ALLOC:

@@ -73,6 +73,80 @@ static PyObject *py_alloc_expandable(PyObject *self, PyObject *arg)
     return PyBool_FromLong(on);
 }
 
+/* _alloc_vars() -> tuple: the allocator variables in the order torch 2.11+
+ * reads them. */
+static PyObject *py_alloc_vars(PyObject *self, PyObject *unused)
+{
+    size_t n = 0;
+    PyObject *t;
+    (void)self;
+    (void)unused;
+    while (oc_alloc_var_at(n) != NULL)
+        n++;
+    t = PyTuple_New((Py_ssize_t)n);
+    for (size_t i = 0; t != NULL && i < n; i++) {
+        PyObject *name = PyUnicode_FromString(oc_alloc_var_at(i));
+        if (name == NULL || PyTuple_SetItem(t, (Py_ssize_t)i, name) < 0)
+            Py_CLEAR(t);
+    }
+    return t;
+}
+
+/* _alloc_items(conf) -> (items, split): an allocator string read as torch
+ * reads it (a list of (key, value), a key given twice keeping its first place
+ * and last value) and its max_split_size_mb rule ("inside_expandable",
+ * "no_expandable" or None, oc_alloc_split_rule). ValueError when malformed. */
+static PyObject *py_alloc_items(PyObject *self, PyObject *arg)
+{
+    static const char *const splits[] = {NULL, "inside_expandable", "no_expandable"};
+    static oc_alloc_list l; /* 10 kB off the stack; called under the GIL */
+    char err[128] = "";
+    const char *conf;
+    PyObject *bytes, *items = NULL, *out = NULL;
+    (void)self;
+    if (!PyUnicode_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "_alloc_items expects a str");
+        return NULL;
+    }
+    bytes = PyUnicode_AsEncodedString(arg, "utf-8", "surrogateescape");
+    if (bytes == NULL)
+        return NULL;
+    conf = PyBytes_AsString(bytes);
+    if (conf != NULL && oc_alloc_parse(conf, &l, err, sizeof err) != 0)
+        PyErr_Format(PyExc_ValueError, "bad allocator configuration: %s", err);
+    else if (conf != NULL)
+        items = PyList_New(0);
+    for (int i = 0; items != NULL && i < l.n; i++) {
+        PyObject *kv = Py_BuildValue("(ss)", l.e[i].key, l.e[i].value);
+        if (kv == NULL || PyList_Append(items, kv) < 0)
+            Py_CLEAR(items);
+        Py_XDECREF(kv);
+    }
+    if (items != NULL)
+        out = Py_BuildValue("(Oz)", items, splits[oc_alloc_split_rule(conf)]);
+    Py_XDECREF(items);
+    Py_DECREF(bytes);
+    return out;
+}
+
+/* _fmt_bytes(n) -> str: a byte count as every report writes it (GiB with two
+ * decimals from 1 GiB, else whole MiB: oc_fmt_bytes). */
+static PyObject *py_fmt_bytes(PyObject *self, PyObject *arg)
+{
+    char buf[48];
+    unsigned long long n;
+    (void)self;
+    if (!PyLong_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "_fmt_bytes expects an int");
+        return NULL;
+    }
+    n = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    oc_fmt_bytes(n, buf, sizeof buf);
+    return PyUnicode_FromString(buf);
+}
+
 PyMethodDef oc_facts_methods[] = {
     {"_disabled_by_env", py_disabled_by_env, METH_NOARGS,
      "_disabled_by_env()\n--\n\nOUTOFCUDA_DISABLE turns outofcuda off."},
@@ -81,6 +155,13 @@ PyMethodDef oc_facts_methods[] = {
     {"_alloc_var", py_alloc_var, METH_VARARGS,
      "_alloc_var(torch_version=None)\n--\n\n(name, value or None) of the allocator variable "
      "that torch release reads."},
+    {"_alloc_vars", py_alloc_vars, METH_NOARGS,
+     "_alloc_vars()\n--\n\nThe allocator variables in the order torch 2.11+ reads them."},
+    {"_alloc_items", py_alloc_items, METH_O,
+     "_alloc_items(conf)\n--\n\n(items, split): an allocator string's (key, value) pairs as "
+     "torch applies them, and its max_split_size_mb rule."},
+    {"_fmt_bytes", py_fmt_bytes, METH_O,
+     "_fmt_bytes(n)\n--\n\nA byte count as the reports write it (GiB from 1 GiB, else MiB)."},
     {"_alloc_expandable", py_alloc_expandable, METH_O,
      "_alloc_expandable(conf)\n--\n\nThe allocator string turns expandable segments on."},
     {NULL, NULL, 0, NULL},

@@ -179,15 +179,11 @@ static const char *proc_getenv(const char *name, void *ctx)
 /* torch's version and build, read from the module (never imports). */
 static void torch_facts(PyObject *torch, oc_kb_facts *f)
 {
-    PyObject *v = oc_getattr_chain(torch, "__version__");
-    PyObject *s = v ? PyObject_Str(v) : NULL;
-    PyObject *cuda = oc_getattr_chain(torch, "version.cuda");
-    char buf[64];
-    f->torch = s ? oc_torch_version_number(oc_utf8(s, buf, sizeof buf)) : 0;
+    PyObject *cuda;
+    f->torch = oc_torch_version(torch);
+    cuda = oc_getattr_chain(torch, "version.cuda");
     f->cuda_build = cuda == NULL ? -1 : cuda != Py_None;
     Py_XDECREF(cuda);
-    Py_XDECREF(s);
-    Py_XDECREF(v);
     OC_CLEAR();
 }
 
@@ -271,8 +267,7 @@ int oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
         for (size_t i = 0; i < n; i++) {
             size_t len = strlen(kb.reason[i]);
             if (kb.state[i] == OC_KB_UNDECIDED)
-                snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, " (never: %s)",
-                         no_queue + 6);
+                snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, " (never: %s)", no_queue);
         }
         kb.pending = 0;
     }

@@ -99,8 +99,28 @@ static PyObject *dict_from_config(const oc_config *c)
     return d;
 }
 
+/* The words a word setting takes, in the table's order (None for other
+ * kinds): the Python layer checks its own arguments against these. */
+static PyObject *setting_words(const oc_setting *s)
+{
+    size_t n = 0;
+    PyObject *t;
+    if (s->words == NULL)
+        Py_RETURN_NONE;
+    while (s->words[n] != NULL)
+        n++;
+    t = PyTuple_New((Py_ssize_t)n);
+    for (size_t i = 0; t != NULL && i < n; i++) {
+        PyObject *w = PyUnicode_FromString(s->words[i]);
+        if (w == NULL || PyTuple_SetItem(t, (Py_ssize_t)i, w) < 0)
+            Py_CLEAR(t);
+    }
+    return t;
+}
+
 /* _settings() -> list of dicts: the table of every environment variable
- * outofcuda reads (name, kind, default, accepts), for doctor and tests. */
+ * outofcuda reads (name, kind, default, accepts, words), for doctor, tests
+ * and the Python API's own checks. */
 static PyObject *oc_settings_py(PyObject *self, PyObject *unused)
 {
     static const char *const kinds[] = {"boolean",   "number",  "fraction", "word",
@@ -110,8 +130,9 @@ static PyObject *oc_settings_py(PyObject *self, PyObject *unused)
     (void)unused;
     for (size_t i = 0; list != NULL && i < oc_setting_count(); i++) {
         const oc_setting *s = oc_setting_at(i);
-        PyObject *e = Py_BuildValue("{s:s,s:s,s:z,s:s}", "name", s->name, "kind", kinds[s->kind],
-                                    "default", s->default_text, "accepts", s->accepts);
+        PyObject *e = Py_BuildValue("{s:s,s:s,s:z,s:s,s:N}", "name", s->name, "kind",
+                                    kinds[s->kind], "default", s->default_text, "accepts",
+                                    s->accepts, "words", setting_words(s));
         if (e == NULL || PyList_Append(list, e) < 0)
             Py_CLEAR(list);
         Py_XDECREF(e);

@@ -308,6 +308,21 @@ int oc_nvml_process_list(int index, oc_gpu_proc **out)
     return -1;
 }
 
+static int by_used_desc(const void *a, const void *b)
+{
+    const oc_gpu_proc *x = a, *y = b;
+    /* Unknown sizes (NOT_AVAILABLE) last. */
+    unsigned long long ux = x->used == OC_NVML_NOT_AVAILABLE ? 0 : x->used;
+    unsigned long long uy = y->used == OC_NVML_NOT_AVAILABLE ? 0 : y->used;
+    return ux < uy ? 1 : ux > uy ? -1 : (x->pid > y->pid) - (x->pid < y->pid);
+}
+
+void oc_nvml_sort_procs(oc_gpu_proc *procs, int n)
+{
+    if (procs != NULL && n > 1)
+        qsort(procs, (size_t)n, sizeof *procs, by_used_desc);
+}
+
 int oc_proc_name(unsigned int pid, char *buf, size_t sz)
 {
     char path[48];
@@ -512,20 +527,14 @@ static PyObject *py_nvml_processes(PyObject *self, PyObject *arg)
     (void)self;
     if (index == -1 && PyErr_Occurred())
         return NULL;
-    list = PyList_New(0);
-    if (list == NULL)
-        return NULL;
     n = (index >= 0 && index < 4096) ? oc_nvml_process_list((int)index, &procs) : -1;
-    for (int i = 0; i < n; i++) {
+    list = PyList_New(n > 0 ? n : 0);
+    for (int i = 0; list != NULL && i < n; i++) {
         unsigned long long used = procs[i].used == NVML_NOT_AVAILABLE ? 0 : procs[i].used;
         PyObject *t = Py_BuildValue("(IK)", procs[i].pid, used);
-        if (t == NULL || PyList_Append(list, t) < 0) {
-            Py_XDECREF(t);
-            Py_DECREF(list);
-            free(procs);
-            return NULL;
-        }
-        Py_DECREF(t);
+        /* SetItem takes t, even when it fails; a NULL slot is freed with the list. */
+        if (t == NULL || PyList_SetItem(list, i, t) < 0)
+            Py_CLEAR(list);
     }
     free(procs);
     return list;

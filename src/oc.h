@@ -134,6 +134,11 @@ const oc_setting *oc_setting_named(const char *name); /* NULL when not in the ta
 /* getenv() of a variable of the table; every read of the environment goes
  * through here (the boot, which links nothing, reads its two itself). */
 const char *oc_env(const char *name);
+/* A torchrun rank variable of the table (RANK, LOCAL_RANK) as a whole number
+ * from 0 (below a million, the largest job's ranks); -1 when unset, empty or
+ * anything else. Where LOCAL_RANK names a device, one past the devices counts
+ * as absent at the caller. */
+long oc_env_rank(const char *name);
 
 /* Fills *cfg from the environment; never fails. Every bad value leaves the
  * default in place and appends one message to cfg->warnings. */
@@ -180,6 +185,18 @@ int oc_alloc_has(const char *conf, const char *key, const char *value);
 
 /* Returns 1 when the allocator string turns expandable segments on. */
 int oc_alloc_expandable(const char *conf);
+
+/* max_split_size_mb beside expandable segments. Inside them torch still
+ * applies max_split_size's oversize rules, so freed blocks above it are not
+ * reused and reserved memory keeps growing (pytorch issue 123548): the
+ * doctor flags OC_SPLIT_INSIDE_EXPANDABLE, and the merge gives a string in
+ * OC_SPLIT_NO_EXPANDABLE no expandable segments from the defaults. */
+typedef enum {
+    OC_SPLIT_NONE,              /* no max_split_size_mb (or a malformed string) */
+    OC_SPLIT_INSIDE_EXPANDABLE, /* max_split_size_mb with expandable_segments:True */
+    OC_SPLIT_NO_EXPANDABLE,     /* max_split_size_mb, expandable_segments not named */
+} oc_split_rule;
+oc_split_rule oc_alloc_split_rule(const char *conf);
 
 /* outofcuda's merge of its defaults under the user's string (the user's keys
  * win, as oc_alloc_merge): the defaults' expandable_segments is left out
@@ -257,6 +274,9 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
  * release's first name when none is set) and its value through *value (NULL
  * when unset). */
 const char *oc_alloc_user_var(long ver, const char **value);
+/* The allocator variables in the order torch 2.11+ reads them; NULL past the
+ * end. */
+const char *oc_alloc_var_at(size_t i);
 
 /* Returns 1 when NVIDIA_TF32_OVERRIDE's value v (NULL: unset) forces TF32
  * off in NVIDIA's libraries: "0", C-locale blanks around allowed. */
@@ -409,6 +429,8 @@ typedef struct {
 /* Every process NVML lists on GPU `index`, in *out (malloc'd, free() it);
  * count or -1. used is OC_NVML_NOT_AVAILABLE where the driver cannot tell. */
 int oc_nvml_process_list(int index, oc_gpu_proc **out);
+/* Sorts such a list most memory first, unknown sizes last, ties by pid. */
+void oc_nvml_sort_procs(oc_gpu_proc *procs, int n);
 #define OC_NVML_NOT_AVAILABLE 0xFFFFFFFFFFFFFFFFull
 int oc_proc_name(unsigned int pid, char *buf, size_t sz); /* /proc name: 0, or -1 */
 #define OC_NVML_MAX_DEVICES 64
@@ -425,10 +447,16 @@ int oc_nvml_utilization(int index, unsigned *gpu, unsigned *mem);
 
 /* oom.c */
 /* With torch imported: prepares the observer and hooks. no_queue is NULL when
- * bridge.c's CUDA-init callback is queued, else why not ("none: ..."). Returns
+ * bridge.c's CUDA-init callback is queued, else why not (a reason). Returns
  * 1 when oc_oom_at_cuda_init has work. Never raises. */
 int oc_oom_install(PyObject *torch, const char *no_queue);
 void oc_oom_at_cuda_init(PyObject *torch); /* a step of the CUDA-init callback */
+/* What counts as a CUDA OOM: torch's type (torch.cuda.OutOfMemoryError or
+ * torch.OutOfMemoryError, from the torch in sys.modules), or a plain
+ * RuntimeError whose text older paths raise instead (cuBLAS workspace,
+ * torch before 1.13; exc needed for the text). Never raises. */
+typedef enum { OC_OOM_NONE, OC_OOM_TYPE, OC_OOM_TEXT } oc_oom_kind;
+oc_oom_kind oc_oom_kind_of(PyObject *type, PyObject *exc);
 extern PyMethodDef oc_oom_methods[];
 
 /* api.c */
@@ -440,6 +468,11 @@ typedef struct {
 int oc_api_torch_stats(int torch_index, oc_torch_mem *out);
 /* gc.collect (if configured) + empty_cache; 0 ok, -1 with an exception set. */
 int oc_api_clear_cache(long long *released);
+/* The CUDA autocast dtype ("bfloat16" or "float16"): OUTOFCUDA_AMP_DTYPE's,
+ * or under auto the compute capability's (8.0 and up: bfloat16; the lowest
+ * visible GPU's, from NVML); NULL when auto cannot know it. reason: why, in
+ * words. */
+const char *oc_amp_cuda_dtype(const oc_config *cfg, char *reason, size_t sz);
 
 /* facts.c */
 extern PyMethodDef oc_facts_methods[];
@@ -460,6 +493,15 @@ PyObject *oc_call_quiet_at(PyObject *owner, const char *name, const char *a, con
 #define oc_call_quiet(owner, name, a, b)                                                           \
     oc_call_quiet_at(owner, name, a, b, __FILE__, __LINE__, __func__)
 const char *oc_utf8(PyObject *str, char *buf, size_t sz); /* copy of str into buf */
+/* The imported torch's release (oc_torch_version_number of its __version__);
+ * 0 when it has none to read (errors swallowed). */
+long oc_torch_version(PyObject *torch);
+/* A file to write later (OUTOFCUDA_OOM_SNAPSHOT, OUTOFCUDA_SUMMARY's .json):
+ * its directory, as given, into dir (for messages), resolved now (the working
+ * directory may change before the file is written), and the file's absolute
+ * path into out. Returns 0; -1 when the directory does not exist; -2 when the
+ * path does not fit out (out is "" on failure). */
+int oc_resolve_file_path(const char *path, char *dir, size_t dirsz, char *out, size_t outsz);
 
 /* knownbugs.c: decides what it can with torch imported (never reads the
  * cuDNN version: that loads cuDNN), and the rest from the CUDA-init callback,
@@ -503,5 +545,53 @@ double oc_thread_now(void); /* CLOCK_MONOTONIC, in seconds */
 int oc_summary_prepare(void);       /* with torch imported: 1 when the step has work */
 void oc_summary_at_cuda_init(void); /* a step of the CUDA-init callback */
 extern PyMethodDef oc_summary_methods[];
+
+/* Both extensions: the sibling extension `to`, loaded by path from the
+ * directory of `self` (the module of the extension named `from`): never by
+ * name, as the working directory may be on sys.path. `dir/from<suffix>` ->
+ * `dir/to<suffix>`; not put in sys.modules. New reference, or NULL with an
+ * exception. Here, inline, because the boot links nothing of the engine. */
+static inline PyObject *oc_load_sibling(PyObject *self, const char *from, const char *to)
+{
+    PyObject *file = PyModule_GetFilenameObject(self), *name, *head, *tail, *path = NULL;
+    PyObject *util, *spec = NULL, *loader = NULL, *mod = NULL, *res = NULL;
+    Py_ssize_t len, at;
+    if (file == NULL)
+        return NULL;
+    len = PyUnicode_GetLength(file);
+    name = PyUnicode_FromString(from);
+    at = name ? PyUnicode_Find(file, name, 0, len, -1) : -2;
+    Py_XDECREF(name);
+    if (at >= 0) {
+        head = PyUnicode_Substring(file, 0, at);
+        tail = PyUnicode_Substring(file, at + (Py_ssize_t)strlen(from), len);
+        if (head != NULL && tail != NULL)
+            path = PyUnicode_FromFormat("%U%s%U", head, to, tail);
+        Py_XDECREF(head);
+        Py_XDECREF(tail);
+    } else if (at == -1) {
+        PyErr_Format(PyExc_ImportError, "%U is not named %s*", file, from);
+    }
+    Py_DECREF(file);
+    if (path == NULL)
+        return NULL;
+    util = PyImport_ImportModule("importlib.util");
+    if (util != NULL)
+        spec = PyObject_CallMethod(util, "spec_from_file_location", "sO", to, path);
+    if (spec == Py_None)
+        PyErr_Format(PyExc_ImportError, "%U is not a loadable extension", path);
+    else if (spec != NULL)
+        mod = PyObject_CallMethod(util, "module_from_spec", "O", spec);
+    loader = mod ? PyObject_GetAttrString(spec, "loader") : NULL;
+    res = loader ? PyObject_CallMethod(loader, "exec_module", "O", mod) : NULL;
+    if (res == NULL)
+        Py_CLEAR(mod);
+    Py_XDECREF(res);
+    Py_XDECREF(loader);
+    Py_XDECREF(spec);
+    Py_XDECREF(util);
+    Py_DECREF(path);
+    return mod;
+}
 #endif /* OC_PURE_C */
 #endif /* OC_H */

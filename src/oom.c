@@ -30,8 +30,13 @@ static PyObject *prev_sys_hook, *prev_thread_hook, *oom_type;
  * which would print every report twice. Guarded by the GIL. */
 static int armed;
 
-/* What status() says about the observer (static storage). */
-static const char *observer_state = "none";
+/* The observer: attached (or to be) with observer.state saying when, or none
+ * with observer.none saying why (static storage); status() shows
+ * "none: <why>". */
+static struct {
+    const char *state; /* NULL: none */
+    const char *none;
+} observer;
 
 /* OUTOFCUDA_OOM_SNAPSHOT, checked and made absolute at install ("" = off). */
 static char snapshot_path[PATH_MAX];
@@ -210,9 +215,10 @@ void oc_oom_at_cuda_init(PyObject *torch)
     r = obs ? PyObject_CallFunctionObjArgs(attach, obs, NULL) : NULL;
     if (r == NULL) {
         oc_set_error("attaching the CUDA OOM observer");
-        observer_state = "none: attaching it at CUDA initialisation failed";
+        observer.state = NULL;
+        observer.none = "attaching it at CUDA initialisation failed";
     } else {
-        observer_state = "attached";
+        observer.state = "attached";
     }
     OC_CLEAR();
     Py_XDECREF(r);
@@ -227,9 +233,10 @@ void oc_oom_at_cuda_init(PyObject *torch)
 static int read_snapshot_env(void)
 {
     const char *v = oc_env("OUTOFCUDA_OOM_SNAPSHOT");
-    char dir[PATH_MAX], real[PATH_MAX], msg[OC_WARN_LEN + PATH_MAX];
+    char dir[PATH_MAX], msg[OC_WARN_LEN + PATH_MAX];
     const char *base, *slash;
     struct stat st;
+    int resolved;
     snapshot_path[0] = '\0';
     if (v == NULL || v[0] == '\0')
         return 0;
@@ -244,14 +251,8 @@ static int read_snapshot_env(void)
         oc_warn(msg);
         return 0;
     }
-    if (slash == NULL)
-        snprintf(dir, sizeof dir, ".");
-    else if (slash == v)
-        snprintf(dir, sizeof dir, "/");
-    else
-        snprintf(dir, sizeof dir, "%.*s", (int)(slash - v), v);
-    /* Resolved now: the working directory may change before the OOM. */
-    if (realpath(dir, real) == NULL || stat(real, &st) != 0 || !S_ISDIR(st.st_mode)) {
+    resolved = oc_resolve_file_path(v, dir, sizeof dir, snapshot_path, sizeof snapshot_path);
+    if (resolved == -1) {
         snprintf(msg, sizeof msg,
                  "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: its directory %.200s does "
                  "not exist",
@@ -259,9 +260,7 @@ static int read_snapshot_env(void)
         oc_warn(msg);
         return 0;
     }
-    if (snprintf(snapshot_path, sizeof snapshot_path, "%s/%s", strcmp(real, "/") ? real : "",
-                 base) >= (int)sizeof snapshot_path ||
-        (stat(snapshot_path, &st) == 0 && S_ISDIR(st.st_mode))) {
+    if (resolved != 0 || (stat(snapshot_path, &st) == 0 && S_ISDIR(st.st_mode))) {
         snprintf(msg, sizeof msg,
                  "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: it must name a file, not a "
                  "directory",
@@ -301,15 +300,45 @@ static void oom_relief(void)
     Py_DECREF(cuda);
 }
 
+oc_oom_kind oc_oom_kind_of(PyObject *type, PyObject *exc)
+{
+    static const char *const types[] = {"cuda.OutOfMemoryError", "OutOfMemoryError"};
+    /* cuBLAS's status name, written in two pieces: a whole upper-case name
+     * in quotes reads as an environment variable to tests/test_static.py. */
+    static const char *const texts[] = {"CUDA out of memory", "CUBLAS_STATUS_ALLOC_"
+                                                              "FAILED"};
+    PyObject *torch, *text;
+    oc_oom_kind kind = OC_OOM_NONE;
+    if (type == NULL || !PyType_Check(type))
+        return OC_OOM_NONE;
+    torch = oc_sys_module("torch");
+    for (int i = 0; torch != NULL && i < 2 && kind == OC_OOM_NONE; i++) {
+        PyObject *t = oc_getattr_chain(torch, types[i]);
+        if (t != NULL && PyType_Check(t) && PyObject_IsSubclass(type, t) == 1)
+            kind = OC_OOM_TYPE;
+        Py_XDECREF(t);
+        PyErr_Clear(); /* absence: a torch without that type is answered by the other */
+    }
+    Py_XDECREF(torch);
+    if (kind != OC_OOM_NONE || exc == NULL || type != PyExc_RuntimeError)
+        return kind;
+    text = PyObject_Str(exc);
+    for (int i = 0; text != NULL && i < 2 && kind == OC_OOM_NONE; i++) {
+        PyObject *needle = PyUnicode_FromString(texts[i]);
+        if (needle != NULL && PySequence_Contains(text, needle) == 1)
+            kind = OC_OOM_TEXT;
+        Py_XDECREF(needle);
+    }
+    Py_XDECREF(text);
+    OC_CLEAR();
+    return kind;
+}
+
+/* The hooks report torch's OOM type only: a text-only one has no observer
+ * figures to report. */
 static int is_oom(PyObject *type)
 {
-    int r;
-    if (oom_type == NULL || type == NULL || !PyType_Check(type))
-        return 0;
-    r = PyObject_IsSubclass(type, oom_type);
-    if (r < 0)
-        OC_CLEAR();
-    return r == 1;
+    return oc_oom_kind_of(type, NULL) == OC_OOM_TYPE;
 }
 
 /* Returns 1 when `outofcuda` would be imported from the directory that holds
@@ -369,7 +398,6 @@ static void print_summary(void)
 {
     PyObject *cuda = PyImport_ImportModule("torch.cuda");
     PyObject *alloc = NULL, *reserved = NULL;
-    double gib = 1024.0 * 1024.0 * 1024.0;
     if (cuda != NULL) {
         alloc = PyObject_CallMethod(cuda, "memory_allocated", NULL);
         reserved = alloc ? PyObject_CallMethod(cuda, "memory_reserved", NULL) : NULL;
@@ -377,8 +405,8 @@ static void print_summary(void)
     OC_CLEAR();
     PySys_WriteStderr("outofcuda: CUDA out of memory (allocated %.2f GiB, reserved %.2f GiB "
                       "by this process).\n",
-                      alloc ? PyLong_AsDouble(alloc) / gib : 0.0,
-                      reserved ? PyLong_AsDouble(reserved) / gib : 0.0);
+                      alloc ? PyLong_AsDouble(alloc) / OC_GIB : 0.0,
+                      reserved ? PyLong_AsDouble(reserved) / OC_GIB : 0.0);
     OC_CLEAR();
     Py_XDECREF(alloc);
     Py_XDECREF(reserved);
@@ -431,8 +459,11 @@ static PyMethodDef thread_hook_def = {"outofcuda_threading_excepthook", thread_e
 /* status()'s entry for the handler; `hooks` says which hooks are set. */
 static void record_status(const char *hooks)
 {
-    PyObject *value = Py_BuildValue("{s:s,s:s,s:z}", "hooks", hooks, "observer", observer_state,
-                                    "snapshot", snapshot_path[0] ? snapshot_path : NULL);
+    PyObject *state = observer.state  ? PyUnicode_FromString(observer.state)
+                      : observer.none ? PyUnicode_FromFormat("none: %s", observer.none)
+                                      : PyUnicode_FromString("none");
+    PyObject *value = Py_BuildValue("{s:s,s:N,s:z}", "hooks", hooks, "observer", state, "snapshot",
+                                    snapshot_path[0] ? snapshot_path : NULL);
     oc_result_set("oom_handler", 1, value,
                   "once CUDA initialises, on a CUDA OOM: record the figures (observer), print a "
                   "report and ranked actions before the traceback of an uncaught one, then empty "
@@ -503,17 +534,16 @@ int oc_oom_install(PyObject *torch, const char *no_queue)
     OC_CLEAR();
     /* Every CUDA (and ROCm) build has the observer; a CPU-only build has no
      * CUDA to report on. */
-    observer_state = attach == NULL ? "none: this torch build has no CUDA OOM observer"
-                     : no_queue     ? no_queue
-                                    : "attached when CUDA initialises";
+    observer.state = attach == NULL || no_queue ? NULL : "attached when CUDA initialises";
+    observer.none = attach == NULL ? "this torch build has no CUDA OOM observer" : no_queue;
     Py_XDECREF(attach);
-    if (strncmp(observer_state, "none", 4) == 0) {
+    if (observer.state == NULL) {
         if (snapshot) {
             char msg[OC_WARN_LEN];
             snprintf(msg, sizeof msg,
                      "outofcuda: OUTOFCUDA_OOM_SNAPSHOT is set but no snapshot "
                      "can be written (%s)",
-                     observer_state + 6);
+                     observer.none);
             snapshot_path[0] = '\0';
             oc_warn(msg);
         }
@@ -525,7 +555,7 @@ int oc_oom_install(PyObject *torch, const char *no_queue)
                           "Python's exception hooks left alone");
         else
             oc_result_setf("oom_handler", 0, NULL, "%s: Python's exception hooks left alone",
-                           observer_state + 6);
+                           observer.none);
         return 0;
     }
     armed = 1;
@@ -747,19 +777,7 @@ static PyObject *other_processes(int index, oc_oom_figures *f)
     int n = oc_nvml_process_list(index, &procs);
     unsigned int me = (unsigned int)getpid();
     PyObject *list = PyList_New(0);
-    for (int i = 0; i < n; i++) { /* insertion sort: a few processes */
-        for (int j = i; j > 0; j--) {
-            unsigned long long a =
-                procs[j - 1].used == OC_NVML_NOT_AVAILABLE ? 0 : procs[j - 1].used;
-            unsigned long long b = procs[j].used == OC_NVML_NOT_AVAILABLE ? 0 : procs[j].used;
-            oc_gpu_proc t;
-            if (a >= b)
-                break;
-            t = procs[j - 1];
-            procs[j - 1] = procs[j];
-            procs[j] = t;
-        }
-    }
+    oc_nvml_sort_procs(procs, n);
     for (int i = 0; list != NULL && i < n; i++) {
         unsigned long long used = procs[i].used == OC_NVML_NOT_AVAILABLE ? 0 : procs[i].used;
         char name[64];
@@ -792,11 +810,10 @@ static double fraction_set(void)
     if (e == NULL || PyDict_GetItemString(e, "applied") != Py_True || fr == NULL)
         return 0.0;
     x = PyFloat_AsDouble(fr);
-    if (PyErr_Occurred()) {
+    if (x == -1.0 && PyErr_Occurred())
         OC_CLEAR();
-        return 0.0;
-    }
-    return x;
+    /* Recorded as 0 < f <= 1; anything else (an error's -1) reads as none. */
+    return x > 0.0 ? x : 0.0;
 }
 
 /* The allocator string in effect as outofcuda knows it: what it handed to
@@ -812,15 +829,8 @@ static int allocator_config(PyObject *torch, char *buf, size_t sz)
         return 1;
     }
     {
-        PyObject *ver = PyObject_GetAttrString(torch, "__version__");
-        PyObject *s = ver ? PyObject_Str(ver) : NULL;
-        char text[64] = "";
         const char *value = NULL;
-        oc_utf8(s, text, sizeof text);
-        OC_CLEAR();
-        Py_XDECREF(s);
-        Py_XDECREF(ver);
-        oc_alloc_user_var(oc_torch_version_number(text), &value);
+        oc_alloc_user_var(oc_torch_version(torch), &value);
         snprintf(buf, sz, "%s", value ? value : "");
         return value != NULL;
     }
@@ -978,7 +988,21 @@ done:
     return Py_BuildValue("(Nk)", report, use_seen ? seen.seq : 0ul);
 }
 
+/* _is_oom(exc) -> bool: exc means the GPU ran out of memory
+ * (oc_oom_kind_of). */
+static PyObject *py_is_oom(PyObject *self, PyObject *exc)
+{
+    PyObject *type = PyObject_Type(exc);
+    oc_oom_kind kind = oc_oom_kind_of(type, exc);
+    (void)self;
+    Py_XDECREF(type);
+    return PyBool_FromLong(kind != OC_OOM_NONE);
+}
+
 PyMethodDef oc_oom_methods[] = {
+    {"_is_oom", py_is_oom, METH_O,
+     "_is_oom(exc)\n--\n\nexc means the GPU ran out of memory: torch's OOM type, or the "
+     "RuntimeError text older paths raise."},
     {"_oom_report", (PyCFunction)(void (*)(void))py_oom_report, METH_VARARGS | METH_KEYWORDS,
      "_oom_report(text=None, exhausted=False)\n--\n\n(report, seq): every figure of the OOM "
      "whose message is text (None: the observer's last) with the ranked actions."},

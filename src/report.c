@@ -315,30 +315,47 @@ static void value_text(PyObject *v, char *buf, size_t sz)
     Py_DECREF(s);
 }
 
-/* Writes text to stderr in lines of at most `first` bytes (the first line,
- * after what the caller wrote) and TABLE_WIDTH - indent bytes (the others,
- * indented). A line breaks at its last space, else after its last '/' or
- * ',' (a path, an allocator string), else, for a word longer than the line,
- * at the width but never inside a UTF-8 character. */
+/* Where the first line of text (len bytes of UTF-8) ends for a line of
+ * `width` characters: the bytes it keeps (len when all fits), and in *skip
+ * the bytes the break eats. A line breaks at its last space (eaten), else
+ * after its last '/' or ',' (a path, an allocator string), else, for a word
+ * longer than the line, at the width: never inside a character. */
+static size_t wrap_cut(const char *text, size_t len, size_t width, size_t *skip)
+{
+    size_t at = 0, cut = 0, chars = 0;
+    *skip = 0;
+    if (width < 1)
+        width = 1;
+    while (at < len && chars <= width) {
+        if (chars > 0 && text[at] == ' ')
+            cut = at, *skip = 1;
+        else if (chars > 0 && (text[at - 1] == '/' || text[at - 1] == ','))
+            cut = at, *skip = 0;
+        if (chars == width)
+            break;
+        do
+            at++;
+        while (at < len && ((unsigned char)text[at] & 0xc0) == 0x80);
+        chars++;
+    }
+    if (at >= len) {
+        *skip = 0;
+        return len;
+    }
+    return cut ? cut : at;
+}
+
+/* Writes text to stderr in lines of at most `first` characters (the first
+ * line, after what the caller wrote) and TABLE_WIDTH - indent characters (the
+ * others, indented), broken as wrap_cut says. */
 static void write_wrapped(const char *text, size_t first, size_t indent)
 {
     size_t width = first, len = strlen(text);
     for (;;) {
-        size_t cut = 0, skip = 0;
-        if (len <= width) {
+        size_t skip, cut = wrap_cut(text, len, width, &skip);
+        if (cut == len) {
             PySys_WriteStderr("%s\n", text);
             return;
-        }
-        for (size_t n = width; n > 0 && cut == 0; n--) {
-            if (text[n] == ' ')
-                cut = n, skip = 1;
-            else if (text[n - 1] == '/' || text[n - 1] == ',')
-                cut = n;
-        }
-        if (cut == 0) {
-            cut = width;
-            while (cut > 1 && ((unsigned char)text[cut] & 0xc0) == 0x80)
-                cut--;
         }
         PySys_WriteStderr("%.*s\n%*s", (int)cut, text, (int)indent, "");
         text += cut + skip;
@@ -408,7 +425,65 @@ void oc_report_verbose(void)
     }
 }
 
+/* _text_layout() -> dict: the tables' width and columns (width, value_col,
+ * reason_indent), for the CLI's text. */
+static PyObject *py_text_layout(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return Py_BuildValue("{s:i,s:i,s:i}", "width", TABLE_WIDTH, "value_col", VALUE_COL,
+                         "reason_indent", REASON_INDENT);
+}
+
+/* _wrap(text, first, indent) -> list of str: text in the table's lines (the
+ * first at most `first` characters, the others indented, as write_wrapped
+ * writes them), for the CLI's text. */
+static PyObject *py_wrap(PyObject *self, PyObject *args)
+{
+    char blanks[TABLE_WIDTH];
+    PyObject *str, *bytes, *pad, *lines = NULL;
+    Py_ssize_t first, indent;
+    const char *text;
+    size_t len, width;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Unn", &str, &first, &indent))
+        return NULL;
+    if (first < 1 || indent < 0 || indent >= TABLE_WIDTH) {
+        PyErr_SetString(PyExc_ValueError, "_wrap: first must be >= 1 and indent under the width");
+        return NULL;
+    }
+    memset(blanks, ' ', sizeof blanks);
+    pad = PyUnicode_FromStringAndSize(blanks, indent);
+    bytes = pad ? PyUnicode_AsEncodedString(str, "utf-8", "surrogatepass") : NULL;
+    text = bytes ? PyBytes_AsString(bytes) : NULL;
+    len = text ? (size_t)PyBytes_Size(bytes) : 0;
+    width = (size_t)first;
+    lines = text ? PyList_New(0) : NULL;
+    for (int i = 0; lines != NULL; i++) {
+        size_t skip, cut = wrap_cut(text, len, width, &skip);
+        PyObject *part = PyUnicode_DecodeUTF8(text, (Py_ssize_t)cut, "surrogatepass");
+        PyObject *line = part && i > 0 ? PyUnicode_Concat(pad, part) : (Py_XINCREF(part), part);
+        if (line == NULL || PyList_Append(lines, line) < 0)
+            Py_CLEAR(lines);
+        Py_XDECREF(line);
+        Py_XDECREF(part);
+        if (cut == len)
+            break;
+        text += cut + skip;
+        len -= cut + skip;
+        width = TABLE_WIDTH - (size_t)indent;
+    }
+    Py_XDECREF(bytes);
+    Py_XDECREF(pad);
+    return lines;
+}
+
 PyMethodDef oc_report_methods[] = {
+    {"_wrap", py_wrap, METH_VARARGS,
+     "_wrap(text, first, indent)\n--\n\nThe text in lines of the tables' width (the first at "
+     "most first characters, the others indented)."},
+    {"_text_layout", py_text_layout, METH_NOARGS,
+     "_text_layout()\n--\n\nThe tables' width and columns."},
     {"status", oc_status, METH_NOARGS,
      "status()\n--\n\nWhat outofcuda did in this process, as a JSON-serialisable dict."},
     {NULL, NULL, 0, NULL},

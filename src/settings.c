@@ -6,6 +6,7 @@
 #define OC_PURE_C
 #include "oc.h"
 
+#include <errno.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -112,4 +113,16 @@ const char *oc_env(const char *name)
     /* Every variable is in the table (tests/test_static.py checks the
      * names passed here); one that is not reads as unset. */
     return oc_setting_named(name) != NULL ? getenv(name) : NULL;
+}
+
+long oc_env_rank(const char *name)
+{
+    const char *s = oc_env(name);
+    char *end;
+    long r;
+    if (s == NULL || !*s)
+        return -1;
+    errno = 0;
+    r = strtol(s, &end, 10);
+    return (errno == 0 && *end == '\0' && r >= 0 && r < 1000000) ? r : -1;
 }

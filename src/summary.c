@@ -27,7 +27,6 @@
 #define MAX_INTERVAL_MS 60000
 #define HINTS_MAX 3
 #define LOW_UTIL OC_SUMMARY_LOW_UTIL
-#define GIB OC_GIB
 #define JOIN_LIMIT_S 5
 
 typedef struct {
@@ -130,26 +129,15 @@ static void sampler_stop(void)
 static oc_summary_mode resolve_output(void)
 {
     const oc_config *cfg = oc_config_get();
-    char dir[OC_SUMMARY_PATH_MAX], real[PATH_MAX], msg[OC_WARN_LEN + 2 * OC_SUMMARY_PATH_MAX];
-    const char *slash, *base;
-    struct stat st;
+    char dir[OC_SUMMARY_PATH_MAX], msg[OC_WARN_LEN + 2 * OC_SUMMARY_PATH_MAX];
     if (out.resolved)
         return out.mode;
     out.resolved = 1;
     out.mode = cfg->summary;
     if (out.mode != OC_SUMMARY_JSON)
         return out.mode;
-    slash = strrchr(cfg->summary_path, '/');
-    base = slash ? slash + 1 : cfg->summary_path;
-    if (slash == NULL)
-        snprintf(dir, sizeof dir, ".");
-    else if (slash == cfg->summary_path)
-        snprintf(dir, sizeof dir, "/");
-    else
-        snprintf(dir, sizeof dir, "%.*s", (int)(slash - cfg->summary_path), cfg->summary_path);
-    if (realpath(dir, real) == NULL || stat(real, &st) != 0 || !S_ISDIR(st.st_mode) ||
-        snprintf(out.json_path, sizeof out.json_path, "%s/%s", strcmp(real, "/") ? real : "",
-                 base) >= (int)sizeof out.json_path) {
+    if (oc_resolve_file_path(cfg->summary_path, dir, sizeof dir, out.json_path,
+                             sizeof out.json_path) != 0) {
         snprintf(msg, sizeof msg,
                  "outofcuda: ignoring OUTOFCUDA_SUMMARY=%.300s: the directory %.300s does not "
                  "exist; no summary will be written",
@@ -164,19 +152,8 @@ static oc_summary_mode resolve_output(void)
 /* RANK (torchrun's global rank), else LOCAL_RANK, else -1. */
 static long env_rank(void)
 {
-    static const char *const names[] = {"RANK", "LOCAL_RANK"};
-    for (int i = 0; i < 2; i++) {
-        const char *s = oc_env(names[i]);
-        char *end;
-        long r;
-        if (s == NULL || !*s)
-            continue;
-        errno = 0;
-        r = strtol(s, &end, 10);
-        if (errno == 0 && *end == '\0' && r >= 0 && r < 1000000)
-            return r;
-    }
-    return -1;
+    long r = oc_env_rank("RANK");
+    return r >= 0 ? r : oc_env_rank("LOCAL_RANK");
 }
 
 /* ---- starting ---- */
@@ -251,11 +228,7 @@ static int choose_devices(int *torch_index)
 {
     int map[OC_NVML_MAX_DEVICES];
     int count = oc_nvml_visible_map(map, OC_NVML_MAX_DEVICES), n = 0;
-    const char *lr = oc_env("LOCAL_RANK");
-    char *end;
-    long rank = lr && *lr ? strtol(lr, &end, 10) : -1;
-    if (lr && *lr && *end != '\0')
-        rank = -1;
+    long rank = oc_env_rank("LOCAL_RANK");
     if (count <= 0) {
         torch_index[0] = rank >= 0 && rank < SUMMARY_MAX_DEVICES ? (int)rank : 0;
         return 1;
@@ -462,11 +435,11 @@ static void format_block(text *t, const sum_device *d, const proc_figs *p, const
                                     : "no sample taken yet");
     if (d->mem_samples > 0)
         appendf(t, "%s  device memory  peak %.2f of %.2f GiB (%.1f %%, all processes)\n", pre,
-                (double)d->mem_peak / GIB, (double)d->mem_total / GIB,
+                (double)d->mem_peak / OC_GIB, (double)d->mem_total / OC_GIB,
                 100.0 * (double)d->mem_peak / (double)d->mem_total);
     if (d->peak_allocated >= 0 && d->peak_reserved >= 0)
         appendf(t, "%s  this process   peak allocated %.2f GiB, peak reserved %.2f GiB\n", pre,
-                (double)d->peak_allocated / GIB, (double)d->peak_reserved / GIB);
+                (double)d->peak_allocated / OC_GIB, (double)d->peak_reserved / OC_GIB);
     else
         appendf(t, "%s  this process   no allocator figures (torch's CUDA is not initialised)\n",
                 pre);

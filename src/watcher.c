@@ -297,8 +297,6 @@ static PyObject *engine_module; /* borrowed: lives in sys.modules as long as we 
 static PyObject *boot_module(void)
 {
     PyObject *mod = PyDict_GetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME);
-    PyObject *file, *name, *head, *tail, *path = NULL, *util, *spec = NULL, *loader = NULL, *res;
-    Py_ssize_t len, at;
     if (mod != NULL && PyObject_HasAttrString(mod, "_install")) {
         Py_INCREF(mod);
         return mod;
@@ -308,45 +306,10 @@ static PyObject *boot_module(void)
         PyErr_SetString(PyExc_ImportError, "outofcuda's engine was not initialised");
         return NULL;
     }
-    file = PyModule_GetFilenameObject(engine_module);
-    if (file == NULL)
-        return NULL;
-    len = PyUnicode_GetLength(file);
-    name = PyUnicode_FromString(OC_ENGINE_NAME);
-    at = name ? PyUnicode_Find(file, name, 0, len, -1) : -2;
-    Py_XDECREF(name);
-    if (at >= 0) {
-        head = PyUnicode_Substring(file, 0, at);
-        tail = PyUnicode_Substring(file, at + (Py_ssize_t)strlen(OC_ENGINE_NAME), len);
-        if (head != NULL && tail != NULL)
-            path = PyUnicode_FromFormat("%U" OC_BOOT_NAME "%U", head, tail);
-        Py_XDECREF(head);
-        Py_XDECREF(tail);
-    } else if (at == -1) {
-        PyErr_Format(PyExc_ImportError, "%U is not named " OC_ENGINE_NAME "*", file);
-    }
-    Py_DECREF(file);
-    if (path == NULL)
-        return NULL;
-    util = PyImport_ImportModule("importlib.util");
-    if (util != NULL)
-        spec = PyObject_CallMethod(util, "spec_from_file_location", "sO", OC_BOOT_NAME, path);
-    if (spec == Py_None)
-        PyErr_Format(PyExc_ImportError, "%U is not a loadable extension", path);
-    else if (spec != NULL)
-        mod = PyObject_CallMethod(util, "module_from_spec", "O", spec);
-    loader = mod ? PyObject_GetAttrString(spec, "loader") : NULL;
-    res = loader ? PyObject_CallMethod(loader, "exec_module", "O", mod) : NULL;
-    if (res == NULL)
+    mod = oc_load_sibling(engine_module, OC_ENGINE_NAME, OC_BOOT_NAME);
+    if (mod != NULL && PyDict_GetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME) == NULL &&
+        PyDict_SetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME, mod) < 0)
         Py_CLEAR(mod);
-    else if (PyDict_GetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME) == NULL &&
-             PyDict_SetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME, mod) < 0)
-        Py_CLEAR(mod);
-    Py_XDECREF(res);
-    Py_XDECREF(loader);
-    Py_XDECREF(spec);
-    Py_XDECREF(util);
-    Py_DECREF(path);
     return mod;
 }
 

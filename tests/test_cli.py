@@ -329,6 +329,33 @@ def test_verbose_table_fits_80_columns(venv, workdir):
     assert not any("{" in ln or "': " in ln for ln in table), table
 
 
+def test_the_cli_wraps_as_the_verbose_table(venv, workdir):
+    """One wrapping and one layout: the CLI's text asks the engine (report.c)."""
+    got = venv.json("""
+import json, _outofcuda
+from outofcuda import cli
+cases = [("/usr/lib/python3/site-packages/" * 3, 40, 6), ("a " * 50, 80, 16),
+         ("expandable_segments:True,garbage_collection_threshold:0.8", 20, 32),
+         ("\u00e9" * 100, 48, 32), ("short", 10, 0)]
+print(json.dumps([_outofcuda._text_layout(), [cli._wrap(*c) for c in cases],
+                  [_outofcuda._wrap(*c) for c in cases], cli.WIDTH, cli.VALUE_COL,
+                  cli.REASON_INDENT]))
+""", cwd=workdir)
+    layout, mine, engine, width, value_col, reason_indent = got
+    assert layout == {"width": WIDTH, "value_col": VALUE_COL, "reason_indent": REASON_COL}
+    assert (width, value_col, reason_indent) == (WIDTH, VALUE_COL, REASON_COL)
+    assert mine == engine
+    path, blanks, alloc, accents, short = engine
+    # After its last '/' or ',' when a line has no blank; a blank is eaten.
+    assert path == ["/usr/lib/python3/site-packages//usr/lib/",
+                    "      python3/site-packages//usr/lib/python3/site-packages/"]
+    assert blanks == ["a " * 39 + "a", " " * 16 + "a " * 10]
+    assert alloc == ["expandable_segments:", " " * 32 + "True,garbage_collection_threshold:0.8"]
+    # Characters, not bytes, count: 48 then 48 (80 - 32) to a line.
+    assert accents == ["\u00e9" * 48, " " * 32 + "\u00e9" * 48, " " * 32 + "\u00e9" * 4]
+    assert short == ["short"]
+
+
 def test_status_text_fits_80_columns(venv, workdir):
     st = json.loads(cli(venv, "status", "--json", cwd=workdir).stdout)
     r = cli(venv, "status", cwd=workdir)

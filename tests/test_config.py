@@ -144,6 +144,32 @@ def test_merge_rejects_malformed_strings(venv):
     assert all(isinstance(g, str) and g.startswith("bad allocator configuration") for g in got)
 
 
+def test_allocator_strings_are_read_by_the_engine(venv):
+    """The doctor reads allocator strings through the engine (one parser and one
+    max_split_size_mb rule with the merge), and the variables in torch's order."""
+    got = venv.json("""
+import json, _outofcuda
+out = [_outofcuda._alloc_items(c) for c in (
+    "", " max_split_size_mb : 512 , backend:cudaMallocAsync,max_split_size_mb:64",
+    "roundup_power2_divisions:[256:1,>:4],expandable_segments:True",
+    "max_split_size_mb:128,expandable_segments:True", "max_split_size_mb:128,expandable_segments:False")]
+try:
+    _outofcuda._alloc_items("a:[1")
+except ValueError as exc:
+    out.append(str(exc))
+out.append(_outofcuda._alloc_vars())
+print(json.dumps(out))
+""")
+    assert got[0] == [[], None]
+    assert got[1] == [[["max_split_size_mb", "64"], ["backend", "cudaMallocAsync"]],
+                      "no_expandable"]
+    assert got[2] == [[["roundup_power2_divisions", "[256:1,>:4]"],
+                       ["expandable_segments", "True"]], None]
+    assert got[3][1] == "inside_expandable" and got[4][1] is None
+    assert got[5].startswith("bad allocator configuration")
+    assert got[6] == ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"]
+
+
 def test_bad_environment_values_end_to_end(venv, workdir):
     r = venv.run("""
 import torch, _outofcuda, json
@@ -273,6 +299,12 @@ def test_readme_lists_exactly_the_variables_of_the_table(venv, workdir):
     for name, s in own.items():
         assert rows[name] == (s["default"] if s["default"] is not None else "unset"), name
     assert set(_readme_rows("| variable | what outofcuda does with it |")) == foreign
+    # The words a word setting takes come from the table too (compile_model checks its mode
+    # against them); other kinds have none.
+    words = {s["name"]: s["words"] for s in table}
+    assert words["OUTOFCUDA_COMPILE_MODE"] == ["default", "reduce-overhead", "max-autotune",
+                                               "max-autotune-no-cudagraphs"]
+    assert words["OUTOFCUDA_TF32"] is None
     # config() shows every setting the loader parses, from the same table.
     cfg = json.loads(venv.check("import json, _outofcuda; print(json.dumps(_outofcuda.config()))",
                                 cwd=workdir).stdout)

@@ -314,3 +314,21 @@ def test_a_variable_torch_removed_itself_is_no_error(venv, tmp_path):
                  env={"PYTHONPATH": str(root)}, args=("-W", "error"), cwd=tmp_path)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert r.stdout.split() == ["None", "None"]
+
+
+def test_a_torch_without_the_cuda_init_queue_says_why_in_each_step(venv, tmp_path):
+    """No torch.cuda._lazy_call: nothing can run when CUDA starts, and every step
+    that would have waited for it gives that one reason, word for word."""
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    cuda = root / "torch" / "cuda" / "__init__.py"
+    cuda.write_text(cuda.read_text().replace("def _lazy_call(", "def _not_lazy_call("))
+    r = venv.run("import torch, json, _outofcuda\nprint(json.dumps(_outofcuda.status()))",
+                 env={"PYTHONPATH": str(root), "OUTOFCUDA_OOM_SNAPSHOT": str(tmp_path / "s.pickle")},
+                 cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    opts = json.loads(r.stdout)["optimizations"]
+    why = "this torch has no torch.cuda._lazy_call"
+    assert opts["tf32"]["reason"] == why and not opts["tf32"]["applied"]
+    assert opts["memory_fraction"]["reason"] == why
+    assert opts["oom_handler"]["reason"] == why + ": Python's exception hooks left alone"
+    assert f"no snapshot can be written ({why})" in r.stderr

@@ -128,6 +128,16 @@ cases = {
     "_outofcuda._disabled_by_env": _outofcuda._disabled_by_env,
     "_outofcuda._tf32_forced_off": _outofcuda._tf32_forced_off,
     "_outofcuda._alloc_var": lambda: _outofcuda._alloc_var("2.14.1"),
+    "_outofcuda._alloc_vars": _outofcuda._alloc_vars,
+    "_outofcuda._is_oom": lambda: (_outofcuda._is_oom(RuntimeError("CUDA out of memory")),
+                                   _outofcuda._is_oom(5)),
+    "_outofcuda._wrap": lambda: _outofcuda._wrap("a/b, c " * 40 + "\u00e9" * 90, 48, 32),
+    "_outofcuda._wrap(error)": lambda: error(_outofcuda._wrap, "x", 0, 6),
+    "_outofcuda._text_layout": _outofcuda._text_layout,
+    "_outofcuda._fmt_bytes": lambda: (_outofcuda._fmt_bytes(3 << 29), _outofcuda._fmt_bytes(5 << 20)),
+    "_outofcuda._alloc_items": lambda: _outofcuda._alloc_items(
+        "max_split_size_mb:128,roundup_power2_divisions:[256:1,>:4]"),
+    "_outofcuda._alloc_items(error)": lambda: error(_outofcuda._alloc_items, "a:[1"),
     "_outofcuda._alloc_expandable": lambda: _outofcuda._alloc_expandable(
         "max_split_size_mb:128,expandable_segments:True"),
     "_outofcuda.visible_devices": _outofcuda.visible_devices,
@@ -197,7 +207,9 @@ CASES = [
     "_outofcuda._microbatch_split", "_outofcuda._grad_set_aside", "_outofcuda._settings", "_outofcuda._oom_report",
     "_outofcuda._oom_report(error)",
     "_outofcuda._disabled_by_env", "_outofcuda._tf32_forced_off",
-    "_outofcuda._alloc_var", "_outofcuda._alloc_expandable", "_outofcuda.visible_devices",
+    "_outofcuda._alloc_var", "_outofcuda._alloc_vars", "_outofcuda._is_oom", "_outofcuda._wrap",
+    "_outofcuda._wrap(error)", "_outofcuda._text_layout", "_outofcuda._fmt_bytes", "_outofcuda._alloc_items",
+    "_outofcuda._alloc_items(error)", "_outofcuda._alloc_expandable", "_outofcuda.visible_devices",
     "_outofcuda._visible_ccs", "_outofcuda._known_bugs_check", "_outofcuda._known_bugs_check(error)",
     "_outofcuda._grad_set_aside(error)",
 ]

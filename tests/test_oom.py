@@ -659,3 +659,32 @@ def test_the_python_function_the_engine_calls_exists(venv, workdir):
     r = venv.check(f"import importlib; print(callable(getattr(importlib.import_module("
                    f"{module!r}), {func!r}, None)))", cwd=workdir)
     assert r.stdout.strip() == "True", (module, func)
+
+
+def test_report_bytes_are_written_by_the_engine(venv, workdir):
+    """One writer of byte counts: the report's figures read as the advice's
+    (whole MiB under a GiB, two decimals of GiB from there)."""
+    got = venv.json("""
+import json, _outofcuda
+from outofcuda import oom
+sizes = [0, (1 << 30) - (1 << 19), 1 << 30, 3 << 29, 80 << 30]
+print(json.dumps([[_outofcuda._fmt_bytes(n) for n in sizes], oom._gib(None), oom._gib(3 << 29)]))
+""", cwd=workdir)
+    assert got == [["0 MiB", "1024 MiB", "1.00 GiB", "1.50 GiB", "80.00 GiB"], "unknown", "1.50 GiB"]
+
+
+def test_what_counts_as_an_oom_is_the_engines(venv, workdir):
+    """outofcuda.oom.is_oom asks the engine, whose rule the exception hooks use:
+    torch's OOM types, or a plain RuntimeError with the text older paths raise."""
+    got = venv.json("""
+import json, torch
+from outofcuda.oom import is_oom
+class Sub(RuntimeError):
+    pass
+cases = [torch.OutOfMemoryError("x"), torch.cuda.OutOfMemoryError("x"),
+         RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+         RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"),
+         Sub("CUDA out of memory"), ValueError("CUDA out of memory"), RuntimeError("other"), 5]
+print(json.dumps([is_oom(c) for c in cases]))
+""", cwd=workdir)
+    assert got == [True, True, True, True, False, False, False, False]

@@ -307,32 +307,28 @@ static int do_simple(const char *function, void *handle, stub_device **d)
     return chosen(function, (*d)->index);
 }
 
+/* The three entry points exported under one name or the other: the legacy
+ * driver's plain names, or the _v2 ones. */
 #ifdef STUB_LEGACY
-EXPORT int nvmlInit(void)
-{
-    return do_init("nvmlInit");
-}
-EXPORT int nvmlDeviceGetCount(unsigned int *n)
-{
-    return do_count("nvmlDeviceGetCount", n);
-}
-EXPORT int nvmlDeviceGetHandleByIndex(unsigned int i, void **h)
-{
-    return do_handle("nvmlDeviceGetHandleByIndex", i, h);
-}
+#define NAMED(name) name
 #else
-EXPORT int nvmlInit_v2(void)
+#define NAMED(name) name##_v2
+#endif
+#define TEXT(name) TEXT_(name)
+#define TEXT_(name) #name
+EXPORT int NAMED(nvmlInit)(void)
 {
-    return do_init("nvmlInit_v2");
+    return do_init(TEXT(NAMED(nvmlInit)));
 }
-EXPORT int nvmlDeviceGetCount_v2(unsigned int *n)
+EXPORT int NAMED(nvmlDeviceGetCount)(unsigned int *n)
 {
-    return do_count("nvmlDeviceGetCount_v2", n);
+    return do_count(TEXT(NAMED(nvmlDeviceGetCount)), n);
 }
-EXPORT int nvmlDeviceGetHandleByIndex_v2(unsigned int i, void **h)
+EXPORT int NAMED(nvmlDeviceGetHandleByIndex)(unsigned int i, void **h)
 {
-    return do_handle("nvmlDeviceGetHandleByIndex_v2", i, h);
+    return do_handle(TEXT(NAMED(nvmlDeviceGetHandleByIndex)), i, h);
 }
+#ifndef STUB_LEGACY
 EXPORT int nvmlDeviceGetComputeRunningProcesses_v3(void *h, unsigned int *c, void *out)
 {
     return do_procs("nvmlDeviceGetComputeRunningProcesses_v3", h, c, out, st.stride);
