@@ -34,7 +34,7 @@
 
 #include <stddef.h>
 
-#define OC_VERSION "0.2.0"
+#define OC_VERSION "0.3.0"
 
 /* The two extensions: the boot (boot.c alone) that the start-up hook imports,
  * and the engine (every other file), loaded by the boot on `import torch`. */

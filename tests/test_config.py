@@ -272,12 +272,12 @@ def test_known_bugs_bad_value_warns_and_keeps_the_guard(venv):
 
 # ---- the one table of variables (src/settings.c) ----
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ENVIRONMENT_DOC = Path(__file__).resolve().parent.parent / "docs" / "environment.md"
 
 
-def _readme_rows(header):
-    """{first column: second column} of the README table under `header`."""
-    lines = README.read_text().splitlines()
+def _doc_rows(header):
+    """{first column: second column} of docs/environment.md's table under `header`."""
+    lines = ENVIRONMENT_DOC.read_text().splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith(header))
     rows = {}
     for ln in lines[start + 2:]:
@@ -288,17 +288,17 @@ def _readme_rows(header):
     return rows
 
 
-def test_readme_lists_exactly_the_variables_of_the_table(venv, workdir):
+def test_docs_list_exactly_the_variables_of_the_table(venv, workdir):
     r = venv.check("import json, _outofcuda; print(json.dumps(_outofcuda._settings()))",
                    cwd=workdir)
     table = json.loads(r.stdout)
     own = {s["name"]: s for s in table if s["kind"] != "foreign"}
     foreign = {s["name"] for s in table if s["kind"] == "foreign"}
-    rows = _readme_rows("| variable | default | meaning |")
+    rows = _doc_rows("| variable | default | meaning |")
     assert set(rows) == set(own), (set(rows) ^ set(own))
     for name, s in own.items():
         assert rows[name] == (s["default"] if s["default"] is not None else "unset"), name
-    assert set(_readme_rows("| variable | what outofcuda does with it |")) == foreign
+    assert set(_doc_rows("| variable | what outofcuda does with it |")) == foreign
     # The words a word setting takes come from the table too (compile_model checks its mode
     # against them); other kinds have none.
     words = {s["name"]: s["words"] for s in table}

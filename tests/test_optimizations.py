@@ -73,7 +73,7 @@ def test_tf32_skipped_on_a_cpu_build_with_the_reason(venv, workdir):
 def test_verbose_table_names_every_optimisation(venv, workdir):
     r = venv.check("import torch", env={"OUTOFCUDA_VERBOSE": "1"}, cwd=workdir)
     lines = r.stderr.splitlines()
-    assert lines[0].startswith("outofcuda 0.2.0: torch 2.13.0")
+    assert lines[0].startswith("outofcuda 0.3.0: torch 2.13.0")
     for name in ("tf32", "cudnn_benchmark", "cudnn_deterministic", "allocator", "memory_fraction",
                  "sdpa", "amp_dtype", "oom_handler"):
         row = next(ln for ln in lines if ln.split()[:1] == [name])

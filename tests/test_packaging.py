@@ -139,6 +139,8 @@ def test_sdist_builds_installs_and_hooks(tmp_path):
     with tarfile.open(sdist) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
     assert {"outofcuda_hook.pth", "outofcuda_hook.start", "src/oc.h", "LICENSE"} <= names
+    # tests/test_docs.py, which the sdist carries, reads the reference and the changelog.
+    assert {"CHANGELOG.md", "docs/README.md", "docs/environment.md", "docs/layout.md"} <= names
     py = make_venv(sys.executable, tmp_path / "v")
     before = site_files(py)
     pip(py, "install", "--no-deps", str(sdist))

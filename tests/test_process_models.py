@@ -138,7 +138,7 @@ def test_threads_import_torch_concurrently_fire_once(venv, workdir):
     assert out["errors"] == [] and out["seen"] == [True] * 8
     assert out["hook"] == {"installed": True, "fired": True, "error": None}
     # The verbose report prints once per firing of the callback.
-    assert r.stderr.count("outofcuda 0.2.0: torch") == 1, r.stderr
+    assert r.stderr.count("outofcuda 0.3.0: torch") == 1, r.stderr
 
 
 def test_subinterpreter_refused_cleanly(venv, workdir):

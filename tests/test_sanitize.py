@@ -126,7 +126,7 @@ def test_hook_and_torch_import(san, tmp_path):
         print("ok")
     """, env={"OUTOFCUDA_VERBOSE": "1"}, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-4000:]
-    assert "outofcuda 0.2.0: torch" in r.stderr
+    assert "outofcuda 0.3.0: torch" in r.stderr
 
 
 def test_config_parse_with_bad_values(san, tmp_path):

@@ -1,0 +1,117 @@
+"""The documentation against the tree: the README stays a short front door,
+docs/ covers every source file and names only files and tests that exist,
+every relative link resolves, and CHANGELOG.md's newest release is the version
+the code states. Pure file reads: no build, no virtual environment."""
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+README_MAX_LINES = 250
+
+# Where the source files live, and which of them the layout must name.
+SOURCE_GLOBS = ["src/*.c", "src/*.h", "outofcuda/*.py", "outofcuda/*.pyi", "outofcuda/py.typed",
+                "tests/*.py", "tests/*/*.py", "tests/*/*.c", "tests/README.md",
+                "benchmarks/*.py", "benchmarks/*.sh", "fuzz/*.c", "fuzz/*.sh"]
+# A backticked path whose first folder is one of these is this repository's.
+OWN_FOLDERS = ("src", "outofcuda", "tests", "benchmarks", "fuzz", "docs", ".ci")
+
+
+def doc_files():
+    return [README, ROOT / "CHANGELOG.md", ROOT / "tests" / "README.md",
+            *sorted(DOCS.glob("*.md"))]
+
+
+def test_readme_is_a_short_front_door():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines"
+    headings = [ln for ln in lines if ln.startswith("## ")]
+    for needed in ("## Two commands", "## What it changes", "## Turning it off"):
+        assert needed in headings, (needed, headings)
+
+
+def test_every_docs_file_is_listed_in_the_index_and_the_readme():
+    """One topic a file: a file nobody links to is a topic nobody finds."""
+    index = (DOCS / "README.md").read_text()
+    readme = README.read_text()
+    topics = sorted(p.name for p in DOCS.glob("*.md") if p.name != "README.md")
+    assert topics, "docs/ holds no topic"
+    assert [t for t in topics if f"]({t})" not in index] == [], "missing from docs/README.md"
+    assert [t for t in topics if f"](docs/{t})" not in readme] == [], "missing from README.md"
+
+
+def test_relative_links_resolve():
+    broken = []
+    for doc in doc_files():
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            if not (doc.parent / target.split("#", 1)[0]).exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+
+
+def _cited_paths(text):
+    """Backticked paths of this repository (first folder one of OWN_FOLDERS),
+    with a pytest node id's test name when one is given (path::name)."""
+    for token in re.findall(r"`([^`\s]+)`", text):
+        path, _, name = token.partition("::")
+        path = path.rstrip(",.:;")
+        if path.split("/", 1)[0] in OWN_FOLDERS and "/" in path and "*" not in path:
+            yield path, name
+
+
+def test_docs_cite_only_files_and_tests_that_exist():
+    missing = []
+    for doc in doc_files():
+        for path, name in _cited_paths(doc.read_text()):
+            target = ROOT / path
+            if not target.exists():
+                missing.append(f"{doc.relative_to(ROOT)}: {path}")
+            elif name and not re.search(rf"^def {re.escape(name)}\(", target.read_text(), re.M):
+                missing.append(f"{doc.relative_to(ROOT)}: {path}::{name}")
+    assert not missing, missing
+
+
+def _layout_paths():
+    """The first column of docs/layout.md's tables: one or more backticked
+    paths a row ("`a`, `b`")."""
+    paths = set()
+    for ln in (DOCS / "layout.md").read_text().splitlines():
+        if ln.startswith("| `"):
+            first = ln.split("|")[1]
+            paths.update(re.findall(r"`([^`]+)`", first))
+    return paths
+
+
+def test_layout_names_every_source_file_and_nothing_else():
+    named = _layout_paths()
+    files = {str(p.relative_to(ROOT)) for g in SOURCE_GLOBS for p in ROOT.glob(g)
+             if "__pycache__" not in p.parts}
+    assert files, SOURCE_GLOBS
+    unnamed = sorted(files - named)
+    assert not unnamed, f"source files docs/layout.md does not name (add a row): {unnamed}"
+    stale = sorted(p for p in named if not (ROOT / p).exists())
+    assert not stale, f"rows of docs/layout.md for files that do not exist: {stale}"
+
+
+def test_layout_lists_the_c_files_in_oc_h_order():
+    oc_h = re.findall(r"^ \*   (\w+\.c)\b", (ROOT / "src" / "oc.h").read_text(), re.M)
+    layout = [p[len("src/"):] for p in re.findall(r"^\| `(src/\w+\.c)`", (DOCS / "layout.md")
+                                                  .read_text(), re.M)]
+    assert layout == oc_h, (layout, oc_h)
+
+
+def test_changelog_names_the_version_the_code_states():
+    version = re.search(r'#define OC_VERSION "([^"]+)"', (ROOT / "src" / "oc.h").read_text())[1]
+    releases = re.findall(r"^## (\d+\.\d+\.\d+)\b", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert releases and releases[0] == version, (releases, version)
+
+
+def test_testing_doc_shows_the_readme_test_command():
+    """docs/testing.md repeats the README's test command (which .ci/run runs,
+    tests/test_packaging.py): the two stay one command."""
+    section = README.read_text().split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    test_command = re.findall(r"```sh\n(.*?)\n```", section, re.S)[1]
+    assert f"```sh\n{test_command}\n```" in (DOCS / "testing.md").read_text()
