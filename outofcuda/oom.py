@@ -131,7 +131,7 @@ def _note(exc):
 
 def last_oom():
     """The report of the last CUDA out-of-memory error in this process, as a
-    dict (see the README for its keys), or None before any.
+    dict (docs/out-of-memory.md lists its keys), or None before any.
 
     >>> import outofcuda
     >>> outofcuda.last_oom() is None   # no OOM yet

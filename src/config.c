@@ -257,7 +257,7 @@ void oc_config_load(oc_config *cfg, oc_getenv_fn get, void *ctx)
     size_t n = oc_setting_count();
     memset(cfg, 0, sizeof *cfg);
     /* Defaults go through the same parsers as values: the table's default
-     * is what the README shows and what the loader starts from. */
+     * is what docs/environment.md shows and what the loader starts from. */
     for (size_t i = 0; i < n; i++) {
         const oc_setting *s = oc_setting_at(i);
         if (s->offset != OC_NO_FIELD && s->default_text != NULL)

@@ -97,7 +97,7 @@ typedef const char *(*oc_getenv_fn)(const char *name, void *ctx);
 /* The one table of every environment variable outofcuda reads (config.c):
  * its own OUTOFCUDA_* settings, loaded into oc_config, and the foreign ones
  * it acts on, read where they act through oc_env(). The loader, config(),
- * the warnings, the fuzz target and a README test all come from it. */
+ * the warnings, the fuzz target and a docs test all come from it. */
 typedef enum {
     OC_SET_BOOL,     /* int field: 1/0, true/false, yes/no, on/off */
     OC_SET_LONG,     /* long field in [lo, hi] */

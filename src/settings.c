@@ -23,7 +23,7 @@ static const int amp_values[] = {OC_AMP_AUTO,    OC_AMP_FLOAT16,  OC_AMP_FLOAT16
 static const char *const compile_modes[] = {"default", "reduce-overhead", "max-autotune",
                                             "max-autotune-no-cudagraphs", NULL};
 
-/* Order: the README's environment table. A foreign variable (another
+/* Order: docs/environment.md's table. A foreign variable (another
  * program's, or one read where it acts) has no field: oc_env() reads it. */
 static const oc_setting settings[] = {
     {"OUTOFCUDA_DISABLE", OC_SET_BOOL, "0", BOOL_WORDS, F(disable), 0, 0, NULL, NULL},
