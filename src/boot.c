@@ -397,6 +397,10 @@ static struct PyModuleDef boot_def = {
 PyMODINIT_FUNC PyInit_outofcuda_hook(void)
 {
     PyObject *m, *modules, *res;
+    if (oc_free_threaded_interpreter()) {
+        PyErr_SetString(PyExc_ImportError, OC_FREE_THREADED_REFUSAL);
+        return NULL;
+    }
     /* One watcher per process; a subinterpreter gets none. */
     if (PyInterpreterState_GetID(PyInterpreterState_Get()) != 0) {
         PyErr_SetString(PyExc_ImportError,
