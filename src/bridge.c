@@ -315,7 +315,7 @@ void oc_bridge_before_torch(PyObject *spec)
         return;
     read_version_file(spec);
     prepare_allocator(cfg);
-    oc_platform_note(oc_g.alloc_reason, sizeof oc_g.alloc_reason);
+    oc_platform_note(oc_g.alloc_reason, sizeof oc_g.alloc_reason, oc_g.alloc_value);
 }
 
 void oc_bridge_import_failed(void)

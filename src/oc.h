@@ -414,8 +414,9 @@ const char *oc_framework_in_use(char *why, size_t whysz);
  * a copy in out without expandable_segments. */
 const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas, char *out,
                                        size_t outsz);
-/* Appends to reason why the last oc_platform_alloc_defaults changed them. */
-void oc_platform_note(char *reason, size_t reasonsz);
+/* Appends to reason why the last oc_platform_alloc_defaults changed them
+ * (value: the allocator string that resulted, the user's keys in it). */
+void oc_platform_note(char *reason, size_t reasonsz, const char *value);
 extern PyMethodDef oc_platform_methods[];
 
 /* report.c */

@@ -93,13 +93,15 @@ const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas,
     return out;
 }
 
-void oc_platform_note(char *reason, size_t reasonsz)
+void oc_platform_note(char *reason, size_t reasonsz, const char *value)
 {
     size_t len = strlen(reason);
+    const char *what =
+        oc_alloc_expandable(value)
+            ? "the user's expandable_segments:True kept, though on this platform"
+            : "expandable_segments left out of outofcuda's defaults on this platform";
     if (defaults_changed && len < reasonsz)
-        snprintf(reason + len, reasonsz - len,
-                 "; expandable_segments left out of outofcuda's defaults on this platform: %s",
-                 no_expandable_why());
+        snprintf(reason + len, reasonsz - len, "; %s: %s", what, no_expandable_why());
     defaults_changed = 0; /* said once, for the preparation that changed them */
 }
 
