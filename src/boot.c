@@ -14,9 +14,25 @@
 #include <structmember.h>
 
 typedef struct {
+#ifndef OC_ABI3T
     PyObject_HEAD
+#endif
     PyObject *dict; /* tools patch finders with setattr(finder, "find_spec", ...) */
 } finder_object;
+
+/* OC_ABI3T: the experimental build for PEP 803's abi3t (Python 3.15+, one
+ * file for both the GIL-enabled and the free-threaded interpreter). PyObject
+ * is opaque there, so the finder's field lives in its type's data, and the
+ * module comes from the PEP 793 export hook instead of a PyModuleDef. */
+#ifdef OC_ABI3T
+#define FINDER(self) ((finder_object *)PyObject_GetTypeData((self), Py_TYPE(self)))
+#define FINDER_BASICSIZE (-(int)sizeof(finder_object))
+#define FINDER_MEMBER_FLAGS (READONLY | Py_RELATIVE_OFFSET)
+#else
+#define FINDER(self) ((finder_object *)(self))
+#define FINDER_BASICSIZE ((int)sizeof(finder_object))
+#define FINDER_MEMBER_FLAGS READONLY
+#endif
 
 static PyObject *boot_module; /* strong; __file__ locates the engine */
 static PyObject *finder;      /* strong; the one instance on sys.meta_path */
@@ -257,14 +273,14 @@ static PyObject *finder_repr(PyObject *self)
 
 static int finder_traverse(PyObject *self, visitproc visit, void *arg)
 {
-    Py_VISIT(((finder_object *)self)->dict);
+    Py_VISIT(FINDER(self)->dict);
     Py_VISIT(Py_TYPE(self));
     return 0;
 }
 
 static int finder_clear(PyObject *self)
 {
-    Py_CLEAR(((finder_object *)self)->dict);
+    Py_CLEAR(FINDER(self)->dict);
     return 0;
 }
 
@@ -286,7 +302,7 @@ static PyMethodDef finder_methods[] = {
 };
 
 static PyMemberDef finder_members[] = {
-    {"__dictoffset__", T_PYSSIZET, offsetof(finder_object, dict), READONLY, NULL},
+    {"__dictoffset__", T_PYSSIZET, offsetof(finder_object, dict), FINDER_MEMBER_FLAGS, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -301,7 +317,7 @@ static PyType_Slot finder_slots[] = {
 };
 
 static PyType_Spec finder_spec = {
-    OC_BOOT_NAME ".TorchImportWatcher",      sizeof(finder_object), 0,
+    OC_BOOT_NAME ".TorchImportWatcher",      FINDER_BASICSIZE, 0,
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, finder_slots,
 };
 
@@ -378,6 +394,7 @@ static PyMethodDef boot_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+#ifndef OC_ABI3T
 static struct PyModuleDef boot_def = {
     PyModuleDef_HEAD_INIT,
     OC_BOOT_NAME,
@@ -422,3 +439,48 @@ PyMODINIT_FUNC PyInit_outofcuda_hook(void)
     Py_XDECREF(res);
     return m;
 }
+#else
+/* abi3t: the import system creates and runs the module (the .pth line's
+ * by-path load names the abi3 file, so here the line's `import
+ * outofcuda_hook` fallback loads outofcuda_hook.abi3t.so). */
+static int boot_exec(PyObject *m)
+{
+    PyObject *res;
+    if (PyInterpreterState_GetID(PyInterpreterState_Get()) != 0) {
+        PyErr_SetString(PyExc_ImportError,
+                        "outofcuda's extension supports only the main interpreter");
+        return -1;
+    }
+    if (boot_module == NULL) {
+        Py_INCREF(m);
+        boot_module = m;
+    }
+    res = boot_install(m, NULL);
+    Py_XDECREF(res);
+    return 0;
+}
+
+PyABIInfo_VAR(boot_abi);
+
+static PySlot boot_slots[] = {
+    PySlot_DATA(Py_mod_name, OC_BOOT_NAME),
+    PySlot_DATA(Py_mod_doc,
+                "outofcuda's start-up hook: a finder that loads the engine on `import torch`."),
+    PySlot_STATIC_DATA(Py_mod_methods, boot_methods), /* lives as long as the process */
+    PySlot_DATA(Py_mod_abi, &boot_abi),
+    /* The GIL-enabled interpreter ignores it; a free-threaded one never
+     * gets this far (below). */
+    PySlot_DATA(Py_mod_gil, Py_MOD_GIL_USED),
+    PySlot_FUNC(Py_mod_exec, boot_exec),
+    PySlot_END,
+};
+
+PyMODEXPORT_FUNC PyModExport_outofcuda_hook(void)
+{
+    if (oc_free_threaded_interpreter()) {
+        PyErr_SetString(PyExc_ImportError, OC_FREE_THREADED_REFUSAL);
+        return NULL;
+    }
+    return boot_slots;
+}
+#endif /* OC_ABI3T */
