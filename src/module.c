@@ -247,6 +247,7 @@ static int module_exec(PyObject *m)
     return PyModule_AddStringConstant(m, "__version__", OC_VERSION);
 }
 
+#ifndef OC_ABI3T
 static PyModuleDef_Slot module_slots[] = {
     {Py_mod_exec, (void *)module_exec},
     {0, NULL}, /* Py_mod_gil where the running Python knows it (PyInit__outofcuda) */
@@ -294,3 +295,22 @@ PyMODINIT_FUNC PyInit__outofcuda(void)
     }
     return PyModuleDef_Init(&module_def);
 }
+#else
+/* abi3t (oc.h): the PEP 793 export hook; 3.15+ always knows Py_mod_gil. */
+PyABIInfo_VAR(module_abi);
+
+static PySlot module_export_slots[] = {
+    PySlot_DATA(Py_mod_name, OC_ENGINE_NAME),
+    PySlot_DATA(Py_mod_doc, "outofcuda's engine: the import watcher, the torch bridge, the API's "
+                            "decisions and NVML access (the start-up hook is the boot, "
+                            "outofcuda_hook)."),
+    OC_EXPORT_COMMON_SLOTS(module_abi),
+    PySlot_FUNC(Py_mod_exec, module_exec),
+    PySlot_END,
+};
+
+PyMODEXPORT_FUNC PyModExport__outofcuda(void)
+{
+    return oc_export(module_export_slots);
+}
+#endif /* OC_ABI3T */

@@ -321,6 +321,25 @@ int oc_summary_hints(const oc_summary_figures *d, oc_advice_item *out, int max);
 #include <sys/types.h>
 #include <time.h>
 
+/* OC_ABI3T: the experimental build for PEP 803's abi3t (3.15+, one file for
+ * the GIL-enabled and the free-threaded interpreter). PyObject is opaque
+ * there, so an object's own fields live in its type's data (a negative
+ * basic size) and are reached through PyObject_GetTypeData. */
+#ifdef OC_ABI3T
+#define OC_OBJECT_HEAD
+#define OC_FIELDS(type, obj) ((type *)PyObject_GetTypeData((obj), Py_TYPE(obj)))
+#define OC_BASICSIZE(type) (-(int)sizeof(type))
+/* The slots both export hooks end with: the ABI they were built for, and
+ * the GIL they rely on (the free-threaded interpreter never reads it: the
+ * hooks refuse there, through oc_export). */
+#define OC_EXPORT_COMMON_SLOTS(abi)                                                                \
+    PySlot_DATA(Py_mod_abi, &(abi)), PySlot_DATA(Py_mod_gil, Py_MOD_GIL_USED)
+#else
+#define OC_OBJECT_HEAD PyObject_HEAD
+#define OC_FIELDS(type, obj) ((type *)(obj))
+#define OC_BASICSIZE(type) ((int)sizeof(type))
+#endif
+
 /* Both extensions are built for the GIL-enabled ABI. A free-threaded
  * interpreter (sys.abiflags holds "t": 3.13t, 3.14t, 3.15t) lays objects out
  * differently and would re-enable the GIL for the whole process to load a
@@ -344,6 +363,18 @@ static inline int oc_free_threaded_interpreter(void)
         PyErr_Clear(); /* absence: flags that are not a str mark no free-threaded build */
     return r == 1;
 }
+
+#ifdef OC_ABI3T
+/* An export hook's answer: its slots, or NULL with the refusal. */
+static inline PySlot *oc_export(PySlot *slots)
+{
+    if (oc_free_threaded_interpreter()) {
+        PyErr_SetString(PyExc_ImportError, OC_FREE_THREADED_REFUSAL);
+        return NULL;
+    }
+    return slots;
+}
+#endif
 
 /* Process-wide state: the hook fires once per process, whatever imports it. */
 typedef struct {
