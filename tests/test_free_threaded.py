@@ -163,3 +163,78 @@ def test_engine_declares_py_mod_gil_only_where_python_knows_it(wheel, tmp_path, 
     assert (4 in kinds) == gil_slot, out
     if gil_slot:
         assert [4, 0] in out["slots"]
+
+
+# ---- the experimental abi3t build (OC_ABI3T) on a real Python 3.15 ----
+# A Debian sid root with python3.15 and gcc (the one .ci/run builds);
+# OUTOFCUDA_TEST_SID_CHROOT names it. Both extensions are compiled by hand for
+# abi3t (setuptools builds abi3t only when a free-threaded interpreter runs it),
+# installed into a fresh 3.15 venv beside the package and the .pth line, and a
+# stand-in torch 2.14.1 is imported under -W error.
+ABI3T_SCRIPT = r"""
+set -e
+cd "$1"
+F="-std=c11 -Wall -Wextra -Werror -fvisibility=hidden -fPIC -shared -D_GNU_SOURCE=1 -I/usr/include/python3.15"
+T="-DOC_ABI3T -DPy_LIMITED_API=0x030f0000 -DPy_TARGET_ABI3T=0x030f0000"
+gcc $F $T src/boot.c -o outofcuda_hook.abi3t.so
+gcc $F $T $(ls src/*.c | grep -v boot.c) -ldl -lpthread -o _outofcuda.abi3t.so
+python3.15 -m venv --without-pip v
+SITE=$(v/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+cp -r outofcuda outofcuda_hook.pth outofcuda_hook.abi3t.so _outofcuda.abi3t.so "$SITE/"
+(cd tests && ../v/bin/python -c "from pathlib import Path; from fake_torch import make_fake_torch; make_fake_torch(Path('../fake'), '2.14.1')")
+PYTHONPATH="$PWD/fake" v/bin/python -W error -c "$2"
+"""
+
+ABI3T_CHECK = """
+import json, sys
+boot = sys.modules.get("outofcuda_hook")
+out = {"boot": getattr(boot, "__file__", None),
+       "watchers": sum(type(f).__name__ == "TorchImportWatcher" for f in sys.meta_path)}
+f = boot._finder()
+orig = f.find_spec
+f.find_spec = lambda *a, **k: orig(*a, **k)
+out["patched"] = f.find_spec is not orig
+del f.find_spec
+import torch, _outofcuda
+torch.cuda._fake_cuda_init()
+st = _outofcuda.status()
+out.update(engine=_outofcuda.__file__, hook=st["hook"], conf=torch._alloc_conf(),
+           tf32=st["optimizations"]["tf32"]["applied"], loader=type(torch.__spec__.loader).__name__,
+           version=sys.version.split()[0])
+print(json.dumps(out))
+"""
+
+
+def test_abi3t_build_loads_and_works_on_gil_enabled_315(tmp_path):
+    import os
+    import shutil
+
+    root = os.environ.get("OUTOFCUDA_TEST_SID_CHROOT")
+    if not root or not Path(root, "usr/bin/python3.15").exists():
+        pytest.skip("OUTOFCUDA_TEST_SID_CHROOT does not name a root with python3.15 and gcc")
+    work = Path(root, "tmp", f"oc-abi3t-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        for name in ("src", "outofcuda"):
+            shutil.copytree(ROOT / name, work / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        (work / "tests").mkdir()
+        shutil.copy(ROOT / "tests" / "fake_torch.py", work / "tests")
+        shutil.copy(ROOT / "outofcuda_hook.pth", work)
+        (work / "run.sh").write_text(ABI3T_SCRIPT)
+        inside = "/" + str(work.relative_to(root))
+        r = subprocess.run(["chroot", root, "bash", f"{inside}/run.sh", inside, ABI3T_CHECK],
+                           capture_output=True, text=True, timeout=600, env=_clean_env())
+        if r.returncode != 0 and "Operation not permitted" in r.stderr:
+            pytest.skip("chroot is not permitted here: " + r.stderr.strip())
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        out = json.loads(r.stdout.splitlines()[-1])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert out["version"].startswith("3.15")
+    assert out["boot"].endswith("/outofcuda_hook.abi3t.so") and out["watchers"] == 1
+    assert out["engine"].endswith("/_outofcuda.abi3t.so")
+    assert out["hook"] == {"installed": True, "fired": True, "error": None}
+    assert "expandable_segments:True" in out["conf"] and out["tf32"]
+    assert out["patched"] and out["loader"] == "SourceFileLoader"
