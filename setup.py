@@ -59,6 +59,20 @@ class editable_wheel_with_hook(editable_wheel):
         return wheel_path
 
 
+def refuse_free_threaded_build(config_var=None):
+    """A free-threaded interpreter (3.13t, 3.14t, 3.15t) gets one sentence
+    instead of a compiler error from headers without its Limited API."""
+    import sysconfig
+
+    if (config_var or sysconfig.get_config_var)("Py_GIL_DISABLED"):
+        raise SystemExit(
+            "outofcuda cannot be installed on free-threaded Python ({}t): its C extension is "
+            "built for the stable ABI of the GIL-enabled interpreter, which a free-threaded "
+            "build cannot load, so install it into the regular interpreter of the same version "
+            "(python{} rather than python{}t), where torch gets outofcuda's settings."
+            .format(*[sysconfig.get_python_version()] * 3))
+
+
 # OUTOFCUDA_SANITIZE=1: an AddressSanitizer + UndefinedBehaviorSanitizer build.
 SANITIZE = os.environ.get("OUTOFCUDA_SANITIZE", "") not in ("", "0")
 
@@ -107,6 +121,7 @@ if SANITIZE:
     # sanitizer build) would silently ship the other kind.
     options["build"] = {"build_base": os.path.join("build", "sanitize")}
 
+refuse_free_threaded_build()
 setup(
     version=VERSION,
     ext_modules=ext_modules,

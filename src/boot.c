@@ -14,9 +14,13 @@
 #include <structmember.h>
 
 typedef struct {
-    PyObject_HEAD
+    OC_OBJECT_HEAD
     PyObject *dict; /* tools patch finders with setattr(finder, "find_spec", ...) */
 } finder_object;
+
+/* OC_ABI3T (oc.h): the module comes from the PEP 793 export hook below
+ * instead of a PyModuleDef, and the dict is reached through getattro and
+ * setattro (an opaque object has no __dictoffset__). */
 
 static PyObject *boot_module; /* strong; __file__ locates the engine */
 static PyObject *finder;      /* strong; the one instance on sys.meta_path */
@@ -194,14 +198,14 @@ static PyObject *finder_repr(PyObject *self)
 
 static int finder_traverse(PyObject *self, visitproc visit, void *arg)
 {
-    Py_VISIT(((finder_object *)self)->dict);
+    Py_VISIT(OC_FIELDS(finder_object, self)->dict);
     Py_VISIT(Py_TYPE(self));
     return 0;
 }
 
 static int finder_clear(PyObject *self)
 {
-    Py_CLEAR(((finder_object *)self)->dict);
+    Py_CLEAR(OC_FIELDS(finder_object, self)->dict);
     return 0;
 }
 
@@ -215,6 +219,29 @@ static void finder_dealloc(PyObject *self)
     Py_DECREF(tp);
 }
 
+#ifdef OC_ABI3T
+/* Attributes set on the finder live in its own dict and come before the
+ * type's (as an instance __dict__ would). */
+static PyObject *finder_getattro(PyObject *self, PyObject *name)
+{
+    PyObject *d = OC_FIELDS(finder_object, self)->dict;
+    PyObject *v = d != NULL ? PyDict_GetItemWithError(d, name) : NULL; /* borrowed */
+    if (v != NULL) {
+        Py_INCREF(v);
+        return v;
+    }
+    return PyErr_Occurred() ? NULL : PyObject_GenericGetAttr(self, name);
+}
+
+static int finder_setattro(PyObject *self, PyObject *name, PyObject *value)
+{
+    finder_object *f = OC_FIELDS(finder_object, self);
+    if (f->dict == NULL && (f->dict = PyDict_New()) == NULL)
+        return -1;
+    return value != NULL ? PyDict_SetItem(f->dict, name, value) : PyDict_DelItem(f->dict, name);
+}
+#endif
+
 static PyMethodDef finder_methods[] = {
     {"find_spec", (PyCFunction)(void (*)(void))finder_find_spec, METH_VARARGS | METH_KEYWORDS,
      NULL},
@@ -223,7 +250,9 @@ static PyMethodDef finder_methods[] = {
 };
 
 static PyMemberDef finder_members[] = {
+#ifndef OC_ABI3T
     {"__dictoffset__", T_PYSSIZET, offsetof(finder_object, dict), READONLY, NULL},
+#endif
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -234,12 +263,19 @@ static PyType_Slot finder_slots[] = {
     {Py_tp_repr, (void *)finder_repr},
     {Py_tp_methods, finder_methods},
     {Py_tp_members, finder_members},
+#ifdef OC_ABI3T
+    {Py_tp_getattro, (void *)finder_getattro},
+    {Py_tp_setattro, (void *)finder_setattro},
+#endif
     {0, NULL},
 };
 
 static PyType_Spec finder_spec = {
-    OC_BOOT_NAME ".TorchImportWatcher",      sizeof(finder_object), 0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, finder_slots,
+    OC_BOOT_NAME ".TorchImportWatcher",
+    OC_BASICSIZE(finder_object),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    finder_slots,
 };
 
 /* _install() -> the finder, first on sys.meta_path (once: a venv runs every
@@ -315,6 +351,7 @@ static PyMethodDef boot_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+#ifndef OC_ABI3T
 static struct PyModuleDef boot_def = {
     PyModuleDef_HEAD_INIT,
     OC_BOOT_NAME,
@@ -334,6 +371,10 @@ static struct PyModuleDef boot_def = {
 PyMODINIT_FUNC PyInit_outofcuda_hook(void)
 {
     PyObject *m, *modules, *res;
+    if (oc_free_threaded_interpreter()) {
+        PyErr_SetString(PyExc_ImportError, OC_FREE_THREADED_REFUSAL);
+        return NULL;
+    }
     /* One watcher per process; a subinterpreter gets none. */
     if (PyInterpreterState_GetID(PyInterpreterState_Get()) != 0) {
         PyErr_SetString(PyExc_ImportError,
@@ -355,3 +396,41 @@ PyMODINIT_FUNC PyInit_outofcuda_hook(void)
     Py_XDECREF(res);
     return m;
 }
+#else
+/* abi3t: the import system creates and runs the module (the .pth line's
+ * by-path load names the abi3 file, so here the line's `import
+ * outofcuda_hook` fallback loads outofcuda_hook.abi3t.so). */
+static int boot_exec(PyObject *m)
+{
+    PyObject *res;
+    if (PyInterpreterState_GetID(PyInterpreterState_Get()) != 0) {
+        PyErr_SetString(PyExc_ImportError,
+                        "outofcuda's extension supports only the main interpreter");
+        return -1;
+    }
+    if (boot_module == NULL) {
+        Py_INCREF(m);
+        boot_module = m;
+    }
+    res = boot_install(m, NULL);
+    Py_XDECREF(res);
+    return 0;
+}
+
+PyABIInfo_VAR(boot_abi);
+
+static PySlot boot_slots[] = {
+    PySlot_DATA(Py_mod_name, OC_BOOT_NAME),
+    PySlot_DATA(Py_mod_doc,
+                "outofcuda's start-up hook: a finder that loads the engine on `import torch`."),
+    PySlot_STATIC_DATA(Py_mod_methods, boot_methods), /* lives as long as the process */
+    OC_EXPORT_COMMON_SLOTS(boot_abi),
+    PySlot_FUNC(Py_mod_exec, boot_exec),
+    PySlot_END,
+};
+
+PyMODEXPORT_FUNC PyModExport_outofcuda_hook(void)
+{
+    return oc_export(boot_slots);
+}
+#endif /* OC_ABI3T */

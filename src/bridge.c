@@ -234,8 +234,8 @@ static int framework_owns_memory(const oc_config *cfg, char *override_note, size
 
 static void prepare_allocator(const oc_config *cfg)
 {
-    char dropped[256], err[160], fw_note[120];
-    const char *name, *user;
+    char dropped[256], err[160], fw_note[120], platform_defaults[OC_ALLOC_CONF_MAX];
+    const char *name, *user, *defaults;
     int async, held_back;
     oc_g.alloc_applied = 0;
     oc_g.alloc_env_name[0] = '\0';
@@ -263,10 +263,14 @@ static void prepare_allocator(const oc_config *cfg)
         return;
     }
     name = user_alloc_var(&user);
-    async = async_backend(user) || (!user[0] && async_backend(cfg->alloc_conf));
-    if (oc_alloc_merge_defaults(cfg->alloc_conf, cfg->alloc_conf_no_expandable, user, key_allowed,
-                                &async, oc_g.alloc_value, sizeof oc_g.alloc_value, dropped,
-                                sizeof dropped, err, sizeof err, &held_back) != 0) {
+    /* OUTOFCUDA_ALLOC_CONF unset (config.c keeps the conditional defaults
+     * then): the defaults may lose a key this machine cannot use. */
+    defaults = oc_platform_alloc_defaults(cfg->alloc_conf, cfg->alloc_conf_no_expandable[0] != '\0',
+                                          platform_defaults, sizeof platform_defaults);
+    async = async_backend(user) || (!user[0] && async_backend(defaults));
+    if (oc_alloc_merge_defaults(defaults, cfg->alloc_conf_no_expandable, user, key_allowed, &async,
+                                oc_g.alloc_value, sizeof oc_g.alloc_value, dropped, sizeof dropped,
+                                err, sizeof err, &held_back) != 0) {
         /* A value outofcuda cannot parse is the user's business: leave it whole. */
         snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
                  "left alone: %s is not understood (%s)", name, err);
@@ -305,6 +309,7 @@ void oc_bridge_before_torch(PyObject *spec)
         return;
     read_version_file(spec);
     prepare_allocator(cfg);
+    oc_platform_note(oc_g.alloc_reason, sizeof oc_g.alloc_reason, oc_g.alloc_value);
 }
 
 void oc_bridge_import_failed(void)

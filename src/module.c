@@ -5,6 +5,7 @@
 #include "oc.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* install() -> None. Never raises: the boot calls it from the start-up hook
@@ -259,6 +260,7 @@ static int module_exec(PyObject *m)
         PyModule_AddFunctions(m, oc_facts_methods) < 0 ||
         PyModule_AddFunctions(m, oc_summary_methods) < 0 ||
         PyModule_AddFunctions(m, oc_known_bugs_methods) < 0 ||
+        PyModule_AddFunctions(m, oc_platform_methods) < 0 ||
         PyModule_AddFunctions(m, oc_watcher_methods) < 0 || oc_watcher_init(m) < 0)
         return -1;
     if (oc_monitor_add_type(m) < 0)
@@ -266,10 +268,25 @@ static int module_exec(PyObject *m)
     return PyModule_AddStringConstant(m, "__version__", OC_VERSION);
 }
 
+#ifndef OC_ABI3T
 static PyModuleDef_Slot module_slots[] = {
     {Py_mod_exec, (void *)module_exec},
+    {0, NULL}, /* Py_mod_gil where the running Python knows it (PyInit__outofcuda) */
     {0, NULL},
 };
+
+/* Py_mod_gil and Py_MOD_GIL_USED (3.13+), which a 3.9 Limited API build
+ * cannot name: the numbers CPython gives them. */
+#define OC_PY_MOD_GIL 4
+#define OC_PY_MOD_GIL_USED ((void *)0)
+
+/* The running interpreter's minor version (3.x), from Py_GetVersion(): the
+ * 3.9 Limited API has no Py_Version. 0 when it cannot be read. */
+static long running_minor(void)
+{
+    const char *v = Py_GetVersion();
+    return v[0] == '3' && v[1] == '.' ? strtol(v + 2, NULL, 10) : 0;
+}
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
@@ -286,5 +303,35 @@ static struct PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit__outofcuda(void)
 {
+    if (oc_free_threaded_interpreter()) {
+        PyErr_SetString(PyExc_ImportError, OC_FREE_THREADED_REFUSAL);
+        return NULL;
+    }
+    /* The engine relies on the GIL (process-wide state, no locks of its
+     * own), and says so where the slot exists: an unknown slot id is an
+     * error on 3.9-3.12, which load this same file. */
+    if (running_minor() >= 13) {
+        module_slots[1].slot = OC_PY_MOD_GIL;
+        module_slots[1].value = OC_PY_MOD_GIL_USED;
+    }
     return PyModuleDef_Init(&module_def);
 }
+#else
+/* abi3t (oc.h): the PEP 793 export hook; 3.15+ always knows Py_mod_gil. */
+PyABIInfo_VAR(module_abi);
+
+static PySlot module_export_slots[] = {
+    PySlot_DATA(Py_mod_name, OC_ENGINE_NAME),
+    PySlot_DATA(Py_mod_doc, "outofcuda's engine: the import watcher, the torch bridge, the API's "
+                            "decisions and NVML access (the start-up hook is the boot, "
+                            "outofcuda_hook)."),
+    OC_EXPORT_COMMON_SLOTS(module_abi),
+    PySlot_FUNC(Py_mod_exec, module_exec),
+    PySlot_END,
+};
+
+PyMODEXPORT_FUNC PyModExport__outofcuda(void)
+{
+    return oc_export(module_export_slots);
+}
+#endif /* OC_ABI3T */

@@ -18,6 +18,7 @@
  *   knownbugs.c the known-bugs table and its lookup (pure C part first),
  *              then the guards applied at import and at CUDA's start
  *   frameworks.c packages that own GPU memory (vLLM, SGLang, ...): table, detection
+ *   platform.c machines where a default cannot work (expandable segments on WSL)
  *   thread.c   native threads: spawned with signals blocked, monotonic waits,
  *              fork ownership, bounded joins (monitor.c and summary.c)
  *   common.c   the shared ground: process state, warnings, small helpers
@@ -340,6 +341,61 @@ int oc_summary_hints(const oc_summary_figures *d, oc_advice_item *out, int max);
 #include <sys/types.h>
 #include <time.h>
 
+/* OC_ABI3T: the experimental build for PEP 803's abi3t (3.15+, one file for
+ * the GIL-enabled and the free-threaded interpreter). PyObject is opaque
+ * there, so an object's own fields live in its type's data (a negative
+ * basic size) and are reached through PyObject_GetTypeData. */
+#ifdef OC_ABI3T
+#define OC_OBJECT_HEAD
+#define OC_FIELDS(type, obj) ((type *)PyObject_GetTypeData((obj), Py_TYPE(obj)))
+#define OC_BASICSIZE(type) (-(int)sizeof(type))
+/* The slots both export hooks end with: the ABI they were built for, and
+ * the GIL they rely on (the free-threaded interpreter never reads it: the
+ * hooks refuse there, through oc_export). */
+#define OC_EXPORT_COMMON_SLOTS(abi)                                                                \
+    PySlot_DATA(Py_mod_abi, &(abi)), PySlot_DATA(Py_mod_gil, Py_MOD_GIL_USED)
+#else
+#define OC_OBJECT_HEAD PyObject_HEAD
+#define OC_FIELDS(type, obj) ((type *)(obj))
+#define OC_BASICSIZE(type) ((int)sizeof(type))
+#endif
+
+/* Both extensions are built for the GIL-enabled ABI. A free-threaded
+ * interpreter (sys.abiflags holds "t": 3.13t, 3.14t, 3.15t) lays objects out
+ * differently and would re-enable the GIL for the whole process to load a
+ * module that does not declare Py_mod_gil, so each init refuses there
+ * before it touches an object. Hence only calls into the interpreter here,
+ * no inline reference counting (Py_DecRef is a function). */
+#define OC_FREE_THREADED_REFUSAL                                                                   \
+    "outofcuda stays out of free-threaded Python: it is built for the GIL-enabled interpreter"
+static inline int oc_free_threaded_interpreter(void)
+{
+    PyObject *flags = PySys_GetObject("abiflags"); /* borrowed; absent on older Windows */
+    PyObject *t;
+    int r = 0;
+    if (flags == NULL)
+        return 0;
+    t = PyUnicode_FromString("t");
+    if (t != NULL)
+        r = PyUnicode_Contains(flags, t);
+    Py_DecRef(t);
+    if (r < 0)
+        PyErr_Clear(); /* absence: flags that are not a str mark no free-threaded build */
+    return r == 1;
+}
+
+#ifdef OC_ABI3T
+/* An export hook's answer: its slots, or NULL with the refusal. */
+static inline PySlot *oc_export(PySlot *slots)
+{
+    if (oc_free_threaded_interpreter()) {
+        PyErr_SetString(PyExc_ImportError, OC_FREE_THREADED_REFUSAL);
+        return NULL;
+    }
+    return slots;
+}
+#endif
+
 /* Process-wide state: the hook fires once per process, whatever imports it. */
 typedef struct {
     int installed; /* install() put the finder on sys.meta_path */
@@ -402,6 +458,17 @@ extern const oc_framework oc_frameworks[];
  * merely installed is not in use. Fills why with what was seen and why
  * outofcuda steps back. Never raises. */
 const char *oc_framework_in_use(char *why, size_t whysz);
+
+/* platform.c: where one of outofcuda's defaults cannot work. The allocator
+ * defaults for this machine: `defaults` itself, or (when they are
+ * outofcuda's own, are_outofcudas, and expandable segments cannot work here)
+ * a copy in out without expandable_segments. */
+const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas, char *out,
+                                       size_t outsz);
+/* Appends to reason why the last oc_platform_alloc_defaults changed them
+ * (value: the allocator string that resulted, the user's keys in it). */
+void oc_platform_note(char *reason, size_t reasonsz, const char *value);
+extern PyMethodDef oc_platform_methods[];
 
 /* report.c */
 int oc_result_set(const char *name, int applied, PyObject *value, const char *reason);

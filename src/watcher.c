@@ -7,7 +7,7 @@
 #include "oc.h"
 
 typedef struct {
-    PyObject_HEAD
+    OC_OBJECT_HEAD
     PyObject *loader; /* torch's real loader */
 } proxy_object;
 
@@ -42,14 +42,14 @@ static void guard_leave(void)
 
 static int proxy_traverse(PyObject *self, visitproc visit, void *arg)
 {
-    Py_VISIT(((proxy_object *)self)->loader);
+    Py_VISIT(OC_FIELDS(proxy_object, self)->loader);
     Py_VISIT(Py_TYPE(self));
     return 0;
 }
 
 static int proxy_clear(PyObject *self)
 {
-    Py_CLEAR(((proxy_object *)self)->loader);
+    Py_CLEAR(OC_FIELDS(proxy_object, self)->loader);
     return 0;
 }
 
@@ -65,7 +65,7 @@ static void proxy_dealloc(PyObject *self)
 
 static PyObject *proxy_create_module(PyObject *self, PyObject *spec)
 {
-    PyObject *loader = ((proxy_object *)self)->loader;
+    PyObject *loader = OC_FIELDS(proxy_object, self)->loader;
     PyObject *fn = PyObject_GetAttrString(loader, "create_module");
     PyObject *res;
     if (fn == NULL) {
@@ -115,7 +115,7 @@ static void fire(PyObject *fallback_module)
 
 static PyObject *proxy_exec_module(PyObject *self, PyObject *module)
 {
-    PyObject *loader = ((proxy_object *)self)->loader;
+    PyObject *loader = OC_FIELDS(proxy_object, self)->loader;
     PyObject *spec, *res;
     Py_INCREF(loader);
     restore_loader(module, loader);
@@ -150,12 +150,13 @@ static PyObject *proxy_getattro(PyObject *self, PyObject *name)
     if (res != NULL || !PyErr_ExceptionMatches(PyExc_AttributeError))
         return res;
     OC_CLEAR();
-    return PyObject_GetAttr(((proxy_object *)self)->loader, name);
+    return PyObject_GetAttr(OC_FIELDS(proxy_object, self)->loader, name);
 }
 
 static PyObject *proxy_repr(PyObject *self)
 {
-    return PyUnicode_FromFormat("<outofcuda loader proxy for %R>", ((proxy_object *)self)->loader);
+    return PyUnicode_FromFormat("<outofcuda loader proxy for %R>",
+                                OC_FIELDS(proxy_object, self)->loader);
 }
 
 static PyMethodDef proxy_methods[] = {
@@ -176,7 +177,7 @@ static PyType_Slot proxy_slots[] = {
 
 static PyType_Spec proxy_spec = {
     "_outofcuda.LoaderProxy",
-    sizeof(proxy_object),
+    OC_BASICSIZE(proxy_object),
     0,
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     proxy_slots,
@@ -184,18 +185,18 @@ static PyType_Spec proxy_spec = {
 
 static PyObject *make_proxy(PyObject *loader)
 {
-    proxy_object *p;
+    PyObject *p;
     if (oc_g.proxy_type == NULL) {
         oc_g.proxy_type = PyType_FromSpec(&proxy_spec);
         if (oc_g.proxy_type == NULL)
             return NULL;
     }
-    p = (proxy_object *)PyType_GenericAlloc((PyTypeObject *)oc_g.proxy_type, 0);
+    p = PyType_GenericAlloc((PyTypeObject *)oc_g.proxy_type, 0);
     if (p == NULL)
         return NULL;
     Py_INCREF(loader);
-    p->loader = loader;
-    return (PyObject *)p;
+    OC_FIELDS(proxy_object, p)->loader = loader;
+    return p;
 }
 
 /* ---- the torch lookup ---- */

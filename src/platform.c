@@ -1,0 +1,148 @@
+/* platform.c - machines where one of outofcuda's defaults cannot work, and
+ * the defaults there. A row of this table names the platform, how it is
+ * recognised and the evidence; bridge.c asks before it merges the allocator
+ * defaults, and status()'s allocator reason carries the row's text. */
+#include "oc.h"
+
+#include <stdio.h>
+#include <string.h>
+#ifndef _WIN32
+#include <sys/utsname.h>
+#endif
+
+/* Expandable segments where they cannot work:
+ * - WSL2 (and WSL1): torch's Linux wheels run there unchanged. Their
+ *   allocator has no notion of WSL: nothing is printed and nothing falls
+ *   back; the driver's virtual-memory calls (cuMemCreate/cuMemMap/
+ *   cuMemSetAccess) fail under WSL's GPU paravirtualisation, e.g.
+ *   "CUDA driver error: unknown error" at the first allocation (pytorch
+ *   issue 192330, a WSL driver bug fixed in R615 drivers only).
+ * - native Windows: torch builds its driver-API path only where not WIN32
+ *   (c10/cuda/CMakeLists.txt), so CUDAAllocatorConfig::expandable_segments()
+ *   warns "expandable_segments not supported on this platform" once and
+ *   returns false: the allocator falls back, but every process warns. */
+#define WSL_WHY                                                                                    \
+    "WSL kernel (%.64s): torch's allocator does not detect WSL and its expandable segments fail "  \
+    "there in the driver's virtual-memory calls (pytorch issue 192330)"
+#define WINDOWS_WHY                                                                                \
+    "native Windows: torch's Windows builds have no expandable segments and warn "                 \
+    "\"expandable_segments not supported on this platform\""
+
+/* Test door: a kernel release that replaces uname()'s (set only through
+ * _simulate_kernel_release, which the tests call before importing torch). */
+static char simulated_release[128];
+static int simulated;
+/* The defaults were changed for this platform at the last preparation. */
+static int defaults_changed;
+
+static const char *kernel_release(void)
+{
+    static char release[128];
+#ifndef _WIN32
+    struct utsname u;
+#endif
+    if (simulated)
+        return simulated_release;
+    release[0] = '\0';
+#ifndef _WIN32
+    if (uname(&u) == 0)
+        snprintf(release, sizeof release, "%s", u.release);
+#endif
+    return release;
+}
+
+/* NULL where expandable segments can work; otherwise why not (static). */
+static const char *no_expandable_why(void)
+{
+    static char why[300];
+    const char *rel;
+#ifdef _WIN32
+    if (!simulated)
+        return WINDOWS_WHY;
+#endif
+    rel = kernel_release();
+    /* WSL2: "5.15.167.4-microsoft-standard-WSL2"; WSL1: "4.4.0-19041-Microsoft". */
+    if (strcasestr(rel, "microsoft") == NULL && strstr(rel, "WSL") == NULL)
+        return NULL;
+    snprintf(why, sizeof why, WSL_WHY, rel);
+    return why;
+}
+
+const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas, char *out,
+                                       size_t outsz)
+{
+    static oc_alloc_list list;
+    size_t used = 0;
+    defaults_changed = 0;
+    /* The user's own OUTOFCUDA_ALLOC_CONF stands as written, here too. */
+    if (!are_outofcudas || outsz == 0 || no_expandable_why() == NULL ||
+        oc_alloc_parse(defaults, &list, NULL, 0) != 0)
+        return defaults;
+    out[0] = '\0';
+    for (int i = 0; i < list.n; i++) {
+        int n;
+        if (strcmp(list.e[i].key, "expandable_segments") == 0)
+            continue;
+        n = snprintf(out + used, outsz - used, "%s%s:%s", used ? "," : "", list.e[i].key,
+                     list.e[i].value);
+        if (n < 0 || (size_t)n >= outsz - used)
+            return defaults;
+        used += (size_t)n;
+    }
+    defaults_changed = 1;
+    return out;
+}
+
+void oc_platform_note(char *reason, size_t reasonsz, const char *value)
+{
+    size_t len = strlen(reason);
+    const char *what =
+        oc_alloc_expandable(value)
+            ? "the user's expandable_segments:True kept, though on this platform"
+            : "expandable_segments left out of outofcuda's defaults on this platform";
+    if (defaults_changed && len < reasonsz)
+        snprintf(reason + len, reasonsz - len, "; %s: %s", what, no_expandable_why());
+    defaults_changed = 0; /* said once, for the preparation that changed them */
+}
+
+/* _platform() -> {"kernel_release", "expandable_segments_work", "why"}. */
+static PyObject *py_platform(PyObject *self, PyObject *unused)
+{
+    const char *why = no_expandable_why();
+    (void)self;
+    (void)unused;
+    return Py_BuildValue("{s:s,s:O,s:z}", "kernel_release", kernel_release(),
+                         "expandable_segments_work", why ? Py_False : Py_True, "why", why);
+}
+
+/* _simulate_kernel_release(release or None): the tests' one way to stand on
+ * another platform; None gives uname() back. */
+static PyObject *py_simulate_kernel_release(PyObject *self, PyObject *arg)
+{
+    PyObject *bytes;
+    (void)self;
+    if (arg == Py_None) {
+        simulated = 0;
+        Py_RETURN_NONE;
+    }
+    if (!PyUnicode_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "_simulate_kernel_release expects a str or None");
+        return NULL;
+    }
+    bytes = PyUnicode_AsEncodedString(arg, "utf-8", "surrogateescape");
+    if (bytes == NULL)
+        return NULL;
+    snprintf(simulated_release, sizeof simulated_release, "%s", PyBytes_AsString(bytes));
+    Py_DECREF(bytes);
+    simulated = 1;
+    Py_RETURN_NONE;
+}
+
+PyMethodDef oc_platform_methods[] = {
+    {"_platform", py_platform, METH_NOARGS,
+     "_platform()\n--\n\nThe kernel release and whether expandable segments can work here."},
+    {"_simulate_kernel_release", py_simulate_kernel_release, METH_O,
+     "_simulate_kernel_release(release)\n--\n\nFor tests: decide as if uname() gave release "
+     "(None: the real one)."},
+    {NULL, NULL, 0, NULL},
+};
