@@ -73,6 +73,10 @@ static void boot_clear(int line, const char *func)
     PyObject *type, *value, *tb, *name, *text = NULL, *utf8 = NULL;
     if (!PyErr_Occurred())
         return;
+    /* The user's Ctrl-C or exit() is never swallowed: the caller sees it set. */
+    if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) ||
+        PyErr_ExceptionMatches(PyExc_SystemExit))
+        return;
     if (!env_yes("OUTOFCUDA_DEBUG")) {
         PyErr_Clear(); /* recorded nowhere: OUTOFCUDA_DEBUG is off */
         return;
@@ -199,8 +203,10 @@ static PyObject *call_engine(const char *name, PyObject *args, PyObject *kw)
         Py_RETURN_NONE;
     eng = get_engine();
     if (eng == NULL) {
-        engine_unusable = 1;
         BOOT_CLEAR();
+        if (PyErr_Occurred())
+            return NULL; /* a Ctrl-C while loading: the next import tries again */
+        engine_unusable = 1;
         Py_RETURN_NONE;
     }
     fn = PyObject_GetAttrString(eng, name);
@@ -345,6 +351,8 @@ static PyObject *boot_install(PyObject *self, PyObject *unused)
     res = boot_install_raw(self, unused);
     if (res == NULL) {
         BOOT_CLEAR();
+        if (PyErr_Occurred())
+            return NULL; /* the user's Ctrl-C or exit() */
         Py_RETURN_NONE;
     }
     Py_DECREF(res);
@@ -355,6 +363,8 @@ static PyObject *boot_install(PyObject *self, PyObject *unused)
         Py_XDECREF(none);
     }
     BOOT_CLEAR();
+    if (PyErr_Occurred())
+        return NULL; /* Ctrl-C during start-up stops start-up, as without outofcuda */
     Py_RETURN_NONE;
 }
 
@@ -415,6 +425,10 @@ PyMODINIT_FUNC PyInit_outofcuda_hook(void)
         PyDict_SetItemString(modules, OC_BOOT_NAME, m) < 0)
         BOOT_CLEAR();
     res = boot_install(m, NULL);
-    Py_XDECREF(res);
+    if (res == NULL) {
+        Py_DECREF(m); /* only a Ctrl-C or exit() gets here: it propagates */
+        return NULL;
+    }
+    Py_DECREF(res);
     return m;
 }

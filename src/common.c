@@ -25,12 +25,49 @@ int oc_disabled_by_env(void)
  * does can fail the program. With OUTOFCUDA_DEBUG=1 (read once) each one is
  * first printed to stderr, where and what, as psutil's PSUTIL_DEBUG does:
  * "outofcuda debug: bridge.c:312 set_flag: RuntimeError: ...". Never raises. */
+/* A KeyboardInterrupt or SystemExit that arrives while outofcuda runs torch's
+ * or the program's code is the user's, not an error of outofcuda's: it is set
+ * aside here, never swallowed, and raised again by oc_raise_interrupt at the
+ * edge where control goes back to the program. */
+static PyObject *interrupt_type, *interrupt_value, *interrupt_tb;
+
+static int keep_interrupt(void)
+{
+    PyObject *type, *value, *tb;
+    if (!PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) &&
+        !PyErr_ExceptionMatches(PyExc_SystemExit))
+        return 0;
+    PyErr_Fetch(&type, &value, &tb);
+    if (interrupt_type == NULL) {
+        interrupt_type = type;
+        interrupt_value = value;
+        interrupt_tb = tb;
+        return 1;
+    }
+    /* A second one while the first waits: the first is raised. */
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return 1;
+}
+
+int oc_raise_interrupt(void)
+{
+    if (interrupt_type == NULL)
+        return 0;
+    /* An exception already propagating (torch's own import error) gives way
+     * to the interrupt, as it would without outofcuda. */
+    PyErr_Restore(interrupt_type, interrupt_value, interrupt_tb);
+    interrupt_type = interrupt_value = interrupt_tb = NULL;
+    return -1;
+}
+
 void oc_clear_at(const char *file, int line, const char *func)
 {
     static int debug = -1;
     PyObject *type, *value, *tb, *name = NULL, *text = NULL;
     const char *base;
-    if (!PyErr_Occurred())
+    if (!PyErr_Occurred() || keep_interrupt())
         return;
     if (debug < 0)
         debug = oc_parse_bool(oc_env("OUTOFCUDA_DEBUG")) == 1;
@@ -87,6 +124,8 @@ void oc_warn(const char *msg)
 void oc_set_error(const char *where)
 {
     PyObject *type, *value, *tb, *text = NULL;
+    if (PyErr_Occurred() && keep_interrupt())
+        return;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
     if (value != NULL)

@@ -351,6 +351,10 @@ void oc_set_error(const char *where); /* keeps the current exception text */
  * what it clears is recorded, with a comment saying so (tests/test_static.py). */
 void oc_clear_at(const char *file, int line, const char *func);
 #define OC_CLEAR() oc_clear_at(__FILE__, __LINE__, __func__)
+/* Raises the KeyboardInterrupt or SystemExit that oc_clear_at or
+ * oc_set_error set aside: -1 with it set, else 0. Called where control goes
+ * back to the program (the end of `import torch`, the API's entry points). */
+int oc_raise_interrupt(void);
 int oc_disabled_by_env(void);
 
 /* watcher.c */
