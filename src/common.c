@@ -4,6 +4,7 @@
  * Nothing here calls up into the watcher, the bridge or the features. */
 #include "oc.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,16 +84,54 @@ void oc_clear_at(const char *file, int line, const char *func)
         text = PyObject_Str(value);
     PyErr_Clear(); /* reported below: a failing str() is its own "?" */
     base = strrchr(file, '/');
-    fprintf(stderr, "outofcuda debug: %s:%d %s: %s: %s\n", base ? base + 1 : file, line, func,
-            name ? oc_utf8(name, (char[64]){0}, 64) : "?",
-            text ? oc_utf8(text, (char[400]){0}, 400) : "?");
-    fflush(stderr);
+    oc_stderr_printf("outofcuda debug: %s:%d %s: %s: %s\n", base ? base + 1 : file, line, func,
+                     name ? oc_utf8(name, (char[64]){0}, 64) : "?",
+                     text ? oc_utf8(text, (char[400]){0}, 400) : "?");
     Py_XDECREF(name);
     Py_XDECREF(text);
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(tb);
     PyErr_Clear(); /* recorded above */
+}
+
+/* Writes text (UTF-8; other bytes as \xNN) through sys.stderr and nowhere
+ * else. PySys_WriteStderr and C's stderr fall back to file descriptor 2, which
+ * a program started with stderr closed has handed to one of its own files:
+ * with sys.stderr None or closed nothing is written. Never raises; a
+ * Ctrl-C raised by the write is kept (oc_clear_at). */
+void oc_stderr_write(const char *text)
+{
+    PyObject *exc_type, *exc_value, *exc_tb, *err, *closed, *str, *res;
+    int is_closed;
+    PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+    err = PySys_GetObject("stderr"); /* borrowed */
+    if (err != NULL && err != Py_None) {
+        Py_INCREF(err);
+        closed = PyObject_GetAttrString(err, "closed");
+        is_closed = closed != NULL && PyObject_IsTrue(closed) == 1;
+        Py_XDECREF(closed);
+        PyErr_Clear(); /* absence: a stream without `closed` is open */
+        str = is_closed ? NULL
+                        : PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "backslashreplace");
+        res = str ? PyObject_CallMethod(err, "write", "O", str) : NULL;
+        Py_XDECREF(res);
+        Py_XDECREF(str);
+        Py_DECREF(err);
+        if (PyErr_Occurred() && !keep_interrupt())
+            PyErr_Clear(); /* absence: a stream that fails to write gets nothing */
+    }
+    PyErr_Restore(exc_type, exc_value, exc_tb);
+}
+
+void oc_stderr_printf(const char *fmt, ...)
+{
+    char buf[1200];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    oc_stderr_write(buf);
 }
 
 /* Emits msg as one UserWarning of the module "outofcuda" (file "outofcuda",
@@ -114,8 +153,8 @@ void oc_warn(const char *msg)
         /* -W error turned the warning into an exception; outofcuda must not
          * raise from an import, so the message goes to stderr instead. */
         PyErr_Clear(); /* reported: the message goes to stderr below */
-        PySys_WriteStderr("%.1000s\n", utf8 != NULL ? PyBytes_AsString(utf8)
-                                                    : "outofcuda: a warning could not be shown");
+        oc_stderr_printf("%.1000s\n", utf8 != NULL ? PyBytes_AsString(utf8)
+                                                   : "outofcuda: a warning could not be shown");
     }
     Py_XDECREF(utf8);
     PyErr_Restore(exc_type, exc_value, exc_tb);

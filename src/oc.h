@@ -345,6 +345,13 @@ extern oc_state oc_g;
 /* common.c */
 const oc_config *oc_config_get(void); /* loads once, emits warnings */
 void oc_warn(const char *msg);        /* one warning; never raises */
+/* Writes through sys.stderr only: nothing when it is None or closed. */
+void oc_stderr_write(const char *text);
+void oc_stderr_printf(const char *fmt, ...)
+#ifdef __GNUC__
+    __attribute__((format(printf, 1, 2)))
+#endif
+    ;
 void oc_set_error(const char *where); /* keeps the current exception text */
 /* Swallows the current exception, leaving a trace under OUTOFCUDA_DEBUG=1.
  * A bare PyErr_Clear() stays only where absence is the expected answer, or

@@ -375,10 +375,10 @@ static void print_summary(void)
         reserved = alloc ? PyObject_CallMethod(cuda, "memory_reserved", NULL) : NULL;
     }
     OC_CLEAR();
-    PySys_WriteStderr("outofcuda: CUDA out of memory (allocated %.2f GiB, reserved %.2f GiB "
-                      "by this process).\n",
-                      alloc ? PyLong_AsDouble(alloc) / gib : 0.0,
-                      reserved ? PyLong_AsDouble(reserved) / gib : 0.0);
+    oc_stderr_printf("outofcuda: CUDA out of memory (allocated %.2f GiB, reserved %.2f GiB "
+                     "by this process).\n",
+                     alloc ? PyLong_AsDouble(alloc) / gib : 0.0,
+                     reserved ? PyLong_AsDouble(reserved) / gib : 0.0);
     OC_CLEAR();
     Py_XDECREF(alloc);
     Py_XDECREF(reserved);

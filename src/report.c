@@ -326,7 +326,7 @@ static void write_wrapped(const char *text, size_t first, size_t indent)
     for (;;) {
         size_t cut = 0, skip = 0;
         if (len <= width) {
-            PySys_WriteStderr("%s\n", text);
+            oc_stderr_printf("%s\n", text);
             return;
         }
         for (size_t n = width; n > 0 && cut == 0; n--) {
@@ -340,7 +340,7 @@ static void write_wrapped(const char *text, size_t first, size_t indent)
             while (cut > 1 && ((unsigned char)text[cut] & 0xc0) == 0x80)
                 cut--;
         }
-        PySys_WriteStderr("%.*s\n%*s", (int)cut, text, (int)indent, "");
+        oc_stderr_printf("%.*s\n%*s", (int)cut, text, (int)indent, "");
         text += cut + skip;
         len -= cut + skip;
         width = TABLE_WIDTH - indent;
@@ -370,7 +370,7 @@ static void write_value(PyObject *v)
             break;
     }
     if (used <= TABLE_WIDTH - VALUE_COL) {
-        PySys_WriteStderr("%s\n", joined);
+        oc_stderr_printf("%s\n", joined);
         return;
     }
     /* One item a line, continuation lines two further in. */
@@ -381,7 +381,7 @@ static void write_value(PyObject *v)
         value_text(val, text, sizeof text);
         snprintf(item, sizeof item, "%s=%s", k, text);
         if (i > 0)
-            PySys_WriteStderr("%*s", VALUE_COL, "");
+            oc_stderr_printf("%*s", VALUE_COL, "");
         write_wrapped(item, TABLE_WIDTH - VALUE_COL, VALUE_COL + 2);
     }
 }
@@ -390,20 +390,20 @@ void oc_report_verbose(void)
 {
     char tv[64], reason[400];
     value_text(oc_g.torch_version, tv, sizeof tv);
-    PySys_WriteStderr("outofcuda %s: torch %s imported\n", OC_VERSION, tv);
-    PySys_WriteStderr("  %-20s %-8s %s\n", "optimisation", "applied", "value (reason below)");
+    oc_stderr_printf("outofcuda %s: torch %s imported\n", OC_VERSION, tv);
+    oc_stderr_printf("  %-20s %-8s %s\n", "optimisation", "applied", "value (reason below)");
     for (size_t i = 0; i < N_OPTS; i++) {
         PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, opt_names[i]) : NULL;
         PyObject *applied = e ? PyDict_GetItemString(e, "applied") : NULL;
-        PySys_WriteStderr("  %-20s %-8s ", opt_names[i], applied == Py_True ? "yes" : "no");
+        oc_stderr_printf("  %-20s %-8s ", opt_names[i], applied == Py_True ? "yes" : "no");
         write_value(e ? PyDict_GetItemString(e, "value") : NULL);
         value_text(e ? PyDict_GetItemString(e, "reason") : NULL, reason, sizeof reason);
-        PySys_WriteStderr("%*s", REASON_INDENT, "");
+        oc_stderr_printf("%*s", REASON_INDENT, "");
         write_wrapped(reason, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
     }
     if (oc_g.error != NULL) {
         value_text(oc_g.error, reason, sizeof reason);
-        PySys_WriteStderr("  error: ");
+        oc_stderr_printf("  error: ");
         write_wrapped(reason, TABLE_WIDTH - 9, 9);
     }
 }
