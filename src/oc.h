@@ -422,6 +422,10 @@ typedef struct {
 int oc_nvml_process_list(int index, oc_gpu_proc **out);
 #define OC_NVML_NOT_AVAILABLE 0xFFFFFFFFFFFFFFFFull
 int oc_proc_name(unsigned int pid, char *buf, size_t sz); /* /proc name: 0, or -1 */
+/* Rewrites, in place, every control character of text that came from outside
+ * the process (another process's name, a driver's answer) as \xNN, so that
+ * no renderer hands a terminal an escape sequence; cut to fit sz. */
+void oc_escape_controls(char *buf, size_t sz);
 #define OC_NVML_MAX_DEVICES 64
 /* NVML indices of the devices CUDA shows this process, in torch's order
  * (CUDA_VISIBLE_DEVICES as indices, GPU-UUID prefixes or MIG instances,

@@ -622,9 +622,11 @@ static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
             const char *name = "";
             int ok = t && PyArg_ParseTuple(t, "IzK", &f.others[f.n_others].pid, &name,
                                            &f.others[f.n_others].used);
-            if (ok)
+            if (ok) {
                 snprintf(f.others[f.n_others].name, sizeof f.others[0].name, "%s",
                          name ? name : "");
+                oc_escape_controls(f.others[f.n_others].name, sizeof f.others[0].name);
+            }
             Py_XDECREF(t);
             Py_XDECREF(item);
             if (!ok)
