@@ -805,6 +805,7 @@ def _bench(args):
 
 # What a shell reports for a program that SIGPIPE ended (`yes | head -1`).
 EXIT_BROKEN_PIPE = 128 + 13
+EXIT_NO_OUTPUT = 1  # started with standard output closed
 
 
 def main(argv=None):
@@ -816,6 +817,12 @@ def main(argv=None):
     >>> main(["doctor", "--json"])  # doctest: +SKIP
     0
     """
+    if sys.stdout is None:
+        # Started with standard output closed (`outofcuda status >&-`): there
+        # is nowhere to answer, so say that, as other tools do, not a traceback.
+        if sys.stderr is not None:
+            print("outofcuda: standard output is closed; nothing can be shown", file=sys.stderr)
+        return EXIT_NO_OUTPUT
     try:
         try:
             return _main(argv)

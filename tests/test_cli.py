@@ -498,6 +498,21 @@ def test_a_closed_pipe_ends_quietly(venv, workdir, args):
     assert err == "" and rc == 141
 
 
+@pytest.mark.parametrize("args", [["status"], ["doctor", "--json"]])
+def test_closed_standard_output_is_one_line_not_a_traceback(venv, workdir, args):
+    """`outofcuda status >&-`: nowhere to answer; one line on stderr says so."""
+    import subprocess
+
+    from conftest import _clean_env
+
+    r = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", str(venv.python), "-m", "outofcuda",
+                        *args], capture_output=True, text=True, cwd=workdir, env=_clean_env(),
+                       timeout=300)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr == "outofcuda: standard output is closed; nothing can be shown\n"
+    assert r.returncode == 1
+
+
 def test_bench_accepts_what_its_usage_shows(venv, workdir):
     """Every option bench's usage names is one `outofcuda bench` accepts, and
     --help names the workloads and where results go."""
