@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+extern char **environ;
+
 oc_state oc_g;
 
 static const char *env_getenv(const char *name, void *ctx)
@@ -194,6 +196,7 @@ const oc_config *oc_config_get(void)
 {
     if (!oc_g.config_loaded) {
         oc_config_load(&oc_g.cfg, env_getenv, NULL);
+        oc_config_check_names(&oc_g.cfg, environ);
         oc_g.config_loaded = 1;
         for (int i = 0; i < oc_g.cfg.n_warnings; i++)
             oc_warn(oc_g.cfg.warnings[i]);

@@ -138,6 +138,9 @@ const char *oc_env(const char *name);
 /* Fills *cfg from the environment; never fails. Every bad value leaves the
  * default in place and appends one message to cfg->warnings. */
 void oc_config_load(oc_config *cfg, oc_getenv_fn getenv_fn, void *ctx);
+/* Adds a warning to cfg for every OUTOFCUDA_* name in env (environ's
+ * layout) that the table of settings does not have, naming the closest one. */
+void oc_config_check_names(oc_config *cfg, char *const *env);
 
 /* Parses a boolean word (1/0, true/false, yes/no, on/off, any case, spaces
  * around allowed). Returns 1 or 0, or -1 when the word is none of those. */

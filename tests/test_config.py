@@ -278,3 +278,20 @@ def test_readme_lists_exactly_the_variables_of_the_table(venv, workdir):
                                 cwd=workdir).stdout)
     loaded = {k for k in cfg if k not in ("warnings", "alloc_conf_no_expandable")}
     assert {f"OUTOFCUDA_{k.upper()}" for k in loaded} <= set(own)
+
+
+def test_a_misspelt_variable_warns_naming_the_closest(venv, workdir):
+    """OUTOFCUDA_TF23=0 is a typo of OUTOFCUDA_TF32: silence would leave TF32
+    on while the user believes it off. The names come from the table."""
+    env = {"OUTOFCUDA_TF23": "0", "OUTOFCUDA_NO_SUCH_THING_AT_ALL": "1"}
+    r = venv.run("import torch, _outofcuda, json; "
+                 "print(json.dumps(_outofcuda.status()['config_warnings']))", env=env, cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    warnings = json.loads(r.stdout)
+    assert ("outofcuda: ignoring OUTOFCUDA_TF23: not a variable outofcuda reads; did you mean "
+            "OUTOFCUDA_TF32?") in warnings
+    assert ("outofcuda: ignoring OUTOFCUDA_NO_SUCH_THING_AT_ALL: not a variable outofcuda reads"
+            in warnings)
+    assert "did you mean OUTOFCUDA_TF32?" in r.stderr
+    doctor = venv.run(None, args=("-m", "outofcuda", "doctor"), env=env, cwd=workdir)
+    assert "did you mean OUTOFCUDA_TF32?" in " ".join(doctor.stdout.split()), doctor.stdout
