@@ -136,22 +136,62 @@ void oc_stderr_printf(const char *fmt, ...)
     oc_stderr_write(buf);
 }
 
-/* Emits msg as one UserWarning of the module "outofcuda" (file "outofcuda",
- * line 0), not of whichever frame runs, often importlib's bootstrap: so
- * `-W ignore:::outofcuda` or warnings.filterwarnings(module="outofcuda")
- * filters it. Bytes that are not UTF-8 (an environment value quoted in the
- * message) are shown as \xNN. Never raises. */
+/* importlib's own frames, frozen or from the standard library. */
+static int is_bootstrap(PyObject *filename)
+{
+    PyObject *b = PyUnicode_AsUTF8String(filename);
+    const char *t = b ? PyBytes_AsString(b) : NULL;
+    int res =
+        t == NULL || strncmp(t, "<frozen importlib", 17) == 0 || strstr(t, "/importlib/") != NULL;
+    Py_XDECREF(b);
+    return res;
+}
+
+/* The program's line that led here: the innermost Python frame outside
+ * importlib's bootstrap (an `import torch` warns from the line that imports).
+ * *file is a new reference, or NULL where no Python code runs (start-up). */
+static void program_location(PyObject **file, int *line)
+{
+    PyObject *sys_mod = PyImport_AddModule("sys"); /* borrowed */
+    PyObject *frame = sys_mod ? PyObject_CallMethod(sys_mod, "_getframe", NULL) : NULL;
+    *file = NULL;
+    *line = 0;
+    while (frame != NULL && frame != Py_None) {
+        PyObject *code = PyObject_GetAttrString(frame, "f_code");
+        PyObject *name = code ? PyObject_GetAttrString(code, "co_filename") : NULL;
+        PyObject *lineno = PyObject_GetAttrString(frame, "f_lineno"), *back;
+        Py_XDECREF(code);
+        if (name != NULL && PyUnicode_Check(name) && lineno != NULL && !is_bootstrap(name)) {
+            *file = name;
+            *line = (int)PyLong_AsLong(lineno);
+            Py_DECREF(lineno);
+            break;
+        }
+        Py_XDECREF(name);
+        Py_XDECREF(lineno);
+        back = PyObject_GetAttrString(frame, "f_back");
+        Py_DECREF(frame);
+        frame = back;
+    }
+    Py_XDECREF(frame);
+    PyErr_Clear(); /* absence: no frame to name, the warning names outofcuda */
+}
+
 void oc_warn(const char *msg)
 {
-    PyObject *exc_type, *exc_value, *exc_tb, *text, *utf8 = NULL;
+    PyObject *exc_type, *exc_value, *exc_tb, *text, *utf8 = NULL, *file;
+    char where[512];
+    int line;
     /* Keep whatever exception is being handled: a warning must not replace it. */
     PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
     text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "backslashreplace");
     if (text != NULL)
         utf8 = PyUnicode_AsUTF8String(text);
     Py_XDECREF(text);
-    if (utf8 == NULL || PyErr_WarnExplicit(PyExc_UserWarning, PyBytes_AsString(utf8), "outofcuda",
-                                           0, "outofcuda", NULL) < 0) {
+    program_location(&file, &line);
+    if (utf8 == NULL || PyErr_WarnExplicit(PyExc_UserWarning, PyBytes_AsString(utf8),
+                                           file ? oc_utf8(file, where, sizeof where) : "outofcuda",
+                                           line, "outofcuda", NULL) < 0) {
         /* -W error turned the warning into an exception; outofcuda must not
          * raise from an import, so the message goes to stderr instead. */
         PyErr_Clear(); /* reported: the message goes to stderr below */
@@ -159,6 +199,7 @@ void oc_warn(const char *msg)
                                                    : "outofcuda: a warning could not be shown");
     }
     Py_XDECREF(utf8);
+    Py_XDECREF(file);
     PyErr_Restore(exc_type, exc_value, exc_tb);
 }
 
