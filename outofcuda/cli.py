@@ -876,4 +876,10 @@ def _main(argv):
             return 1
         _emit(args, d, "\n".join(_render_tree(d)) or f"no CUDA device ({_no_device_reason()})")
         return 0
+    from . import bench
+
+    problem = bench.argument_error(args)
+    if problem:
+        # `outofcuda bench`'s own usage line, the one --help shows
+        parser.subcommands["bench"].error(problem)
     return _bench(args)
