@@ -874,7 +874,8 @@ def _main(argv):
         except (ImportError, AttributeError) as e:
             _emit(args, {"error": str(e)}, f"outofcuda report: {e}")
             return 1
-        _emit(args, d, "\n".join(_render_tree(d)) or f"no CUDA device ({_no_device_reason()})")
+        _emit(args, d, "\n".join(_render_tree(d) or
+                                 _wrap(f"no CUDA device ({_no_device_reason()})", WIDTH, 2)))
         return 0
     from . import bench
 

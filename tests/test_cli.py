@@ -234,7 +234,8 @@ def test_report_text_by_default_json_on_request(venv, workdir):
     plain = cli(venv, "report", cwd=workdir)
     # The reason is the one `status` gives under GPUs.
     why = json.loads(cli(venv, "status", "--json", cwd=workdir).stdout)["nvml_error"]
-    assert plain.returncode == 0 and plain.stdout.strip() == f"no CUDA device ({why})", plain.stderr
+    assert plain.returncode == 0, plain.stderr
+    assert " ".join(plain.stdout.split()) == f"no CUDA device ({why})"   # wrapped at 80
     with pytest.raises(json.JSONDecodeError):
         json.loads(plain.stdout)
     assert json.loads(cli(venv, "report", "--json", cwd=workdir).stdout) == {}
@@ -552,3 +553,11 @@ def test_source_tree_shadowing_is_named(venv, tmp_path):
     assert r.returncode == 1
     assert "source tree" in r.stderr and "shadows the installed package" in r.stderr, r.stderr
     assert str(venv.site) in r.stderr and "reinstall" not in r.stderr
+
+
+def test_report_without_a_driver_fits_80_columns(venv, workdir):
+    """No NVIDIA driver here: the one sentence that says so wraps at 80."""
+    r = cli(venv, "report", cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("no CUDA device (")
+    assert max(len(ln) for ln in r.stdout.splitlines()) <= 80, r.stdout
