@@ -766,6 +766,7 @@ def _bench(args):
 
 # What a shell reports for a program that SIGPIPE ended (`yes | head -1`).
 EXIT_BROKEN_PIPE = 128 + 13
+EXIT_NO_OUTPUT = 1  # started with standard output closed
 
 
 def main(argv=None):
@@ -777,6 +778,12 @@ def main(argv=None):
     >>> main(["doctor", "--json"])  # doctest: +SKIP
     0
     """
+    if sys.stdout is None:
+        # Started with standard output closed (`outofcuda status >&-`): there
+        # is nowhere to answer, so say that, as other tools do, not a traceback.
+        if sys.stderr is not None:
+            print("outofcuda: standard output is closed; nothing can be shown", file=sys.stderr)
+        return EXIT_NO_OUTPUT
     try:
         try:
             return _main(argv)
@@ -828,6 +835,13 @@ def _main(argv):
         except (ImportError, AttributeError) as e:
             _emit(args, {"error": str(e)}, f"outofcuda report: {e}")
             return 1
-        _emit(args, d, "\n".join(_render_tree(d)) or f"no CUDA device ({_no_device_reason()})")
+        _emit(args, d, "\n".join(_render_tree(d) or
+                                 _wrap(f"no CUDA device ({_no_device_reason()})", WIDTH, 2)))
         return 0
+    from . import bench
+
+    problem = bench.argument_error(args)
+    if problem:
+        # `outofcuda bench`'s own usage line, the one --help shows
+        parser.subcommands["bench"].error(problem)
     return _bench(args)

@@ -69,6 +69,21 @@ static int disabled_by_env(void)
     return env_yes("OUTOFCUDA_DISABLE");
 }
 
+/* sys.stderr is there and open (the engine's oc_stderr_write, which the
+ * boot does not link, makes the same check). */
+static int stderr_usable(void)
+{
+    PyObject *err = PySys_GetObject("stderr"), *closed; /* borrowed */
+    int usable;
+    if (err == NULL || err == Py_None)
+        return 0;
+    closed = PyObject_GetAttrString(err, "closed");
+    usable = closed == NULL || PyObject_IsTrue(closed) == 0;
+    Py_XDECREF(closed);
+    PyErr_Clear(); /* absence: a stream without `closed` is open */
+    return usable;
+}
+
 /* Swallows the current exception; under OUTOFCUDA_DEBUG=1 prints it first,
  * in the engine's format (common.c's oc_clear_at, which the boot does not
  * link). Only an error path reads the variable: start-up pays nothing. */
@@ -76,6 +91,9 @@ static void boot_clear(int line, const char *func)
 {
     PyObject *type, *value, *tb, *name, *text = NULL, *utf8 = NULL;
     if (!PyErr_Occurred())
+        return;
+    /* The user's Ctrl-C or exit() is never swallowed: the caller sees it set. */
+    if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) || PyErr_ExceptionMatches(PyExc_SystemExit))
         return;
     if (!env_yes("OUTOFCUDA_DEBUG")) {
         PyErr_Clear(); /* recorded nowhere: OUTOFCUDA_DEBUG is off */
@@ -91,9 +109,12 @@ static void boot_clear(int line, const char *func)
         utf8 = PyUnicode_AsUTF8String(text);
     PyErr_Clear(); /* reported below as "?" */
     /* Through sys.stderr, not C's stderr: no stdio symbol for the loader to
-     * bind when the boot loads in every process. */
-    PySys_WriteStderr("outofcuda debug: boot.c:%d %s: %.900s\n", line, func,
-                      utf8 ? PyBytes_AsString(utf8) : "?");
+     * bind when the boot loads in every process. PySys_WriteStderr falls back
+     * to descriptor 2 when sys.stderr is None or fails, and a program started
+     * with stderr closed holds one of its own files there: then nothing. */
+    if (stderr_usable())
+        PySys_WriteStderr("outofcuda debug: boot.c:%d %s: %.900s\n", line, func,
+                          utf8 ? PyBytes_AsString(utf8) : "?");
     Py_XDECREF(utf8);
     Py_XDECREF(text);
     Py_XDECREF(type);
@@ -140,8 +161,10 @@ static PyObject *call_engine(const char *name, PyObject *args, PyObject *kw)
         Py_RETURN_NONE;
     eng = get_engine();
     if (eng == NULL) {
-        engine_unusable = 1;
         BOOT_CLEAR();
+        if (PyErr_Occurred())
+            return NULL; /* a Ctrl-C while loading: the next import tries again */
+        engine_unusable = 1;
         Py_RETURN_NONE;
     }
     fn = PyObject_GetAttrString(eng, name);
@@ -318,6 +341,8 @@ static PyObject *boot_install(PyObject *self, PyObject *unused)
     res = boot_install_raw(self, unused);
     if (res == NULL) {
         BOOT_CLEAR();
+        if (PyErr_Occurred())
+            return NULL; /* the user's Ctrl-C or exit() */
         Py_RETURN_NONE;
     }
     Py_DECREF(res);
@@ -328,6 +353,8 @@ static PyObject *boot_install(PyObject *self, PyObject *unused)
         Py_XDECREF(none);
     }
     BOOT_CLEAR();
+    if (PyErr_Occurred())
+        return NULL; /* Ctrl-C during start-up stops start-up, as without outofcuda */
     Py_RETURN_NONE;
 }
 
@@ -393,7 +420,11 @@ PyMODINIT_FUNC PyInit_outofcuda_hook(void)
         PyDict_SetItemString(modules, OC_BOOT_NAME, m) < 0)
         BOOT_CLEAR();
     res = boot_install(m, NULL);
-    Py_XDECREF(res);
+    if (res == NULL) {
+        Py_DECREF(m); /* only a Ctrl-C or exit() gets here: it propagates */
+        return NULL;
+    }
+    Py_DECREF(res);
     return m;
 }
 #else

@@ -5,10 +5,13 @@
 #include "oc.h"
 
 #include <limits.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+
+extern char **environ;
 
 oc_state oc_g;
 
@@ -27,12 +30,49 @@ int oc_disabled_by_env(void)
  * does can fail the program. With OUTOFCUDA_DEBUG=1 (read once) each one is
  * first printed to stderr, where and what, as psutil's PSUTIL_DEBUG does:
  * "outofcuda debug: bridge.c:312 set_flag: RuntimeError: ...". Never raises. */
+/* A KeyboardInterrupt or SystemExit that arrives while outofcuda runs torch's
+ * or the program's code is the user's, not an error of outofcuda's: it is set
+ * aside here, never swallowed, and raised again by oc_raise_interrupt at the
+ * edge where control goes back to the program. */
+static PyObject *interrupt_type, *interrupt_value, *interrupt_tb;
+
+static int keep_interrupt(void)
+{
+    PyObject *type, *value, *tb;
+    if (!PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) &&
+        !PyErr_ExceptionMatches(PyExc_SystemExit))
+        return 0;
+    PyErr_Fetch(&type, &value, &tb);
+    if (interrupt_type == NULL) {
+        interrupt_type = type;
+        interrupt_value = value;
+        interrupt_tb = tb;
+        return 1;
+    }
+    /* A second one while the first waits: the first is raised. */
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return 1;
+}
+
+int oc_raise_interrupt(void)
+{
+    if (interrupt_type == NULL)
+        return 0;
+    /* An exception already propagating (torch's own import error) gives way
+     * to the interrupt, as it would without outofcuda. */
+    PyErr_Restore(interrupt_type, interrupt_value, interrupt_tb);
+    interrupt_type = interrupt_value = interrupt_tb = NULL;
+    return -1;
+}
+
 void oc_clear_at(const char *file, int line, const char *func)
 {
     static int debug = -1;
     PyObject *type, *value, *tb, *name = NULL, *text = NULL;
     const char *base;
-    if (!PyErr_Occurred())
+    if (!PyErr_Occurred() || keep_interrupt())
         return;
     if (debug < 0)
         debug = oc_parse_bool(oc_env("OUTOFCUDA_DEBUG")) == 1;
@@ -48,10 +88,9 @@ void oc_clear_at(const char *file, int line, const char *func)
         text = PyObject_Str(value);
     PyErr_Clear(); /* reported below: a failing str() is its own "?" */
     base = strrchr(file, '/');
-    fprintf(stderr, "outofcuda debug: %s:%d %s: %s: %s\n", base ? base + 1 : file, line, func,
-            name ? oc_utf8(name, (char[64]){0}, 64) : "?",
-            text ? oc_utf8(text, (char[400]){0}, 400) : "?");
-    fflush(stderr);
+    oc_stderr_printf("outofcuda debug: %s:%d %s: %s: %s\n", base ? base + 1 : file, line, func,
+                     name ? oc_utf8(name, (char[64]){0}, 64) : "?",
+                     text ? oc_utf8(text, (char[400]){0}, 400) : "?");
     Py_XDECREF(name);
     Py_XDECREF(text);
     Py_XDECREF(type);
@@ -60,35 +99,117 @@ void oc_clear_at(const char *file, int line, const char *func)
     PyErr_Clear(); /* recorded above */
 }
 
-/* Emits msg as one UserWarning of the module "outofcuda" (file "outofcuda",
- * line 0), not of whichever frame runs, often importlib's bootstrap: so
- * `-W ignore:::outofcuda` or warnings.filterwarnings(module="outofcuda")
- * filters it. Bytes that are not UTF-8 (an environment value quoted in the
- * message) are shown as \xNN. Never raises. */
+/* Writes text (UTF-8; other bytes as \xNN) through sys.stderr and nowhere
+ * else. PySys_WriteStderr and C's stderr fall back to file descriptor 2, which
+ * a program started with stderr closed has handed to one of its own files:
+ * with sys.stderr None or closed nothing is written. Never raises; a
+ * Ctrl-C raised by the write is kept (oc_clear_at). */
+void oc_stderr_write(const char *text)
+{
+    PyObject *exc_type, *exc_value, *exc_tb, *err, *closed, *str, *res;
+    int is_closed;
+    PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+    err = PySys_GetObject("stderr"); /* borrowed */
+    if (err != NULL && err != Py_None) {
+        Py_INCREF(err);
+        closed = PyObject_GetAttrString(err, "closed");
+        is_closed = closed != NULL && PyObject_IsTrue(closed) == 1;
+        Py_XDECREF(closed);
+        PyErr_Clear(); /* absence: a stream without `closed` is open */
+        str = is_closed ? NULL
+                        : PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "backslashreplace");
+        res = str ? PyObject_CallMethod(err, "write", "O", str) : NULL;
+        Py_XDECREF(res);
+        Py_XDECREF(str);
+        Py_DECREF(err);
+        if (PyErr_Occurred() && !keep_interrupt())
+            PyErr_Clear(); /* absence: a stream that fails to write gets nothing */
+    }
+    PyErr_Restore(exc_type, exc_value, exc_tb);
+}
+
+void oc_stderr_printf(const char *fmt, ...)
+{
+    char buf[1200];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    oc_stderr_write(buf);
+}
+
+/* importlib's own frames, frozen or from the standard library. */
+static int is_bootstrap(PyObject *filename)
+{
+    PyObject *b = PyUnicode_AsUTF8String(filename);
+    const char *t = b ? PyBytes_AsString(b) : NULL;
+    int res =
+        t == NULL || strncmp(t, "<frozen importlib", 17) == 0 || strstr(t, "/importlib/") != NULL;
+    Py_XDECREF(b);
+    return res;
+}
+
+/* The program's line that led here: the innermost Python frame outside
+ * importlib's bootstrap (an `import torch` warns from the line that imports).
+ * *file is a new reference, or NULL where no Python code runs (start-up). */
+static void program_location(PyObject **file, int *line)
+{
+    PyObject *sys_mod = PyImport_AddModule("sys"); /* borrowed */
+    PyObject *frame = sys_mod ? PyObject_CallMethod(sys_mod, "_getframe", NULL) : NULL;
+    *file = NULL;
+    *line = 0;
+    while (frame != NULL && frame != Py_None) {
+        PyObject *code = PyObject_GetAttrString(frame, "f_code");
+        PyObject *name = code ? PyObject_GetAttrString(code, "co_filename") : NULL;
+        PyObject *lineno = PyObject_GetAttrString(frame, "f_lineno"), *back;
+        Py_XDECREF(code);
+        if (name != NULL && PyUnicode_Check(name) && lineno != NULL && !is_bootstrap(name)) {
+            *file = name;
+            *line = (int)PyLong_AsLong(lineno);
+            Py_DECREF(lineno);
+            break;
+        }
+        Py_XDECREF(name);
+        Py_XDECREF(lineno);
+        back = PyObject_GetAttrString(frame, "f_back");
+        Py_DECREF(frame);
+        frame = back;
+    }
+    Py_XDECREF(frame);
+    PyErr_Clear(); /* absence: no frame to name, the warning names outofcuda */
+}
+
 void oc_warn(const char *msg)
 {
-    PyObject *exc_type, *exc_value, *exc_tb, *text, *utf8 = NULL;
+    PyObject *exc_type, *exc_value, *exc_tb, *text, *utf8 = NULL, *file;
+    char where[512];
+    int line;
     /* Keep whatever exception is being handled: a warning must not replace it. */
     PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
     text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "backslashreplace");
     if (text != NULL)
         utf8 = PyUnicode_AsUTF8String(text);
     Py_XDECREF(text);
-    if (utf8 == NULL || PyErr_WarnExplicit(PyExc_UserWarning, PyBytes_AsString(utf8), "outofcuda",
-                                           0, "outofcuda", NULL) < 0) {
+    program_location(&file, &line);
+    if (utf8 == NULL || PyErr_WarnExplicit(PyExc_UserWarning, PyBytes_AsString(utf8),
+                                           file ? oc_utf8(file, where, sizeof where) : "outofcuda",
+                                           line, "outofcuda", NULL) < 0) {
         /* -W error turned the warning into an exception; outofcuda must not
          * raise from an import, so the message goes to stderr instead. */
         PyErr_Clear(); /* reported: the message goes to stderr below */
-        PySys_WriteStderr("%.1000s\n", utf8 != NULL ? PyBytes_AsString(utf8)
-                                                    : "outofcuda: a warning could not be shown");
+        oc_stderr_printf("%.1000s\n", utf8 != NULL ? PyBytes_AsString(utf8)
+                                                   : "outofcuda: a warning could not be shown");
     }
     Py_XDECREF(utf8);
+    Py_XDECREF(file);
     PyErr_Restore(exc_type, exc_value, exc_tb);
 }
 
 void oc_set_error(const char *where)
 {
     PyObject *type, *value, *tb, *text = NULL;
+    if (PyErr_Occurred() && keep_interrupt())
+        return;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
     if (value != NULL)
@@ -118,6 +239,7 @@ const oc_config *oc_config_get(void)
 {
     if (!oc_g.config_loaded) {
         oc_config_load(&oc_g.cfg, env_getenv, NULL);
+        oc_config_check_names(&oc_g.cfg, environ);
         oc_g.config_loaded = 1;
         for (int i = 0; i < oc_g.cfg.n_warnings; i++)
             oc_warn(oc_g.cfg.warnings[i]);

@@ -252,6 +252,69 @@ static int parse(oc_config *cfg, const oc_setting *s, const char *v)
     return -1;
 }
 
+/* Edits (insert, delete, replace, swap two neighbours) from a to b, each at
+ * most 63 characters; a longer name counts as far from everything. */
+static size_t edit_distance(const char *a, const char *b)
+{
+    size_t la = strlen(a), lb = strlen(b), d[64][64];
+    if (la >= 64 || lb >= 64)
+        return (size_t)-1;
+    for (size_t i = 0; i <= la; i++)
+        d[i][0] = i;
+    for (size_t j = 0; j <= lb; j++)
+        d[0][j] = j;
+    for (size_t i = 1; i <= la; i++) {
+        for (size_t j = 1; j <= lb; j++) {
+            size_t best = d[i - 1][j - 1] + (a[i - 1] != b[j - 1]);
+            if (d[i - 1][j] + 1 < best)
+                best = d[i - 1][j] + 1;
+            if (d[i][j - 1] + 1 < best)
+                best = d[i][j - 1] + 1;
+            if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] &&
+                d[i - 2][j - 2] + 1 < best)
+                best = d[i - 2][j - 2] + 1;
+            d[i][j] = best;
+        }
+    }
+    return d[la][lb];
+}
+
+void oc_config_check_names(oc_config *cfg, char *const *env)
+{
+    static const char prefix[] = "OUTOFCUDA_";
+    for (; env != NULL && *env != NULL; env++) {
+        char name[128] = "", shown[200], hint[160] = "";
+        const char *eq = strchr(*env, '='), *closest = NULL;
+        size_t len = eq ? (size_t)(eq - *env) : strlen(*env), best = 4;
+        if (strncmp(*env, prefix, sizeof prefix - 1) != 0 || cfg->n_warnings >= OC_WARN_MAX)
+            continue;
+        if (len >= sizeof name) {
+            shorten(*env, shown, sizeof shown);
+        } else {
+            memcpy(name, *env, len);
+            name[len] = '\0';
+            if (oc_setting_named(name) != NULL)
+                continue;
+            snprintf(shown, sizeof shown, "%s", name);
+        }
+        /* The closest name of the one table, when a typo is likely (at most
+         * three edits away). */
+        for (size_t i = 0; len < sizeof name && i < oc_setting_count(); i++) {
+            const oc_setting *s = oc_setting_at(i);
+            size_t dist;
+            if (strncmp(s->name, prefix, sizeof prefix - 1) != 0)
+                continue;
+            dist = edit_distance(name, s->name);
+            if (dist < best)
+                best = dist, closest = s->name;
+        }
+        if (closest != NULL)
+            snprintf(hint, sizeof hint, "; did you mean %s?", closest);
+        snprintf(cfg->warnings[cfg->n_warnings++], OC_WARN_LEN,
+                 "outofcuda: ignoring %s: not a variable outofcuda reads%s", shown, hint);
+    }
+}
+
 void oc_config_load(oc_config *cfg, oc_getenv_fn get, void *ctx)
 {
     size_t n = oc_setting_count();

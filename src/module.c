@@ -23,6 +23,8 @@ static PyObject *oc_install(PyObject *self, PyObject *unused)
     oc_g.installed = 1;
     if (oc_watcher_fire_if_imported() < 0)
         oc_set_error("applying to an already imported torch failed");
+    if (oc_raise_interrupt() < 0)
+        return NULL; /* the user's Ctrl-C, not a failure of outofcuda's */
     Py_RETURN_NONE;
 }
 

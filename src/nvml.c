@@ -145,6 +145,7 @@ int oc_nvml_device_info(int index, oc_gpu_info *out)
         return -1;
     if (nv.name != NULL && nv.name(dev, out->name, sizeof out->name) != 0)
         out->name[0] = '\0';
+    oc_escape_controls(out->name, sizeof out->name);
     if (nv.uuid != NULL && nv.uuid(dev, out->uuid, sizeof out->uuid) != 0)
         out->uuid[0] = '\0';
     if (nv.cc != NULL && nv.cc(dev, &out->cc_major, &out->cc_minor) != 0)
@@ -323,6 +324,32 @@ void oc_nvml_sort_procs(oc_gpu_proc *procs, int n)
         qsort(procs, (size_t)n, sizeof *procs, by_used_desc);
 }
 
+void oc_escape_controls(char *buf, size_t sz)
+{
+    char out[512];
+    size_t n = 0;
+    const unsigned char *p = (const unsigned char *)buf;
+    if (sz == 0)
+        return;
+    for (; *p != '\0' && n + 1 < sizeof out; p++) {
+        unsigned int c = *p;
+        /* C0 controls, DEL, and C1 controls (U+0080..U+009F, 0xC2 0x80..0x9F
+         * in UTF-8: some terminals take U+009B as an escape on its own). */
+        int c1 = c == 0xC2 && p[1] >= 0x80 && p[1] <= 0x9F;
+        if (c < 0x20 || c == 0x7F || c1) {
+            if (c1)
+                c = *++p;
+            if (n + 5 >= sizeof out)
+                break;
+            n += (size_t)snprintf(out + n, sizeof out - n, "\\x%02x", c);
+        } else {
+            out[n++] = (char)c;
+        }
+    }
+    out[n] = '\0';
+    snprintf(buf, sz, "%s", out);
+}
+
 int oc_proc_name(unsigned int pid, char *buf, size_t sz)
 {
     char path[48];
@@ -345,6 +372,7 @@ int oc_proc_name(unsigned int pid, char *buf, size_t sz)
         cmd[len] = '\0';
         base = strrchr(cmd, '/');
         snprintf(buf, sz, "%s", base ? base + 1 : cmd);
+        oc_escape_controls(buf, sz);
         return buf[0] ? 0 : -1;
     }
     if (fgets(buf, (int)sz, f) == NULL)
@@ -353,6 +381,8 @@ int oc_proc_name(unsigned int pid, char *buf, size_t sz)
     len = strlen(buf);
     while (len > 0 && (buf[len - 1] == '\n' || buf[len - 1] == '\r'))
         buf[--len] = '\0';
+    /* Any process may name itself anything (prctl PR_SET_NAME). */
+    oc_escape_controls(buf, sz);
     return buf[0] ? 0 : -1;
 }
 

@@ -144,6 +144,9 @@ long oc_env_rank(const char *name);
 /* Fills *cfg from the environment; never fails. Every bad value leaves the
  * default in place and appends one message to cfg->warnings. */
 void oc_config_load(oc_config *cfg, oc_getenv_fn getenv_fn, void *ctx);
+/* Adds a warning to cfg for every OUTOFCUDA_* name in env (environ's
+ * layout) that the table of settings does not have, naming the closest one. */
+void oc_config_check_names(oc_config *cfg, char *const *env);
 
 /* Parses a boolean word (1/0, true/false, yes/no, on/off, any case, spaces
  * around allowed). Returns 1 or 0, or -1 when the word is none of those. */
@@ -421,12 +424,23 @@ extern oc_state oc_g;
 /* common.c */
 const oc_config *oc_config_get(void); /* loads once, emits warnings */
 void oc_warn(const char *msg);        /* one warning; never raises */
+/* Writes through sys.stderr only: nothing when it is None or closed. */
+void oc_stderr_write(const char *text);
+void oc_stderr_printf(const char *fmt, ...)
+#ifdef __GNUC__
+    __attribute__((format(printf, 1, 2)))
+#endif
+    ;
 void oc_set_error(const char *where); /* keeps the current exception text */
 /* Swallows the current exception, leaving a trace under OUTOFCUDA_DEBUG=1.
  * A bare PyErr_Clear() stays only where absence is the expected answer, or
  * what it clears is recorded, with a comment saying so (tests/test_static.py). */
 void oc_clear_at(const char *file, int line, const char *func);
 #define OC_CLEAR() oc_clear_at(__FILE__, __LINE__, __func__)
+/* Raises the KeyboardInterrupt or SystemExit that oc_clear_at or
+ * oc_set_error set aside: -1 with it set, else 0. Called where control goes
+ * back to the program (the end of `import torch`, the API's entry points). */
+int oc_raise_interrupt(void);
 int oc_disabled_by_env(void);
 
 /* watcher.c */
@@ -500,6 +514,10 @@ int oc_nvml_process_list(int index, oc_gpu_proc **out);
 void oc_nvml_sort_procs(oc_gpu_proc *procs, int n);
 #define OC_NVML_NOT_AVAILABLE 0xFFFFFFFFFFFFFFFFull
 int oc_proc_name(unsigned int pid, char *buf, size_t sz); /* /proc name: 0, or -1 */
+/* Rewrites, in place, every control character of text that came from outside
+ * the process (another process's name, a driver's answer) as \xNN, so that
+ * no renderer hands a terminal an escape sequence; cut to fit sz. */
+void oc_escape_controls(char *buf, size_t sz);
 #define OC_NVML_MAX_DEVICES 64
 /* NVML indices of the devices CUDA shows this process, in torch's order
  * (CUDA_VISIBLE_DEVICES as indices, GPU-UUID prefixes or MIG instances,

@@ -403,10 +403,10 @@ static void print_summary(void)
         reserved = alloc ? PyObject_CallMethod(cuda, "memory_reserved", NULL) : NULL;
     }
     OC_CLEAR();
-    PySys_WriteStderr("outofcuda: CUDA out of memory (allocated %.2f GiB, reserved %.2f GiB "
-                      "by this process).\n",
-                      alloc ? PyLong_AsDouble(alloc) / OC_GIB : 0.0,
-                      reserved ? PyLong_AsDouble(reserved) / OC_GIB : 0.0);
+    oc_stderr_printf("outofcuda: CUDA out of memory (allocated %.2f GiB, reserved %.2f GiB "
+                     "by this process).\n",
+                     alloc ? PyLong_AsDouble(alloc) / OC_GIB : 0.0,
+                     reserved ? PyLong_AsDouble(reserved) / OC_GIB : 0.0);
     OC_CLEAR();
     Py_XDECREF(alloc);
     Py_XDECREF(reserved);
@@ -652,9 +652,11 @@ static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
             const char *name = "";
             int ok = t && PyArg_ParseTuple(t, "IzK", &f.others[f.n_others].pid, &name,
                                            &f.others[f.n_others].used);
-            if (ok)
+            if (ok) {
                 snprintf(f.others[f.n_others].name, sizeof f.others[0].name, "%s",
                          name ? name : "");
+                oc_escape_controls(f.others[f.n_others].name, sizeof f.others[0].name);
+            }
             Py_XDECREF(t);
             Py_XDECREF(item);
             if (!ok)

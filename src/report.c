@@ -354,10 +354,10 @@ static void write_wrapped(const char *text, size_t first, size_t indent)
     for (;;) {
         size_t skip, cut = wrap_cut(text, len, width, &skip);
         if (cut == len) {
-            PySys_WriteStderr("%s\n", text);
+            oc_stderr_printf("%s\n", text);
             return;
         }
-        PySys_WriteStderr("%.*s\n%*s", (int)cut, text, (int)indent, "");
+        oc_stderr_printf("%.*s\n%*s", (int)cut, text, (int)indent, "");
         text += cut + skip;
         len -= cut + skip;
         width = TABLE_WIDTH - indent;
@@ -387,7 +387,7 @@ static void write_value(PyObject *v)
             break;
     }
     if (used <= TABLE_WIDTH - VALUE_COL) {
-        PySys_WriteStderr("%s\n", joined);
+        oc_stderr_printf("%s\n", joined);
         return;
     }
     /* One item a line, continuation lines two further in. */
@@ -398,7 +398,7 @@ static void write_value(PyObject *v)
         value_text(val, text, sizeof text);
         snprintf(item, sizeof item, "%s=%s", k, text);
         if (i > 0)
-            PySys_WriteStderr("%*s", VALUE_COL, "");
+            oc_stderr_printf("%*s", VALUE_COL, "");
         write_wrapped(item, TABLE_WIDTH - VALUE_COL, VALUE_COL + 2);
     }
 }
@@ -407,20 +407,20 @@ void oc_report_verbose(void)
 {
     char tv[64], reason[400];
     value_text(oc_g.torch_version, tv, sizeof tv);
-    PySys_WriteStderr("outofcuda %s: torch %s imported\n", OC_VERSION, tv);
-    PySys_WriteStderr("  %-20s %-8s %s\n", "optimisation", "applied", "value (reason below)");
+    oc_stderr_printf("outofcuda %s: torch %s imported\n", OC_VERSION, tv);
+    oc_stderr_printf("  %-20s %-8s %s\n", "optimisation", "applied", "value (reason below)");
     for (size_t i = 0; i < N_OPTS; i++) {
         PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, opt_names[i]) : NULL;
         PyObject *applied = e ? PyDict_GetItemString(e, "applied") : NULL;
-        PySys_WriteStderr("  %-20s %-8s ", opt_names[i], applied == Py_True ? "yes" : "no");
+        oc_stderr_printf("  %-20s %-8s ", opt_names[i], applied == Py_True ? "yes" : "no");
         write_value(e ? PyDict_GetItemString(e, "value") : NULL);
         value_text(e ? PyDict_GetItemString(e, "reason") : NULL, reason, sizeof reason);
-        PySys_WriteStderr("%*s", REASON_INDENT, "");
+        oc_stderr_printf("%*s", REASON_INDENT, "");
         write_wrapped(reason, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
     }
     if (oc_g.error != NULL) {
         value_text(oc_g.error, reason, sizeof reason);
-        PySys_WriteStderr("  error: ");
+        oc_stderr_printf("  error: ");
         write_wrapped(reason, TABLE_WIDTH - 9, 9);
     }
 }

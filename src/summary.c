@@ -572,12 +572,12 @@ static void emit(const proc_figs *p, const sum_device *dev, int n)
         OC_CLEAR();
         Py_XDECREF(doc);
         /* Never lose the figures: print them where the file could not go. */
-        PySys_FormatStderr("outofcuda: OUTOFCUDA_SUMMARY: could not write the JSON (%s); the "
-                           "summary follows\n",
-                           devices ? err : "the JSON could not be built");
+        oc_stderr_printf("outofcuda: OUTOFCUDA_SUMMARY: could not write the JSON (%s); the "
+                         "summary follows\n",
+                         devices ? err : "the JSON could not be built");
     }
     if (t.buf != NULL)
-        PySys_FormatStderr("%s", t.buf);
+        oc_stderr_write(t.buf);
 done:
     OC_CLEAR();
     Py_XDECREF(devices);

@@ -126,6 +126,10 @@ static PyObject *proxy_exec_module(PyObject *self, PyObject *module)
             OC_CLEAR();
         oc_bridge_before_torch(spec);
         Py_XDECREF(spec);
+        if (oc_raise_interrupt() < 0) {
+            Py_DECREF(loader);
+            return NULL;
+        }
     }
     res = PyObject_CallMethod(loader, "exec_module", "O", module);
     Py_DECREF(loader);
@@ -135,10 +139,24 @@ static PyObject *proxy_exec_module(PyObject *self, PyObject *module)
         PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
         oc_bridge_import_failed();
         PyErr_Restore(exc_type, exc_value, exc_tb);
+        if (PyErr_ExceptionMatches(PyExc_Exception)) {
+            /* a Ctrl-C set aside while preparing outranks torch's error */
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            if (oc_raise_interrupt() == 0) {
+                PyErr_Restore(t, v, tb);
+            } else {
+                Py_XDECREF(t);
+                Py_XDECREF(v);
+                Py_XDECREF(tb);
+            }
+        }
         return NULL;
     }
     Py_DECREF(res);
     fire(module);
+    if (oc_raise_interrupt() < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -279,6 +297,10 @@ static PyObject *find_torch_spec(PyObject *module, PyObject *args, PyObject *kw)
         return spec;
     }
     Py_DECREF(proxy);
+    if (oc_raise_interrupt() < 0) {
+        Py_DECREF(spec);
+        return NULL;
+    }
     return spec;
 }
 
@@ -365,10 +387,15 @@ int oc_watcher_fire_if_imported(void)
     OC_CLEAR();
     if (initializing != NULL)
         busy = PyObject_IsTrue(initializing) == 1;
+    /* A stand-in the program put in sys.modules itself (a mock, a bare
+     * module) was never imported: it has no spec. Firing on it would spend
+     * the one firing; the watcher waits for the real torch instead. */
+    if (spec == NULL || spec == Py_None)
+        busy = 1;
     Py_XDECREF(initializing);
     Py_XDECREF(spec);
     if (!busy)
         fire(torch);
     Py_DECREF(torch);
-    return 0;
+    return oc_raise_interrupt();
 }

@@ -87,3 +87,21 @@ def test_gain_script_in_the_checkout_is_the_packaged_benchmark(venv, workdir):
     r = venv.check("import outofcuda.bench as b, pathlib; print(pathlib.Path(b.__file__).parent)",
                    cwd=workdir)
     assert r.stdout.strip() == str(venv.site / "outofcuda")
+
+
+def test_one_usage_line_for_help_and_for_a_bad_argument(venv, workdir):
+    """--help and a bad workload (or timeout) show the same usage line: the
+    one of `outofcuda bench`, naming --startup and --benchmarks-dir."""
+    def usage(*args):
+        r = subprocess.run([_outofcuda(venv), "bench", *args], cwd=workdir, env=_clean_env(),
+                           capture_output=True, text=True, timeout=120)
+        text = r.stdout if "--help" in args else r.stderr
+        # the usage block, however it wraps (argparse's error follows it)
+        block = text.split("\n\n")[0].split("outofcuda bench: error:")[0]
+        return r.returncode, " ".join(block.split())
+
+    rc_help, shown = usage("--help")
+    assert rc_help == 0 and "--startup" in shown and "--benchmarks-dir" in shown, shown
+    for bad in (("--workloads", "nope"), ("--timeout", "0")):
+        rc, after = usage(*bad)
+        assert rc == 2 and after == shown, (bad, after)

@@ -234,7 +234,8 @@ def test_report_text_by_default_json_on_request(venv, workdir):
     plain = cli(venv, "report", cwd=workdir)
     # The reason is the one `status` gives under GPUs.
     why = json.loads(cli(venv, "status", "--json", cwd=workdir).stdout)["nvml_error"]
-    assert plain.returncode == 0 and plain.stdout.strip() == f"no CUDA device ({why})", plain.stderr
+    assert plain.returncode == 0, plain.stderr
+    assert " ".join(plain.stdout.split()) == f"no CUDA device ({why})"   # wrapped at 80
     with pytest.raises(json.JSONDecodeError):
         json.loads(plain.stdout)
     assert json.loads(cli(venv, "report", "--json", cwd=workdir).stdout) == {}
@@ -525,6 +526,21 @@ def test_a_closed_pipe_ends_quietly(venv, workdir, args):
     assert err == "" and rc == 141
 
 
+@pytest.mark.parametrize("args", [["status"], ["doctor", "--json"]])
+def test_closed_standard_output_is_one_line_not_a_traceback(venv, workdir, args):
+    """`outofcuda status >&-`: nowhere to answer; one line on stderr says so."""
+    import subprocess
+
+    from conftest import _clean_env
+
+    r = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", str(venv.python), "-m", "outofcuda",
+                        *args], capture_output=True, text=True, cwd=workdir, env=_clean_env(),
+                       timeout=300)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr == "outofcuda: standard output is closed; nothing can be shown\n"
+    assert r.returncode == 1
+
+
 def test_bench_accepts_what_its_usage_shows(venv, workdir):
     """Every option bench's usage names is one `outofcuda bench` accepts, and
     --help names the workloads and where results go."""
@@ -564,3 +580,11 @@ def test_source_tree_shadowing_is_named(venv, tmp_path):
     assert r.returncode == 1
     assert "source tree" in r.stderr and "shadows the installed package" in r.stderr, r.stderr
     assert str(venv.site) in r.stderr and "reinstall" not in r.stderr
+
+
+def test_report_without_a_driver_fits_80_columns(venv, workdir):
+    """No NVIDIA driver here: the one sentence that says so wraps at 80."""
+    r = cli(venv, "report", cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("no CUDA device (")
+    assert max(len(ln) for ln in r.stdout.splitlines()) <= 80, r.stdout

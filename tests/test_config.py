@@ -231,7 +231,7 @@ def _bad_bytes_env(tmp):
 
 def test_warnings_are_filterable_entries_with_readable_text(venv, workdir):
     """Each warning, non-UTF-8 values included, is a real `warnings` entry of
-    the module "outofcuda" (not of importlib's frames), with the bad bytes
+    the module "outofcuda" at the program's line (not importlib's), with the bad bytes
     shown as \\xNN; nothing reaches stderr on its own."""
     r = venv.run(RECORD_WARNINGS, env=_bad_bytes_env(workdir), cwd=workdir)
     assert r.returncode == 0, r.stderr
@@ -239,7 +239,10 @@ def test_warnings_are_filterable_entries_with_readable_text(venv, workdir):
     caught = [w for w in json.loads(r.stdout) if w["message"].startswith("outofcuda")]
     texts = [w["message"] for w in caught]
     assert len(caught) == 2, texts
-    assert all(w["user"] and w["filename"] == "outofcuda" for w in caught), caught
+    # located at the program's `import torch` (line 5 of RECORD_WARNINGS), not
+    # at importlib's bootstrap nor at a made-up "outofcuda:0"
+    assert all(w["user"] and (w["filename"], w["lineno"]) == ("<string>", 5)
+               for w in caught), caught
     assert any("OUTOFCUDA_TF32='maybe\\xfe'" in t for t in texts), texts
     assert any("OUTOFCUDA_OOM_SNAPSHOT=" in t and "missing\\xff" in t for t in texts), texts
 
@@ -249,7 +252,7 @@ def test_warnings_filtered_by_module_leave_stderr_clean(venv, workdir):
     shown = venv.run("import torch", env=env, cwd=workdir)
     assert shown.returncode == 0
     lines = shown.stderr.splitlines()
-    assert len(lines) == 2 and all(ln.startswith("outofcuda:0: UserWarning: outofcuda")
+    assert len(lines) == 2 and all(ln.startswith("<string>:1: UserWarning: outofcuda: ")
                                    for ln in lines), shown.stderr
     assert "\\xff" in shown.stderr and "\\xfe" in shown.stderr
     quiet = venv.run("import torch, _outofcuda; print(len(_outofcuda.status()['config_warnings']))",
@@ -310,3 +313,20 @@ def test_docs_list_exactly_the_variables_of_the_table(venv, workdir):
                                 cwd=workdir).stdout)
     loaded = {k for k in cfg if k not in ("warnings", "alloc_conf_no_expandable")}
     assert {f"OUTOFCUDA_{k.upper()}" for k in loaded} <= set(own)
+
+
+def test_a_misspelt_variable_warns_naming_the_closest(venv, workdir):
+    """OUTOFCUDA_TF23=0 is a typo of OUTOFCUDA_TF32: silence would leave TF32
+    on while the user believes it off. The names come from the table."""
+    env = {"OUTOFCUDA_TF23": "0", "OUTOFCUDA_NO_SUCH_THING_AT_ALL": "1"}
+    r = venv.run("import torch, _outofcuda, json; "
+                 "print(json.dumps(_outofcuda.status()['config_warnings']))", env=env, cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    warnings = json.loads(r.stdout)
+    assert ("outofcuda: ignoring OUTOFCUDA_TF23: not a variable outofcuda reads; did you mean "
+            "OUTOFCUDA_TF32?") in warnings
+    assert ("outofcuda: ignoring OUTOFCUDA_NO_SUCH_THING_AT_ALL: not a variable outofcuda reads"
+            in warnings)
+    assert "did you mean OUTOFCUDA_TF32?" in r.stderr
+    doctor = venv.run(None, args=("-m", "outofcuda", "doctor"), env=env, cwd=workdir)
+    assert "did you mean OUTOFCUDA_TF32?" in " ".join(doctor.stdout.split()), doctor.stdout

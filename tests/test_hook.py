@@ -355,3 +355,61 @@ def test_failure_inside_outofcuda_is_one_warning_and_recorded(venv, workdir):
     """), env={"OUTOFCUDA_DISABLE": "1"}, cwd=workdir)
     assert r.stdout.startswith("1 outofcuda: installing the import hook failed")
     assert "meta_path" in status_of(r)["hook"]["error"]
+
+
+# ---- the user's Ctrl-C and exit() ----
+
+INTERRUPT_SETTER = """
+def _set_cudnn_benchmark(value):
+    # the user's Ctrl-C (or an exit()) lands while outofcuda sets torch's flags
+    raise {exc}
+"""
+
+
+@pytest.mark.parametrize("exc", ["KeyboardInterrupt", "SystemExit(3)"])
+@pytest.mark.parametrize("when", ["import torch", "outofcuda.apply()"])
+def test_ctrl_c_and_exit_inside_outofcuda_propagate(venv, tmp_path, exc, when):
+    from fake_torch import make_fake_torch
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    with open(root / "torch" / "_C.py", "a") as f:
+        f.write(INTERRUPT_SETTER.format(exc=exc))
+    first = "import torch"
+    env = {"PYTHONPATH": str(root)}
+    if when != "import torch":
+        # the hook stands aside at start-up, torch is imported, then the
+        # program applies outofcuda itself
+        first = "import os; os.environ['OUTOFCUDA_DISABLE'] = '0'; import torch, outofcuda; " + when
+        env["OUTOFCUDA_DISABLE"] = "1"
+    body = f"""
+import sys
+try:
+    {first}
+except KeyboardInterrupt:
+    print('KeyboardInterrupt reached the program')
+    sys.exit(5)
+print('the program went on')
+"""
+    r = venv.run(body, env=env, cwd=tmp_path, args=("-W", "error"))
+    if exc == "KeyboardInterrupt":
+        assert r.returncode == 5, (r.stdout, r.stderr)
+        assert "KeyboardInterrupt reached the program" in r.stdout
+    else:
+        assert r.returncode == 3, (r.stdout, r.stderr)
+    assert "the program went on" not in r.stdout
+    assert "SystemError" not in r.stderr, r.stderr
+
+
+def test_apply_beside_a_stand_in_torch_waits_for_the_real_one(venv, workdir):
+    # a test suite puts a mock in sys.modules, calls apply(), then removes it
+    r = venv.run(S("""
+        import os, sys, types
+        os.environ['OUTOFCUDA_DISABLE'] = '0'
+        sys.modules['torch'] = types.ModuleType('torch')
+        import outofcuda
+        outofcuda.apply()
+        del sys.modules['torch']
+        import torch
+    """), env={"OUTOFCUDA_DISABLE": "1", "OUTOFCUDA_VERBOSE": "1"}, cwd=workdir)
+    assert r.returncode == 0, r.stderr
+    assert firings(r) == 1, r.stderr
+    assert status_of(r)["torch"].startswith("2.13.0")

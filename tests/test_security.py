@@ -292,3 +292,49 @@ def test_no_variable_names_code_or_a_library(venv, workdir, tmp_path, fake_nvml)
         """)
     assert _markers(markers) == [], _markers(markers)
     assert not lib_marker.exists(), "a library named by an OUTOFCUDA_* value was loaded"
+
+
+# ---- text from other processes reaches a terminal escaped ----
+
+HOSTILE_NAME = b"\x1b[2J\x1b]0;x\x07"   # clear the screen, retitle the window, bell
+NAMED_CHILD = """
+import ctypes, sys
+ctypes.CDLL(None).prctl(15, {name!r}, 0, 0, 0)   # PR_SET_NAME: any process may
+print('named', flush=True)
+sys.stdin.read()
+"""
+
+
+def test_other_processes_names_are_shown_escaped(venv, workdir, tmp_path, stub_nvml_libs):
+    import sys
+    from conftest import stub_nvml_config, stub_nvml_device
+    child = subprocess.Popen([sys.executable, "-c", NAMED_CHILD.format(name=HOSTILE_NAME)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "named\n"
+        assert Path(f"/proc/{child.pid}/comm").read_bytes().rstrip(b"\n") == HOSTILE_NAME
+        cfg = stub_nvml_config(tmp_path / "nvml.cfg",
+                               [stub_nvml_device(total=80 << 30, used=79 << 30)],
+                               procs=[(0, child.pid, 30 << 30)])
+        env = {"LD_LIBRARY_PATH": str(stub_nvml_libs["full"]), "STUB_NVML_CONFIG": str(cfg)}
+        report = venv.run(None, args=("-m", "outofcuda", "report"), env=env, cwd=workdir)
+        api = venv.run("""
+import json, outofcuda, _outofcuda as core
+rep = outofcuda.memory_report()
+core._oom_observer(0, 2 * 2**30, 80 * 2**30, 2**29)
+oom = outofcuda.last_oom()
+print(json.dumps([rep["cuda:0"]["processes"][0]["name"], oom["other_processes"][0]["name"],
+                  oom["advice"], outofcuda.oom.format_report(oom)]))
+""", env=env, cwd=workdir)
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+        child.stdout.close()
+    assert report.returncode == 0 and api.returncode == 0, (report.stderr, api.stderr)
+    escaped = r"\x1b[2J\x1b]0;x\x07"
+    for text in (report.stdout, api.stdout):
+        assert "\x1b" not in text and "\x07" not in text
+    assert escaped in report.stdout, report.stdout
+    mem_name, oom_name, advice, formatted = json.loads(api.stdout)
+    assert mem_name == oom_name == escaped
+    assert escaped in formatted and any(escaped in a for a in advice)
