@@ -10,8 +10,13 @@
  * site to compile beyond the .pth line (benchmarks/startup.py measures it). */
 #include "oc.h"
 
+#include <elf.h>
+#include <fcntl.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <structmember.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 typedef struct {
     PyObject_HEAD
@@ -129,12 +134,50 @@ static PyObject *engine_path(void)
     return path;
 }
 
+/* 1 when the ELF file at path holds every byte its headers promise: each
+ * segment the loader maps, and the section headers, which the linker writes
+ * last. A partly written engine (an interrupted install, a full disk) fails
+ * this: dlopen would map it past the end of the file, and the first touch of
+ * a missing page kills the process with SIGBUS. */
+static int elf_complete(const char *path)
+{
+    Elf64_Ehdr eh;
+    Elf64_Phdr ph;
+    struct stat st;
+    int ok = 0, fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    if (fstat(fd, &st) == 0 && pread(fd, &eh, sizeof eh, 0) == (ssize_t)sizeof eh &&
+        memcmp(eh.e_ident, ELFMAG, SELFMAG) == 0 && eh.e_ident[EI_CLASS] == ELFCLASS64 &&
+        eh.e_phentsize == sizeof ph) {
+        uint64_t size = (uint64_t)st.st_size;
+        ok = eh.e_shoff + (uint64_t)eh.e_shnum * eh.e_shentsize <= size;
+        for (unsigned i = 0; ok && i < eh.e_phnum; i++) {
+            off_t at = (off_t)(eh.e_phoff + (uint64_t)i * sizeof ph);
+            ok = pread(fd, &ph, sizeof ph, at) == (ssize_t)sizeof ph &&
+                 (ph.p_type != PT_LOAD || ph.p_offset + ph.p_filesz <= size);
+        }
+    }
+    close(fd);
+    return ok;
+}
+
 static PyObject *load_engine_by_path(void)
 {
     PyObject *path = engine_path(), *util = NULL, *spec = NULL, *loader = NULL, *mod = NULL;
-    PyObject *res;
+    PyObject *res, *fs;
+    int complete;
     if (path == NULL)
         return NULL;
+    fs = PyUnicode_EncodeFSDefault(path);
+    complete = fs != NULL && elf_complete(PyBytes_AsString(fs));
+    Py_XDECREF(fs);
+    if (!complete) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ImportError,
+                         "%U is incomplete (a partly written file): reinstall outofcuda", path);
+        goto done;
+    }
     util = PyImport_ImportModule("importlib.util");
     if (util == NULL)
         goto done;

@@ -355,3 +355,44 @@ def test_failure_inside_outofcuda_is_one_warning_and_recorded(venv, workdir):
     """), env={"OUTOFCUDA_DISABLE": "1"}, cwd=workdir)
     assert r.stdout.startswith("1 outofcuda: installing the import hook failed")
     assert "meta_path" in status_of(r)["hook"]["error"]
+
+
+# ---- a partly written install (an interrupted pip, a full disk) ----
+
+@pytest.mark.parametrize("size", [1000, 8000, 16000])
+def test_partly_written_boot_never_breaks_start_up(venv, workdir, size):
+    """The .pth line loads the boot only at the size recorded when it was
+    built: a truncated file is never mapped (mapping one dies with SIGBUS), so
+    Python starts, pip can repair the install, and torch imports untouched."""
+    (so,) = venv.site.glob("outofcuda_hook*.so")
+    backup = workdir / "backup.so"
+    shutil.copy2(so, backup)
+    try:
+        so.write_bytes(backup.read_bytes()[:size])
+        r = venv.run("pass", cwd=workdir)
+        assert r.returncode == 0 and r.stderr == "", (r.returncode, r.stderr)
+        r = venv.check("import sys, torch; print(torch.ones(2).sum().item(), "
+                       "'outofcuda_hook' in sys.modules, '_outofcuda' in sys.modules)", cwd=workdir)
+        assert r.stdout.split() == ["2.0", "False", "False"] and r.stderr == ""
+        r = venv.run(None, args=("-m", "pip", "--version"), cwd=workdir)
+        assert r.returncode == 0, r.stderr
+    finally:
+        shutil.copy2(backup, so)
+
+
+def test_partly_written_engine_never_breaks_import_torch(venv, workdir):
+    """The boot checks that the engine holds every byte its ELF headers
+    promise before it loads it: a truncated engine is reported (under
+    OUTOFCUDA_DEBUG) and torch imports as without outofcuda."""
+    (so,) = venv.site.glob("_outofcuda*.so")
+    backup = workdir / "backup.so"
+    shutil.copy2(so, backup)
+    try:
+        so.write_bytes(backup.read_bytes()[:100_000])
+        r = venv.check("import sys, torch; print(torch.ones(2).sum().item(), "
+                       "'_outofcuda' in sys.modules)", cwd=workdir)
+        assert r.stdout.split() == ["2.0", "False"] and r.stderr == ""
+        r = venv.check("import torch", env={"OUTOFCUDA_DEBUG": "1"}, cwd=workdir)
+        assert "is incomplete (a partly written file): reinstall outofcuda" in r.stderr, r.stderr
+    finally:
+        shutil.copy2(backup, so)
