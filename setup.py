@@ -14,6 +14,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "buildsys"))
 import hookfiles  # noqa: E402  (buildsys/, shared with the build backend)
 
+# Which hook file the wheel carries, decided (and a bad OUTOFCUDA_HOOK_FILE
+# refused) before anything is compiled.
+START_KIND = hookfiles.start_kind()
 VERSION = re.search(r'#define OC_VERSION "([^"]+)"', (HERE / "src" / "oc.h").read_text()).group(1)
 
 
@@ -35,7 +38,7 @@ class build_ext_abi3(build_ext):
         super().run()
         boot = Path(self.get_ext_fullpath(hookfiles.BOOT))
         Path(self.build_lib).mkdir(parents=True, exist_ok=True)
-        hookfiles.write(Path(self.build_lib), boot.stat().st_size, hookfiles.start_kind())
+        hookfiles.write(Path(self.build_lib), boot.stat().st_size, START_KIND)
 
 
 class bdist_wheel_hook_kind(bdist_wheel):
@@ -45,7 +48,7 @@ class bdist_wheel_hook_kind(bdist_wheel):
 
     def get_tag(self):
         impl, abi, plat = super().get_tag()
-        if hookfiles.start_kind():
+        if START_KIND:
             impl = hookfiles.START_TAG
         return impl, abi, plat
 
