@@ -8,7 +8,7 @@ Python without it, both with a comment-only .pth beside.
 
 OUTOFCUDA_TEST_CHROOT names an existing chroot (python3.14, python3.15, gcc,
 valgrind; /proc and /dev mounted); without it the chroot is built with
-debootstrap (`.ci/chroot`, a few minutes, as root). Outside CI these tests
+debootstrap (`.ci/chroot`, a few minutes, as root) at /var/tmp/outofcuda-sid. Outside CI these tests
 skip only when that is refused, and say why."""
 import json
 import os
@@ -68,6 +68,9 @@ class Chroot:
         return r
 
 
+BUILT_CHROOT = "/var/tmp/outofcuda-sid"  # where .ci/run builds it too
+
+
 def _chroot_refused():
     if os.geteuid() != 0:
         return "chroot and debootstrap need root"
@@ -77,7 +80,7 @@ def _chroot_refused():
 
 
 @pytest.fixture(scope="session")
-def chroot(tmp_path_factory):
+def chroot():
     given = os.environ.get("OUTOFCUDA_TEST_CHROOT")
     mounted = None
     if given:
@@ -90,7 +93,9 @@ def chroot(tmp_path_factory):
         why = _chroot_refused()
         if why:
             _fail_or_skip(why)
-        root = tmp_path_factory.mktemp("chroot") / "sid"
+        # Outside pytest's temporary folders, which are deleted: a chroot with
+        # /dev mounted inside must never be. Kept for the next run.
+        root = Path(BUILT_CHROOT)
         r = subprocess.run([str(ROOT / ".ci" / "chroot"), str(root)], capture_output=True,
                            text=True, timeout=1800)
         mounted = root
@@ -208,6 +213,13 @@ def test_start_file_alone_serves_python_315(chroot):
     r = ch.sh(f"cd /tmp && {py} -c \"import sys; print(sum(type(f).__name__ == "
               "'TorchImportWatcher' for f in sys.meta_path))\"")
     assert r.stdout.strip() == "1"
+    # doctor looks for the file site runs: from 3.18 on, the .start file
+    # (3.18 itself simulated by its version number).
+    check = ("import sys, outofcuda.cli as c; files = c.hook_files(); "
+             "sys.version_info = (3, 18, 0, 'final', 0); "
+             "print(c._check_hook(files, {'status': {'hook': {'installed': True}}}))")
+    r = ch.sh(f"cd /tmp && {py} -c \"{check}\"")
+    assert "'ok': True" in r.stdout and "outofcuda_hook.start loads" in r.stdout, r.stdout
 
 
 # ---- start-up, in instructions ----
