@@ -28,10 +28,11 @@ from test_packaging import clean_copy, pyenv_python
 
 NEWEST = ("3.14", "3.15")
 # python -c pass with outofcuda / without, callgrind instructions. The goal
-# is 1.020, met on 3.13 and 3.15; measured 1.019-1.032 on 3.9-3.15 (3.12 the
-# highest), so the ceiling that holds on every one is 1.035. `import outofcuda`
-# against `python -c pass` of the same venv: goal 1.05, measured 1.036-1.059.
-PASS_CEILING = 1.035
+# is 1.020, met on 3.15; measured 1.019-1.032 on 3.9-3.15 (3.12 the highest),
+# moving by up to 0.004 between runs, so the ceiling that holds on every one is
+# 1.04. `import outofcuda` against `python -c pass` of the same venv: goal
+# 1.05, measured 1.033-1.059.
+PASS_CEILING = 1.04
 IMPORT_CEILING = 1.07
 NOOP_PTH = "# a comment-only .pth: site reads one on both sides\n"
 FIRED = ("import sys, json, torch, _outofcuda; print(json.dumps([_outofcuda.status()['hook'], "
