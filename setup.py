@@ -1,5 +1,5 @@
 """Build outofcuda: one abi3 C extension (Limited API, Python 3.9 floor) plus
-the start-up hook files placed at the root of site-packages."""
+the start-up hook file placed at the root of site-packages."""
 import os
 import re
 import sys
@@ -7,56 +7,50 @@ from glob import glob
 from pathlib import Path
 
 from setuptools import Extension, setup
-from setuptools.command.build_py import build_py
-from setuptools.command.editable_wheel import editable_wheel
+from setuptools.command.bdist_wheel import bdist_wheel
+from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
-HOOK_FILES = ("outofcuda_hook.pth", "outofcuda_hook.start")
-# Files at the wheel's root: the hook, and the engine's type stubs beside the
-# engine (a top-level module, outside the package).
-ROOT_FILES = HOOK_FILES + ("_outofcuda.pyi",)
+sys.path.insert(0, str(HERE / "buildsys"))
+import hookfiles  # noqa: E402  (buildsys/, shared with the build backend)
+
+# Which hook file the wheel carries, decided (and a bad OUTOFCUDA_HOOK_FILE
+# refused) before anything is compiled.
+START_KIND = hookfiles.start_kind()
 VERSION = re.search(r'#define OC_VERSION "([^"]+)"', (HERE / "src" / "oc.h").read_text()).group(1)
 
 
-class build_py_with_hook(build_py):
-    """Copies the root files into build_lib so they land at the wheel's root
-    and in its RECORD (pip uninstall then removes them)."""
+class build_ext_abi3(build_ext):
+    """Names every extension `<name>.abi3.so`, whichever Python builds it (3.15
+    lists `.abi3-x86_64-linux-gnu.so` first, which the .pth line's fast path
+    would miss), then writes the hook files for the chosen wheel kind into
+    build_lib, where they land at the wheel's root and in its RECORD (pip
+    uninstall then removes them). They are written after the boot is linked:
+    the .pth line carries the boot's size."""
+
+    def get_ext_filename(self, fullname):
+        name = super().get_ext_filename(fullname)
+        if sys.platform.startswith("linux") and self.ext_map[fullname].py_limited_api:
+            name = os.path.join(os.path.dirname(name), fullname.split(".")[-1] + ".abi3.so")
+        return name
 
     def run(self):
         super().run()
-        for name in ROOT_FILES:
-            self.copy_file(str(HERE / name), os.path.join(self.build_lib, name))
+        boot = Path(self.get_ext_fullpath(hookfiles.BOOT))
+        Path(self.build_lib).mkdir(parents=True, exist_ok=True)
+        hookfiles.write(Path(self.build_lib), boot.stat().st_size, START_KIND)
 
 
-class editable_wheel_with_hook(editable_wheel):
-    """setuptools' editable wheels carry no root files: add the hook, or
-    `pip install -e .` would silently install no hook at all."""
+class bdist_wheel_hook_kind(bdist_wheel):
+    """The .start kind is tagged cp318-abi3: pip on 3.18+ prefers it to the
+    cp39-abi3 .pth kind, which every older Python gets (the binary is the
+    same 3.9 Limited API build)."""
 
-    def _create_wheel_file(self, bdist_wheel):
-        wheel_path = str(super()._create_wheel_file(bdist_wheel))
-        import zipfile
-        import hashlib
-        import base64
-
-        with zipfile.ZipFile(wheel_path) as zf:
-            record_name = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
-            record = zf.read(record_name).decode()
-        # A zip cannot replace a member in place: rebuild it with the hook
-        # files added and RECORD extended.
-        tmp = wheel_path + ".tmp"
-        with zipfile.ZipFile(wheel_path) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
-            for item in src.infolist():
-                if item.filename != record_name:
-                    dst.writestr(item, src.read(item.filename))
-            lines = [record.rstrip("\n")]
-            for name in ROOT_FILES:
-                data = (HERE / name).read_bytes()
-                dst.writestr(name, data)
-                digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-                lines.append(f"{name},sha256={digest},{len(data)}")
-            dst.writestr(record_name, "\n".join(lines) + "\n")
-        os.replace(tmp, wheel_path)
-        return wheel_path
+    def get_tag(self):
+        impl, abi, plat = super().get_tag()
+        if START_KIND:
+            impl = hookfiles.START_TAG
+        return impl, abi, plat
 
 
 def refuse_free_threaded_build(config_var=None):
@@ -75,10 +69,14 @@ def refuse_free_threaded_build(config_var=None):
 
 # OUTOFCUDA_SANITIZE=1: an AddressSanitizer + UndefinedBehaviorSanitizer build.
 SANITIZE = os.environ.get("OUTOFCUDA_SANITIZE", "") not in ("", "0")
+# OUTOFCUDA_WERROR=1 (CI, the tests, development builds): a warning fails the
+# build. A user's `pip install` leaves it unset: a warning that a newer
+# compiler adds must not break an install.
+WERROR = os.environ.get("OUTOFCUDA_WERROR", "") not in ("", "0")
 
 
 def extra_compile_args():
-    args = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"]
+    args = ["-std=c11", "-Wall", "-Wextra", "-fvisibility=hidden"] + (["-Werror"] if WERROR else [])
     if SANITIZE:
         args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1", "-g"]
     return args
@@ -125,6 +123,6 @@ refuse_free_threaded_build()
 setup(
     version=VERSION,
     ext_modules=ext_modules,
-    cmdclass={"build_py": build_py_with_hook, "editable_wheel": editable_wheel_with_hook},
+    cmdclass={"build_ext": build_ext_abi3, "bdist_wheel": bdist_wheel_hook_kind},
     options=options,
 )

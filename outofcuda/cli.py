@@ -352,16 +352,21 @@ def _check(name, ok, message, fix=""):
 
 
 def _check_hook(files, pr):
-    pth = [f for f in files if f["kind"] == "pth" and f["site_dir"]]
+    # The file site runs on this Python: from 3.18 on it ignores a .pth's
+    # import lines, and the wheel for it carries the .start file instead.
+    kind, name = ("start", START_NAME) if sys.version_info >= (3, 18) else ("pth", HOOK_NAME)
+    pth = [f for f in files if f["kind"] == kind and f["site_dir"]]
     if not pth:
-        elsewhere = [f["path"] for f in files if f["kind"] == "pth"]
-        where = f" (only in {elsewhere[0]}, where site does not run .pth files)" if elsewhere else ""
-        return _check("hook_file", False, f"{HOOK_NAME} is not in any site-packages "
+        elsewhere = [f["path"] for f in files if f["kind"] == kind]
+        where = (f" (only in {elsewhere[0]}, where site does not run .{kind} files)"
+                 if elsewhere else "")
+        return _check("hook_file", False, f"{name} is not in any site-packages "
                       f"directory{where}",
                       "reinstall: " + REINSTALL)
     bad = [f["path"] for f in pth if not f["loadable"]]
     if bad:
-        return _check("hook_file", False, f"{bad[0]} is damaged (not one import line)",
+        what = "one module:function entry" if kind == "start" else "one import line"
+        return _check("hook_file", False, f"{bad[0]} is damaged (not {what})",
                       "reinstall: " + REINSTALL)
     if core._disabled_by_env():
         return _check("hook_file", False, "OUTOFCUDA_DISABLE is set: the hook does nothing",

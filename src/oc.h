@@ -340,9 +340,15 @@ int oc_summary_hints(const oc_summary_figures *d, oc_advice_item *out, int max);
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <elf.h>
+#include <fcntl.h>
 #include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <time.h>
+#include <unistd.h>
 
 /* OC_ABI3T: the experimental build for PEP 803's abi3t (3.15+, one file for
  * the GIL-enabled and the free-threaded interpreter). PyObject is opaque
@@ -631,6 +637,34 @@ int oc_summary_prepare(void);       /* with torch imported: 1 when the step has 
 void oc_summary_at_cuda_init(void); /* a step of the CUDA-init callback */
 extern PyMethodDef oc_summary_methods[];
 
+/* 1 when the ELF file at path holds every byte its headers promise: each
+ * segment the loader maps, and the section headers, which the linker writes
+ * last. A partly written extension (an interrupted install, a full disk) fails
+ * this: dlopen would map it past the end of the file, and the first touch of
+ * a missing page kills the process with SIGBUS. */
+static inline int oc_elf_complete(const char *path)
+{
+    Elf64_Ehdr eh;
+    Elf64_Phdr ph;
+    struct stat st;
+    int ok = 0, fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    if (fstat(fd, &st) == 0 && pread(fd, &eh, sizeof eh, 0) == (ssize_t)sizeof eh &&
+        memcmp(eh.e_ident, ELFMAG, SELFMAG) == 0 && eh.e_ident[EI_CLASS] == ELFCLASS64 &&
+        eh.e_phentsize == sizeof ph) {
+        uint64_t size = (uint64_t)st.st_size;
+        ok = eh.e_shoff + (uint64_t)eh.e_shnum * eh.e_shentsize <= size;
+        for (unsigned i = 0; ok && i < eh.e_phnum; i++) {
+            off_t at = (off_t)(eh.e_phoff + (uint64_t)i * sizeof ph);
+            ok = pread(fd, &ph, sizeof ph, at) == (ssize_t)sizeof ph &&
+                 (ph.p_type != PT_LOAD || ph.p_offset + ph.p_filesz <= size);
+        }
+    }
+    close(fd);
+    return ok;
+}
+
 /* Both extensions: the sibling extension `to`, loaded by path from the
  * directory of `self` (the module of the extension named `from`): never by
  * name, as the working directory may be on sys.path. `dir/from<suffix>` ->
@@ -660,6 +694,16 @@ static inline PyObject *oc_load_sibling(PyObject *self, const char *from, const 
     Py_DECREF(file);
     if (path == NULL)
         return NULL;
+    res = PyUnicode_EncodeFSDefault(path);
+    if (res == NULL || !oc_elf_complete(PyBytes_AsString(res))) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ImportError,
+                         "%U is incomplete (a partly written file): reinstall outofcuda", path);
+        Py_XDECREF(res);
+        Py_DECREF(path);
+        return NULL;
+    }
+    Py_CLEAR(res);
     util = PyImport_ImportModule("importlib.util");
     if (util != NULL)
         spec = PyObject_CallMethod(util, "spec_from_file_location", "sO", to, path);

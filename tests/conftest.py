@@ -35,6 +35,11 @@ def _sanitizer_env():
     }
 
 
+# The tests build as CI and development do: a compiler warning fails the
+# build (setup.py adds -Werror only then; a user's pip install never has it).
+WERROR = {"OUTOFCUDA_WERROR": "1"}
+
+
 def _clean_env(extra=None):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OUTOFCUDA_", "PYTORCH_", "PYTHON", "NVIDIA_TF32", "LOCAL_RANK",
@@ -63,7 +68,7 @@ def wheel(tmp_path_factory):
         ".git", "build", "dist", "*.egg-info", "*.so", ".venv*", "__pycache__", ".pytest_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                     "--no-build-isolation", "-w", str(out), str(src)],
-                   check=True, env=_clean_env({"OUTOFCUDA_SANITIZE": "1" if SANITIZE else None}))
+                   check=True, env=_clean_env(dict(WERROR, OUTOFCUDA_SANITIZE="1" if SANITIZE else None)))
     (whl,) = out.glob("outofcuda-*.whl")
     return whl
 

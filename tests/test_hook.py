@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from conftest import SANITIZE
+from conftest import ROOT, SANITIZE
 
 STATUS = "import _outofcuda, json; print('STATUS=' + json.dumps(_outofcuda.status()))"
 FIRED_LINE = "torch 2.13.0"  # the verbose report's first line names torch once per firing
@@ -89,10 +89,17 @@ def test_dev_mode_with_warnings_as_errors_is_silent(venv, workdir):
 
 
 def test_pth_and_start_files_are_constant_and_short(venv):
+    """Python 3.9-3.17 get the .pth alone: a .start file would make site
+    import pkgutil and 27 more modules in every process (3.15-3.17). The
+    line loads the boot only at the size it had when it was built."""
     pth = (venv.site / "outofcuda_hook.pth").read_text()
-    start = (venv.site / "outofcuda_hook.start").read_text()
+    assert not (venv.site / "outofcuda_hook.start").exists()
     assert pth.count("\n") == 1 and pth.startswith("import sys;")
     assert len(pth) < 300
+    (so,) = venv.site.glob("outofcuda_hook*.so")
+    assert so.name == "outofcuda_hook.abi3.so"
+    assert f"os.stat(p).st_size=={so.stat().st_size}:" in pth
+    start = (ROOT / "outofcuda_hook.start").read_text()
     assert start.strip() == "outofcuda_hook:install"
 
 
@@ -328,7 +335,7 @@ def test_shadowing_module_makes_import_outofcuda_fail_clearly(venv, workdir):
 def test_start_entry_point_installs_one_watcher(venv, workdir):
     """The PEP 829 form: Python 3.15+ imports the module named in the .start
     file and calls the function (simulated here under -S, where no .pth ran)."""
-    entry = (venv.site / "outofcuda_hook.start").read_text().strip()
+    entry = (ROOT / "outofcuda_hook.start").read_text().strip()
     r = venv.check(S(f"""
         import sys, importlib
         sys.path.append({str(venv.site)!r})
@@ -413,3 +420,44 @@ def test_apply_beside_a_stand_in_torch_waits_for_the_real_one(venv, workdir):
     assert r.returncode == 0, r.stderr
     assert firings(r) == 1, r.stderr
     assert status_of(r)["torch"].startswith("2.13.0")
+
+
+# ---- a partly written install (an interrupted pip, a full disk) ----
+
+@pytest.mark.parametrize("size", [1000, 8000, 16000])
+def test_partly_written_boot_never_breaks_start_up(venv, workdir, size):
+    """The .pth line loads the boot only at the size recorded when it was
+    built: a truncated file is never mapped (mapping one dies with SIGBUS), so
+    Python starts, pip can repair the install, and torch imports untouched."""
+    (so,) = venv.site.glob("outofcuda_hook*.so")
+    backup = workdir / "backup.so"
+    shutil.copy2(so, backup)
+    try:
+        so.write_bytes(backup.read_bytes()[:size])
+        r = venv.run("pass", cwd=workdir)
+        assert r.returncode == 0 and r.stderr == "", (r.returncode, r.stderr)
+        r = venv.check("import sys, torch; print(torch.ones(2).sum().item(), "
+                       "'outofcuda_hook' in sys.modules, '_outofcuda' in sys.modules)", cwd=workdir)
+        assert r.stdout.split() == ["2.0", "False", "False"] and r.stderr == ""
+        r = venv.run(None, args=("-m", "pip", "--version"), cwd=workdir)
+        assert r.returncode == 0, r.stderr
+    finally:
+        shutil.copy2(backup, so)
+
+
+def test_partly_written_engine_never_breaks_import_torch(venv, workdir):
+    """The boot checks that the engine holds every byte its ELF headers
+    promise before it loads it: a truncated engine is reported (under
+    OUTOFCUDA_DEBUG) and torch imports as without outofcuda."""
+    (so,) = venv.site.glob("_outofcuda*.so")
+    backup = workdir / "backup.so"
+    shutil.copy2(so, backup)
+    try:
+        so.write_bytes(backup.read_bytes()[:100_000])
+        r = venv.check("import sys, torch; print(torch.ones(2).sum().item(), "
+                       "'_outofcuda' in sys.modules)", cwd=workdir)
+        assert r.stdout.split() == ["2.0", "False"] and r.stderr == ""
+        r = venv.check("import torch", env={"OUTOFCUDA_DEBUG": "1"}, cwd=workdir)
+        assert "is incomplete (a partly written file): reinstall outofcuda" in r.stderr, r.stderr
+    finally:
+        shutil.copy2(backup, so)

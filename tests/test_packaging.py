@@ -1,7 +1,8 @@
-"""The wheel: one cp39-abi3 file with the hook at its root, clean install and
-uninstall (regular and editable), and the same binary on Python 3.9 to 3.13;
-the source distribution builds and installs; sanitizer builds never reuse a
-plain build's objects."""
+"""The wheel: one cp39-abi3 file with the .pth hook at its root (and its
+cp318-abi3 twin with the .start hook, which pip picks on 3.18 and later),
+clean install and uninstall (regular and editable), and the same binary on
+Python 3.9 to 3.13; the source distribution builds and installs; sanitizer
+builds never reuse a plain build's objects; a user's build has no -Werror."""
 import os
 import re
 import shutil
@@ -12,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, _clean_env
+from conftest import ROOT, WERROR, _clean_env
 
-HOOK_FILES = {"outofcuda_hook.pth", "outofcuda_hook.start"}
+# What the cp39-abi3 wheel (Python 3.9-3.17) puts at the root of
+# site-packages; the .start file is only in the cp318-abi3 one.
+HOOK_FILES = {"outofcuda_hook.pth"}
+START = "outofcuda_hook.start"
 WATCHING = ("import sys, _outofcuda; print(sum(type(f).__name__ == 'TorchImportWatcher' "
             "for f in sys.meta_path), _outofcuda.status()['hook']['installed'])")
 
@@ -41,10 +45,10 @@ def test_wheel_is_one_abi3_file_with_hook_at_root(wheel):
         names = set(zf.namelist())
         record = zf.read(next(n for n in names if n.endswith(".dist-info/RECORD"))).decode()
         wheel_meta = zf.read(next(n for n in names if n.endswith(".dist-info/WHEEL"))).decode()
-    assert HOOK_FILES <= names
+    assert HOOK_FILES <= names and START not in names
     for name in HOOK_FILES:
         assert any(line.startswith(name + ",sha256=") for line in record.splitlines())
-    assert "_outofcuda.abi3.so" in names
+    assert {"_outofcuda.abi3.so", "outofcuda_hook.abi3.so"} <= names
     assert "Root-Is-Purelib: false" in wheel_meta
 
 
@@ -62,7 +66,7 @@ def test_install_then_uninstall_leaves_nothing(wheel, tmp_path):
     before = site_files(py)
     pip(py, "install", "--no-deps", str(wheel))
     added = site_files(py) - before
-    assert HOOK_FILES <= added and "outofcuda" in added
+    assert HOOK_FILES <= added and "outofcuda" in added and START not in added
     r = subprocess.run([str(py), "-c", WATCHING], capture_output=True, text=True, env=_clean_env())
     assert r.stdout.split() == ["1", "True"], r.stderr
     pip(py, "uninstall", "-y", "outofcuda")
@@ -76,12 +80,80 @@ def test_editable_install_has_the_hook_and_uninstalls_clean(tmp_path):
     py = make_venv(sys.executable, tmp_path / "v")
     before = site_files(py)
     pip(py, "install", "-e", str(src))
-    assert HOOK_FILES <= site_files(py) - before
+    added = site_files(py) - before
+    assert HOOK_FILES <= added and START not in added, added
     r = subprocess.run([str(py), "-c", WATCHING], capture_output=True, text=True,
                        env=_clean_env(), cwd=tmp_path)
     assert r.stdout.split() == ["1", "True"], r.stderr
     pip(py, "uninstall", "-y", "outofcuda")
     assert site_files(py) == before
+    # No private setuptools API: the root files come from the in-tree PEP 517
+    # backend's build_editable.
+    assert "_create_wheel_file" not in (ROOT / "setup.py").read_text()
+
+
+def build_wheel(src, out, **env):
+    return subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                           "--no-build-isolation", "-w", str(out), "."], cwd=src,
+                          capture_output=True, text=True, env=_clean_env(env), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def start_wheel(tmp_path_factory):
+    """The wheel for Python 3.18 and later, built here on demand."""
+    tmp = tmp_path_factory.mktemp("start")
+    r = build_wheel(clean_copy(tmp / "src"), tmp / "out", OUTOFCUDA_HOOK_FILE="start", **WERROR)
+    assert r.returncode == 0, r.stderr[-4000:]
+    (whl,) = (tmp / "out").glob("outofcuda-*.whl")
+    return whl
+
+
+def test_start_wheel_is_cp318_with_the_start_file_alone(start_wheel):
+    """3.18 ignores a .pth's import lines (PEP 829): its wheel carries the
+    .start file and no .pth, and the same abi3 binary."""
+    assert start_wheel.name.endswith("-cp318-abi3-linux_x86_64.whl"), start_wheel.name
+    with zipfile.ZipFile(start_wheel) as zf:
+        root = {n for n in zf.namelist() if "/" not in n}
+        record = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))).decode()
+        start = zf.read(START).decode()
+    assert root == {START, "outofcuda_hook.abi3.so", "_outofcuda.abi3.so", "_outofcuda.pyi"}, root
+    assert start == (ROOT / START).read_text() and start.strip() == "outofcuda_hook:install"
+    assert any(line.startswith(START + ",sha256=") for line in record.splitlines())
+
+
+def test_pip_picks_the_pth_wheel_before_318_and_the_start_wheel_after(wheel, start_wheel):
+    """pip installs the compatible wheel whose tag ranks first among the
+    interpreter's supported tags (packaging.tags, which pip uses)."""
+    from packaging import tags
+    from packaging.utils import parse_wheel_filename
+
+    wheels = {w.name: next(iter(parse_wheel_filename(w.name)[3])) for w in (wheel, start_wheel)}
+    for minor in range(9, 21):
+        supported = list(tags.cpython_tags(python_version=(3, minor), abis=[f"cp3{minor}"],
+                                           platforms=["linux_x86_64"]))
+        ranked = sorted((supported.index(t), name) for name, t in wheels.items() if t in supported)
+        chosen = ranked[0][1]
+        want = start_wheel.name if minor >= 18 else wheel.name
+        assert chosen == want, (minor, ranked)
+
+
+def test_bad_hook_file_choice_is_refused_before_compiling(tmp_path):
+    r = build_wheel(clean_copy(tmp_path / "src"), tmp_path / "out", OUTOFCUDA_HOOK_FILE="both")
+    assert r.returncode != 0
+    assert "OUTOFCUDA_HOOK_FILE='both': use 'pth'" in r.stdout + r.stderr
+    assert "gcc" not in r.stdout + r.stderr
+
+
+def test_a_new_compiler_warning_never_breaks_a_users_install(tmp_path):
+    """-Werror belongs to CI and development (OUTOFCUDA_WERROR=1, which the
+    tests set): a warning the user's compiler adds (-Wpadded stands in for one)
+    leaves a user's build working."""
+    src = clean_copy(tmp_path / "src")
+    r = build_wheel(src, tmp_path / "user", CFLAGS="-Wpadded")
+    assert r.returncode == 0, r.stderr[-4000:]
+    shutil.rmtree(src / "build")
+    r = build_wheel(src, tmp_path / "dev", CFLAGS="-Wpadded", **WERROR)
+    assert r.returncode != 0 and "-Werror=padded" in r.stdout + r.stderr, r.stderr[-2000:]
 
 
 def pyenv_python(version):
@@ -129,7 +201,7 @@ def test_sdist_builds_installs_and_hooks(tmp_path):
     src = clean_copy(tmp_path / "src")
     dist = tmp_path / "dist"
     r = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "-o", str(dist), str(src)],
-                       capture_output=True, text=True, env=_clean_env(), timeout=600)
+                       capture_output=True, text=True, env=_clean_env(WERROR), timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert "deprecat" not in out.lower(), [ln for ln in out.splitlines() if "eprecat" in ln]
@@ -138,13 +210,15 @@ def test_sdist_builds_installs_and_hooks(tmp_path):
 
     with tarfile.open(sdist) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
-    assert {"outofcuda_hook.pth", "outofcuda_hook.start", "src/oc.h", "LICENSE"} <= names
+    assert {"outofcuda_hook.pth", "outofcuda_hook.start", "src/oc.h", "LICENSE",
+            "buildsys/backend.py", "buildsys/hookfiles.py"} <= names
     # tests/test_docs.py, which the sdist carries, reads the reference and the changelog.
     assert {"CHANGELOG.md", "docs/README.md", "docs/environment.md", "docs/layout.md"} <= names
     py = make_venv(sys.executable, tmp_path / "v")
     before = site_files(py)
     pip(py, "install", "--no-deps", str(sdist))
-    assert HOOK_FILES <= site_files(py) - before
+    added = site_files(py) - before
+    assert HOOK_FILES <= added and START not in added, added
     r = subprocess.run([str(py), "-c", WATCHING], capture_output=True, text=True,
                        env=_clean_env(), cwd=tmp_path)
     assert r.stdout.split() == ["1", "True"], r.stderr
