@@ -687,6 +687,39 @@ static struct {
     double fraction;
 } pending_fraction;
 
+/* torch's allocator key per_process_memory_fraction (2.10+) is the
+ * program's own memory fraction: torch applies it when CUDA initialises,
+ * before the lazy-init queue runs, so a fraction set from the queue would
+ * overwrite it. Returns 1 when the user's allocator variable (as this release
+ * reads it) or torch's live allocator settings (a runtime setter the program
+ * called) hold the key, with where in `where`; 0 otherwise. A release
+ * without the key rejects a string holding it, so its presence is the whole
+ * test, on every release. */
+static int program_fraction(PyObject *c_mod, char *where, size_t sz)
+{
+    const char *name, *user;
+    char v[64];
+    PyObject *live;
+    name = user_alloc_var(&user);
+    if (oc_alloc_value(user, "per_process_memory_fraction", v, sizeof v) == 1) {
+        snprintf(where, sz, "%s sets per_process_memory_fraction:%s", name, v);
+        return 1;
+    }
+    live = c_mod ? oc_call_quiet(c_mod, "_accelerator_getAllocatorSettings", NULL, NULL) : NULL;
+    if (live != NULL && PyUnicode_Check(live)) {
+        char conf[OC_ALLOC_CONF_MAX];
+        if (oc_alloc_value(oc_utf8(live, conf, sizeof conf), "per_process_memory_fraction", v,
+                           sizeof v) == 1) {
+            snprintf(where, sz,
+                     "torch's allocator settings hold per_process_memory_fraction:%s", v);
+            Py_DECREF(live);
+            return 1;
+        }
+    }
+    Py_XDECREF(live);
+    return 0;
+}
+
 static long local_rank(void)
 {
     const char *s = oc_env("LOCAL_RANK");
@@ -713,6 +746,16 @@ static void fraction_at_cuda_init(PyObject *torch)
     c_mod = PyObject_GetAttrString(torch, "_C");
     if (c_mod == NULL)
         goto error;
+    {
+        char where[200];
+        if (program_fraction(c_mod, where, sizeof where)) {
+            oc_result_setf("memory_fraction", 0, NULL,
+                           "not set when CUDA initialised: %s, which torch applied then (the "
+                           "user's fraction wins over OUTOFCUDA_MEMORY_FRACTION)",
+                           where);
+            goto done;
+        }
+    }
     n = PyObject_CallMethod(c_mod, "_cuda_getDeviceCount", NULL);
     if (n == NULL)
         goto error;
@@ -760,6 +803,16 @@ static int arm_memory_fraction(const oc_config *cfg, const char *no_queue)
         snprintf(reason, sizeof reason, "not set: left to %s. %s", owner.name, owner.why);
         oc_result_set("memory_fraction", 0, NULL, reason);
         return 0;
+    }
+    {
+        char where[200];
+        if (program_fraction(NULL, where, sizeof where)) {
+            oc_result_setf("memory_fraction", 0, NULL,
+                           "not set: %s, which torch applies when CUDA initialises (the user's "
+                           "fraction wins over OUTOFCUDA_MEMORY_FRACTION)",
+                           where);
+            return 0;
+        }
     }
     pending_fraction.fraction = cfg->memory_fraction;
     pending_fraction.armed = 1;

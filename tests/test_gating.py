@@ -314,3 +314,39 @@ def test_a_variable_torch_removed_itself_is_no_error(venv, tmp_path):
                  env={"PYTHONPATH": str(root)}, args=("-W", "error"), cwd=tmp_path)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert r.stdout.split() == ["None", "None"]
+
+
+# ---- the user's own memory fraction (torch's allocator key) ----
+
+FRACTION_KEY = sorted(r for r in RELEASES if "per_process_memory_fraction" in RELEASES[r]["keys"])
+
+
+@pytest.mark.parametrize("release", FRACTION_KEY)
+@pytest.mark.parametrize("var", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
+@pytest.mark.parametrize("ours", [None, "1"])
+def test_the_users_per_process_memory_fraction_wins(venv, tmp_path, release, var, ours):
+    # torch applies the key when CUDA initialises, before the lazy-init queue
+    # runs: a fraction set from the queue would overwrite it (0.95, or no cap
+    # at all with OUTOFCUDA_MEMORY_FRACTION=1).
+    rep, r = run_release(venv, tmp_path, release, env={
+        var: "per_process_memory_fraction:0.5", "OUTOFCUDA_MEMORY_FRACTION": ours})
+    assert r.stderr == ""
+    assert "per_process_memory_fraction:0.5" in rep["conf_read"]
+    assert "_cuda_setMemoryFraction" not in names(rep)
+    opts = rep["status"]["optimizations"]
+    assert not opts["memory_fraction"]["applied"]
+    assert f"{var} sets per_process_memory_fraction:0.5" in opts["memory_fraction"]["reason"]
+    assert opts["allocator"]["applied"] and "user's keys kept" in opts["allocator"]["reason"]
+    assert rep["status"]["hook"]["error"] is None
+
+
+def test_a_fraction_the_program_gives_torch_before_cuda_starts_wins(venv, tmp_path):
+    # Through the runtime setter after import: read again when CUDA starts.
+    code = REPORT.replace("torch.cuda._fake_cuda_init()", "torch._C.allocator_settings = "
+                          "'per_process_memory_fraction:0.25'\n"
+                          "torch._C._accelerator_getAllocatorSettings = "
+                          "lambda: torch._C.allocator_settings\ntorch.cuda._fake_cuda_init()")
+    rep, _ = run_release(venv, tmp_path, "2.14.1", code=code)
+    assert "_cuda_setMemoryFraction" not in names(rep)
+    reason = rep["status"]["optimizations"]["memory_fraction"]["reason"]
+    assert "torch's allocator settings hold per_process_memory_fraction:0.25" in reason, reason
