@@ -238,6 +238,27 @@ static int framework_owns_memory(const oc_config *cfg, char *override_note, size
     return 1;
 }
 
+/* Set when the merged string goes to torch through its runtime setter alone,
+ * with the environment untouched (setter_configures). */
+static int by_setter;
+
+/* Returns 1 when torch's allocator can take outofcuda's merge through the
+ * runtime setter after `import torch`, before CUDA starts, so the variable
+ * need not be written at all: a child spawned while torch imports (a
+ * thread's subprocess.run) then inherits the user's environment, never
+ * outofcuda's string. 2.9 added torch._C._accelerator_setAllocatorSettings
+ * (2.13.0 and 2.14.1 have it, measured); every key but `backend` is parsed
+ * on the allocator's first use or at the setter's call, and the setter parses
+ * the whole string. `backend` alone is read while torch's libraries load:
+ * where outofcuda's string adds one the user's does not hold, the variable
+ * is still written, for the import alone (restored by settle_allocator).
+ * Before 2.9 it is written the same way. */
+static int setter_configures(const char *user)
+{
+    return tv.ver >= 20900 && (oc_alloc_value(oc_g.alloc_value, "backend", NULL, 0) != 1 ||
+                               oc_alloc_value(user, "backend", NULL, 0) == 1);
+}
+
 static void prepare_allocator(const oc_config *cfg)
 {
     char dropped[256], err[160], fw_note[120];
@@ -287,6 +308,16 @@ static void prepare_allocator(const oc_config *cfg)
                  fw_note);
         return;
     }
+    if (setter_configures(user)) {
+        by_setter = 1;
+        oc_g.alloc_applied = 1;
+        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
+                 "given to torch's runtime setter once torch loaded, the environment never "
+                 "written (%s read as the user set it)%s%s%.200s%s%s",
+                 name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async),
+                 dropped, held_back ? HELD_BACK_NOTE : "", fw_note);
+        return;
+    }
     {
         const char *had = oc_env(name);
         saved.had = had != NULL;
@@ -318,6 +349,7 @@ void oc_bridge_import_failed(void)
     /* The next attempt may load another copy of torch: it is prepared
      * afresh, from its own version file, with the user's environment. */
     restore_allocator_env();
+    by_setter = 0;
     memset(&tv, 0, sizeof tv);
     oc_g.prepared = 0;
 }
@@ -720,6 +752,20 @@ static int program_fraction(PyObject *c_mod, char *where, size_t sz)
     return 0;
 }
 
+/* Records the memory fraction as left to the program's own and returns 1
+ * when program_fraction finds one; 0 otherwise. */
+static int fraction_left_to_program(PyObject *c_mod, const char *what, const char *torch_does)
+{
+    char where[200];
+    if (!program_fraction(c_mod, where, sizeof where))
+        return 0;
+    oc_result_setf("memory_fraction", 0, NULL,
+                   "%s: %s, which torch %s (the user's fraction wins over "
+                   "OUTOFCUDA_MEMORY_FRACTION)",
+                   what, where, torch_does);
+    return 1;
+}
+
 static long local_rank(void)
 {
     const char *s = oc_env("LOCAL_RANK");
@@ -746,16 +792,8 @@ static void fraction_at_cuda_init(PyObject *torch)
     c_mod = PyObject_GetAttrString(torch, "_C");
     if (c_mod == NULL)
         goto error;
-    {
-        char where[200];
-        if (program_fraction(c_mod, where, sizeof where)) {
-            oc_result_setf("memory_fraction", 0, NULL,
-                           "not set when CUDA initialised: %s, which torch applied then (the "
-                           "user's fraction wins over OUTOFCUDA_MEMORY_FRACTION)",
-                           where);
-            goto done;
-        }
-    }
+    if (fraction_left_to_program(c_mod, "not set when CUDA initialised", "applied then"))
+        goto done;
     n = PyObject_CallMethod(c_mod, "_cuda_getDeviceCount", NULL);
     if (n == NULL)
         goto error;
@@ -804,16 +842,8 @@ static int arm_memory_fraction(const oc_config *cfg, const char *no_queue)
         oc_result_set("memory_fraction", 0, NULL, reason);
         return 0;
     }
-    {
-        char where[200];
-        if (program_fraction(NULL, where, sizeof where)) {
-            oc_result_setf("memory_fraction", 0, NULL,
-                           "not set: %s, which torch applies when CUDA initialises (the user's "
-                           "fraction wins over OUTOFCUDA_MEMORY_FRACTION)",
-                           where);
-            return 0;
-        }
-    }
+    if (fraction_left_to_program(NULL, "not set", "applies when CUDA initialises"))
+        return 0;
     pending_fraction.fraction = cfg->memory_fraction;
     pending_fraction.armed = 1;
     value = Py_BuildValue("{s:d,s:O}", "fraction", cfg->memory_fraction, "device", Py_None);
@@ -956,7 +986,7 @@ static void settle_allocator(PyObject *c_mod)
     const char *used = NULL;
     size_t len;
     int rc;
-    if (!saved.written)
+    if (!saved.written && !by_setter)
         return;
     rc = call_setter(c_mod, oc_g.alloc_value, &used);
     len = strlen(oc_g.alloc_reason);
@@ -965,14 +995,18 @@ static void settle_allocator(PyObject *c_mod)
             oc_set_error("handing the allocator settings to torch");
         PyErr_Clear(); /* recorded above, or absence (no setter: the reason says so) */
         oc_g.alloc_applied = 0;
-        snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len,
-                 "; not in effect: %s, so the variable was restored",
-                 used ? "torch's setter failed" : "this torch has no runtime allocator setter");
+        snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len, "; not in effect: %s%s",
+                 used ? "torch's setter failed" : "this torch has no runtime allocator setter",
+                 by_setter ? "" : ", so the variable was restored");
     } else {
         snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len,
-                 "; given to torch._C.%s, then the variable was restored for child processes",
+                 by_setter ? "; given to torch._C.%s"
+                           : "; given to torch._C.%s, then the variable was restored for child "
+                             "processes (it was written while torch imported: this release reads "
+                             "`backend` only then)",
                  used);
     }
+    by_setter = 0;
     restore_allocator_env();
 }
 

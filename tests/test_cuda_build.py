@@ -182,6 +182,16 @@ def test_children_see_the_users_environment(cuda_venv):
     assert c["own"] == ["max_split_size_mb:256", {}]        # the child's own settings win
 
 
+def test_no_child_spawned_while_torch_imports_sees_outofcuda_s_string(cuda_venv):
+    # Every import inside `import torch` passes the audit hook on the importing
+    # thread: the environment it sees is what a child spawned then inherits.
+    from test_gating import WATCH_ENV
+    f = report(cuda_venv, WATCH_ENV + FLAGS.replace("'queued':",
+                                                    "'seen': sorted(SEEN_WHILE_IMPORTING), 'queued':"))
+    assert f["seen"] == [] and f["alloc_env"] == {}
+    assert f["allocator"] == DEFAULTS and f["backend"] == "native"
+
+
 # ---- work deferred to CUDA initialisation ----
 
 FRACTION = """
@@ -369,3 +379,20 @@ def test_a_missing_cuda_build_skips_here_and_fails_in_ci(monkeypatch):
     monkeypatch.delenv("CI")
     with pytest.raises(pytest.skip.Exception, match="unavailable: no disk"):
         _unavailable("no disk")
+
+
+@pytest.mark.parametrize("how", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "setter"])
+def test_the_users_own_memory_fraction_wins(cuda_venv, how):
+    # torch applies per_process_memory_fraction when CUDA initialises, before
+    # the lazy-init queue: outofcuda's fraction would overwrite it.
+    code, env = FRACTION, {"OUTOFCUDA_MEMORY_FRACTION": "1"}
+    if how == "setter":
+        code = code.replace("queued['outofcuda_at_cuda_init']()",
+                            "C._accelerator_setAllocatorSettings('per_process_memory_fraction:0.5')"
+                            "\nqueued['outofcuda_at_cuda_init']()")
+    else:
+        env[how] = "per_process_memory_fraction:0.5"
+    f = report(cuda_venv, code, env=env, prefix="FRACTION=")
+    assert f["calls"] == [["observer"]]
+    assert not f["status"]["applied"]
+    assert "per_process_memory_fraction:0.5" in f["status"]["reason"], f["status"]

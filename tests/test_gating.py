@@ -9,6 +9,8 @@ import pytest
 from fake_torch import RELEASES, make_fake_torch
 from kit import last_json
 
+ACCEL = "_accelerator_setAllocatorSettings"
+
 REPORT = """
 import json, os, torch, _outofcuda
 torch.cuda._fake_cuda_init()
@@ -75,10 +77,12 @@ def test_every_release_applies_without_warning(venv, tmp_path, release):
     expandable = "expandable_segments" in RELEASES[release]["keys"]
     assert ("expandable_segments" in keys) == expandable
     assert ("max_split_size_mb" in keys) == (not expandable)
-    # In the variable while torch's libraries loaded (`backend` is read then),
-    # handed to the release's runtime setter, and gone again afterwards: the
+    # Handed to the release's runtime setter; from 2.9 (the accelerator
+    # setter) the environment is never written, before that it holds the
+    # string while torch's libraries load and is given back afterwards: the
     # configuration holds it, children inherit the user's environment.
-    assert rep["env_at_load"][RELEASES[release]["env"][-1]] == conf
+    written = rep["env_at_load"][RELEASES[release]["env"][-1]]
+    assert written == (None if ACCEL in RELEASES[release]["c"] else conf)
     setter = [c for c in rep["calls"] if c[0] in ("_accelerator_setAllocatorSettings",
                                                   "_cuda_cudaCachingAllocator_set_allocator_settings")]
     legacy = "_cuda_cudaCachingAllocator_set_allocator_settings" in RELEASES[release]["c"]
@@ -109,7 +113,7 @@ def test_user_allocator_keys_win(venv, tmp_path, release, var):
     assert conf.count("max_split_size_mb") == 1
     assert "garbage_collection_threshold:0.8" in conf  # outofcuda's default fills the gap
     assert "expandable_segments" not in conf           # not beside the user's max_split_size_mb
-    assert rep["env_at_load"][var] == conf
+    assert rep["env_at_load"][var] == (user if ACCEL in RELEASES[release]["c"] else conf)
     assert rep["env_now"][var] == user                 # given back as the user set it
     assert "user's keys kept" in rep["status"]["optimizations"]["allocator"]["reason"]
 
@@ -122,7 +126,8 @@ def test_an_empty_variable_counts_as_set(venv, tmp_path, release):
     opts = rep["status"]["optimizations"]
     assert opts["allocator"]["applied"]
     assert rep["conf_read"] == opts["allocator"]["value"]
-    assert rep["env_at_load"]["PYTORCH_CUDA_ALLOC_CONF"] == rep["conf_read"]
+    assert rep["env_at_load"]["PYTORCH_CUDA_ALLOC_CONF"] == (
+        "" if release == "2.14.1" else rep["conf_read"])
     assert rep["env_now"]["PYTORCH_CUDA_ALLOC_CONF"] == ""
     assert rep["env_at_load"]["PYTORCH_ALLOC_CONF"] is None
 
@@ -350,3 +355,49 @@ def test_a_fraction_the_program_gives_torch_before_cuda_starts_wins(venv, tmp_pa
     assert "_cuda_setMemoryFraction" not in names(rep)
     reason = rep["status"]["optimizations"]["memory_fraction"]["reason"]
     assert "torch's allocator settings hold per_process_memory_fraction:0.25" in reason, reason
+
+
+# ---- children spawned while torch imports ----
+
+# Every import inside `import torch` passes this audit hook, on the importing
+# thread: what it sees in the environment is what a child spawned then (a
+# thread's subprocess.run) would inherit.
+WATCH_ENV = """
+import os, sys
+SEEN_WHILE_IMPORTING = set()
+def _watch(event, args):
+    if event == "import":
+        for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+            if os.environ.get(k) is not None:
+                SEEN_WHILE_IMPORTING.add(k + "=" + os.environ[k])
+sys.addaudithook(_watch)
+"""
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_the_environment_is_never_written_where_a_runtime_setter_configures(venv, tmp_path,
+                                                                            release):
+    code = WATCH_ENV + REPORT.replace("'status':", "'seen': sorted(SEEN_WHILE_IMPORTING), 'status':")
+    rep, r = run_release(venv, tmp_path, release, code=code)
+    assert r.stderr == ""
+    alloc = rep["status"]["optimizations"]["allocator"]
+    assert alloc["applied"] and rep["conf_read"] == alloc["value"]
+    if ACCEL in RELEASES[release]["c"]:
+        assert rep["seen"] == [], rep["seen"]
+        assert "environment never written" in alloc["reason"]
+    else:
+        # Before 2.9 the variable holds the string while torch imports (the
+        # window the README names), and is given back right after.
+        assert rep["seen"] == [f"PYTORCH_CUDA_ALLOC_CONF={alloc['value']}"]
+        assert "restored for child processes" in alloc["reason"]
+    assert set(rep["env_now"].values()) == {None}
+
+
+def test_a_backend_outofcuda_adds_is_written_for_the_import_alone(venv, tmp_path):
+    # `backend` is read only while torch's libraries load.
+    code = WATCH_ENV + REPORT.replace("'status':", "'seen': sorted(SEEN_WHILE_IMPORTING), 'status':")
+    rep, _ = run_release(venv, tmp_path, "2.14.1", code=code,
+                         env={"OUTOFCUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    assert rep["env_at_load"]["PYTORCH_ALLOC_CONF"] == "backend:cudaMallocAsync"
+    assert rep["seen"] == ["PYTORCH_ALLOC_CONF=backend:cudaMallocAsync"]
+    assert set(rep["env_now"].values()) == {None}
