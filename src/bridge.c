@@ -742,8 +742,8 @@ static int program_fraction(PyObject *c_mod, char *where, size_t sz)
         char conf[OC_ALLOC_CONF_MAX];
         if (oc_alloc_value(oc_utf8(live, conf, sizeof conf), "per_process_memory_fraction", v,
                            sizeof v) == 1) {
-            snprintf(where, sz,
-                     "torch's allocator settings hold per_process_memory_fraction:%s", v);
+            snprintf(where, sz, "torch's allocator settings hold per_process_memory_fraction:%s",
+                     v);
             Py_DECREF(live);
             return 1;
         }

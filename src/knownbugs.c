@@ -381,23 +381,23 @@ static int same_backends(PyObject *a, PyObject *b)
  * choice). Returns how many lists lost it. */
 static int guard_after_blocks(PyObject *blocks)
 {
+    PyObject *attn = oc_sys_module("torch.nn.attention");
+    PyObject *cudnn = attn ? oc_getattr_chain(attn, "SDPBackend.CUDNN_ATTENTION") : NULL;
     Py_ssize_t n = PyList_Size(blocks);
     int moved = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; cudnn != NULL && i < n; i++) {
         PyObject *saved = PyTuple_GetItem(PyList_GetItem(blocks, i), 1); /* borrowed */
         int nested = 0;
         for (Py_ssize_t j = 0; j < n && !nested; j++)
-            nested = j != i &&
-                     same_backends(PyTuple_GetItem(PyList_GetItem(blocks, j), 0), saved);
-        for (Py_ssize_t k = nested ? 0 : PyList_Size(saved) - 1; !nested && k >= 0; k--) {
-            PyObject *name = oc_getattr_chain(PyList_GetItem(saved, k), "name");
-            int cudnn = name && PyUnicode_Check(name) &&
-                        PyUnicode_CompareWithASCIIString(name, "CUDNN_ATTENTION") == 0;
-            Py_XDECREF(name);
-            if (cudnn && PySequence_DelItem(saved, k) == 0)
+            nested = j != i && same_backends(PyTuple_GetItem(PyList_GetItem(blocks, j), 0), saved);
+        for (Py_ssize_t k = nested ? -1 : PyList_Size(saved) - 1; k >= 0; k--) {
+            if (PyObject_RichCompareBool(PyList_GetItem(saved, k), cudnn, Py_EQ) == 1 &&
+                PySequence_DelItem(saved, k) == 0)
                 moved++;
         }
     }
+    Py_XDECREF(cudnn);
+    Py_XDECREF(attn);
     OC_CLEAR();
     return moved;
 }
@@ -411,8 +411,8 @@ static void note_on_sdpa_row(const char *what, const char *id)
     PyObject *kept, *text;
     if (reason == NULL)
         return;
-    kept = PyObject_CallMethod(reason, "replace", "ss", "; cuDNN attention left as torch has it",
-                               "");
+    kept =
+        PyObject_CallMethod(reason, "replace", "ss", "; cuDNN attention left as torch has it", "");
     text = kept ? PyUnicode_FromFormat("%U; %s (known bug %s)", kept, what, id) : NULL;
     if (text == NULL || PyDict_SetItemString(e, "reason", text) < 0)
         oc_set_error("noting the known-bug guard on the sdpa row");
