@@ -211,6 +211,9 @@ static struct {
     char why[600];
 } owner;
 
+/* What was decided about frameworks, when and why (status()'s "framework"). */
+static char fw_decision[700];
+
 /* Returns 1 when a framework owns GPU memory in this process and outofcuda
  * steps back (remembered in `owner`); 0 otherwise, with a note in
  * override_note when OUTOFCUDA_FRAMEWORK_OVERRIDE=1 kept outofcuda's
@@ -263,30 +266,42 @@ static void prepare_allocator(const oc_config *cfg)
 {
     char dropped[256], err[160], fw_note[120];
     const char *name, *user;
-    int async, held_back;
+    int async, held_back, owned;
     oc_g.alloc_applied = 0;
     oc_g.alloc_env_name[0] = '\0';
     oc_g.alloc_value[0] = '\0';
     /* The framework's own import is in progress (vllm/__init__.py imports
      * torch through vllm.env_override): it reads the variable as the user
-     * set it, so it stays unwritten. */
-    if (framework_owns_memory(cfg, fw_note, sizeof fw_note)) {
+     * set it, so it stays unwritten. The merge is still worked out: an
+     * import that fails after importing torch leaves no framework behind,
+     * and the CUDA-init callback then gives it to torch's runtime setter. */
+    owned = framework_owns_memory(cfg, fw_note, sizeof fw_note);
+    if (owned) {
         snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
                  "left to %s: the allocator variable stays as the user set it, and no memory "
                  "fraction is set (OUTOFCUDA_FRAMEWORK_OVERRIDE=1 applies outofcuda's anyway). "
                  "%s",
                  owner.name, owner.why);
-        return;
+        snprintf(fw_decision, sizeof fw_decision,
+                 "at torch's import: %s in use, allocator and memory fraction left to it",
+                 owner.name);
+    } else {
+        snprintf(fw_decision, sizeof fw_decision,
+                 "at torch's import: no framework that owns GPU memory in use%s",
+                 cfg->framework_override ? " (or OUTOFCUDA_FRAMEWORK_OVERRIDE=1)" : "");
     }
     if (!tv.known) {
-        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
-                 "torch's version could not be read before it loaded");
+        if (!owned)
+            snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
+                     "torch's version could not be read before it loaded");
         return;
     }
     if (!tv.cuda_build) {
-        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
-                 tv.hip_build ? "ROCm build of torch: outofcuda configures CUDA's allocator only"
-                              : "this torch build has no CUDA");
+        if (!owned)
+            snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
+                     tv.hip_build
+                         ? "ROCm build of torch: outofcuda configures CUDA's allocator only"
+                         : "this torch build has no CUDA");
         return;
     }
     name = user_alloc_var(&user);
@@ -295,11 +310,14 @@ static void prepare_allocator(const oc_config *cfg)
                                 &async, oc_g.alloc_value, sizeof oc_g.alloc_value, dropped,
                                 sizeof dropped, err, sizeof err, &held_back) != 0) {
         /* A value outofcuda cannot parse is the user's business: leave it whole. */
-        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
-                 "left alone: %s is not understood (%s)", name, err);
+        if (!owned)
+            snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
+                     "left alone: %s is not understood (%s)", name, err);
         oc_g.alloc_value[0] = '\0';
         return;
     }
+    if (owned)
+        return;
     snprintf(oc_g.alloc_env_name, sizeof oc_g.alloc_env_name, "%s", name);
     if (strcmp(oc_g.alloc_value, user) == 0) {
         /* Nothing to add: the variable stays exactly as the user set it. */
@@ -690,20 +708,90 @@ static void hand_back_allocator(PyObject *c_mod)
     oc_result_set("allocator", 0, NULL, reason);
 }
 
-/* A step of the CUDA-init callback, the first: a framework imported after
- * torch is found again here; then torch's allocator is handed back and the
- * memory fraction (the next step) is left to the framework. A framework
- * found at torch's import was left everything then. */
+static struct {
+    int armed;
+    double fraction;
+} pending_fraction;
+
+/* Appends to fw_decision. */
+static void fw_say(const char *fmt, const char *a, const char *b)
+{
+    size_t len = strlen(fw_decision);
+    snprintf(fw_decision + len, sizeof fw_decision - len, fmt, a, b);
+}
+
+/* The framework found at torch's import is gone when CUDA initialises: its
+ * own import failed after it imported torch (a vLLM built for another
+ * torch), so nothing in the process owns GPU memory. outofcuda's merge,
+ * worked out at import, goes to torch's runtime setter now, before the
+ * first allocation, and the fraction step that follows sets the fraction. */
+static void framework_left(PyObject *torch)
+{
+    char gone[sizeof owner.name], reason[400];
+    const char *user, *used = NULL;
+    PyObject *c_mod, *v;
+    int rc = 1;
+    snprintf(gone, sizeof gone, "%s", owner.name);
+    owner.name[0] = '\0';
+    fw_say("; when CUDA initialised: %s was no longer in use (its import failed), so outofcuda's "
+           "settings were applied then%s",
+           gone, "");
+    snprintf(reason, sizeof reason,
+             "%s, in use when torch imported, was gone when CUDA initialised (its import failed)",
+             gone);
+    user_alloc_var(&user);
+    c_mod = PyObject_GetAttrString(torch, "_C");
+    OC_CLEAR();
+    if (oc_g.alloc_value[0] && strcmp(oc_g.alloc_value, user) != 0)
+        rc = call_setter(c_mod, oc_g.alloc_value, &used);
+    Py_XDECREF(c_mod);
+    if (rc != 1) {
+        oc_set_error("handing the allocator settings to torch at CUDA initialisation");
+        oc_result_setf("allocator", 0, NULL, "%s; torch's runtime setter %s", reason,
+                       used ? "failed" : "is missing");
+    } else if (used == NULL) {
+        oc_result_setf("allocator", 0, NULL, "%s; nothing to add to the user's allocator settings",
+                       reason);
+    } else {
+        oc_g.alloc_applied = 1;
+        v = PyUnicode_FromString(oc_g.alloc_value);
+        oc_result_setf("allocator", 1, v, "given to torch._C.%s when CUDA initialised: %s", used,
+                       reason);
+        Py_XDECREF(v);
+    }
+    if (tv.cuda_build) {
+        pending_fraction.fraction = oc_config_get()->memory_fraction;
+        pending_fraction.armed = 1;
+    }
+}
+
+/* A step of the CUDA-init callback, the first. Frameworks are looked at
+ * again, since what counts is what is true when CUDA starts: one found at
+ * torch's import may be gone (framework_left), one imported after torch is
+ * found now; then torch's allocator is handed back and the memory fraction
+ * (the next step) is left to the framework. */
 static void framework_at_cuda_init(PyObject *torch)
 {
     static int done;
     char reason[sizeof owner.why + 120];
     PyObject *c_mod;
-    if (done || owner.name[0])
+    if (done)
         return;
     done = 1;
-    if (!framework_owns_memory(oc_config_get(), NULL, 0))
+    if (owner.name[0]) {
+        if (oc_framework_in_use(NULL, 0) == NULL)
+            framework_left(torch);
+        else
+            fw_say("; when CUDA initialised: %s still in use%s", owner.name, "");
         return;
+    }
+    if (!framework_owns_memory(oc_config_get(), NULL, 0)) {
+        fw_say("; when CUDA initialised: none in use%s%s", "", "");
+        return;
+    }
+    fw_say("; when CUDA initialised: %s in use (imported after torch): torch's allocator handed "
+           "back to the user's settings and the memory fraction left to it%s",
+           owner.name, "");
     c_mod = PyObject_GetAttrString(torch, "_C");
     OC_CLEAR();
     hand_back_allocator(c_mod);
@@ -712,12 +800,28 @@ static void framework_at_cuda_init(PyObject *torch)
     oc_result_set("memory_fraction", 0, NULL, reason);
 }
 
-/* ---- memory fraction, deferred to CUDA initialisation ---- */
+/* status()'s "framework": the framework outofcuda left GPU memory to (or
+ * None), the one in use now (or None), and what was decided, when and
+ * why. A framework imported after CUDA started is named: outofcuda's
+ * settings were in effect before it came. */
+PyObject *oc_framework_status(void)
+{
+    char why[sizeof owner.why], text[sizeof fw_decision + 300];
+    const char *now = oc_framework_in_use(why, sizeof why);
+    snprintf(text, sizeof text, "%s",
+             fw_decision[0] ? fw_decision
+                            : "nothing decided: torch was not imported through the hook");
+    if (now != NULL && !owner.name[0] && strstr(fw_decision, "when CUDA initialised") != NULL)
+        snprintf(text + strlen(text), sizeof text - strlen(text),
+                 "; now: %s is in use, imported after CUDA started: outofcuda's allocator "
+                 "settings and memory fraction were already in effect (OUTOFCUDA_DISABLE=1, or "
+                 "import it before using CUDA, leaves them to it)",
+                 now);
+    return Py_BuildValue("{s:z,s:z,s:s}", "left_to", owner.name[0] ? owner.name : NULL,
+                         "in_use_now", now, "decided", text);
+}
 
-static struct {
-    int armed;
-    double fraction;
-} pending_fraction;
+/* ---- memory fraction, deferred to CUDA initialisation ---- */
 
 /* torch's allocator key per_process_memory_fraction (2.10+) is the
  * program's own memory fraction: torch applies it when CUDA initialises,
@@ -1092,8 +1196,9 @@ void oc_bridge_after_torch(PyObject *torch)
     apply_cudnn(cfg, torch, c_mod);
     record_allocator(cfg);
     armed = pending_tf32 + arm_memory_fraction(cfg, no_queue);
-    /* The framework step may have to hand torch's allocator back. */
-    armed += oc_g.alloc_applied && no_queue == NULL;
+    /* The framework step may have to hand torch's allocator back, or to
+     * look again at a framework found at import. */
+    armed += (oc_g.alloc_applied || owner.name[0]) && no_queue == NULL;
     apply_sdpa(cfg, c_mod);
     armed += oc_known_bugs_at_import(torch, no_queue);
     apply_amp_dtype(cfg, torch);

@@ -365,6 +365,8 @@ void oc_bridge_after_torch(PyObject *torch);
 /* An `import torch` failed: restores the user's allocator variable and lets
  * the next attempt prepare afresh (it may load another copy of torch). */
 void oc_bridge_import_failed(void);
+/* status()'s "framework": left_to, in_use_now, decided (new dict or NULL). */
+PyObject *oc_framework_status(void);
 
 /* frameworks.c: packages that size GPU memory and choose code paths from
  * the allocator variable themselves; outofcuda leaves both to them. */
@@ -378,7 +380,8 @@ typedef struct {
 extern const oc_framework oc_frameworks[];
 /* The name of the framework this process runs under, or NULL: one whose package is in
  * sys.modules (also while its own import is in progress, as when it imports
- * torch), or torch_memory_saver preloaded through LD_PRELOAD. A package
+ * torch), or torch_memory_saver's library preloaded through LD_PRELOAD
+ * (matched by its file name). A package
  * merely installed is not in use. Fills why with what was seen and why
  * outofcuda steps back. Never raises. */
 const char *oc_framework_in_use(char *why, size_t whysz);

@@ -254,7 +254,7 @@ static PyObject *optimizations(void)
 
 PyObject *oc_status(PyObject *self, PyObject *unused)
 {
-    PyObject *opts, *warnings, *res, *bugs;
+    PyObject *opts, *warnings, *res, *bugs, *framework;
     (void)self;
     (void)unused;
     opts = optimizations();
@@ -282,11 +282,19 @@ PyObject *oc_status(PyObject *self, PyObject *unused)
         Py_DECREF(warnings);
         return NULL;
     }
-    res = Py_BuildValue("{s:s,s:{s:O,s:O,s:O},s:O,s:N,s:N,s:N}", "version", OC_VERSION, "hook",
+    framework = oc_framework_status();
+    if (framework == NULL) {
+        Py_DECREF(opts);
+        Py_DECREF(warnings);
+        Py_DECREF(bugs);
+        return NULL;
+    }
+    res = Py_BuildValue("{s:s,s:{s:O,s:O,s:O},s:O,s:N,s:N,s:N,s:N}", "version", OC_VERSION, "hook",
                         "installed", oc_g.installed ? Py_True : Py_False, "fired",
                         oc_g.fired ? Py_True : Py_False, "error", oc_g.error ? oc_g.error : Py_None,
                         "torch", oc_g.torch_version ? oc_g.torch_version : Py_None, "optimizations",
-                        opts, "config_warnings", warnings, "known_bugs", bugs);
+                        opts, "config_warnings", warnings, "known_bugs", bugs, "framework",
+                        framework);
     return res;
 }
 
