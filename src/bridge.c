@@ -1161,12 +1161,26 @@ static void record_allocator(const oc_config *cfg)
     Py_XDECREF(v);
 }
 
+/* A step waiting for CUDA's start is not applied yet: its record says
+ * applied False and queued True until the callback writes the outcome (on
+ * a machine where CUDA never starts, for the life of the process). */
+static void mark_queued(const char *name, int pending)
+{
+    PyObject *e = pending && oc_g.results ? PyDict_GetItemString(oc_g.results, name) : NULL;
+    if (e == NULL || PyDict_GetItemString(e, "applied") != Py_True)
+        return;
+    if (PyDict_SetItemString(e, "applied", Py_False) < 0 ||
+        PyDict_SetItemString(e, "queued", Py_True) < 0)
+        oc_set_error("marking a step queued for CUDA's start");
+    OC_CLEAR();
+}
+
 void oc_bridge_after_torch(PyObject *torch)
 {
     const oc_config *cfg = oc_config_get();
     PyObject *c_mod, *v, *lazy_call;
     const char *no_queue;
-    int armed;
+    int armed, oom_armed;
     v = PyObject_GetAttrString(torch, "__version__");
     if (v != NULL) {
         PyObject *old = oc_g.torch_version;
@@ -1202,7 +1216,8 @@ void oc_bridge_after_torch(PyObject *torch)
     apply_sdpa(cfg, c_mod);
     armed += oc_known_bugs_at_import(torch, no_queue);
     apply_amp_dtype(cfg, torch);
-    armed += oc_oom_install(torch, no_queue);
+    oom_armed = oc_oom_install(torch, no_queue);
+    armed += oom_armed;
     if (tv.cuda_build && no_queue == NULL)
         armed += oc_summary_prepare();
     if (armed && queue_at_cuda_init(lazy_call) < 0) {
@@ -1210,6 +1225,10 @@ void oc_bridge_after_torch(PyObject *torch)
         oc_result_set("memory_fraction", 0, NULL, "torch.cuda._lazy_call failed");
         oc_result_set("oom_handler", 0, NULL,
                       "torch.cuda._lazy_call failed: Python's exception hooks left alone");
+    } else if (armed) {
+        mark_queued("tf32", pending_tf32);
+        mark_queued("memory_fraction", pending_fraction.armed);
+        mark_queued("oom_handler", oom_armed);
     }
     Py_XDECREF(lazy_call);
     Py_DECREF(c_mod);

@@ -403,7 +403,11 @@ void oc_report_verbose(void)
     for (size_t i = 0; i < N_OPTS; i++) {
         PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, opt_names[i]) : NULL;
         PyObject *applied = e ? PyDict_GetItemString(e, "applied") : NULL;
-        PySys_WriteStderr("  %-20s %-8s ", opt_names[i], applied == Py_True ? "yes" : "no");
+        PyObject *queued = e ? PyDict_GetItemString(e, "queued") : NULL;
+        PySys_WriteStderr("  %-20s %-8s ", opt_names[i],
+                          queued == Py_True    ? "queued"
+                          : applied == Py_True ? "yes"
+                                               : "no");
         write_value(e ? PyDict_GetItemString(e, "value") : NULL);
         value_text(e ? PyDict_GetItemString(e, "reason") : NULL, reason, sizeof reason);
         PySys_WriteStderr("%*s", REASON_INDENT, "");

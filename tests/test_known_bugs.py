@@ -364,6 +364,12 @@ def test_doctor_and_status_name_the_bug(cuda_venv, workdir, nvml):
                       env=nvml("9.0", OUTOFCUDA_KNOWN_BUGS="0"), cwd=workdir, timeout=300)
     (check,) = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "known_bugs"]
     assert check["ok"] is False and "enable_cudnn_sdp(False)" in check["fix"]
+    # Disabled: nothing avoids the bug, and doctor does not claim otherwise.
+    r = cuda_venv.run(None, args=("-m", "outofcuda", "doctor", "--json"),
+                      env=nvml("9.0", OUTOFCUDA_DISABLE="1"), cwd=workdir, timeout=300)
+    (check,) = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "known_bugs"]
+    assert check["ok"] is False and "outofcuda avoids it" not in check["message"], check
+    assert "OUTOFCUDA_DISABLE" in check["message"]
     r = cuda_venv.run(None, args=("-m", "outofcuda", "status"), env=nvml("8.0"), cwd=workdir,
                       timeout=300)
     assert f"known bug {BUG}: not affected" in r.stdout, r.stdout
