@@ -1221,6 +1221,11 @@ void oc_bridge_after_torch(PyObject *torch)
     if (tv.cuda_build && no_queue == NULL)
         armed += oc_summary_prepare();
     if (armed && queue_at_cuda_init(lazy_call) < 0) {
+        /* Nothing will run when CUDA starts: no step may still say queued. */
+        if (pending_tf32)
+            oc_result_set("tf32", 0, NULL,
+                          "torch.cuda._lazy_call failed: TF32 left as torch has it");
+        pending_tf32 = 0;
         pending_fraction.armed = 0;
         oc_result_set("memory_fraction", 0, NULL, "torch.cuda._lazy_call failed");
         oc_result_set("oom_handler", 0, NULL,

@@ -401,3 +401,19 @@ def test_a_backend_outofcuda_adds_is_written_for_the_import_alone(venv, tmp_path
     assert rep["env_at_load"]["PYTORCH_ALLOC_CONF"] == "backend:cudaMallocAsync"
     assert rep["seen"] == ["PYTORCH_ALLOC_CONF=backend:cudaMallocAsync"]
     assert set(rep["env_now"].values()) == {None}
+
+
+def test_a_failing_lazy_call_leaves_nothing_saying_queued(venv, tmp_path):
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    cuda = root / "torch" / "cuda" / "__init__.py"
+    cuda.write_text(cuda.read_text().replace(
+        "def _lazy_call(callable, **kwargs):\n",
+        "def _lazy_call(callable, **kwargs):\n    raise RuntimeError('queue refused')\n"))
+    r = venv.run("import json, torch, _outofcuda\nprint(json.dumps(_outofcuda.status()))",
+                 env={"PYTHONPATH": str(root)}, cwd=tmp_path)
+    st = last_json(r)
+    opts = st["optimizations"]
+    for name in ("tf32", "memory_fraction", "oom_handler"):
+        assert not opts[name]["applied"] and not opts[name].get("queued"), (name, opts[name])
+        assert "_lazy_call failed" in opts[name]["reason"], (name, opts[name])
+    assert "queue refused" in st["hook"]["error"]
