@@ -211,9 +211,6 @@ static struct {
     char why[600];
 } owner;
 
-/* What was decided about frameworks, when and why (status()'s "framework"). */
-static char fw_decision[700];
-
 /* Returns 1 when a framework owns GPU memory in this process and outofcuda
  * steps back (remembered in `owner`); 0 otherwise, with a note in
  * override_note when OUTOFCUDA_FRAMEWORK_OVERRIDE=1 kept outofcuda's
@@ -238,6 +235,7 @@ static int framework_owns_memory(const oc_config *cfg, char *override_note, size
     }
     snprintf(owner.name, sizeof owner.name, "%s", name);
     snprintf(owner.why, sizeof owner.why, "%s", why);
+    snprintf(oc_g.framework_left_to, sizeof oc_g.framework_left_to, "%s", name);
     return 1;
 }
 
@@ -282,11 +280,11 @@ static void prepare_allocator(const oc_config *cfg)
                  "fraction is set (OUTOFCUDA_FRAMEWORK_OVERRIDE=1 applies outofcuda's anyway). "
                  "%s",
                  owner.name, owner.why);
-        snprintf(fw_decision, sizeof fw_decision,
+        snprintf(oc_g.framework_decided, sizeof oc_g.framework_decided,
                  "at torch's import: %s in use, allocator and memory fraction left to it",
                  owner.name);
     } else {
-        snprintf(fw_decision, sizeof fw_decision,
+        snprintf(oc_g.framework_decided, sizeof oc_g.framework_decided,
                  "at torch's import: no framework that owns GPU memory in use%s",
                  cfg->framework_override ? " (or OUTOFCUDA_FRAMEWORK_OVERRIDE=1)" : "");
     }
@@ -713,11 +711,12 @@ static struct {
     double fraction;
 } pending_fraction;
 
-/* Appends to fw_decision. */
+/* Appends to what was decided about frameworks (oc_g.framework_decided,
+ * which status() shows). */
 static void fw_say(const char *fmt, const char *a, const char *b)
 {
-    size_t len = strlen(fw_decision);
-    snprintf(fw_decision + len, sizeof fw_decision - len, fmt, a, b);
+    size_t len = strlen(oc_g.framework_decided);
+    snprintf(oc_g.framework_decided + len, sizeof oc_g.framework_decided - len, fmt, a, b);
 }
 
 /* The framework found at torch's import is gone when CUDA initialises: its
@@ -733,6 +732,7 @@ static void framework_left(PyObject *torch)
     int rc = 1;
     snprintf(gone, sizeof gone, "%s", owner.name);
     owner.name[0] = '\0';
+    oc_g.framework_left_to[0] = '\0';
     fw_say("; when CUDA initialised: %s was no longer in use (its import failed), so outofcuda's "
            "settings were applied then%s",
            gone, "");
@@ -798,27 +798,6 @@ static void framework_at_cuda_init(PyObject *torch)
     Py_XDECREF(c_mod);
     snprintf(reason, sizeof reason, "not set: left to %s. %s", owner.name, owner.why);
     oc_result_set("memory_fraction", 0, NULL, reason);
-}
-
-/* status()'s "framework": the framework outofcuda left GPU memory to (or
- * None), the one in use now (or None), and what was decided, when and
- * why. A framework imported after CUDA started is named: outofcuda's
- * settings were in effect before it came. */
-PyObject *oc_framework_status(void)
-{
-    char why[sizeof owner.why], text[sizeof fw_decision + 300];
-    const char *now = oc_framework_in_use(why, sizeof why);
-    snprintf(text, sizeof text, "%s",
-             fw_decision[0] ? fw_decision
-                            : "nothing decided: torch was not imported through the hook");
-    if (now != NULL && !owner.name[0] && strstr(fw_decision, "when CUDA initialised") != NULL)
-        snprintf(text + strlen(text), sizeof text - strlen(text),
-                 "; now: %s is in use, imported after CUDA started: outofcuda's allocator "
-                 "settings and memory fraction were already in effect (OUTOFCUDA_DISABLE=1, or "
-                 "import it before using CUDA, leaves them to it)",
-                 now);
-    return Py_BuildValue("{s:z,s:z,s:s}", "left_to", owner.name[0] ? owner.name : NULL,
-                         "in_use_now", now, "decided", text);
 }
 
 /* ---- memory fraction, deferred to CUDA initialisation ---- */

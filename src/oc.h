@@ -338,6 +338,11 @@ typedef struct {
     /* Events of this process, for the exit summary (GIL held). */
     unsigned long oom_events;    /* CUDA OOMs torch's observer reported */
     long long microbatch_splits; /* splits auto_microbatch made */
+    /* Frameworks that own GPU memory (bridge.c decides, report.c shows): the
+     * one outofcuda left GPU memory to ("" none), and what was decided, when
+     * and why. */
+    char framework_left_to[32];
+    char framework_decided[700];
 } oc_state;
 
 extern oc_state oc_g;
@@ -365,8 +370,6 @@ void oc_bridge_after_torch(PyObject *torch);
 /* An `import torch` failed: restores the user's allocator variable and lets
  * the next attempt prepare afresh (it may load another copy of torch). */
 void oc_bridge_import_failed(void);
-/* status()'s "framework": left_to, in_use_now, decided (new dict or NULL). */
-PyObject *oc_framework_status(void);
 
 /* frameworks.c: packages that size GPU memory and choose code paths from
  * the allocator variable themselves; outofcuda leaves both to them. */

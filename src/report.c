@@ -252,6 +252,29 @@ static PyObject *optimizations(void)
     return d;
 }
 
+/* status()'s "framework": the framework outofcuda left GPU memory to (or
+ * None), the one in use now (or None), and what bridge.c decided, when and
+ * why. A framework imported after CUDA started is named: outofcuda's
+ * settings were in effect before it came. */
+static PyObject *framework_status(void)
+{
+    char why[600], text[sizeof oc_g.framework_decided + 300];
+    const char *now = oc_framework_in_use(why, sizeof why);
+    const char *left_to = oc_g.framework_left_to[0] ? oc_g.framework_left_to : NULL;
+    snprintf(text, sizeof text, "%s",
+             oc_g.framework_decided[0]
+                 ? oc_g.framework_decided
+                 : "nothing decided: torch was not imported through the hook");
+    if (now != NULL && left_to == NULL &&
+        strstr(oc_g.framework_decided, "when CUDA initialised") != NULL)
+        snprintf(text + strlen(text), sizeof text - strlen(text),
+                 "; now: %s is in use, imported after CUDA started: outofcuda's allocator "
+                 "settings and memory fraction were already in effect (OUTOFCUDA_DISABLE=1, or "
+                 "import it before using CUDA, leaves them to it)",
+                 now);
+    return Py_BuildValue("{s:z,s:z,s:s}", "left_to", left_to, "in_use_now", now, "decided", text);
+}
+
 PyObject *oc_status(PyObject *self, PyObject *unused)
 {
     PyObject *opts, *warnings, *res, *bugs, *framework;
@@ -282,7 +305,7 @@ PyObject *oc_status(PyObject *self, PyObject *unused)
         Py_DECREF(warnings);
         return NULL;
     }
-    framework = oc_framework_status();
+    framework = framework_status();
     if (framework == NULL) {
         Py_DECREF(opts);
         Py_DECREF(warnings);
