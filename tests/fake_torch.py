@@ -18,7 +18,9 @@ build was followed (tests/test_cuda_build.py runs the same checks on it):
 - `backend:cudaMallocAsync` beside native-allocator keys warns.
 - `torch.backends.cudnn.version()` reports the bundled cuDNN (92400 on 2.14.1)
   without initialising CUDA, None on a CPU-only build; `_set_sdp_use_cudnn` is
-  read back by `_get_cudnn_sdp_enabled` (True until set).
+  read back by `_get_cudnn_sdp_enabled` (True until set);
+- `torch.nn.attention.sdpa_kernel()` (releases with cuDNN attention) is a
+  generator context manager that saves the flags in `previous_backends`.
 """
 import textwrap
 from pathlib import Path
