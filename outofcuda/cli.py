@@ -286,7 +286,8 @@ def _render_optimizations(opts):
              + ("value" if shared else "value (reason below)")]
     for name, e in opts.items():
         value = _value_lines(e.get("value"))
-        lines.append(f"  {name:<20} {'yes' if e.get('applied') else 'no':<8} {value[0]}")
+        applied = "queued" if e.get("queued") else "yes" if e.get("applied") else "no"
+        lines.append(f"  {name:<20} {applied:<8} {value[0]}")
         lines += value[1:]
         if not shared:
             lines += _wrap(" " * REASON_INDENT + e.get("reason", ""), WIDTH, REASON_INDENT)
@@ -609,11 +610,13 @@ def _check_known_bugs(pr):
     entries = pr.get("known_bugs_check")
     if entries is None:
         return _check("known_bugs", True, "not checked (no torch or no outofcuda engine)")
-    off = not _config().get("known_bugs", True)
+    disabled = core._disabled_by_env()
+    off = disabled or not _config().get("known_bugs", True)
     applies = [b for b in entries if b["applies"] is True]
     undecided = [b for b in entries if b["applies"] is None]
     parts = [f"{b['id']} applies ({b['title']}; {b['evidence']}): "
-             + ("OUTOFCUDA_KNOWN_BUGS=0 keeps torch's choice" if off
+             + ("outofcuda is disabled (OUTOFCUDA_DISABLE), so nothing avoids it" if disabled
+                else "OUTOFCUDA_KNOWN_BUGS=0 keeps torch's choice" if off
                 else "outofcuda avoids it when CUDA starts: " + b["action"]) for b in applies]
     parts += [f"could not decide {b['id']}: {b['reason']}" for b in undecided]
     if not parts:
@@ -641,7 +644,24 @@ def doctor_data():
         _check_config(pr),
         _check_known_bugs(pr),
     ]
-    return {"healthy": all(c["ok"] for c in checks), "checks": checks}
+    return {"healthy": all(c["ok"] for c in checks), "checks": checks,
+            "scope": _scope(pr, devices)}
+
+
+def _scope(pr, devices):
+    """What outofcuda can do where torch has no CUDA or no GPU is usable
+    (None where it can do everything)."""
+    if pr.get("torch") is None:
+        return None
+    if not pr.get("cuda"):
+        return ("this torch build has no CUDA: outofcuda changes nothing here (memory_report(), "
+                "MemoryMonitor and these commands still run); install a CUDA build of torch "
+                "for its settings")
+    if not devices:
+        return ("no NVIDIA GPU is usable here: the allocator string, cuDNN and SDPA flags are "
+                "set at import, but TF32, the memory fraction, the OOM handler and the known-bug "
+                "guards stay queued for a CUDA that cannot start")
+    return None
 
 
 def _render_doctor(d):
@@ -651,7 +671,12 @@ def _render_doctor(d):
         if c["fix"]:
             lines += _wrap(f"{'':<27}fix: {c['fix']}", WIDTH, 32)
     lines.append("")
-    lines.append("healthy" if d["healthy"] else "something needs attention (exit code 1)")
+    if not d["healthy"]:
+        lines.append("something needs attention (exit code 1)")
+    elif d.get("scope"):
+        lines += _wrap("nothing to fix, but outofcuda can do little here: " + d["scope"], WIDTH, 0)
+    else:
+        lines.append("healthy")
     return "\n".join(lines)
 
 

@@ -229,37 +229,71 @@ static int framework_owns_memory(const oc_config *cfg, char *override_note, size
     }
     snprintf(owner.name, sizeof owner.name, "%s", name);
     snprintf(owner.why, sizeof owner.why, "%s", why);
+    snprintf(oc_g.framework_left_to, sizeof oc_g.framework_left_to, "%s", name);
     return 1;
+}
+
+/* Set when the merged string goes to torch through its runtime setter alone,
+ * with the environment untouched (setter_configures). */
+static int by_setter;
+
+/* Returns 1 when torch's allocator can take outofcuda's merge through the
+ * runtime setter after `import torch`, before CUDA starts, so the variable
+ * need not be written at all: a child spawned while torch imports (a
+ * thread's subprocess.run) then inherits the user's environment, never
+ * outofcuda's string. 2.9 added torch._C._accelerator_setAllocatorSettings
+ * (2.13.0 and 2.14.1 have it, measured); every key but `backend` is parsed
+ * on the allocator's first use or at the setter's call, and the setter parses
+ * the whole string. `backend` alone is read while torch's libraries load:
+ * where outofcuda's string adds one the user's does not hold, the variable
+ * is still written, for the import alone (restored by settle_allocator).
+ * Before 2.9 it is written the same way. */
+static int setter_configures(const char *user)
+{
+    return tv.ver >= 20900 && (oc_alloc_value(oc_g.alloc_value, "backend", NULL, 0) != 1 ||
+                               oc_alloc_value(user, "backend", NULL, 0) == 1);
 }
 
 static void prepare_allocator(const oc_config *cfg)
 {
     char dropped[256], err[160], fw_note[120], platform_defaults[OC_ALLOC_CONF_MAX];
     const char *name, *user, *defaults;
-    int async, held_back;
+    int async, held_back, owned;
     oc_g.alloc_applied = 0;
     oc_g.alloc_env_name[0] = '\0';
     oc_g.alloc_value[0] = '\0';
     /* The framework's own import is in progress (vllm/__init__.py imports
      * torch through vllm.env_override): it reads the variable as the user
-     * set it, so it stays unwritten. */
-    if (framework_owns_memory(cfg, fw_note, sizeof fw_note)) {
+     * set it, so it stays unwritten. The merge is still worked out: an
+     * import that fails after importing torch leaves no framework behind,
+     * and the CUDA-init callback then gives it to torch's runtime setter. */
+    owned = framework_owns_memory(cfg, fw_note, sizeof fw_note);
+    if (owned) {
         snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
                  "left to %s: the allocator variable stays as the user set it, and no memory "
                  "fraction is set (OUTOFCUDA_FRAMEWORK_OVERRIDE=1 applies outofcuda's anyway). "
                  "%s",
                  owner.name, owner.why);
-        return;
+        snprintf(oc_g.framework_decided, sizeof oc_g.framework_decided,
+                 "at torch's import: %s in use, allocator and memory fraction left to it",
+                 owner.name);
+    } else {
+        snprintf(oc_g.framework_decided, sizeof oc_g.framework_decided,
+                 "at torch's import: no framework that owns GPU memory in use%s",
+                 cfg->framework_override ? " (or OUTOFCUDA_FRAMEWORK_OVERRIDE=1)" : "");
     }
     if (!tv.known) {
-        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
-                 "torch's version could not be read before it loaded");
+        if (!owned)
+            snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
+                     "torch's version could not be read before it loaded");
         return;
     }
     if (!tv.cuda_build) {
-        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
-                 tv.hip_build ? "ROCm build of torch: outofcuda configures CUDA's allocator only"
-                              : "this torch build has no CUDA");
+        if (!owned)
+            snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
+                     tv.hip_build
+                         ? "ROCm build of torch: outofcuda configures CUDA's allocator only"
+                         : "this torch build has no CUDA");
         return;
     }
     name = user_alloc_var(&user);
@@ -272,17 +306,30 @@ static void prepare_allocator(const oc_config *cfg)
                                 oc_g.alloc_value, sizeof oc_g.alloc_value, dropped, sizeof dropped,
                                 err, sizeof err, &held_back) != 0) {
         /* A value outofcuda cannot parse is the user's business: leave it whole. */
-        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
-                 "left alone: %s is not understood (%s)", name, err);
+        if (!owned)
+            snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
+                     "left alone: %s is not understood (%s)", name, err);
         oc_g.alloc_value[0] = '\0';
         return;
     }
+    if (owned)
+        return;
     snprintf(oc_g.alloc_env_name, sizeof oc_g.alloc_env_name, "%s", name);
     if (strcmp(oc_g.alloc_value, user) == 0) {
         /* Nothing to add: the variable stays exactly as the user set it. */
         snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "nothing added to %s%s%.200s%s%s",
                  name, dropped_note(dropped, async), dropped, held_back ? HELD_BACK_NOTE : "",
                  fw_note);
+        return;
+    }
+    if (setter_configures(user)) {
+        by_setter = 1;
+        oc_g.alloc_applied = 1;
+        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
+                 "given to torch's runtime setter once torch loaded, the environment never "
+                 "written (%s read as the user set it)%s%s%.200s%s%s",
+                 name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async),
+                 dropped, held_back ? HELD_BACK_NOTE : "", fw_note);
         return;
     }
     {
@@ -317,6 +364,7 @@ void oc_bridge_import_failed(void)
     /* The next attempt may load another copy of torch: it is prepared
      * afresh, from its own version file, with the user's environment. */
     restore_allocator_env();
+    by_setter = 0;
     memset(&tv, 0, sizeof tv);
     oc_g.prepared = 0;
 }
@@ -657,20 +705,92 @@ static void hand_back_allocator(PyObject *c_mod)
     oc_result_set("allocator", 0, NULL, reason);
 }
 
-/* A step of the CUDA-init callback, the first: a framework imported after
- * torch is found again here; then torch's allocator is handed back and the
- * memory fraction (the next step) is left to the framework. A framework
- * found at torch's import was left everything then. */
+static struct {
+    int armed;
+    double fraction;
+} pending_fraction;
+
+/* Appends to what was decided about frameworks (oc_g.framework_decided,
+ * which status() shows). */
+static void fw_say(const char *fmt, const char *a, const char *b)
+{
+    size_t len = strlen(oc_g.framework_decided);
+    snprintf(oc_g.framework_decided + len, sizeof oc_g.framework_decided - len, fmt, a, b);
+}
+
+/* The framework found at torch's import is gone when CUDA initialises: its
+ * own import failed after it imported torch (a vLLM built for another
+ * torch), so nothing in the process owns GPU memory. outofcuda's merge,
+ * worked out at import, goes to torch's runtime setter now, before the
+ * first allocation, and the fraction step that follows sets the fraction. */
+static void framework_left(PyObject *torch)
+{
+    char gone[sizeof owner.name], reason[400];
+    const char *user, *used = NULL;
+    PyObject *c_mod, *v;
+    int rc = 1;
+    snprintf(gone, sizeof gone, "%s", owner.name);
+    owner.name[0] = '\0';
+    oc_g.framework_left_to[0] = '\0';
+    fw_say("; when CUDA initialised: %s was no longer in use (its import failed), so outofcuda's "
+           "settings were applied then%s",
+           gone, "");
+    snprintf(reason, sizeof reason,
+             "%s, in use when torch imported, was gone when CUDA initialised (its import failed)",
+             gone);
+    user_alloc_var(&user);
+    c_mod = PyObject_GetAttrString(torch, "_C");
+    OC_CLEAR();
+    if (oc_g.alloc_value[0] && strcmp(oc_g.alloc_value, user) != 0)
+        rc = call_setter(c_mod, oc_g.alloc_value, &used);
+    Py_XDECREF(c_mod);
+    if (rc != 1) {
+        oc_set_error("handing the allocator settings to torch at CUDA initialisation");
+        oc_result_setf("allocator", 0, NULL, "%s; torch's runtime setter %s", reason,
+                       used ? "failed" : "is missing");
+    } else if (used == NULL) {
+        oc_result_setf("allocator", 0, NULL, "%s; nothing to add to the user's allocator settings",
+                       reason);
+    } else {
+        oc_g.alloc_applied = 1;
+        v = PyUnicode_FromString(oc_g.alloc_value);
+        oc_result_setf("allocator", 1, v, "given to torch._C.%s when CUDA initialised: %s", used,
+                       reason);
+        Py_XDECREF(v);
+    }
+    if (tv.cuda_build) {
+        pending_fraction.fraction = oc_config_get()->memory_fraction;
+        pending_fraction.armed = 1;
+    }
+}
+
+/* A step of the CUDA-init callback, the first. Frameworks are looked at
+ * again, since what counts is what is true when CUDA starts: one found at
+ * torch's import may be gone (framework_left), one imported after torch is
+ * found now; then torch's allocator is handed back and the memory fraction
+ * (the next step) is left to the framework. */
 static void framework_at_cuda_init(PyObject *torch)
 {
     static int done;
     char reason[sizeof owner.why + 120];
     PyObject *c_mod;
-    if (done || owner.name[0])
+    if (done)
         return;
     done = 1;
-    if (!framework_owns_memory(oc_config_get(), NULL, 0))
+    if (owner.name[0]) {
+        if (oc_framework_in_use(NULL, 0) == NULL)
+            framework_left(torch);
+        else
+            fw_say("; when CUDA initialised: %s still in use%s", owner.name, "");
         return;
+    }
+    if (!framework_owns_memory(oc_config_get(), NULL, 0)) {
+        fw_say("; when CUDA initialised: none in use%s%s", "", "");
+        return;
+    }
+    fw_say("; when CUDA initialised: %s in use (imported after torch): torch's allocator handed "
+           "back to the user's settings and the memory fraction left to it%s",
+           owner.name, "");
     c_mod = PyObject_GetAttrString(torch, "_C");
     OC_CLEAR();
     hand_back_allocator(c_mod);
@@ -681,10 +801,52 @@ static void framework_at_cuda_init(PyObject *torch)
 
 /* ---- memory fraction, deferred to CUDA initialisation ---- */
 
-static struct {
-    int armed;
-    double fraction;
-} pending_fraction;
+/* torch's allocator key per_process_memory_fraction (2.10+) is the
+ * program's own memory fraction: torch applies it when CUDA initialises,
+ * before the lazy-init queue runs, so a fraction set from the queue would
+ * overwrite it. Returns 1 when the user's allocator variable (as this release
+ * reads it) or torch's live allocator settings (a runtime setter the program
+ * called) hold the key, with where in `where`; 0 otherwise. A release
+ * without the key rejects a string holding it, so its presence is the whole
+ * test, on every release. */
+static int program_fraction(PyObject *c_mod, char *where, size_t sz)
+{
+    const char *name, *user;
+    char v[64];
+    PyObject *live;
+    name = user_alloc_var(&user);
+    if (oc_alloc_value(user, "per_process_memory_fraction", v, sizeof v) == 1) {
+        snprintf(where, sz, "%s sets per_process_memory_fraction:%s", name, v);
+        return 1;
+    }
+    live = c_mod ? oc_call_quiet(c_mod, "_accelerator_getAllocatorSettings", NULL, NULL) : NULL;
+    if (live != NULL && PyUnicode_Check(live)) {
+        char conf[OC_ALLOC_CONF_MAX];
+        if (oc_alloc_value(oc_utf8(live, conf, sizeof conf), "per_process_memory_fraction", v,
+                           sizeof v) == 1) {
+            snprintf(where, sz, "torch's allocator settings hold per_process_memory_fraction:%s",
+                     v);
+            Py_DECREF(live);
+            return 1;
+        }
+    }
+    Py_XDECREF(live);
+    return 0;
+}
+
+/* Records the memory fraction as left to the program's own and returns 1
+ * when program_fraction finds one; 0 otherwise. */
+static int fraction_left_to_program(PyObject *c_mod, const char *what, const char *torch_does)
+{
+    char where[200];
+    if (!program_fraction(c_mod, where, sizeof where))
+        return 0;
+    oc_result_setf("memory_fraction", 0, NULL,
+                   "%s: %s, which torch %s (the user's fraction wins over "
+                   "OUTOFCUDA_MEMORY_FRACTION)",
+                   what, where, torch_does);
+    return 1;
+}
 
 /* A step of the CUDA-init callback: this process's device only. */
 static void fraction_at_cuda_init(PyObject *torch)
@@ -701,6 +863,8 @@ static void fraction_at_cuda_init(PyObject *torch)
     c_mod = PyObject_GetAttrString(torch, "_C");
     if (c_mod == NULL)
         goto error;
+    if (fraction_left_to_program(c_mod, "not set when CUDA initialised", "applied then"))
+        goto done;
     n = PyObject_CallMethod(c_mod, "_cuda_getDeviceCount", NULL);
     if (n == NULL)
         goto error;
@@ -749,6 +913,8 @@ static int arm_memory_fraction(const oc_config *cfg, const char *no_queue)
         oc_result_set("memory_fraction", 0, NULL, reason);
         return 0;
     }
+    if (fraction_left_to_program(NULL, "not set", "applies when CUDA initialises"))
+        return 0;
     pending_fraction.fraction = cfg->memory_fraction;
     pending_fraction.armed = 1;
     value = Py_BuildValue("{s:d,s:O}", "fraction", cfg->memory_fraction, "device", Py_None);
@@ -882,7 +1048,7 @@ static void settle_allocator(PyObject *c_mod)
     const char *used = NULL;
     size_t len;
     int rc;
-    if (!saved.written)
+    if (!saved.written && !by_setter)
         return;
     rc = call_setter(c_mod, oc_g.alloc_value, &used);
     len = strlen(oc_g.alloc_reason);
@@ -891,14 +1057,18 @@ static void settle_allocator(PyObject *c_mod)
             oc_set_error("handing the allocator settings to torch");
         PyErr_Clear(); /* recorded above, or absence (no setter: the reason says so) */
         oc_g.alloc_applied = 0;
-        snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len,
-                 "; not in effect: %s, so the variable was restored",
-                 used ? "torch's setter failed" : "this torch has no runtime allocator setter");
+        snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len, "; not in effect: %s%s",
+                 used ? "torch's setter failed" : "this torch has no runtime allocator setter",
+                 by_setter ? "" : ", so the variable was restored");
     } else {
         snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len,
-                 "; given to torch._C.%s, then the variable was restored for child processes",
+                 by_setter ? "; given to torch._C.%s"
+                           : "; given to torch._C.%s, then the variable was restored for child "
+                             "processes (it was written while torch imported: this release reads "
+                             "`backend` only then)",
                  used);
     }
+    by_setter = 0;
     restore_allocator_env();
 }
 
@@ -949,12 +1119,26 @@ static void record_allocator(const oc_config *cfg)
     Py_XDECREF(v);
 }
 
+/* A step waiting for CUDA's start is not applied yet: its record says
+ * applied False and queued True until the callback writes the outcome (on
+ * a machine where CUDA never starts, for the life of the process). */
+static void mark_queued(const char *name, int pending)
+{
+    PyObject *e = pending && oc_g.results ? PyDict_GetItemString(oc_g.results, name) : NULL;
+    if (e == NULL || PyDict_GetItemString(e, "applied") != Py_True)
+        return;
+    if (PyDict_SetItemString(e, "applied", Py_False) < 0 ||
+        PyDict_SetItemString(e, "queued", Py_True) < 0)
+        oc_set_error("marking a step queued for CUDA's start");
+    OC_CLEAR();
+}
+
 void oc_bridge_after_torch(PyObject *torch)
 {
     const oc_config *cfg = oc_config_get();
     PyObject *c_mod, *v, *lazy_call;
     const char *no_queue;
-    int armed;
+    int armed, oom_armed;
     v = PyObject_GetAttrString(torch, "__version__");
     if (v != NULL) {
         PyObject *old = oc_g.torch_version;
@@ -984,19 +1168,30 @@ void oc_bridge_after_torch(PyObject *torch)
     apply_cudnn(cfg, torch, c_mod);
     record_allocator(cfg);
     armed = pending_tf32 + arm_memory_fraction(cfg, no_queue);
-    /* The framework step may have to hand torch's allocator back. */
-    armed += oc_g.alloc_applied && no_queue == NULL;
+    /* The framework step may have to hand torch's allocator back, or to
+     * look again at a framework found at import. */
+    armed += (oc_g.alloc_applied || owner.name[0]) && no_queue == NULL;
     apply_sdpa(cfg, c_mod);
     armed += oc_known_bugs_at_import(torch, no_queue);
     apply_amp_dtype(cfg, torch);
-    armed += oc_oom_install(torch, no_queue);
+    oom_armed = oc_oom_install(torch, no_queue);
+    armed += oom_armed;
     if (tv.cuda_build && no_queue == NULL)
         armed += oc_summary_prepare();
     if (armed && queue_at_cuda_init(lazy_call) < 0) {
+        /* Nothing will run when CUDA starts: no step may still say queued. */
+        if (pending_tf32)
+            oc_result_set("tf32", 0, NULL,
+                          "torch.cuda._lazy_call failed: TF32 left as torch has it");
+        pending_tf32 = 0;
         pending_fraction.armed = 0;
         oc_result_set("memory_fraction", 0, NULL, "torch.cuda._lazy_call failed");
         oc_result_set("oom_handler", 0, NULL,
                       "torch.cuda._lazy_call failed: Python's exception hooks left alone");
+    } else if (armed) {
+        mark_queued("tf32", pending_tf32);
+        mark_queued("memory_fraction", pending_fraction.armed);
+        mark_queued("oom_handler", oom_armed);
     }
     Py_XDECREF(lazy_call);
     Py_DECREF(c_mod);

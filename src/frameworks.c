@@ -33,6 +33,28 @@ const oc_framework oc_frameworks[] = {
 /* torch_memory_saver's preload library: torch_memory_saver_hook_mode_preload*.so */
 #define TMS_PRELOAD "torch_memory_saver"
 
+/* 1 when one of LD_PRELOAD's entries is a file whose name (after its last
+ * '/') starts with TMS_PRELOAD; a directory of that name elsewhere in the
+ * path is not the library. ld.so splits the list at colons and spaces. */
+static int tms_preloaded(const char *preload)
+{
+    const char *p = preload;
+    while (p != NULL && *p) {
+        size_t n = strcspn(p, ": ");
+        const char *base = p;
+        for (size_t i = 0; i < n; i++) {
+            if (p[i] == '/')
+                base = p + i + 1;
+        }
+        if ((size_t)(p + n - base) >= strlen(TMS_PRELOAD) &&
+            strncmp(base, TMS_PRELOAD, strlen(TMS_PRELOAD)) == 0)
+            return 1;
+        p += n;
+        p += strspn(p, ": ");
+    }
+    return 0;
+}
+
 static const oc_framework *by_package(const char *package)
 {
     for (const oc_framework *f = oc_frameworks; f->package; f++) {
@@ -69,7 +91,7 @@ const char *oc_framework_in_use(char *why, size_t whysz)
         if (in_sys_modules(f->package))
             return found(f, "imported in this process", why, whysz);
     }
-    if (preload != NULL && strstr(preload, TMS_PRELOAD) != NULL)
+    if (tms_preloaded(preload))
         return found(by_package("torch_memory_saver"), "preloaded through LD_PRELOAD", why, whysz);
     return NULL;
 }

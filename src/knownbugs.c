@@ -304,6 +304,118 @@ static long read_cudnn_version(PyObject *torch)
     return v;
 }
 
+/* ---- sdpa_kernel() blocks ----
+ *
+ * torch.nn.attention.sdpa_kernel() is a generator context manager: on entry
+ * it saves the four SDPA flags in its local list `previous_backends`, sets
+ * the block's `backends`, and on exit sets the saved list again. A flag the
+ * guard writes while a block is open (CUDA's first use inside it) would
+ * change the block's choice and be undone when the block exits. So when
+ * blocks are open at CUDA's start nothing is written: cuDNN attention is
+ * taken out of the list the outermost block restores, and the guard takes
+ * effect when that block exits. An open block is a suspended generator of
+ * sdpa_kernel's code, found among the code object's referrers (one pass of
+ * the collector over tracked objects, only where the bug applies). */
+
+/* Open sdpa_kernel() blocks as a new list of (backends, previous_backends)
+ * pairs, empty when there are none; NULL (no exception) when torch's
+ * sdpa_kernel is not there or its blocks cannot be read. */
+static PyObject *open_sdpa_blocks(void)
+{
+    PyObject *attn = oc_sys_module("torch.nn.attention");
+    PyObject *code = attn ? oc_getattr_chain(attn, "sdpa_kernel.__wrapped__.__code__") : NULL;
+    PyObject *types = oc_sys_module("types");
+    PyObject *gen_type = types ? PyObject_GetAttrString(types, "GeneratorType") : NULL;
+    PyObject *gc = code && gen_type ? PyImport_ImportModule("gc") : NULL;
+    PyObject *refs = gc ? PyObject_CallMethod(gc, "get_referrers", "O", code) : NULL;
+    PyObject *out = refs && PyList_Check(refs) ? PyList_New(0) : NULL;
+    for (Py_ssize_t i = 0; out != NULL && i < PyList_Size(refs); i++) {
+        PyObject *g = PyList_GetItem(refs, i); /* borrowed */
+        PyObject *frame, *locals, *chosen, *saved, *pair;
+        if ((PyObject *)Py_TYPE(g) != gen_type)
+            continue;
+        frame = PyObject_GetAttrString(g, "gi_frame");
+        locals = frame && frame != Py_None ? PyObject_GetAttrString(frame, "f_locals") : NULL;
+        chosen = locals ? PyMapping_GetItemString(locals, "backends") : NULL;
+        saved = chosen ? PyMapping_GetItemString(locals, "previous_backends") : NULL;
+        /* A block not yet entered has no saved list: absence, skipped. */
+        PyErr_Clear(); /* absence: see above */
+        pair = saved && PyList_Check(saved) ? PyTuple_Pack(2, chosen, saved) : NULL;
+        if (pair != NULL && PyList_Append(out, pair) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(pair);
+        Py_XDECREF(saved);
+        Py_XDECREF(chosen);
+        Py_XDECREF(locals);
+        Py_XDECREF(frame);
+    }
+    Py_XDECREF(refs);
+    Py_XDECREF(gc);
+    Py_XDECREF(gen_type);
+    Py_XDECREF(types);
+    Py_XDECREF(code);
+    Py_XDECREF(attn);
+    OC_CLEAR();
+    return out;
+}
+
+/* 1 when the two backend lists hold the same backends, 0 when not or when
+ * they cannot be compared. */
+static int same_backends(PyObject *a, PyObject *b)
+{
+    PyObject *sa = PyFrozenSet_New(a), *sb = PyFrozenSet_New(b);
+    int eq = sa && sb ? PyObject_RichCompareBool(sa, sb, Py_EQ) : 0;
+    Py_XDECREF(sa);
+    Py_XDECREF(sb);
+    OC_CLEAR();
+    return eq == 1;
+}
+
+/* Takes cuDNN attention out of the list each outermost open block restores
+ * on exit (a block is nested when the list it saved is another open block's
+ * choice). Returns how many lists lost it. */
+static int guard_after_blocks(PyObject *blocks)
+{
+    PyObject *attn = oc_sys_module("torch.nn.attention");
+    PyObject *cudnn = attn ? oc_getattr_chain(attn, "SDPBackend.CUDNN_ATTENTION") : NULL;
+    Py_ssize_t n = PyList_Size(blocks);
+    int moved = 0;
+    for (Py_ssize_t i = 0; cudnn != NULL && i < n; i++) {
+        PyObject *saved = PyTuple_GetItem(PyList_GetItem(blocks, i), 1); /* borrowed */
+        int nested = 0;
+        for (Py_ssize_t j = 0; j < n && !nested; j++)
+            nested = j != i && same_backends(PyTuple_GetItem(PyList_GetItem(blocks, j), 0), saved);
+        for (Py_ssize_t k = nested ? -1 : PyList_Size(saved) - 1; k >= 0; k--) {
+            if (PyObject_RichCompareBool(PyList_GetItem(saved, k), cudnn, Py_EQ) == 1 &&
+                PySequence_DelItem(saved, k) == 0)
+                moved++;
+        }
+    }
+    Py_XDECREF(cudnn);
+    Py_XDECREF(attn);
+    OC_CLEAR();
+    return moved;
+}
+
+/* The sdpa row was written at import, before the guard could know: it now
+ * says what the guard did to cuDNN attention. */
+static void note_on_sdpa_row(const char *what, const char *id)
+{
+    PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, "sdpa") : NULL;
+    PyObject *reason = e ? PyDict_GetItemString(e, "reason") : NULL; /* borrowed */
+    PyObject *kept, *text;
+    if (reason == NULL)
+        return;
+    kept =
+        PyObject_CallMethod(reason, "replace", "ss", "; cuDNN attention left as torch has it", "");
+    text = kept ? PyUnicode_FromFormat("%U; %s (known bug %s)", kept, what, id) : NULL;
+    if (text == NULL || PyDict_SetItemString(e, "reason", text) < 0)
+        oc_set_error("noting the known-bug guard on the sdpa row");
+    Py_XDECREF(text);
+    Py_XDECREF(kept);
+    OC_CLEAR();
+}
+
 /* Takes entry i's action. Returns 1 done, 0 not (reason appended). */
 static int act(PyObject *torch, const oc_known_bug *b, size_t i)
 {
@@ -325,6 +437,27 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
     Py_XDECREF(r);
     Py_XDECREF(get);
     OC_CLEAR();
+    {
+        PyObject *blocks = open_sdpa_blocks();
+        Py_ssize_t open = blocks ? PyList_Size(blocks) : 0;
+        if (open > 0) {
+            int moved = guard_after_blocks(blocks);
+            snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
+                     "; CUDA started inside %ld sdpa_kernel() block(s), whose choice stands "
+                     "there (cuDNN attention %s); %s",
+                     (long)open, on ? "on" : "off",
+                     moved ? "cuDNN attention is turned off when the outermost block exits"
+                           : "cuDNN attention stays off when the outermost block exits (the "
+                             "program had it off before)");
+            note_on_sdpa_row("cuDNN attention: an sdpa_kernel() block chose it when CUDA "
+                             "started; off outside every block",
+                             b->id);
+            Py_DECREF(blocks);
+            Py_DECREF(c_mod);
+            return 1;
+        }
+        Py_XDECREF(blocks);
+    }
     if (!on) {
         snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
                  "; cuDNN attention was already off");
@@ -342,6 +475,7 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
     }
     snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, "; when CUDA started: %s",
              b->action_text);
+    note_on_sdpa_row("cuDNN attention turned off when CUDA started", b->id);
     return 1;
 }
 
@@ -372,19 +506,66 @@ static PyObject *state_obj(int s)
     return PyBool_FromLong(s == OC_KB_YES);
 }
 
-static PyObject *entry_dict(const oc_known_bug *b, int state, int done, const char *reason)
+/* What holds for a guard taken at CUDA's start at the moment status() is
+ * called: "off" (the guard holds), "block" (inside an sdpa_kernel() block,
+ * whose choice stands), "program" (turned on again outside every block: the
+ * program's choice stands), or NULL when it cannot be read; words appended
+ * to text. */
+static const char *guard_now(const oc_known_bug *b, char *text, size_t sz)
 {
-    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:O,s:s,s:s,s:s}", "id", b->id, "title", b->title,
+    PyObject *torch, *c_mod, *r, *blocks;
+    Py_ssize_t open;
+    int on = -1;
+    size_t len = strlen(text);
+    if (b->action != OC_KB_SDPA_NO_CUDNN)
+        return NULL;
+    torch = oc_sys_module("torch");
+    c_mod = torch ? PyObject_GetAttrString(torch, "_C") : NULL;
+    OC_CLEAR();
+    r = c_mod ? oc_call_quiet(c_mod, "_get_cudnn_sdp_enabled", NULL, NULL) : NULL;
+    if (r != NULL)
+        on = PyObject_IsTrue(r) == 1;
+    Py_XDECREF(r);
+    Py_XDECREF(c_mod);
+    Py_XDECREF(torch);
+    OC_CLEAR();
+    blocks = open_sdpa_blocks();
+    open = blocks ? PyList_Size(blocks) : 0;
+    Py_XDECREF(blocks);
+    if (open > 0) {
+        snprintf(text + len, sz - len,
+                 "; now: inside %ld sdpa_kernel() block(s), whose choice stands (cuDNN attention "
+                 "%s); off again outside every block",
+                 (long)open, on == 1 ? "on" : "off");
+        return "block";
+    }
+    if (on == 0) {
+        snprintf(text + len, sz - len, "; now: cuDNN attention is off (the guard holds)");
+        return "off";
+    }
+    if (on == 1) {
+        snprintf(text + len, sz - len,
+                 "; now: cuDNN attention is on outside every sdpa_kernel() block: the program "
+                 "turned it on again, and its choice stands");
+        return "program";
+    }
+    return NULL;
+}
+
+static PyObject *entry_dict(const oc_known_bug *b, int state, int done, const char *reason,
+                            const char *now)
+{
+    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:O,s:s,s:s,s:s,s:z}", "id", b->id, "title", b->title,
                          "evidence", b->evidence, "applies", state_obj(state), "done",
                          done ? Py_True : Py_False, "action", b->action_text, "condition",
-                         b->condition, "reason", reason);
+                         b->condition, "reason", reason, "now", now);
 }
 
 /* Appends one entry to list; on failure drops the list and returns NULL. */
 static PyObject *append_entry(PyObject *list, const oc_known_bug *b, int state, int done,
-                              const char *reason)
+                              const char *reason, const char *now)
 {
-    PyObject *e = entry_dict(b, state, done, reason);
+    PyObject *e = entry_dict(b, state, done, reason, now);
     if (e == NULL || PyList_Append(list, e) < 0) {
         Py_XDECREF(e);
         Py_DECREF(list);
@@ -398,12 +579,17 @@ PyObject *oc_known_bugs_status(void)
 {
     PyObject *list = PyList_New(0);
     size_t n = oc_known_bug_count();
-    for (size_t i = 0; list != NULL && i < n && i < OC_KB_MAX_ENTRIES; i++)
+    for (size_t i = 0; list != NULL && i < n && i < OC_KB_MAX_ENTRIES; i++) {
+        char reason[sizeof kb.reason[i] + 200];
+        const char *now = NULL;
+        snprintf(reason, sizeof reason, "%s",
+                 kb.decided ? kb.reason[i]
+                            : "undecided: torch has not been imported by the hook in this process");
+        if (kb.decided && kb.done[i])
+            now = guard_now(oc_known_bug_at(i), reason, sizeof reason);
         list = append_entry(list, oc_known_bug_at(i), kb.decided ? kb.state[i] : OC_KB_UNDECIDED,
-                            kb.done[i],
-                            kb.decided ? kb.reason[i]
-                                       : "undecided: torch has not been imported by the hook in "
-                                         "this process");
+                            kb.done[i], reason, now);
+    }
     return list;
 }
 
@@ -455,7 +641,7 @@ static PyObject *known_bugs_check_py(PyObject *self, PyObject *args)
         char why[400];
         const oc_known_bug *b = oc_known_bug_at(i);
         int state = oc_known_bug_decide(b, &f, why, sizeof why);
-        list = append_entry(list, b, state, 0, why);
+        list = append_entry(list, b, state, 0, why, NULL);
     }
     return list;
 }

@@ -423,6 +423,11 @@ typedef struct {
     /* Events of this process, for the exit summary (GIL held). */
     unsigned long oom_events;    /* CUDA OOMs torch's observer reported */
     long long microbatch_splits; /* splits auto_microbatch made */
+    /* Frameworks that own GPU memory (bridge.c decides, report.c shows): the
+     * one outofcuda left GPU memory to ("" none), and what was decided, when
+     * and why. */
+    char framework_left_to[32];
+    char framework_decided[700];
 } oc_state;
 
 extern oc_state oc_g;
@@ -474,7 +479,8 @@ typedef struct {
 extern const oc_framework oc_frameworks[];
 /* The name of the framework this process runs under, or NULL: one whose package is in
  * sys.modules (also while its own import is in progress, as when it imports
- * torch), or torch_memory_saver preloaded through LD_PRELOAD. A package
+ * torch), or torch_memory_saver's library preloaded through LD_PRELOAD
+ * (matched by its file name). A package
  * merely installed is not in use. Fills why with what was seen and why
  * outofcuda steps back. Never raises. */
 const char *oc_framework_in_use(char *why, size_t whysz);

@@ -252,9 +252,32 @@ static PyObject *optimizations(void)
     return d;
 }
 
+/* status()'s "framework": the framework outofcuda left GPU memory to (or
+ * None), the one in use now (or None), and what bridge.c decided, when and
+ * why. A framework imported after CUDA started is named: outofcuda's
+ * settings were in effect before it came. */
+static PyObject *framework_status(void)
+{
+    char why[600], text[sizeof oc_g.framework_decided + 300];
+    const char *now = oc_framework_in_use(why, sizeof why);
+    const char *left_to = oc_g.framework_left_to[0] ? oc_g.framework_left_to : NULL;
+    snprintf(text, sizeof text, "%s",
+             oc_g.framework_decided[0]
+                 ? oc_g.framework_decided
+                 : "nothing decided: torch was not imported through the hook");
+    if (now != NULL && left_to == NULL &&
+        strstr(oc_g.framework_decided, "when CUDA initialised") != NULL)
+        snprintf(text + strlen(text), sizeof text - strlen(text),
+                 "; now: %s is in use, imported after CUDA started: outofcuda's allocator "
+                 "settings and memory fraction were already in effect (OUTOFCUDA_DISABLE=1, or "
+                 "import it before using CUDA, leaves them to it)",
+                 now);
+    return Py_BuildValue("{s:z,s:z,s:s}", "left_to", left_to, "in_use_now", now, "decided", text);
+}
+
 PyObject *oc_status(PyObject *self, PyObject *unused)
 {
-    PyObject *opts, *warnings, *res, *bugs;
+    PyObject *opts, *warnings, *res, *bugs, *framework;
     (void)self;
     (void)unused;
     opts = optimizations();
@@ -282,11 +305,19 @@ PyObject *oc_status(PyObject *self, PyObject *unused)
         Py_DECREF(warnings);
         return NULL;
     }
-    res = Py_BuildValue("{s:s,s:{s:O,s:O,s:O},s:O,s:N,s:N,s:N}", "version", OC_VERSION, "hook",
+    framework = framework_status();
+    if (framework == NULL) {
+        Py_DECREF(opts);
+        Py_DECREF(warnings);
+        Py_DECREF(bugs);
+        return NULL;
+    }
+    res = Py_BuildValue("{s:s,s:{s:O,s:O,s:O},s:O,s:N,s:N,s:N,s:N}", "version", OC_VERSION, "hook",
                         "installed", oc_g.installed ? Py_True : Py_False, "fired",
                         oc_g.fired ? Py_True : Py_False, "error", oc_g.error ? oc_g.error : Py_None,
                         "torch", oc_g.torch_version ? oc_g.torch_version : Py_None, "optimizations",
-                        opts, "config_warnings", warnings, "known_bugs", bugs);
+                        opts, "config_warnings", warnings, "known_bugs", bugs, "framework",
+                        framework);
     return res;
 }
 
@@ -412,7 +443,11 @@ void oc_report_verbose(void)
     for (size_t i = 0; i < N_OPTS; i++) {
         PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, opt_names[i]) : NULL;
         PyObject *applied = e ? PyDict_GetItemString(e, "applied") : NULL;
-        oc_stderr_printf("  %-20s %-8s ", opt_names[i], applied == Py_True ? "yes" : "no");
+        PyObject *queued = e ? PyDict_GetItemString(e, "queued") : NULL;
+        oc_stderr_printf("  %-20s %-8s ", opt_names[i],
+                         queued == Py_True    ? "queued"
+                         : applied == Py_True ? "yes"
+                                              : "no");
         write_value(e ? PyDict_GetItemString(e, "value") : NULL);
         value_text(e ? PyDict_GetItemString(e, "reason") : NULL, reason, sizeof reason);
         oc_stderr_printf("%*s", REASON_INDENT, "");

@@ -18,7 +18,9 @@ build was followed (tests/test_cuda_build.py runs the same checks on it):
 - `backend:cudaMallocAsync` beside native-allocator keys warns.
 - `torch.backends.cudnn.version()` reports the bundled cuDNN (92400 on 2.14.1)
   without initialising CUDA, None on a CPU-only build; `_set_sdp_use_cudnn` is
-  read back by `_get_cudnn_sdp_enabled` (True until set).
+  read back by `_get_cudnn_sdp_enabled` (True until set);
+- `torch.nn.attention.sdpa_kernel()` (releases with cuDNN attention) is a
+  generator context manager that saves the flags in `previous_backends`.
 """
 import textwrap
 from pathlib import Path
@@ -274,6 +276,40 @@ def is_initialized():
 '''
 
 
+# torch.nn.attention's sdpa_kernel() as torch 2.14.1 writes it (a generator
+# context manager: the flags saved on entry in `previous_backends`, set
+# again on exit); for releases with cuDNN attention.
+_NN_ATTENTION = '''
+import contextlib, enum
+import torch
+class SDPBackend(enum.IntEnum):
+    ERROR = -1
+    MATH = 0
+    FLASH_ATTENTION = 1
+    EFFICIENT_ATTENTION = 2
+    CUDNN_ATTENTION = 3
+_backend_names = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
+                  "mem_efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+def _cur_sdpa_kernel_backends():
+    return [getattr(SDPBackend, val) for name, val in _backend_names.items()
+            if getattr(torch._C, f"_get_{name}_sdp_enabled")()]
+def _sdpa_kernel(backends):
+    for name, val in _backend_names.items():
+        getattr(torch._C, f"_set_sdp_use_{name}")(getattr(SDPBackend, val) in backends)
+@contextlib.contextmanager
+def sdpa_kernel(backends):
+    if isinstance(backends, SDPBackend):
+        backends = [backends]
+    backends = list(dict.fromkeys(backends))
+    previous_backends = _cur_sdpa_kernel_backends()
+    try:
+        _sdpa_kernel(backends)
+        yield {}
+    finally:
+        _sdpa_kernel(previous_backends)
+'''
+
+
 def make_fake_torch(root: Path, release: str, cuda: bool = True, cudnn=None) -> Path:
     """Writes a fake torch `release` under root and returns the directory to
     put first on PYTHONPATH. cudnn: the version torch.backends.cudnn.version()
@@ -299,4 +335,8 @@ def make_fake_torch(root: Path, release: str, cuda: bool = True, cudnn=None) -> 
     (pkg / "backends" / "__init__.py").write_text(_BACKENDS)
     (pkg / "backends" / "cudnn.py").write_text(_CUDNN.format(cudnn=cudnn))
     (pkg / "cuda" / "__init__.py").write_text(_CUDA)
+    if "_set_sdp_use_cudnn" in spec["c"]:
+        (pkg / "nn" / "attention").mkdir(parents=True)
+        (pkg / "nn" / "__init__.py").write_text("")
+        (pkg / "nn" / "attention" / "__init__.py").write_text(_NN_ATTENTION)
     return root

@@ -59,8 +59,12 @@ def test_doctor_healthy_environment(venv, workdir):
     assert [c["name"] for c in d["checks"]] == CHECKS
     bad = [c for c in d["checks"] if not c["ok"]]
     assert r.returncode == 0 and d["healthy"], bad
+    # A CPU-only build: nothing to fix, and doctor says what outofcuda can do there.
+    assert d["scope"].startswith("this torch build has no CUDA: outofcuda changes nothing here")
     text = cli(venv, "doctor", cwd=workdir)
-    assert text.returncode == 0 and text.stdout.rstrip().endswith("healthy")
+    assert text.returncode == 0 and "\nhealthy" not in text.stdout
+    assert "nothing to fix, but outofcuda can do little here: this torch build has no CUDA" \
+        in " ".join(text.stdout.split())
 
 
 def _failed(r):
@@ -279,9 +283,10 @@ def parse_table(lines):
         if ln[NAME_COL] != " ":
             name = ln[NAME_COL:APPLIED_COL].strip()
             assert re.fullmatch(r"\w+", name) and ln[APPLIED_COL - 1] == " ", ln
-            assert ln[APPLIED_COL:VALUE_COL].strip() in ("yes", "no"), ln
+            assert ln[APPLIED_COL:VALUE_COL].strip() in ("yes", "no", "queued"), ln
             assert ln[VALUE_COL] != " " and ln[VALUE_COL - 1] == " ", ln
             cur = rows[name] = {"applied": ln[APPLIED_COL:VALUE_COL].strip() == "yes",
+                                "queued": ln[APPLIED_COL:VALUE_COL].strip() == "queued",
                                 "value": [ln[VALUE_COL:]], "reason": []}
         elif ln.startswith(" " * VALUE_COL) and not cur["reason"]:
             cur["value"].append(ln.strip())
@@ -300,6 +305,7 @@ def check_table(lines, optimizations):
     for name, e in optimizations.items():
         row = rows[name]
         assert row["applied"] is e["applied"], name
+        assert row["queued"] is bool(e.get("queued")), name
         v = e["value"]
         got = _squash("".join(row["value"]))
         if isinstance(v, dict):

@@ -4,7 +4,9 @@ fresh interpreter under `-W error`; none may initialise CUDA.
 
 The `cuda_venv` fixture (tests/conftest.py) installs that build once per
 session; OUTOFCUDA_TEST_CUDA_VENV reuses an environment that has it."""
+import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -64,8 +66,11 @@ print('ST=' + json.dumps(st))
     assert st["torch"].startswith("2.14.1") and st["cuda"] is not None
     assert st["cuda_initialized"] is False
     opts = st["optimizations"]
-    for name in ("tf32", "cudnn_benchmark", "allocator", "memory_fraction"):
+    for name in ("cudnn_benchmark", "allocator"):
         assert opts[name]["applied"], (name, opts[name])
+    # What waits for CUDA's start is queued, not applied (here CUDA cannot start).
+    for name in ("tf32", "memory_fraction", "oom_handler"):
+        assert opts[name]["queued"] is True and opts[name]["applied"] is False, (name, opts[name])
     # TF32 waits for CUDA; SDPA's backends are torch's defaults already.
     assert "queued" in opts["tf32"]["reason"] and opts["tf32"]["now"] == {"matmul": False}
     assert not opts["sdpa"]["applied"] and "torch's default" in opts["sdpa"]["reason"]
@@ -180,6 +185,16 @@ def test_children_see_the_users_environment(cuda_venv):
     assert c["plain"] == [DEFAULTS, {}]                     # the child's own outofcuda
     assert c["disabled"] == ["", {}]                        # OUTOFCUDA_DISABLE=1 wins
     assert c["own"] == ["max_split_size_mb:256", {}]        # the child's own settings win
+
+
+def test_no_child_spawned_while_torch_imports_sees_outofcuda_s_string(cuda_venv):
+    # Every import inside `import torch` passes the audit hook on the importing
+    # thread: the environment it sees is what a child spawned then inherits.
+    from test_gating import WATCH_ENV
+    f = report(cuda_venv, WATCH_ENV + FLAGS.replace("'queued':",
+                                                    "'seen': sorted(SEEN_WHILE_IMPORTING), 'queued':"))
+    assert f["seen"] == [] and f["alloc_env"] == {}
+    assert f["allocator"] == DEFAULTS and f["backend"] == "native"
 
 
 # ---- work deferred to CUDA initialisation ----
@@ -369,3 +384,42 @@ def test_a_missing_cuda_build_skips_here_and_fails_in_ci(monkeypatch):
     monkeypatch.delenv("CI")
     with pytest.raises(pytest.skip.Exception, match="unavailable: no disk"):
         _unavailable("no disk")
+
+
+@pytest.mark.parametrize("how", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "setter"])
+def test_the_users_own_memory_fraction_wins(cuda_venv, how):
+    # torch applies per_process_memory_fraction when CUDA initialises, before
+    # the lazy-init queue: outofcuda's fraction would overwrite it.
+    code, env = FRACTION, {"OUTOFCUDA_MEMORY_FRACTION": "1"}
+    if how == "setter":
+        code = code.replace("queued['outofcuda_at_cuda_init']()",
+                            "C._accelerator_setAllocatorSettings('per_process_memory_fraction:0.5')"
+                            "\nqueued['outofcuda_at_cuda_init']()")
+    else:
+        env[how] = "per_process_memory_fraction:0.5"
+    f = report(cuda_venv, code, env=env, prefix="FRACTION=")
+    assert f["calls"] == [["observer"]]
+    assert not f["status"]["applied"]
+    assert "per_process_memory_fraction:0.5" in f["status"]["reason"], f["status"]
+
+
+def test_what_waits_for_cuda_shows_as_queued(cuda_venv, tmp_path):
+    # No driver here: CUDA never starts, so nothing queued is ever applied.
+    r = cuda_venv.run("import torch", env={"OUTOFCUDA_VERBOSE": "1"}, args=("-W", "error"))
+    rows = {ln.split()[0]: ln.split()[1] for ln in r.stderr.splitlines()
+            if ln.startswith("  ") and len(ln.split()) > 1 and not ln.startswith("      ")}
+    assert rows["tf32"] == rows["memory_fraction"] == rows["oom_handler"] == "queued", r.stderr
+    assert rows["cudnn_benchmark"] == "yes"
+    r = cuda_venv.run(None, args=("-m", "outofcuda", "status"), cwd=tmp_path, timeout=300)
+    assert re.search(r"^  tf32 +queued ", r.stdout, re.M), r.stdout
+    assert re.search(r"^  memory_fraction +queued ", r.stdout, re.M), r.stdout
+
+
+def test_doctor_says_what_outofcuda_can_do_without_a_driver(cuda_venv, tmp_path):
+    r = cuda_venv.run(None, args=("-m", "outofcuda", "doctor", "--json"), cwd=tmp_path,
+                      timeout=300)
+    d = json.loads(r.stdout)
+    assert d["scope"].startswith("no NVIDIA GPU is usable here"), d["scope"]
+    r = cuda_venv.run(None, args=("-m", "outofcuda", "doctor"), cwd=tmp_path, timeout=300)
+    assert "\nhealthy" not in r.stdout
+    assert "outofcuda can do little here: no NVIDIA GPU" in " ".join(r.stdout.split()), r.stdout

@@ -169,3 +169,61 @@ def test_override_applies_outofcuda_beside_a_framework(venv, tmp_path, code):
     assert opts["allocator"]["applied"] and opts["memory_fraction"]["applied"]
     if code.startswith("import vllm"):
         assert "OUTOFCUDA_FRAMEWORK_OVERRIDE=1 keeps" in opts["allocator"]["reason"]
+
+
+# ---- decided by what is true when it matters ----
+
+def test_a_framework_whose_import_failed_is_not_in_use(venv, tmp_path):
+    # A vLLM built for another torch: vllm/__init__.py imports torch, then
+    # raises ImportError, and vllm is gone from sys.modules.
+    env = with_frameworks(tmp_path)
+    init = tmp_path / "fw" / "vllm" / "__init__.py"
+    init.write_text(init.read_text() + "raise ImportError('vllm built for torch 2.14.0')\n")
+    code = "try:\n    import vllm\nexcept ImportError:\n    pass\n" + REPORT
+    rep, r = run_release(venv, tmp_path, "2.14.1", env=env, code=code)
+    assert r.stderr == ""
+    assert rep["conf_read"] == DEFAULTS
+    assert setter_calls(rep) == [DEFAULTS] and len(fractions(rep)) == 1
+    st = rep["status"]
+    opts = st["optimizations"]
+    assert opts["allocator"]["applied"] and opts["memory_fraction"]["applied"]
+    assert "gone when CUDA initialised (its import failed)" in opts["allocator"]["reason"]
+    assert st["framework"]["left_to"] is None and st["framework"]["in_use_now"] is None
+    decided = st["framework"]["decided"]
+    assert "at torch's import: vLLM in use" in decided
+    assert "when CUDA initialised: vLLM was no longer in use" in decided, decided
+    assert st["hook"]["error"] is None
+
+
+def test_a_framework_still_in_use_when_cuda_starts_keeps_everything(venv, tmp_path):
+    env = with_frameworks(tmp_path)
+    rep, _ = run_release(venv, tmp_path, "2.14.1", env=env, code="import vllm\n" + REPORT)
+    assert setter_calls(rep) == [] and fractions(rep) == []
+    fw = rep["status"]["framework"]
+    assert fw["left_to"] == "vLLM" and fw["in_use_now"] == "vLLM"
+    assert "when CUDA initialised: vLLM still in use" in fw["decided"]
+
+
+def test_preload_matched_by_the_library_file_name(venv, tmp_path):
+    if shutil.which("gcc") is None:
+        pytest.fail("gcc is needed to build a stand-in preload library")
+    folder = tmp_path / "not_torch_memory_saver_tools"
+    folder.mkdir()
+    src = tmp_path / "empty.c"
+    src.write_text("int outofcuda_test_preload;\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(folder / "libfoo.so"), str(src)],
+                   check=True)
+    rep, r = run_release(venv, tmp_path, "2.14.1", env={"LD_PRELOAD": str(folder / "libfoo.so")})
+    assert r.stderr == ""
+    assert rep["conf_read"] == DEFAULTS and len(fractions(rep)) == 1
+    assert rep["status"]["framework"]["in_use_now"] is None
+
+
+def test_a_framework_imported_after_cuda_started_is_named(venv, tmp_path):
+    env = with_frameworks(tmp_path)
+    code = REPORT.replace("torch.cuda._fake_cuda_init()", "torch.cuda._fake_cuda_init()\nimport sglang")
+    rep, _ = run_release(venv, tmp_path, "2.14.1", env=env, code=code)
+    assert len(fractions(rep)) == 1                  # already in effect before it came
+    fw = rep["status"]["framework"]
+    assert fw["in_use_now"] == "SGLang" and fw["left_to"] is None
+    assert "SGLang is in use, imported after CUDA started" in fw["decided"], fw["decided"]

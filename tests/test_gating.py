@@ -9,6 +9,8 @@ import pytest
 from fake_torch import RELEASES, make_fake_torch
 from kit import last_json
 
+ACCEL = "_accelerator_setAllocatorSettings"
+
 REPORT = """
 import json, os, torch, _outofcuda
 torch.cuda._fake_cuda_init()
@@ -75,10 +77,12 @@ def test_every_release_applies_without_warning(venv, tmp_path, release):
     expandable = "expandable_segments" in RELEASES[release]["keys"]
     assert ("expandable_segments" in keys) == expandable
     assert ("max_split_size_mb" in keys) == (not expandable)
-    # In the variable while torch's libraries loaded (`backend` is read then),
-    # handed to the release's runtime setter, and gone again afterwards: the
+    # Handed to the release's runtime setter; from 2.9 (the accelerator
+    # setter) the environment is never written, before that it holds the
+    # string while torch's libraries load and is given back afterwards: the
     # configuration holds it, children inherit the user's environment.
-    assert rep["env_at_load"][RELEASES[release]["env"][-1]] == conf
+    written = rep["env_at_load"][RELEASES[release]["env"][-1]]
+    assert written == (None if ACCEL in RELEASES[release]["c"] else conf)
     setter = [c for c in rep["calls"] if c[0] in ("_accelerator_setAllocatorSettings",
                                                   "_cuda_cudaCachingAllocator_set_allocator_settings")]
     legacy = "_cuda_cudaCachingAllocator_set_allocator_settings" in RELEASES[release]["c"]
@@ -109,7 +113,7 @@ def test_user_allocator_keys_win(venv, tmp_path, release, var):
     assert conf.count("max_split_size_mb") == 1
     assert "garbage_collection_threshold:0.8" in conf  # outofcuda's default fills the gap
     assert "expandable_segments" not in conf           # not beside the user's max_split_size_mb
-    assert rep["env_at_load"][var] == conf
+    assert rep["env_at_load"][var] == (user if ACCEL in RELEASES[release]["c"] else conf)
     assert rep["env_now"][var] == user                 # given back as the user set it
     assert "user's keys kept" in rep["status"]["optimizations"]["allocator"]["reason"]
 
@@ -122,7 +126,8 @@ def test_an_empty_variable_counts_as_set(venv, tmp_path, release):
     opts = rep["status"]["optimizations"]
     assert opts["allocator"]["applied"]
     assert rep["conf_read"] == opts["allocator"]["value"]
-    assert rep["env_at_load"]["PYTORCH_CUDA_ALLOC_CONF"] == rep["conf_read"]
+    assert rep["env_at_load"]["PYTORCH_CUDA_ALLOC_CONF"] == (
+        "" if release == "2.14.1" else rep["conf_read"])
     assert rep["env_now"]["PYTORCH_CUDA_ALLOC_CONF"] == ""
     assert rep["env_at_load"]["PYTORCH_ALLOC_CONF"] is None
 
@@ -200,7 +205,7 @@ def test_frozen_flags_are_respected(venv, tmp_path):
     for name in ("tf32", "cudnn_benchmark"):
         assert "disable_global_flags" in opts[name]["reason"], name
     # Only the frozen flags are left: the memory fraction is still queued.
-    assert opts["memory_fraction"]["applied"]
+    assert opts["memory_fraction"]["queued"] and not opts["memory_fraction"]["applied"]
 
 
 def test_a_failing_setter_is_one_warning_and_torch_still_imports(venv, tmp_path):
@@ -332,3 +337,101 @@ def test_a_torch_without_the_cuda_init_queue_says_why_in_each_step(venv, tmp_pat
     assert opts["memory_fraction"]["reason"] == why
     assert opts["oom_handler"]["reason"] == why + ": Python's exception hooks left alone"
     assert f"no snapshot can be written ({why})" in r.stderr
+
+
+# ---- the user's own memory fraction (torch's allocator key) ----
+
+FRACTION_KEY = sorted(r for r in RELEASES if "per_process_memory_fraction" in RELEASES[r]["keys"])
+
+
+@pytest.mark.parametrize("release", FRACTION_KEY)
+@pytest.mark.parametrize("var", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
+@pytest.mark.parametrize("ours", [None, "1"])
+def test_the_users_per_process_memory_fraction_wins(venv, tmp_path, release, var, ours):
+    # torch applies the key when CUDA initialises, before the lazy-init queue
+    # runs: a fraction set from the queue would overwrite it (0.95, or no cap
+    # at all with OUTOFCUDA_MEMORY_FRACTION=1).
+    rep, r = run_release(venv, tmp_path, release, env={
+        var: "per_process_memory_fraction:0.5", "OUTOFCUDA_MEMORY_FRACTION": ours})
+    assert r.stderr == ""
+    assert "per_process_memory_fraction:0.5" in rep["conf_read"]
+    assert "_cuda_setMemoryFraction" not in names(rep)
+    opts = rep["status"]["optimizations"]
+    assert not opts["memory_fraction"]["applied"]
+    assert f"{var} sets per_process_memory_fraction:0.5" in opts["memory_fraction"]["reason"]
+    assert opts["allocator"]["applied"] and "user's keys kept" in opts["allocator"]["reason"]
+    assert rep["status"]["hook"]["error"] is None
+
+
+def test_a_fraction_the_program_gives_torch_before_cuda_starts_wins(venv, tmp_path):
+    # Through the runtime setter after import: read again when CUDA starts.
+    code = REPORT.replace("torch.cuda._fake_cuda_init()", "torch._C.allocator_settings = "
+                          "'per_process_memory_fraction:0.25'\n"
+                          "torch._C._accelerator_getAllocatorSettings = "
+                          "lambda: torch._C.allocator_settings\ntorch.cuda._fake_cuda_init()")
+    rep, _ = run_release(venv, tmp_path, "2.14.1", code=code)
+    assert "_cuda_setMemoryFraction" not in names(rep)
+    reason = rep["status"]["optimizations"]["memory_fraction"]["reason"]
+    assert "torch's allocator settings hold per_process_memory_fraction:0.25" in reason, reason
+
+
+# ---- children spawned while torch imports ----
+
+# Every import inside `import torch` passes this audit hook, on the importing
+# thread: what it sees in the environment is what a child spawned then (a
+# thread's subprocess.run) would inherit.
+WATCH_ENV = """
+import os, sys
+SEEN_WHILE_IMPORTING = set()
+def _watch(event, args):
+    if event == "import":
+        for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+            if os.environ.get(k) is not None:
+                SEEN_WHILE_IMPORTING.add(k + "=" + os.environ[k])
+sys.addaudithook(_watch)
+"""
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_the_environment_is_never_written_where_a_runtime_setter_configures(venv, tmp_path,
+                                                                            release):
+    code = WATCH_ENV + REPORT.replace("'status':", "'seen': sorted(SEEN_WHILE_IMPORTING), 'status':")
+    rep, r = run_release(venv, tmp_path, release, code=code)
+    assert r.stderr == ""
+    alloc = rep["status"]["optimizations"]["allocator"]
+    assert alloc["applied"] and rep["conf_read"] == alloc["value"]
+    if ACCEL in RELEASES[release]["c"]:
+        assert rep["seen"] == [], rep["seen"]
+        assert "environment never written" in alloc["reason"]
+    else:
+        # Before 2.9 the variable holds the string while torch imports (the
+        # window the README names), and is given back right after.
+        assert rep["seen"] == [f"PYTORCH_CUDA_ALLOC_CONF={alloc['value']}"]
+        assert "restored for child processes" in alloc["reason"]
+    assert set(rep["env_now"].values()) == {None}
+
+
+def test_a_backend_outofcuda_adds_is_written_for_the_import_alone(venv, tmp_path):
+    # `backend` is read only while torch's libraries load.
+    code = WATCH_ENV + REPORT.replace("'status':", "'seen': sorted(SEEN_WHILE_IMPORTING), 'status':")
+    rep, _ = run_release(venv, tmp_path, "2.14.1", code=code,
+                         env={"OUTOFCUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    assert rep["env_at_load"]["PYTORCH_ALLOC_CONF"] == "backend:cudaMallocAsync"
+    assert rep["seen"] == ["PYTORCH_ALLOC_CONF=backend:cudaMallocAsync"]
+    assert set(rep["env_now"].values()) == {None}
+
+
+def test_a_failing_lazy_call_leaves_nothing_saying_queued(venv, tmp_path):
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    cuda = root / "torch" / "cuda" / "__init__.py"
+    cuda.write_text(cuda.read_text().replace(
+        "def _lazy_call(callable, **kwargs):\n",
+        "def _lazy_call(callable, **kwargs):\n    raise RuntimeError('queue refused')\n"))
+    r = venv.run("import json, torch, _outofcuda\nprint(json.dumps(_outofcuda.status()))",
+                 env={"PYTHONPATH": str(root)}, cwd=tmp_path)
+    st = last_json(r)
+    opts = st["optimizations"]
+    for name in ("tf32", "memory_fraction", "oom_handler"):
+        assert not opts[name]["applied"] and not opts[name].get("queued"), (name, opts[name])
+        assert "_lazy_call failed" in opts[name]["reason"], (name, opts[name])
+    assert "queue refused" in st["hook"]["error"]

@@ -557,7 +557,7 @@ def test_uncaught_oom_report_once_cuda_initialised_then_chains(venv, tmp_path, w
     # Before CUDA initialises: Python's own hooks, and the user's hook untouched.
     assert out["before_user"] == [True, True]
     assert out["before"]["hooks"] == [False, True] and out["before"]["earlier"] is True
-    assert out["before"]["status"]["applied"] is True
+    assert out["before"]["status"]["queued"] is True
     assert out["before"]["status"]["value"]["hooks"] == "installed when CUDA initialises"
     assert out["before"]["status"]["value"]["observer"] == "attached when CUDA initialises"
     # At CUDA initialisation: both installed once, the observer attached once.
