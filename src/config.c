@@ -283,7 +283,7 @@ void oc_config_check_names(oc_config *cfg, char *const *env)
 {
     static const char prefix[] = "OUTOFCUDA_";
     for (; env != NULL && *env != NULL; env++) {
-        char name[128] = "", shown[200], hint[160] = "";
+        char name[128] = "", shown[128], hint[96] = "";
         const char *eq = strchr(*env, '='), *closest = NULL;
         size_t len = eq ? (size_t)(eq - *env) : strlen(*env), best = 4;
         if (strncmp(*env, prefix, sizeof prefix - 1) != 0 || cfg->n_warnings >= OC_WARN_MAX)

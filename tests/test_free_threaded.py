@@ -167,7 +167,7 @@ def test_engine_declares_py_mod_gil_only_where_python_knows_it(wheel, tmp_path, 
 
 # ---- the experimental abi3t build (OC_ABI3T) on a real Python 3.15 ----
 # A Debian sid root with python3.15 and gcc (the one .ci/run builds);
-# OUTOFCUDA_TEST_SID_CHROOT names it. Both extensions are compiled by hand for
+# OUTOFCUDA_TEST_CHROOT names it. Both extensions are compiled by hand for
 # abi3t (setuptools builds abi3t only when a free-threaded interpreter runs it),
 # installed into a fresh 3.15 venv beside the package and the .pth line, and a
 # stand-in torch 2.14.1 is imported under -W error.
@@ -178,6 +178,8 @@ F="-std=c11 -Wall -Wextra -Werror -fvisibility=hidden -fPIC -shared -D_GNU_SOURC
 T="-DOC_ABI3T -DPy_LIMITED_API=0x030f0000 -DPy_TARGET_ABI3T=0x030f0000"
 gcc $F $T src/boot.c -o outofcuda_hook.abi3t.so
 gcc $F $T $(ls src/*.c | grep -v boot.c) -ldl -lpthread -o _outofcuda.abi3t.so
+# the line the wheel would carry for this boot: its file name and size
+sed -i "s/abi3\\.so/abi3t.so/; s/BOOT_SIZE/$(stat -c %s outofcuda_hook.abi3t.so)/" outofcuda_hook.pth
 python3.15 -m venv --without-pip v
 SITE=$(v/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 cp -r outofcuda outofcuda_hook.pth outofcuda_hook.abi3t.so _outofcuda.abi3t.so "$SITE/"
@@ -209,9 +211,9 @@ def test_abi3t_build_loads_and_works_on_gil_enabled_315(tmp_path):
     import os
     import shutil
 
-    root = os.environ.get("OUTOFCUDA_TEST_SID_CHROOT")
+    root = os.environ.get("OUTOFCUDA_TEST_CHROOT")
     if not root or not Path(root, "usr/bin/python3.15").exists():
-        pytest.skip("OUTOFCUDA_TEST_SID_CHROOT does not name a root with python3.15 and gcc")
+        pytest.skip("OUTOFCUDA_TEST_CHROOT does not name a root with python3.15 and gcc")
     work = Path(root, "tmp", f"oc-abi3t-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
