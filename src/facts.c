@@ -79,9 +79,9 @@ PyMethodDef oc_facts_methods[] = {
     {"_tf32_forced_off", py_tf32_forced_off, METH_NOARGS,
      "_tf32_forced_off()\n--\n\nNVIDIA_TF32_OVERRIDE turns TF32 off in NVIDIA's libraries."},
     {"_alloc_var", py_alloc_var, METH_VARARGS,
-     "_alloc_var(torch_version=None)\n--\n\n(name, value or None) of the allocator variable "
+     "_alloc_var(torch_version=None, /)\n--\n\n(name, value or None) of the allocator variable "
      "that torch release reads."},
     {"_alloc_expandable", py_alloc_expandable, METH_O,
-     "_alloc_expandable(conf)\n--\n\nThe allocator string turns expandable segments on."},
+     "_alloc_expandable(conf, /)\n--\n\nThe allocator string turns expandable segments on."},
     {NULL, NULL, 0, NULL},
 };

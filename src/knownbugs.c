@@ -491,8 +491,9 @@ static PyObject *visible_ccs_py(PyObject *self, PyObject *unused)
 
 PyMethodDef oc_known_bugs_methods[] = {
     {"_visible_ccs", visible_ccs_py, METH_NOARGS,
-     "Compute capabilities (major*10+minor) of the visible GPUs, from NVML."},
+     "_visible_ccs()\n--\n\nCompute capabilities (major*10+minor) of the visible GPUs, from NVML."},
     {"_known_bugs_check", known_bugs_check_py, METH_VARARGS,
+     "_known_bugs_check(torch_version, cuda_build, cudnn, ccs, env, /)\n--\n\n"
      "Evaluate the known-bugs table on given facts (nothing is changed)."},
     {NULL, NULL, 0, NULL},
 };

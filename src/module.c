@@ -213,11 +213,14 @@ static PyMethodDef module_methods[] = {
      "raises). outofcuda.apply() calls it; the boot calls it when torch is already imported."},
     {"config", oc_config_py, METH_NOARGS,
      "config()\n--\n\nThe OUTOFCUDA_* configuration as read from the environment."},
-    {"_parse_config", oc_parse_config_py, METH_O, "Parse a dict as if it were the environment."},
+    {"_parse_config", oc_parse_config_py, METH_O,
+     "_parse_config($module, env, /)\n--\n\nParse a dict as if it were the environment."},
     {"_settings", oc_settings_py, METH_NOARGS,
      "_settings()\n--\n\nThe table of every environment variable outofcuda reads."},
     {"_merge_alloc_conf", (PyCFunction)(void (*)(void))oc_merge_alloc_conf_py,
-     METH_VARARGS | METH_KEYWORDS, "Merge allocator strings; the user's keys win."},
+     METH_VARARGS | METH_KEYWORDS,
+     "_merge_alloc_conf($module, defaults, user, torch_version=None, no_expandable='')\n--\n\n"
+     "Merge allocator strings; the user's keys win."},
     {NULL, NULL, 0, NULL},
 };
 

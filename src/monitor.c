@@ -710,15 +710,19 @@ static PyObject *py_monitor_events(PyObject *self, PyObject *capsule)
 static PyMethodDef monitor_methods[] = {
     {"_monitor_start", py_monitor_start, METH_VARARGS,
      "_monitor_start(device, threshold, interval, cooldown, on_high, capacity, "
-     "allocator_stats, source)\n--\n\nStart a native watchdog; returns its handle."},
-    {"_monitor_stop", py_monitor_stop, METH_O, "Stop and join a watchdog (idempotent)."},
+     "allocator_stats, source, /)\n--\n\nStart a native watchdog; returns its handle."},
+    {"_monitor_stop", py_monitor_stop, METH_O,
+     "_monitor_stop(handle, /)\n--\n\nStop and join a watchdog (idempotent)."},
     {"_monitor_stop_all", py_monitor_stop_all, METH_VARARGS,
-     "_monitor_stop_all(shutdown=False)\n--\n\n"
+     "_monitor_stop_all(shutdown=False, /)\n--\n\n"
      "Stop every running watchdog; returns how many were running. shutdown=True (atexit) "
      "also starts no watchdog from then on."},
-    {"_monitor_info", py_monitor_info, METH_O, "State of a watchdog."},
-    {"_monitor_samples", py_monitor_samples, METH_O, "The watchdog's timeline."},
-    {"_monitor_events", py_monitor_events, METH_O, "What the watchdog did."},
+    {"_monitor_info", py_monitor_info, METH_O,
+     "_monitor_info(handle, /)\n--\n\nState of a watchdog."},
+    {"_monitor_samples", py_monitor_samples, METH_O,
+     "_monitor_samples(handle, /)\n--\n\nThe watchdog's timeline."},
+    {"_monitor_events", py_monitor_events, METH_O,
+     "_monitor_events(handle, /)\n--\n\nWhat the watchdog did."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -988,7 +988,7 @@ PyMethodDef oc_oom_methods[] = {
     {"_oom_advice", (PyCFunction)(void (*)(void))py_oom_advice, METH_VARARGS | METH_KEYWORDS,
      "_oom_advice(**figures)\n--\n\nRanked actions (list of str) that fit an OOM's figures."},
     {"_oom_observer", oom_observer, METH_VARARGS,
-     "_oom_observer(device, alloc, device_limit, device_free)\n--\n\nThe callable outofcuda "
+     "_oom_observer(device, alloc, device_limit, device_free, /)\n--\n\nThe callable outofcuda "
      "attaches with torch._C._cuda_attach_out_of_memory_observer."},
     {NULL, NULL, 0, NULL},
 };

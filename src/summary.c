@@ -733,7 +733,7 @@ static PyObject *py_summary_stats(PyObject *self, PyObject *unused)
 
 PyMethodDef oc_summary_methods[] = {
     {"_summary_start", py_summary_start, METH_VARARGS,
-     "_summary_start(devices, interval_ms=200)\n--\n\nTEST ONLY: start the exit summary's "
+     "_summary_start(devices, interval_ms=200, /)\n--\n\nTEST ONLY: start the exit summary's "
      "sampler for these CUDA device indices as CUDA initialisation would."},
     {"_summary_stats", py_summary_stats, METH_NOARGS,
      "_summary_stats()\n--\n\nThe exit summary's aggregates so far (for tests)."},
