@@ -48,7 +48,7 @@ const oc_known_bug *oc_known_bug_at(size_t i)
     return i < oc_known_bug_count() ? &table[i] : NULL;
 }
 
-int oc_range_has(oc_range r, long v)
+static int oc_range_has(oc_range r, long v)
 {
     return v >= r.lo && (r.hi == 0 || v < r.hi);
 }

@@ -157,7 +157,7 @@ int oc_nvml_device_info(int index, oc_gpu_info *out)
     return 0;
 }
 
-int oc_nvml_driver_version(char *buf, size_t sz)
+static int oc_nvml_driver_version(char *buf, size_t sz)
 {
     buf[0] = '\0';
     if (!oc_nvml_available(NULL, 0) || nv.driver == NULL)

@@ -130,7 +130,6 @@ typedef struct {
 
 size_t oc_setting_count(void);
 const oc_setting *oc_setting_at(size_t i);            /* NULL past the end */
-const oc_setting *oc_setting_named(const char *name); /* NULL when not in the table */
 /* getenv() of a variable of the table; every read of the environment goes
  * through here (the boot, which links nothing, reads its two itself). */
 const char *oc_env(const char *name);
@@ -208,7 +207,6 @@ const char *oc_alloc_env_name(long ver);
 typedef struct {
     long lo, hi;
 } oc_range;
-int oc_range_has(oc_range r, long v);
 
 typedef enum { OC_KB_SDPA_NO_CUDNN = 1 } oc_kb_action;
 
@@ -271,7 +269,6 @@ typedef struct {
     int order;
     char text[OC_ADVICE_LEN];
 } oc_advice_item;
-void oc_advice_rank(oc_advice_item *items, int n);
 /* "512 MiB" under a GiB, else "1.50 GiB". */
 void oc_fmt_bytes(unsigned long long b, char *buf, size_t sz);
 
@@ -387,7 +384,6 @@ const char *oc_framework_in_use(char *why, size_t whysz);
 int oc_result_set(const char *name, int applied, PyObject *value, const char *reason);
 int oc_result_setf(const char *name, int applied, PyObject *value, const char *fmt, ...);
 void oc_result_set_all(const char *reason); /* every optimisation skipped for reason */
-PyObject *oc_status(PyObject *self, PyObject *unused);
 void oc_report_verbose(void);
 extern PyMethodDef oc_report_methods[];
 
@@ -401,7 +397,6 @@ typedef struct {
 int oc_nvml_available(char *why, size_t whysz);       /* 1 yes, 0 no (why filled) */
 int oc_nvml_device_count(void);                       /* -1 when unavailable */
 int oc_nvml_device_info(int index, oc_gpu_info *out); /* 0 ok, -1 */
-int oc_nvml_driver_version(char *buf, size_t sz);
 typedef struct {
     unsigned int pid;
     unsigned long long used;
@@ -446,6 +441,7 @@ extern PyMethodDef oc_facts_methods[];
 
 /* monitor.c */
 int oc_monitor_add_type(PyObject *module);
+extern PyMethodDef oc_monitor_testing_methods[]; /* the test door */
 
 /* small helpers (common.c) */
 PyObject *oc_getattr_chain(PyObject *obj, const char *dotted);
@@ -503,5 +499,6 @@ double oc_thread_now(void); /* CLOCK_MONOTONIC, in seconds */
 int oc_summary_prepare(void);       /* with torch imported: 1 when the step has work */
 void oc_summary_at_cuda_init(void); /* a step of the CUDA-init callback */
 extern PyMethodDef oc_summary_methods[];
+extern PyMethodDef oc_summary_testing_methods[]; /* the test door */
 #endif /* OC_PURE_C */
 #endif /* OC_H */

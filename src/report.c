@@ -252,7 +252,7 @@ static PyObject *optimizations(void)
     return d;
 }
 
-PyObject *oc_status(PyObject *self, PyObject *unused)
+static PyObject *oc_status(PyObject *self, PyObject *unused)
 {
     PyObject *opts, *warnings, *res, *bugs;
     (void)self;

@@ -98,7 +98,7 @@ const oc_setting *oc_setting_at(size_t i)
     return i < oc_setting_count() ? &settings[i] : NULL;
 }
 
-const oc_setting *oc_setting_named(const char *name)
+static const oc_setting *oc_setting_named(const char *name)
 {
     for (size_t i = 0; name != NULL && i < oc_setting_count(); i++) {
         if (strcmp(settings[i].name, name) == 0)

@@ -348,7 +348,7 @@ def test_an_absurd_interval_is_refused_and_bounded_in_c(venv, workdir):
         for interval in (1e19, float("inf"), 1e300, 9.3e18):
             # The C layer clamps what the Python layer would refuse: no
             # overflowed deadline, no spinning wait holding the lock.
-            h = core._monitor_start(0, 0.5, interval, 0.0, None, 10, False, SRC)
+            h = core._testing.monitor_start(0, 0.5, interval, 0.0, None, 10, False, SRC)
             need(lambda: core._monitor_info(h)["count"] >= 1, f"a first sample at {interval}")
             core._monitor_stop(h)
             stopped.append(core._monitor_info(h)["running"])
@@ -359,7 +359,8 @@ def test_an_absurd_interval_is_refused_and_bounded_in_c(venv, workdir):
                      (0.5, 1.0, -1.0, 10), (0.5, 1.0, 0.0, 0), (0.5, 1.0, 0.0, -5)]:
             threshold, interval, cooldown, capacity = args
             try:
-                core._monitor_start(0, threshold, interval, cooldown, None, capacity, False, SRC)
+                core._testing.monitor_start(0, threshold, interval, cooldown, None, capacity,
+                                            False, SRC)
                 c_refused.append(None)
             except ValueError as e:
                 c_refused.append(str(e))
