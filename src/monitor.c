@@ -492,12 +492,11 @@ static PyObject *monitor_start(PyObject *args, int with_source)
     Py_ssize_t capacity;
     int device, alloc_stats, rc;
     double threshold, interval, cooldown;
-    if (!(with_source ? PyArg_ParseTuple(args, "idddOnps:monitor_start", &device, &threshold,
-                                         &interval, &cooldown, &on_high, &capacity,
-                                         &alloc_stats, &source)
-                      : PyArg_ParseTuple(args, "idddOnp:_monitor_start", &device, &threshold,
-                                         &interval, &cooldown, &on_high, &capacity,
-                                         &alloc_stats)))
+    if (!(with_source
+              ? PyArg_ParseTuple(args, "idddOnps:monitor_start", &device, &threshold, &interval,
+                                 &cooldown, &on_high, &capacity, &alloc_stats, &source)
+              : PyArg_ParseTuple(args, "idddOnp:_monitor_start", &device, &threshold, &interval,
+                                 &cooldown, &on_high, &capacity, &alloc_stats)))
         return NULL;
     if (!(threshold > 0.0 && threshold <= 1.0) || !(interval > 0.0) || !(cooldown >= 0.0) ||
         capacity < 1 || (size_t)capacity > SIZE_MAX / sizeof(mon_sample) || device < 0 ||

@@ -129,7 +129,7 @@ typedef struct {
 } oc_setting;
 
 size_t oc_setting_count(void);
-const oc_setting *oc_setting_at(size_t i);            /* NULL past the end */
+const oc_setting *oc_setting_at(size_t i); /* NULL past the end */
 /* getenv() of a variable of the table; every read of the environment goes
  * through here (the boot, which links nothing, reads its two itself). */
 const char *oc_env(const char *name);
@@ -441,7 +441,8 @@ extern PyMethodDef oc_facts_methods[];
 
 /* monitor.c */
 int oc_monitor_add_type(PyObject *module);
-extern PyMethodDef oc_monitor_testing_methods[]; /* the test door */
+/* Behind the test door, _outofcuda._testing (module.c). */
+extern PyMethodDef oc_monitor_testing_methods[];
 
 /* small helpers (common.c) */
 PyObject *oc_getattr_chain(PyObject *obj, const char *dotted);
@@ -499,6 +500,7 @@ double oc_thread_now(void); /* CLOCK_MONOTONIC, in seconds */
 int oc_summary_prepare(void);       /* with torch imported: 1 when the step has work */
 void oc_summary_at_cuda_init(void); /* a step of the CUDA-init callback */
 extern PyMethodDef oc_summary_methods[];
-extern PyMethodDef oc_summary_testing_methods[]; /* the test door */
+/* Behind the test door, _outofcuda._testing (module.c). */
+extern PyMethodDef oc_summary_testing_methods[];
 #endif /* OC_PURE_C */
 #endif /* OC_H */

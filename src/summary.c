@@ -664,8 +664,8 @@ static PyObject *py_summary_start(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "O|l", &seq, &interval_ms))
         return NULL;
     if (interval_ms < MIN_INTERVAL_MS || interval_ms > MAX_INTERVAL_MS) {
-        PyErr_Format(PyExc_ValueError, "summary_start: interval_ms must be %d..%d",
-                     MIN_INTERVAL_MS, MAX_INTERVAL_MS);
+        PyErr_Format(PyExc_ValueError, "summary_start: interval_ms must be %d..%d", MIN_INTERVAL_MS,
+                     MAX_INTERVAL_MS);
         return NULL;
     }
     count = PyList_Check(seq) || PyTuple_Check(seq) ? PySequence_Size(seq) : -1;

@@ -284,8 +284,8 @@ static PyObject *find_torch_spec(PyObject *module, PyObject *args, PyObject *kw)
 PyMethodDef oc_watcher_methods[] = {
     {OC_ENGINE_FIND_SPEC, (PyCFunction)(void (*)(void))find_torch_spec,
      METH_VARARGS | METH_KEYWORDS,
-     OC_ENGINE_FIND_SPEC "(finder, fullname, path=None, target=None)\n--\n\n"
-     "The torch lookup of the boot's finder."},
+     "_find_torch_spec(finder, fullname, path=None, target=None)\n--\n\nThe torch lookup of "
+     "the boot's finder."},
     {NULL, NULL, 0, NULL},
 };
 
