@@ -86,12 +86,13 @@ fi
 site="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 if ! (cd "$CHECKOUT" && timeout 240 "$VPY" - "$WORK/wheel" "$site" >> "$OUT/install.log" 2>&1 <<'EOF'
 import os, sys, zipfile
+out, site = sys.argv[1:3]  # read first: the build hook rewrites sys.argv
 from setuptools import build_meta
-os.makedirs(sys.argv[1], exist_ok=True)
-name = build_meta.build_wheel(sys.argv[1])
-with zipfile.ZipFile(os.path.join(sys.argv[1], name)) as z:
-    z.extractall(sys.argv[2])
-print("installed", name, "into", sys.argv[2])
+os.makedirs(out, exist_ok=True)
+name = build_meta.build_wheel(out)
+with zipfile.ZipFile(os.path.join(out, name)) as z:
+    z.extractall(site)
+print("installed", name, "into", site)
 EOF
 ); then
     note "building or installing the wheel failed: see install.log"
