@@ -8,16 +8,46 @@
 # expandable segments), gain.log, gain.json, gain.md, gain.png.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh
+#   OUT=/tmp/dry bash benchmarks/gpu_check.sh --dry-run
+#
+# --dry-run: every step on a machine without a GPU (the suite runs it,
+# tests/test_gpu_dry_run.py), so the first run on a lent GPU cannot die of a
+# typo, a missing import or a wrong path: tests/gpu with tiny shapes, "cuda"
+# made the CPU and the stand-in NVIDIA library (tests/gpu/conftest.py), the
+# benchmark at its smoke sizes. It measures nothing.
+#
+# The package goes into a virtual environment made here that sees the
+# interpreter's own packages (torch, pytest, setuptools), built with those and
+# no network: the interpreter itself is left as it was, which also works where
+# it is marked externally managed.
 set -u
+DRY=0
+case "${1:-}" in
+    "") ;;
+    --dry-run) DRY=1 ;;
+    *) echo "usage: gpu_check.sh [--dry-run]" >&2; exit 2 ;;
+esac
+# The checkout is where this script lives, wherever it is started from.
+CHECKOUT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$PWD/gpu-check-out}"
 mkdir -p "$OUT"
-PY="${PYTHON:-python}"
+OUT="$(cd "$OUT" && pwd)"
+if [ -n "${PYTHON:-}" ]; then
+    PY="$PYTHON"
+elif command -v python > /dev/null 2>&1; then
+    PY=python
+else
+    PY=python3
+fi
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+[ "$DRY" = 1 ] && note "DRY RUN: the CPU in the GPU's place; no figure here is a GPU's"
 
 if ! "$PY" -c "import torch" >> "$SUMMARY" 2>&1; then
-    note "torch is not importable (error above)"
+    note "torch is not importable with $PY (error above)"
     exit 1
 fi
 "$PY" - >> "$SUMMARY" 2>&1 <<'EOF'
@@ -25,52 +55,93 @@ import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda,
       "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 EOF
-note "nvidia-smi: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1)"
-# This script is the proof that the GPU paths work: without a usable GPU it
-# fails instead of reporting skipped tests as a pass.
-if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >> "$SUMMARY" 2>&1; then
-    note "FAIL: torch.cuda.is_available() is False: nothing here can be verified"
-    exit 1
+if [ "$DRY" = 1 ]; then
+    note "nvidia-smi: not asked (dry run)"
+else
+    note "nvidia-smi: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1)"
+    # This script is the proof that the GPU paths work: without a usable GPU it
+    # fails instead of reporting skipped tests as a pass.
+    if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >> "$SUMMARY" 2>&1; then
+        note "FAIL: torch.cuda.is_available() is False: nothing here can be verified"
+        exit 1
+    fi
 fi
 
 # Installed, not in place: the hook file only exists in an installed package.
-# No network there: build with the setuptools already installed.
-if ! timeout 240 "$PY" -m pip install -q --no-deps --no-build-isolation --force-reinstall . > "$OUT/install.log" 2>&1; then
-    note "pip install . failed: see install.log"
+VENV="$WORK/venv"
+: > "$OUT/install.log"
+if "$PY" -m venv --without-pip "$VENV" >> "$OUT/install.log" 2>&1; then
+    VPY="$VENV/bin/python"
+    # Every folder of the interpreter's sys.path, after the environment's own
+    # site-packages: torch, pytest and setuptools as installed there.
+    site="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    "$PY" -c 'import sys; print("\n".join(p for p in sys.path if p))' > "$site/_gpu_check_base.pth"
+else
+    note "no virtual environment could be made (install.log): installing into $PY itself"
+    VPY="$PY"
+    VENV=""
+fi
+# Built by setuptools' own build hook and unpacked by hand: no pip (the GPU
+# machine need not have it), no network, nothing downloaded.
+site="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+if ! (cd "$CHECKOUT" && timeout 240 "$VPY" - "$WORK/wheel" "$site" >> "$OUT/install.log" 2>&1 <<'EOF'
+import os, sys, zipfile
+out, site = sys.argv[1:3]  # read first: the build hook rewrites sys.argv
+from setuptools import build_meta
+os.makedirs(out, exist_ok=True)
+name = build_meta.build_wheel(out)
+with zipfile.ZipFile(os.path.join(out, name)) as z:
+    z.extractall(site)
+print("installed", name, "into", site)
+EOF
+); then
+    note "building or installing the wheel failed: see install.log"
     exit 1
 fi
-note "installed: $("$PY" -c 'import _outofcuda; print(_outofcuda.__file__)' 2>&1)"
-"$PY" -m outofcuda status > "$OUT/status.txt" 2>&1
+# From $OUT, so the checkout's outofcuda/ folder cannot stand in for the
+# installed package.
+installed="$(cd "$OUT" && "$VPY" -c 'import _outofcuda, outofcuda; print(_outofcuda.__file__, outofcuda.__file__)' 2>&1)"
+note "installed: $installed"
+case "$installed" in
+    "$VENV"*" $VENV"*) ;;
+    *) note "FAIL: the import is not the package just installed"; exit 1 ;;
+esac
+(cd "$OUT" && "$VPY" -m outofcuda status > "$OUT/status.txt" 2>&1)
 note "outofcuda status exit $?"
 
 rc=0
-# From a folder outside the checkout so `import outofcuda` is the installed one.
-TESTS="$PWD/tests/gpu"
+TESTS="$CHECKOUT/tests/gpu"
 if [ -d "$TESTS" ]; then
-    # OUTOFCUDA_REQUIRE_GPU=1: the `gpu` fixture fails where it would skip.
-    (cd "$OUT" && OUTOFCUDA_REQUIRE_GPU=1 OUTOFCUDA_GPU_FIGURES="$OUT" \
-        OUTOFCUDA_TEST_PYTHON="$(command -v "$PY")" timeout 200 \
-        "$PY" -m pytest "$TESTS" -q -rs -p no:cacheprovider --continue-on-collection-errors > "$OUT/gpu_tests.log" 2>&1)
+    # From a folder outside the checkout so `import outofcuda` is the installed
+    # one. OUTOFCUDA_REQUIRE_GPU=1: the `gpu` fixture fails where it would skip.
+    (cd "$OUT" && OUTOFCUDA_REQUIRE_GPU=1 OUTOFCUDA_GPU_DRY_RUN="$DRY" OUTOFCUDA_GPU_FIGURES="$OUT" \
+        OUTOFCUDA_TEST_PYTHON="$VPY" timeout "$([ "$DRY" = 1 ] && echo 900 || echo 200)" \
+        "$VPY" -m pytest "$TESTS" -v -rsx -p no:cacheprovider --continue-on-collection-errors > "$OUT/gpu_tests.log" 2>&1)
     t=$?
     last="$(tail -1 "$OUT/gpu_tests.log")"
     note "gpu tests exit $t: $last"
-    grep -E "^SKIPPED" "$OUT/gpu_tests.log" | tee -a "$SUMMARY"
+    grep -E "^(SKIPPED|XFAIL)" "$OUT/gpu_tests.log" | tee -a "$SUMMARY"
     # Allocator without max_split_size_mb beside expandable segments: reserved
     # memory per live peak after the fragmenting pattern (tests/gpu/test_hook.py).
-    "$PY" -c "import json, sys; d = json.load(open(sys.argv[1])); print('fragment reserved/peak:', ', '.join(f'{k} {v[\"reserved_per_peak\"]:.2f}' for k, v in d.items()))" \
+    "$VPY" -c "import json, sys; d = json.load(open(sys.argv[1])); print('fragment reserved/peak:', ', '.join(f'{k} {v[\"reserved_per_peak\"]:.2f}' for k, v in d.items()))" \
         "$OUT/fragment.json" >> "$SUMMARY" 2>&1 || note "fragment.json missing (test_default_allocator_reuses_freed_blocks_inside_expandable_segments did not run)"
     [ "$t" -ne 0 ] && rc=1
-    if ! echo "$last" | grep -q " passed"; then
+    if [ "$DRY" = 0 ] && ! echo "$last" | grep -q " passed"; then
         note "FAIL: no GPU test passed"
         rc=1
     fi
 else
-    note "no tests/gpu folder"
+    note "FAIL: no tests/gpu folder in $CHECKOUT"
+    rc=1
 fi
 
-timeout 300 "$PY" benchmarks/gain.py --out "$OUT" --timeout 120 > "$OUT/gain.log" 2>&1
+SMOKE=()
+[ "$DRY" = 1 ] && SMOKE=(--smoke)
+(cd "$OUT" && timeout 300 "$VPY" "$CHECKOUT/benchmarks/gain.py" ${SMOKE[@]+"${SMOKE[@]}"} --out "$OUT" \
+    --timeout 120 > "$OUT/gain.log" 2>&1)
 g=$?
 note "gain benchmark exit $g (table: gain.md, data: gain.json, chart: gain.png if matplotlib)"
 [ "$g" -ne 0 ] && rc=1
 grep -E "^\| (gpt|cnn|mlp)" "$OUT/gain.md" 2>/dev/null | head -30 >> "$SUMMARY"
+note "gpu check exit $rc"
 exit $rc

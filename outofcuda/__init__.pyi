@@ -19,7 +19,10 @@ import torch
 from torch.utils.data import DataLoader
 
 __version__: str
-__all__: List[str]
+
+__all__ = ["status", "apply", "config", "autocast_context", "compile_model", "smart_dataloader",
+           "memory_report", "clear_cache", "MemoryMonitor", "CudaOptimizer", "last_oom",
+           "auto_microbatch", "find_batch_size"]
 
 _M = TypeVar("_M", bound=torch.nn.Module)
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -46,7 +46,7 @@ static int by_score(const void *a, const void *b)
     return x->order - y->order;
 }
 
-void oc_advice_rank(oc_advice_item *items, int n)
+static void oc_advice_rank(oc_advice_item *items, int n)
 {
     if (n > 1)
         qsort(items, (size_t)n, sizeof *items, by_score);

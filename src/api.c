@@ -535,19 +535,19 @@ static PyObject *py_microbatch_split(PyObject *self, PyObject *unused)
 
 PyMethodDef oc_api_methods[] = {
     {"_grad_set_aside", py_grad_set_aside, METH_VARARGS,
-     "_grad_set_aside(loss, saved)\n--\n\nSets aside the gradient of every leaf backward() "
+     "_grad_set_aside(loss, saved, /)\n--\n\nSets aside the gradient of every leaf backward() "
      "of loss reaches, recording it in saved (id -> (leaf, gradient at entry))."},
     {"_microbatch_split", py_microbatch_split, METH_NOARGS,
      "_microbatch_split()\n--\n\nCounts one auto_microbatch split; returns the process's "
      "total."},
     {"_api_autocast_dtype", py_autocast_dtype, METH_O,
-     "_api_autocast_dtype(device_type)\n--\n\n(dtype name or None, reason) for torch.autocast."},
+     "_api_autocast_dtype(device_type, /)\n--\n\n(dtype name or None, reason) for torch.autocast."},
     {"_api_loader_plan", (PyCFunction)(void (*)(void))py_loader_plan, METH_VARARGS | METH_KEYWORDS,
      "_api_loader_plan(cuda_available, num_workers=-1, shm_path='/dev/shm', "
      "shm_min_bytes=...)\n--\n\n"
      "DataLoader arguments outofcuda proposes."},
     {"_api_memory_format", py_memory_format, METH_VARARGS,
-     "_api_memory_format(has_4d, has_5d, channels_last=None)\n--\n\n(memory format or None, "
+     "_api_memory_format(has_4d, has_5d, channels_last=None, /)\n--\n\n(memory format or None, "
      "reason)."},
     {"_api_memory_report", py_memory_report, METH_NOARGS,
      "_api_memory_report()\n--\n\nPer-device memory figures; never initialises CUDA."},

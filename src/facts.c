@@ -6,25 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Applies verdict to the whole of str's UTF-8 text (no length cap, so a long
- * value is never judged by a cut copy). Returns its answer, or -1 with an
- * exception when str is not a str. */
-static int on_text(PyObject *str, const char *what, int (*verdict)(const char *))
-{
-    PyObject *bytes;
-    int r;
-    if (!PyUnicode_Check(str)) {
-        PyErr_Format(PyExc_TypeError, "%s expects a str", what);
-        return -1;
-    }
-    bytes = PyUnicode_AsEncodedString(str, "utf-8", "surrogateescape");
-    if (bytes == NULL)
-        return -1;
-    r = verdict(PyBytes_AsString(bytes));
-    Py_DECREF(bytes);
-    return r;
-}
-
 /* _disabled_by_env() -> bool: OUTOFCUDA_DISABLE turns outofcuda off (as the
  * boot and the engine read it: C-locale blanks trimmed). */
 static PyObject *py_disabled_by_env(PyObject *self, PyObject *unused)
@@ -57,20 +38,6 @@ static PyObject *py_alloc_var(PyObject *self, PyObject *args)
         return Py_BuildValue("(sO)", name, Py_None);
     return Py_BuildValue("(sN)", name,
                          PyUnicode_DecodeUTF8(value, (Py_ssize_t)strlen(value), "replace"));
-}
-
-/* _alloc_expandable(conf) -> bool: the allocator string turns expandable
- * segments on. */
-static PyObject *py_alloc_expandable(PyObject *self, PyObject *arg)
-{
-    int on;
-    (void)self;
-    if (arg == Py_None)
-        Py_RETURN_FALSE;
-    on = on_text(arg, "_alloc_expandable", oc_alloc_expandable);
-    if (on < 0)
-        return NULL;
-    return PyBool_FromLong(on);
 }
 
 /* _alloc_vars() -> tuple: the allocator variables in the order torch 2.11+
@@ -153,16 +120,14 @@ PyMethodDef oc_facts_methods[] = {
     {"_tf32_forced_off", py_tf32_forced_off, METH_NOARGS,
      "_tf32_forced_off()\n--\n\nNVIDIA_TF32_OVERRIDE turns TF32 off in NVIDIA's libraries."},
     {"_alloc_var", py_alloc_var, METH_VARARGS,
-     "_alloc_var(torch_version=None)\n--\n\n(name, value or None) of the allocator variable "
+     "_alloc_var(torch_version=None, /)\n--\n\n(name, value or None) of the allocator variable "
      "that torch release reads."},
     {"_alloc_vars", py_alloc_vars, METH_NOARGS,
      "_alloc_vars()\n--\n\nThe allocator variables in the order torch 2.11+ reads them."},
     {"_alloc_items", py_alloc_items, METH_O,
-     "_alloc_items(conf)\n--\n\n(items, split): an allocator string's (key, value) pairs as "
+     "_alloc_items(conf, /)\n--\n\n(items, split): an allocator string's (key, value) pairs as "
      "torch applies them, and its max_split_size_mb rule."},
     {"_fmt_bytes", py_fmt_bytes, METH_O,
-     "_fmt_bytes(n)\n--\n\nA byte count as the reports write it (GiB from 1 GiB, else MiB)."},
-    {"_alloc_expandable", py_alloc_expandable, METH_O,
-     "_alloc_expandable(conf)\n--\n\nThe allocator string turns expandable segments on."},
+     "_fmt_bytes(n, /)\n--\n\nA byte count as the reports write it (GiB from 1 GiB, else MiB)."},
     {NULL, NULL, 0, NULL},
 };

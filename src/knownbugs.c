@@ -48,7 +48,7 @@ const oc_known_bug *oc_known_bug_at(size_t i)
     return i < oc_known_bug_count() ? &table[i] : NULL;
 }
 
-int oc_range_has(oc_range r, long v)
+static int oc_range_has(oc_range r, long v)
 {
     return v >= r.lo && (r.hi == 0 || v < r.hi);
 }
@@ -672,8 +672,9 @@ static PyObject *visible_ccs_py(PyObject *self, PyObject *unused)
 
 PyMethodDef oc_known_bugs_methods[] = {
     {"_visible_ccs", visible_ccs_py, METH_NOARGS,
-     "Compute capabilities (major*10+minor) of the visible GPUs, from NVML."},
+     "_visible_ccs()\n--\n\nCompute capabilities (major*10+minor) of the visible GPUs, from NVML."},
     {"_known_bugs_check", known_bugs_check_py, METH_VARARGS,
+     "_known_bugs_check(torch_version, cuda_build, cudnn, ccs, env, /)\n--\n\n"
      "Evaluate the known-bugs table on given facts (nothing is changed)."},
     {NULL, NULL, 0, NULL},
 };

@@ -237,13 +237,35 @@ static PyMethodDef module_methods[] = {
      "raises). outofcuda.apply() calls it; the boot calls it when torch is already imported."},
     {"config", oc_config_py, METH_NOARGS,
      "config()\n--\n\nThe OUTOFCUDA_* configuration as read from the environment."},
-    {"_parse_config", oc_parse_config_py, METH_O, "Parse a dict as if it were the environment."},
+    {"_parse_config", oc_parse_config_py, METH_O,
+     "_parse_config($module, env, /)\n--\n\nParse a dict as if it were the environment."},
     {"_settings", oc_settings_py, METH_NOARGS,
      "_settings()\n--\n\nThe table of every environment variable outofcuda reads."},
     {"_merge_alloc_conf", (PyCFunction)(void (*)(void))oc_merge_alloc_conf_py,
-     METH_VARARGS | METH_KEYWORDS, "Merge allocator strings; the user's keys win."},
+     METH_VARARGS | METH_KEYWORDS,
+     "_merge_alloc_conf($module, defaults, user, torch_version=None, no_expandable='')\n--\n\n"
+     "Merge allocator strings; the user's keys win."},
     {NULL, NULL, 0, NULL},
 };
+
+/* The one door for tests: entry points that exist only so the tests can
+ * drive the engine without CUDA or a GPU, gathered in the submodule
+ * _outofcuda._testing. Nothing in outofcuda calls them but MemoryMonitor's
+ * private _source argument, which is the tests' too. */
+static int add_test_door(PyObject *m)
+{
+    PyObject *door = PyModule_New("_outofcuda._testing");
+    if (door == NULL)
+        return -1;
+    if (PyModule_AddFunctions(door, oc_summary_testing_methods) < 0 ||
+        PyModule_AddFunctions(door, oc_monitor_testing_methods) < 0 ||
+        PyModule_AddFunctions(door, oc_platform_testing_methods) < 0 ||
+        PyModule_AddObject(m, "_testing", door) < 0) {
+        Py_DECREF(door);
+        return -1;
+    }
+    return 0;
+}
 
 static int module_exec(PyObject *m)
 {
@@ -265,7 +287,7 @@ static int module_exec(PyObject *m)
         PyModule_AddFunctions(m, oc_platform_methods) < 0 ||
         PyModule_AddFunctions(m, oc_watcher_methods) < 0 || oc_watcher_init(m) < 0)
         return -1;
-    if (oc_monitor_add_type(m) < 0)
+    if (oc_monitor_add_type(m) < 0 || add_test_door(m) < 0)
         return -1;
     return PyModule_AddStringConstant(m, "__version__", OC_VERSION);
 }

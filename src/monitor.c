@@ -477,22 +477,26 @@ static int spawn(oc_monitor *m)
 }
 
 /* _monitor_start(device, threshold, interval, cooldown, on_high, capacity,
- * allocator_stats, source) -> capsule. Arguments are validated by the Python
+ * allocator_stats) -> capsule; the test door's monitor_start takes a source
+ * file last ("used total [process]") read instead of NVML. Arguments are
+ * validated by the Python
  * layer; here NaN and out-of-range values raise ValueError and an interval
  * above INTERVAL_MAX_S (inf included) is clamped to it. Without a device to
  * watch, or once the interpreter is shutting down, the capsule holds a
  * stopped monitor whose info()["why"] says why. */
-static PyObject *py_monitor_start(PyObject *self, PyObject *args)
+static PyObject *monitor_start(PyObject *args, int with_source)
 {
     oc_monitor *m = NULL;
     PyObject *on_high, *capsule = NULL;
-    const char *source;
+    const char *source = "";
     Py_ssize_t capacity;
     int device, alloc_stats, rc;
     double threshold, interval, cooldown;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "idddOnps", &device, &threshold, &interval, &cooldown, &on_high,
-                          &capacity, &alloc_stats, &source))
+    if (!(with_source
+              ? PyArg_ParseTuple(args, "idddOnps:monitor_start", &device, &threshold, &interval,
+                                 &cooldown, &on_high, &capacity, &alloc_stats, &source)
+              : PyArg_ParseTuple(args, "idddOnp:_monitor_start", &device, &threshold, &interval,
+                                 &cooldown, &on_high, &capacity, &alloc_stats)))
         return NULL;
     if (!(threshold > 0.0 && threshold <= 1.0) || !(interval > 0.0) || !(cooldown >= 0.0) ||
         capacity < 1 || (size_t)capacity > SIZE_MAX / sizeof(mon_sample) || device < 0 ||
@@ -707,18 +711,42 @@ static PyObject *py_monitor_events(PyObject *self, PyObject *capsule)
                      event_item);
 }
 
+static PyObject *py_monitor_start(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return monitor_start(args, 0);
+}
+
+static PyObject *py_testing_monitor_start(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return monitor_start(args, 1);
+}
+
+/* Behind the test door (_outofcuda._testing, module.c). */
+PyMethodDef oc_monitor_testing_methods[] = {
+    {"monitor_start", py_testing_monitor_start, METH_VARARGS,
+     "monitor_start(device, threshold, interval, cooldown, on_high, capacity, allocator_stats, "
+     "source, /)\n--\n\n_monitor_start reading the file `source` instead of NVML."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyMethodDef monitor_methods[] = {
     {"_monitor_start", py_monitor_start, METH_VARARGS,
      "_monitor_start(device, threshold, interval, cooldown, on_high, capacity, "
-     "allocator_stats, source)\n--\n\nStart a native watchdog; returns its handle."},
-    {"_monitor_stop", py_monitor_stop, METH_O, "Stop and join a watchdog (idempotent)."},
+     "allocator_stats, /)\n--\n\nStart a native watchdog; returns its handle."},
+    {"_monitor_stop", py_monitor_stop, METH_O,
+     "_monitor_stop(handle, /)\n--\n\nStop and join a watchdog (idempotent)."},
     {"_monitor_stop_all", py_monitor_stop_all, METH_VARARGS,
-     "_monitor_stop_all(shutdown=False)\n--\n\n"
+     "_monitor_stop_all(shutdown=False, /)\n--\n\n"
      "Stop every running watchdog; returns how many were running. shutdown=True (atexit) "
      "also starts no watchdog from then on."},
-    {"_monitor_info", py_monitor_info, METH_O, "State of a watchdog."},
-    {"_monitor_samples", py_monitor_samples, METH_O, "The watchdog's timeline."},
-    {"_monitor_events", py_monitor_events, METH_O, "What the watchdog did."},
+    {"_monitor_info", py_monitor_info, METH_O,
+     "_monitor_info(handle, /)\n--\n\nState of a watchdog."},
+    {"_monitor_samples", py_monitor_samples, METH_O,
+     "_monitor_samples(handle, /)\n--\n\nThe watchdog's timeline."},
+    {"_monitor_events", py_monitor_events, METH_O,
+     "_monitor_events(handle, /)\n--\n\nWhat the watchdog did."},
     {NULL, NULL, 0, NULL},
 };
 

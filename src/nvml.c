@@ -158,7 +158,7 @@ int oc_nvml_device_info(int index, oc_gpu_info *out)
     return 0;
 }
 
-int oc_nvml_driver_version(char *buf, size_t sz)
+static int oc_nvml_driver_version(char *buf, size_t sz)
 {
     buf[0] = '\0';
     if (!oc_nvml_available(NULL, 0) || nv.driver == NULL)
@@ -634,12 +634,12 @@ static PyObject *py_visible_devices(PyObject *self, PyObject *unused)
 
 PyMethodDef oc_nvml_methods[] = {
     {"nvml_index", py_nvml_index, METH_O,
-     "nvml_index(torch_index)\n--\n\nNVML's index of torch's cuda:N (CUDA_VISIBLE_DEVICES "
+     "nvml_index(torch_index, /)\n--\n\nNVML's index of torch's cuda:N (CUDA_VISIBLE_DEVICES "
      "applied), or None."},
     {"nvml_devices", py_nvml_devices, METH_NOARGS,
      "nvml_devices()\n--\n\n(devices, reason): every GPU NVML reports, without a CUDA context."},
     {"nvml_processes", py_nvml_processes, METH_O,
-     "nvml_processes(index)\n--\n\nProcesses holding memory on GPU `index`: [(pid, bytes)]."},
+     "nvml_processes(index, /)\n--\n\nProcesses holding memory on GPU `index`: [(pid, bytes)]."},
     {"visible_devices", py_visible_devices, METH_NOARGS,
      "visible_devices()\n--\n\nCUDA_VISIBLE_DEVICES as CUDA reads it: value, devices, "
      "indices, visible, stop."},

@@ -130,7 +130,7 @@ typedef struct {
 } oc_setting;
 
 size_t oc_setting_count(void);
-const oc_setting *oc_setting_at(size_t i);            /* NULL past the end */
+const oc_setting *oc_setting_at(size_t i); /* NULL past the end */
 const oc_setting *oc_setting_named(const char *name); /* NULL when not in the table */
 /* getenv() of a variable of the table; every read of the environment goes
  * through here (the boot, which links nothing, reads its two itself). */
@@ -229,7 +229,6 @@ const char *oc_alloc_env_name(long ver);
 typedef struct {
     long lo, hi;
 } oc_range;
-int oc_range_has(oc_range r, long v);
 
 typedef enum { OC_KB_SDPA_NO_CUDNN = 1 } oc_kb_action;
 
@@ -295,7 +294,6 @@ typedef struct {
     int order;
     char text[OC_ADVICE_LEN];
 } oc_advice_item;
-void oc_advice_rank(oc_advice_item *items, int n);
 /* "512 MiB" under a GiB, else "1.50 GiB". */
 void oc_fmt_bytes(unsigned long long b, char *buf, size_t sz);
 
@@ -495,12 +493,13 @@ const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas,
  * (value: the allocator string that resulted, the user's keys in it). */
 void oc_platform_note(char *reason, size_t reasonsz, const char *value);
 extern PyMethodDef oc_platform_methods[];
+/* Behind the test door, _outofcuda._testing (module.c). */
+extern PyMethodDef oc_platform_testing_methods[];
 
 /* report.c */
 int oc_result_set(const char *name, int applied, PyObject *value, const char *reason);
 int oc_result_setf(const char *name, int applied, PyObject *value, const char *fmt, ...);
 void oc_result_set_all(const char *reason); /* every optimisation skipped for reason */
-PyObject *oc_status(PyObject *self, PyObject *unused);
 void oc_report_verbose(void);
 extern PyMethodDef oc_report_methods[];
 
@@ -514,7 +513,6 @@ typedef struct {
 int oc_nvml_available(char *why, size_t whysz);       /* 1 yes, 0 no (why filled) */
 int oc_nvml_device_count(void);                       /* -1 when unavailable */
 int oc_nvml_device_info(int index, oc_gpu_info *out); /* 0 ok, -1 */
-int oc_nvml_driver_version(char *buf, size_t sz);
 typedef struct {
     unsigned int pid;
     unsigned long long used;
@@ -576,6 +574,8 @@ extern PyMethodDef oc_facts_methods[];
 
 /* monitor.c */
 int oc_monitor_add_type(PyObject *module);
+/* Behind the test door, _outofcuda._testing (module.c). */
+extern PyMethodDef oc_monitor_testing_methods[];
 
 /* small helpers (common.c) */
 PyObject *oc_getattr_chain(PyObject *obj, const char *dotted);
@@ -728,5 +728,8 @@ static inline PyObject *oc_load_sibling(PyObject *self, const char *from, const 
     Py_DECREF(path);
     return mod;
 }
+
+/* Behind the test door, _outofcuda._testing (module.c). */
+extern PyMethodDef oc_summary_testing_methods[];
 #endif /* OC_PURE_C */
 #endif /* OC_H */

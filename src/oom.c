@@ -1003,7 +1003,7 @@ static PyObject *py_is_oom(PyObject *self, PyObject *exc)
 
 PyMethodDef oc_oom_methods[] = {
     {"_is_oom", py_is_oom, METH_O,
-     "_is_oom(exc)\n--\n\nexc means the GPU ran out of memory: torch's OOM type, or the "
+     "_is_oom(exc, /)\n--\n\nexc means the GPU ran out of memory: torch's OOM type, or the "
      "RuntimeError text older paths raise."},
     {"_oom_report", (PyCFunction)(void (*)(void))py_oom_report, METH_VARARGS | METH_KEYWORDS,
      "_oom_report(text=None, exhausted=False)\n--\n\n(report, seq): every figure of the OOM "
@@ -1014,7 +1014,7 @@ PyMethodDef oc_oom_methods[] = {
     {"_oom_advice", (PyCFunction)(void (*)(void))py_oom_advice, METH_VARARGS | METH_KEYWORDS,
      "_oom_advice(**figures)\n--\n\nRanked actions (list of str) that fit an OOM's figures."},
     {"_oom_observer", oom_observer, METH_VARARGS,
-     "_oom_observer(device, alloc, device_limit, device_free)\n--\n\nThe callable outofcuda "
+     "_oom_observer(device, alloc, device_limit, device_free, /)\n--\n\nThe callable outofcuda "
      "attaches with torch._C._cuda_attach_out_of_memory_observer."},
     {NULL, NULL, 0, NULL},
 };

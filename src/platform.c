@@ -29,7 +29,7 @@
     "\"expandable_segments not supported on this platform\""
 
 /* Test door: a kernel release that replaces uname()'s (set only through
- * _simulate_kernel_release, which the tests call before importing torch). */
+ * _testing.simulate_kernel_release, which the tests call before importing torch). */
 static char simulated_release[128];
 static int simulated;
 /* The defaults were changed for this platform at the last preparation. */
@@ -115,7 +115,7 @@ static PyObject *py_platform(PyObject *self, PyObject *unused)
                          "expandable_segments_work", why ? Py_False : Py_True, "why", why);
 }
 
-/* _simulate_kernel_release(release or None): the tests' one way to stand on
+/* _testing.simulate_kernel_release(release or None): the tests' one way to stand on
  * another platform; None gives uname() back. */
 static PyObject *py_simulate_kernel_release(PyObject *self, PyObject *arg)
 {
@@ -126,7 +126,7 @@ static PyObject *py_simulate_kernel_release(PyObject *self, PyObject *arg)
         Py_RETURN_NONE;
     }
     if (!PyUnicode_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "_simulate_kernel_release expects a str or None");
+        PyErr_SetString(PyExc_TypeError, "simulate_kernel_release expects a str or None");
         return NULL;
     }
     bytes = PyUnicode_AsEncodedString(arg, "utf-8", "surrogateescape");
@@ -141,8 +141,12 @@ static PyObject *py_simulate_kernel_release(PyObject *self, PyObject *arg)
 PyMethodDef oc_platform_methods[] = {
     {"_platform", py_platform, METH_NOARGS,
      "_platform()\n--\n\nThe kernel release and whether expandable segments can work here."},
-    {"_simulate_kernel_release", py_simulate_kernel_release, METH_O,
-     "_simulate_kernel_release(release)\n--\n\nFor tests: decide as if uname() gave release "
-     "(None: the real one)."},
+    {NULL, NULL, 0, NULL},
+};
+
+PyMethodDef oc_platform_testing_methods[] = {
+    {"simulate_kernel_release", py_simulate_kernel_release, METH_O,
+     "simulate_kernel_release(release, /)\n--\n\nDecide as if uname() gave release (None: the "
+     "real one)."},
     {NULL, NULL, 0, NULL},
 };

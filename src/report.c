@@ -275,7 +275,7 @@ static PyObject *framework_status(void)
     return Py_BuildValue("{s:z,s:z,s:s}", "left_to", left_to, "in_use_now", now, "decided", text);
 }
 
-PyObject *oc_status(PyObject *self, PyObject *unused)
+static PyObject *oc_status(PyObject *self, PyObject *unused)
 {
     PyObject *opts, *warnings, *res, *bugs, *framework;
     (void)self;
@@ -515,7 +515,7 @@ static PyObject *py_wrap(PyObject *self, PyObject *args)
 
 PyMethodDef oc_report_methods[] = {
     {"_wrap", py_wrap, METH_VARARGS,
-     "_wrap(text, first, indent)\n--\n\nThe text in lines of the tables' width (the first at "
+     "_wrap(text, first, indent, /)\n--\n\nThe text in lines of the tables' width (the first at "
      "most first characters, the others indented)."},
     {"_text_layout", py_text_layout, METH_NOARGS,
      "_text_layout()\n--\n\nThe tables' width and columns."},

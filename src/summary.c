@@ -623,7 +623,7 @@ static PyObject *at_exit(PyObject *self, PyObject *unused)
 
 /* ---- test-only entry points ---- */
 
-/* _summary_start(devices, interval_ms=200) -> bool: TEST ONLY. Starts the
+/* _testing.summary_start(devices, interval_ms=200) -> bool. Starts the
  * clock, the sampler for the given torch device indices and the exit report
  * as CUDA's initialisation would, without CUDA. Output as OUTOFCUDA_SUMMARY
  * says (stderr when unset or off). False when a JSON path is unusable. */
@@ -637,14 +637,14 @@ static PyObject *py_summary_start(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "O|l", &seq, &interval_ms))
         return NULL;
     if (interval_ms < MIN_INTERVAL_MS || interval_ms > MAX_INTERVAL_MS) {
-        PyErr_Format(PyExc_ValueError, "_summary_start: interval_ms must be %d..%d",
-                     MIN_INTERVAL_MS, MAX_INTERVAL_MS);
+        PyErr_Format(PyExc_ValueError, "summary_start: interval_ms must be %d..%d", MIN_INTERVAL_MS,
+                     MAX_INTERVAL_MS);
         return NULL;
     }
     count = PyList_Check(seq) || PyTuple_Check(seq) ? PySequence_Size(seq) : -1;
     if (count < 0 || count > SUMMARY_MAX_DEVICES) {
         OC_CLEAR();
-        PyErr_Format(PyExc_TypeError, "_summary_start: devices must be a list of up to %d ints",
+        PyErr_Format(PyExc_TypeError, "summary_start: devices must be a list of up to %d ints",
                      SUMMARY_MAX_DEVICES);
         return NULL;
     }
@@ -655,7 +655,7 @@ static PyObject *py_summary_start(PyObject *self, PyObject *args)
         if (PyErr_Occurred())
             return NULL;
         if (x < 0 || x >= OC_NVML_MAX_DEVICES) {
-            PyErr_SetString(PyExc_ValueError, "_summary_start: a device index is out of range");
+            PyErr_SetString(PyExc_ValueError, "summary_start: a device index is out of range");
             return NULL;
         }
         devices[n++] = (int)x;
@@ -704,10 +704,15 @@ static PyObject *py_summary_stats(PyObject *self, PyObject *unused)
                          "devices", list);
 }
 
+/* Behind the test door (_outofcuda._testing, module.c). */
+PyMethodDef oc_summary_testing_methods[] = {
+    {"summary_start", py_summary_start, METH_VARARGS,
+     "summary_start(devices, interval_ms=200, /)\n--\n\nStart the exit summary's sampler for "
+     "these CUDA device indices as CUDA initialisation would."},
+    {NULL, NULL, 0, NULL},
+};
+
 PyMethodDef oc_summary_methods[] = {
-    {"_summary_start", py_summary_start, METH_VARARGS,
-     "_summary_start(devices, interval_ms=200)\n--\n\nTEST ONLY: start the exit summary's "
-     "sampler for these CUDA device indices as CUDA initialisation would."},
     {"_summary_stats", py_summary_stats, METH_NOARGS,
      "_summary_stats()\n--\n\nThe exit summary's aggregates so far (for tests)."},
     {NULL, NULL, 0, NULL},

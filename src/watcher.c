@@ -306,7 +306,9 @@ static PyObject *find_torch_spec(PyObject *module, PyObject *args, PyObject *kw)
 
 PyMethodDef oc_watcher_methods[] = {
     {OC_ENGINE_FIND_SPEC, (PyCFunction)(void (*)(void))find_torch_spec,
-     METH_VARARGS | METH_KEYWORDS, "The torch lookup of the boot's finder."},
+     METH_VARARGS | METH_KEYWORDS,
+     "_find_torch_spec(finder, fullname, path=None, target=None)\n--\n\nThe torch lookup of "
+     "the boot's finder."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -57,6 +57,25 @@ def _pip(python, *args):
                    check=True, env=_clean_env(_sanitizer_env() if SANITIZE else None))
 
 
+# The fast tier for the edit-test loop (`pytest -m fast`, tests/README.md): the
+# files whose tests need no virtual environment of their own beyond the one
+# OUTOFCUDA_TEST_VENV keeps (the pure-C drivers, the parsers, the stand-in
+# releases of torch). A test that asks for the CUDA build stays out of it.
+FAST_TIER = ("test_advice.py", "test_known_bugs.py", "test_gating.py", "test_config.py",
+             "test_debug.py", "test_apply.py")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fast: the fast tier (tests/conftest.py FAST_TIER)")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if (item.path.parent.name == "tests" and item.path.name in FAST_TIER
+                and "cuda_venv" not in item.fixturenames):
+            item.add_marker(pytest.mark.fast)
+
+
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory):
     """The project's wheel, built once per test session."""

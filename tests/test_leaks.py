@@ -31,7 +31,7 @@ src = tempfile.NamedTemporaryFile("w", suffix=".mem", delete=False)
 src.write("100 1000 10\n"); src.close()
 
 def monitor_cycle():
-    h = _outofcuda._monitor_start(0, 0.85, 1.0, 30.0, None, 16, False, src.name)
+    h = _outofcuda._testing.monitor_start(0, 0.85, 1.0, 30.0, None, 16, False, src.name)
     _outofcuda._monitor_info(h); _outofcuda._monitor_samples(h); _outofcuda._monitor_events(h)
     _outofcuda._monitor_stop(h)
 
@@ -100,7 +100,7 @@ cases = {
         inactive_split=5 * GIB, fraction=0.5, expandable=False, autocast=False, exhausted=False,
         others=[(4242, "python", 30 * GIB), (7, None, 2 * GIB)] + [(i, "x", GIB) for i in range(8)]),
     "_outofcuda._oom_advice(error)": oom_advice_errors,
-    "_outofcuda._monitor_start..stop": monitor_cycle,
+    "_outofcuda._testing.monitor_start..stop": monitor_cycle,
     "_outofcuda._monitor_stop_all": _outofcuda._monitor_stop_all,
     "_outofcuda._find_torch_spec": lambda: (_outofcuda._find_torch_spec(watcher, "json"),
                                             _outofcuda._find_torch_spec(watcher, "torch")),
@@ -116,8 +116,11 @@ cases = {
     "outofcuda.last_oom": outofcuda.last_oom,
     "outofcuda.autocast_context": autocast_cycle,
     # Starts the exit summary once (no NVML here: no thread), then no-ops.
-    "_outofcuda._summary_start": lambda: _outofcuda._summary_start([0], 200),
-    "_outofcuda._summary_start(error)": lambda: error(_outofcuda._summary_start, [0], 1),
+    "_outofcuda._testing.summary_start": lambda: _outofcuda._testing.summary_start([0], 200),
+    "_outofcuda._testing.summary_start(error)":
+        lambda: error(_outofcuda._testing.summary_start, [0], 1),
+    "_outofcuda._monitor_start": lambda: _outofcuda._monitor_stop(
+        _outofcuda._monitor_start(0, 0.85, 1.0, 30.0, None, 16, False)),
     "_outofcuda._summary_stats": _outofcuda._summary_stats,
     "_outofcuda._microbatch_split": _outofcuda._microbatch_split,
     "_outofcuda._settings": _outofcuda._settings,
@@ -138,8 +141,6 @@ cases = {
     "_outofcuda._alloc_items": lambda: _outofcuda._alloc_items(
         "max_split_size_mb:128,roundup_power2_divisions:[256:1,>:4]"),
     "_outofcuda._alloc_items(error)": lambda: error(_outofcuda._alloc_items, "a:[1"),
-    "_outofcuda._alloc_expandable": lambda: _outofcuda._alloc_expandable(
-        "max_split_size_mb:128,expandable_segments:True"),
     "_outofcuda.visible_devices": _outofcuda.visible_devices,
     "_outofcuda._visible_ccs": _outofcuda._visible_ccs,
     "_outofcuda._known_bugs_check": lambda: _outofcuda._known_bugs_check(
@@ -200,16 +201,17 @@ CASES = [
     "_outofcuda._api_memory_format", "_outofcuda._api_memory_report",
     "_outofcuda._api_clear_cache", "_outofcuda._oom_observed", "_outofcuda._oom_observer",
     "_outofcuda._oom_advice", "_outofcuda._oom_advice(error)",
-    "_outofcuda._monitor_start..stop", "_outofcuda._monitor_stop_all", "outofcuda.status",
+    "_outofcuda._testing.monitor_start..stop", "_outofcuda._monitor_stop_all", "outofcuda.status",
     "outofcuda.config", "outofcuda.memory_report", "outofcuda.clear_cache", "outofcuda.last_oom",
-    "outofcuda.autocast_context", "_outofcuda._summary_start",
-    "_outofcuda._summary_start(error)", "_outofcuda._summary_stats",
+    "outofcuda.autocast_context", "_outofcuda._testing.summary_start",
+    "_outofcuda._testing.summary_start(error)", "_outofcuda._monitor_start",
+    "_outofcuda._summary_stats",
     "_outofcuda._microbatch_split", "_outofcuda._grad_set_aside", "_outofcuda._settings", "_outofcuda._oom_report",
     "_outofcuda._oom_report(error)",
     "_outofcuda._disabled_by_env", "_outofcuda._tf32_forced_off",
     "_outofcuda._alloc_var", "_outofcuda._alloc_vars", "_outofcuda._is_oom", "_outofcuda._wrap",
     "_outofcuda._wrap(error)", "_outofcuda._text_layout", "_outofcuda._fmt_bytes", "_outofcuda._alloc_items",
-    "_outofcuda._alloc_items(error)", "_outofcuda._alloc_expandable", "_outofcuda.visible_devices",
+    "_outofcuda._alloc_items(error)", "_outofcuda.visible_devices",
     "_outofcuda._visible_ccs", "_outofcuda._known_bugs_check", "_outofcuda._known_bugs_check(error)",
     "_outofcuda._grad_set_aside(error)",
 ]
@@ -235,7 +237,9 @@ def test_arguments_and_meta_path_stable(leak_figures):
 def test_every_public_function_is_covered(venv):
     """A function added to the extension without a leak case fails here."""
     r = venv.check("import json, _outofcuda; print(json.dumps(sorted("
-                   "n for n in dir(_outofcuda) if callable(getattr(_outofcuda, n)))))")
+                   "[n for n in dir(_outofcuda) if callable(getattr(_outofcuda, n))] + "
+                   "['_testing.' + n for n in dir(_outofcuda._testing) "
+                   "if callable(getattr(_outofcuda._testing, n))])))")
     names = json.loads(r.stdout)
     covered = {c.split("(")[0].split("..")[0].removeprefix("_outofcuda.") for c in CASES}
     covered |= {"_monitor_stop", "_monitor_info", "_monitor_samples", "_monitor_events"}

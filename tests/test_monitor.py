@@ -106,7 +106,11 @@ def test_crossing_the_threshold_clears_calls_on_high_and_records(venv, workdir):
             need(lambda: len(m.samples()) >= 3, "len(m.samples()) >= 3")
             feed(900)                                    # crossing 1
             need(lambda: len(m.events) >= 1, "len(m.events) >= 1")
-            time.sleep(0.1)                              # still high: cooldown, no action
+            # Still high, within the cooldown: five more samples of 900 taken
+            # (the watchdog looked five times) and no second action.
+            seen = len(m.samples())
+            need(lambda: len(m.samples()) >= seen + 5, "five samples during the cooldown")
+            in_cooldown = len(m.events)
             feed(500)                                    # back below: re-armed
             need(lambda: m.samples()[-1].used == 500, "m.samples()[-1].used == 500")
             feed(850)                                    # crossing 2
@@ -120,9 +124,10 @@ def test_crossing_the_threshold_clears_calls_on_high_and_records(venv, workdir):
                                   for e in ev], ev[0]["message"],
                           [s[0].used, s[0].total, s[0].process, s[0].reserved],
                           all(b.time > a.time for a, b in zip(s, s[1:])),
-                          n == len(s), lines[0], lines[1]]))
+                          n == len(s), lines[0], lines[1], in_cooldown]))
     """)
-    calls, events, message, first, increasing, csv_ok, header, row = res
+    calls, events, message, first, increasing, csv_ok, header, row, in_cooldown = res
+    assert in_cooldown == 1
     assert calls == [["high", 900, True], ["high", 850, True]]
     assert events == [["high", 900, 1000, 0.9, 0], ["high", 850, 1000, 0.85, 0]]
     assert "90.0% >= threshold 80.0%" in message
@@ -343,7 +348,7 @@ def test_an_absurd_interval_is_refused_and_bounded_in_c(venv, workdir):
         for interval in (1e19, float("inf"), 1e300, 9.3e18):
             # The C layer clamps what the Python layer would refuse: no
             # overflowed deadline, no spinning wait holding the lock.
-            h = core._monitor_start(0, 0.5, interval, 0.0, None, 10, False, SRC)
+            h = core._testing.monitor_start(0, 0.5, interval, 0.0, None, 10, False, SRC)
             need(lambda: core._monitor_info(h)["count"] >= 1, f"a first sample at {interval}")
             core._monitor_stop(h)
             stopped.append(core._monitor_info(h)["running"])
@@ -354,7 +359,8 @@ def test_an_absurd_interval_is_refused_and_bounded_in_c(venv, workdir):
                      (0.5, 1.0, -1.0, 10), (0.5, 1.0, 0.0, 0), (0.5, 1.0, 0.0, -5)]:
             threshold, interval, cooldown, capacity = args
             try:
-                core._monitor_start(0, threshold, interval, cooldown, None, capacity, False, SRC)
+                core._testing.monitor_start(0, threshold, interval, cooldown, None, capacity,
+                                            False, SRC)
                 c_refused.append(None)
             except ValueError as e:
                 c_refused.append(str(e))
@@ -372,7 +378,7 @@ def test_interpreter_exit_joins_a_running_monitor(venv, workdir):
     r = venv.run(_script("""
         m = MemoryMonitor(interval=60, _source=SRC).start()
         keep = [MemoryMonitor(interval=0.01, on_high=print, threshold=0.01, _source=SRC).start()]
-        time.sleep(0.1)
+        need(lambda: keep[0].events, "the running monitor's first event")
         print("exiting", m.running, keep[0].running, flush=True)
     """), cwd=workdir, timeout=30)
     assert r.returncode == 0, r.stderr

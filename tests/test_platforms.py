@@ -3,7 +3,7 @@ Expandable segments fail on WSL (torch's Linux allocator does not detect it and
 does not fall back): there outofcuda's default allocator string leaves them out,
 says why in status(), and still lets a user's own choice stand. The kernel
 release is simulated through the engine's one test door,
-_outofcuda._simulate_kernel_release, before torch is imported; torch is the
+_outofcuda._testing.simulate_kernel_release, before torch is imported; torch is the
 stand-in of a CUDA release (tests/fake_torch.py)."""
 import pytest
 
@@ -16,7 +16,7 @@ NATIVE = "6.8.0-45-generic"
 
 REPORT = """
 import json, sys, _outofcuda
-_outofcuda._simulate_kernel_release(sys.argv[1])
+_outofcuda._testing.simulate_kernel_release(sys.argv[1])
 import torch
 torch.cuda._fake_cuda_init()
 print('REPORT=' + json.dumps({'conf_read': torch._alloc_conf(), 'status': _outofcuda.status(),

@@ -6,7 +6,7 @@ sequence of utilisation values and memory figures from a file; the real C
 thread samples it. Scenarios where CUDA initialises use the fake CUDA-build torch of
 tests/fake_torch.py (its ``torch.cuda._fake_cuda_init()`` runs the lazy-init
 queue as torch does); the rest use the real torch 2.13 CPU build with the
-test-only ``_outofcuda._summary_start``. Every scenario is a fresh interpreter.
+test door ``_outofcuda._testing.summary_start``. Every scenario is a fresh interpreter.
 """
 import json
 import re
@@ -68,7 +68,7 @@ def test_mean_and_share_under_50_are_what_nvml_served(venv, workdir, stub_nvml):
     env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 10 30 60 100",
                f"{6 * GIB} {8 * GIB} 90 90 90 40")
     r = run(venv, workdir, """
-        assert _outofcuda._summary_start([0, 1], 10) is True
+        assert _outofcuda._testing.summary_start([0, 1], 10) is True
         assert "oc-summary" in thread_names(), thread_names()
         # Every value served, then a few ticks that get no utilisation.
         need(lambda: samples(0)["ticks"] >= 7 and samples(1)["ticks"] >= 7, "all values sampled",
@@ -116,7 +116,7 @@ def test_block_at_exit_ranks_number_backed_hints(venv, workdir, stub_nvml, worke
 
         step(torch.ones(8, 2, requires_grad=True))
         assert tries == [8, 4, 4], tries
-        _outofcuda._summary_start([0], 10)
+        _outofcuda._testing.summary_start([0], 10)
         need(lambda: samples()["util_samples"] >= 5, "5 utilisation samples", **SAMPLED)
     """, env)
     (b,) = blocks(r.stderr)
@@ -137,7 +137,7 @@ def test_json_path_form_resolved_at_start_and_rank_file(venv, workdir, stub_nvml
     env = gpus(stub_nvml, workdir, f"{2 * GIB} {8 * GIB} 70 20 +",
                OUTOFCUDA_SUMMARY="out/run.json")
     run(venv, workdir, """
-        _outofcuda._summary_start([0], 10)
+        _outofcuda._testing.summary_start([0], 10)
         os.chdir("/")  # the path was made absolute when the summary started
         need(lambda: samples()["util_samples"] >= 6, "6 samples", **SAMPLED)
     """, env)
@@ -157,7 +157,7 @@ def test_json_path_form_resolved_at_start_and_rank_file(venv, workdir, stub_nvml
     # Under torchrun each rank writes its own file.
     env.update(RANK="3", LOCAL_RANK="1", WORLD_SIZE="4")
     r = run(venv, workdir, """
-        _outofcuda._summary_start([0], 10)
+        _outofcuda._testing.summary_start([0], 10)
         need(lambda: samples()["util_samples"] >= 1, "1 sample", **SAMPLED)
     """, env)
     assert "outofcuda summary" not in r.stderr
@@ -168,7 +168,7 @@ def test_every_line_carries_the_rank_under_torchrun(venv, workdir, stub_nvml):
     env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 20 +", OUTOFCUDA_SUMMARY="1", RANK="5",
                LOCAL_RANK="1", WORLD_SIZE="8")
     r = run(venv, workdir, """
-        _outofcuda._summary_start([0], 10)
+        _outofcuda._testing.summary_start([0], 10)
         need(lambda: samples()["util_samples"] >= 5, "5 samples", **SAMPLED)
     """, env)
     lines = r.stderr.strip().splitlines()
@@ -317,7 +317,7 @@ def test_a_driver_call_that_never_returns_does_not_hang_the_exit(venv, workdir, 
     # at exit gives up after its bound and the block still comes out.
     env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 40 60 hang")
     r = run(venv, workdir, """
-        _outofcuda._summary_start([0], 10)
+        _outofcuda._testing.summary_start([0], 10)
         need(lambda: os.path.exists(os.environ["STUB_NVML_CONFIG"] + ".hanging"), "the stuck call",
              **SAMPLED)
     """, env, timeout=60)
@@ -327,7 +327,7 @@ def test_a_driver_call_that_never_returns_does_not_hang_the_exit(venv, workdir, 
 
 def test_without_nvml_the_block_says_why(venv, workdir):
     r = run(venv, workdir, """
-        _outofcuda._summary_start([0], 10)
+        _outofcuda._testing.summary_start([0], 10)
         assert "oc-summary" not in thread_names()
         print(json.dumps(_outofcuda._summary_stats()))
     """, {"LD_LIBRARY_PATH": str(workdir)})
@@ -343,7 +343,7 @@ import _outofcuda
 out = []
 for args in [("0",), ([0], 5), ([0], 70000), ([-1],), (["a"],), (list(range(17)),)]:
     try:
-        _outofcuda._summary_start(*args)
+        _outofcuda._testing.summary_start(*args)
         out.append(None)
     except (TypeError, ValueError) as e:
         out.append(type(e).__name__)

@@ -6,12 +6,32 @@ OUTOFCUDA_REQUIRE_GPU=1 (set by benchmarks/gpu_check.sh) turns every skip that
 happens before a test body runs (this fixture, skipif marks, a module that
 skips at import) into a failure: on the GPU machine a missing GPU must not pass
 as "nothing failed". A skip from inside a test body (a check this machine
-cannot make, with its reason) stays a skip and is listed."""
+cannot make, with its reason) stays a skip and is listed.
+
+In a dry run (OUTOFCUDA_GPU_DRY_RUN=1, tests/gpu/__init__.py) the fixture is
+the same environment with "cuda" made the CPU and the stand-in NVIDIA library
+of an H200: each scenario runs end to end. A scenario that dies of a mistake
+in its own code (a name, an import, a path: DRY_RUN_MISTAKES) fails the dry
+run; an assertion about a figure only a GPU gives is reported as xfailed."""
 import os
+import re
+import textwrap
+from pathlib import Path
 
 import pytest
 
+from gpu import DRY_RUN
+
 REQUIRED = os.environ.get("OUTOFCUDA_REQUIRE_GPU", "").strip() == "1"
+# The exceptions that, raised in a scenario or a test on the CPU, are a mistake
+# in the check itself rather than a figure the CPU cannot give.
+DRY_RUN_MISTAKES = ("SyntaxError", "IndentationError", "NameError", "UnboundLocalError",
+                    "ImportError", "ModuleNotFoundError", "AttributeError", "FileNotFoundError",
+                    "TypeError", "KeyError", "IndexError")
+
+
+class DryRunMistake(Exception):
+    """A scenario died of a mistake in its own code during the dry run."""
 
 
 def _unavailable(reason):
@@ -37,14 +57,58 @@ def pytest_collectreport(report):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
+    if (DRY_RUN and report.when == "call" and report.failed and call.excinfo is not None
+            and call.excinfo.errisinstance(AssertionError)):
+        report.outcome = "skipped"
+        report.wasxfail = ("dry run: a figure only the GPU gives: "
+                           + str(call.excinfo.value).splitlines()[0][:200]
+                           if str(call.excinfo.value) else "dry run: a figure only the GPU gives")
     if REQUIRED and report.skipped and report.when == "setup":
         report.outcome = "failed"
         report.longrepr = (f"OUTOFCUDA_REQUIRE_GPU=1 but skipped before running: "
                            f"{_skip_reason(report.longrepr)}")
 
 
+class DryRunVenv:
+    """The test environment with the CPU in the GPU's place (a dry run)."""
+
+    def __init__(self, venv, env):
+        self.venv, self.env, self.path, self.python = venv, env, venv.path, venv.python
+
+    def run(self, code="", *, env=None, **kw):
+        r = self.venv.run(textwrap.dedent(code) if code is not None else None,
+                          env=dict(self.env, **(env or {})), **kw)
+        last = [ln for ln in r.stderr.strip().splitlines() if ln and not ln.startswith(" ")]
+        m = re.match(r"(\w+)(:|$)", last[-1]) if r.returncode and last else None
+        if m and m.group(1) in DRY_RUN_MISTAKES:
+            raise DryRunMistake(f"the scenario died of {m.group(1)} on the CPU:\n{r.stderr[-3000:]}"
+                                f"\n--- scenario ---\n{code}")
+        return r
+
+    def check(self, code, **kw):
+        r = self.run(code, **kw)
+        assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+        return r
+
+    def json(self, code, prefix=None, *, quiet=False, **kw):
+        from kit import last_json
+        return last_json(self.run(code, **kw), prefix, quiet=quiet)
+
+
+def _dry_run_gpu(request, tmp_path_factory):
+    from conftest import stub_nvml_config, stub_nvml_device
+    venv = request.getfixturevalue("venv")
+    libs = request.getfixturevalue("stub_nvml")
+    cfg = stub_nvml_config(tmp_path_factory.mktemp("dry-run-nvml") / "nvml.txt", [
+        stub_nvml_device(name="NVIDIA H200", cc="9.0", total=143771 << 20, used=600 << 20)])
+    return DryRunVenv(venv, {"PYTHONPATH": str(Path(__file__).parent / "dry_run"),
+                             "LD_LIBRARY_PATH": str(libs), "STUB_NVML_CONFIG": str(cfg)})
+
+
 @pytest.fixture(scope="module")
-def gpu(request):
+def gpu(request, tmp_path_factory):
+    if DRY_RUN:
+        return _dry_run_gpu(request, tmp_path_factory)
     if not (os.path.exists("/dev/nvidiactl") or os.path.isdir("/proc/driver/nvidia/gpus")):
         _unavailable("no NVIDIA GPU on this machine")
     venv = request.getfixturevalue("venv")

@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 
+from gpu import size
 from kit import last_json
 
 GIB = float(1 << 30)
@@ -102,7 +103,7 @@ def test_monitor_crosses_a_provoked_threshold_clears_and_records(gpu, workdir):
         idx = outofcuda.memory_report()["cuda:0"]["nvml_index"]
         nv = [d for d in _outofcuda.nvml_devices()[0] if d["index"] == idx][0]
         threshold = (nv["used"] + (2 << 30)) / nv["total"]   # 2 GiB above now
-        x = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+        x = torch.empty(HELD, dtype=torch.uint8, device="cuda")
         x.fill_(1)
         torch.cuda.synchronize()
         del x                                         # 4 GiB stays reserved in the cache
@@ -120,7 +121,7 @@ def test_monitor_crosses_a_provoked_threshold_clears_and_records(gpu, workdir):
                           "reserved_after": torch.cuda.memory_reserved(),
                           "max_sample_reserved": max((s.reserved or 0) for s in samples),
                           "n": len(samples), "csv_rows": mon.to_csv("vram.csv")}))
-    """, cwd=workdir, timeout=180)
+    """.replace("HELD", str(size(4 << 30, 4 << 20))), cwd=workdir, timeout=180)
     d = last_json(r)
     assert d["n"] > 5
     assert d["events"], "the watchdog never saw the threshold crossed"
@@ -136,7 +137,8 @@ def test_monitor_crosses_a_provoked_threshold_clears_and_records(gpu, workdir):
 
 def test_monitor_plot_of_a_gpu_timeline_is_a_png(gpu, workdir):
     """Its own test, so a missing matplotlib skips only this check."""
-    if gpu.run("import matplotlib").returncode != 0:
+    if gpu.run("import importlib.util, sys; "
+               "sys.exit(importlib.util.find_spec('matplotlib') is None)").returncode != 0:
         pytest.skip("matplotlib is not installed: the PNG check did not run "
                     "(pip install 'outofcuda[plot]' in the test environment)")
     r = gpu.check("""

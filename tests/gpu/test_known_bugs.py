@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from gpu import size
 from kit import last_json
 
 REPRO = """
@@ -51,7 +52,8 @@ def test_reproduction_with_and_without_the_guard(gpu, workdir):
 SPEED = """
 import json, torch, torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-B, H, L, D = 16, 16, 1024, 64  # outofcuda bench's gpt shapes
+B, H, L, D = SHAPE  # outofcuda bench's gpt shapes
+REPEATS = 10
 q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
            for _ in range(3))
 mask = torch.ones(L, L, dtype=torch.bool, device="cuda").tril()
@@ -72,15 +74,15 @@ for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
                 torch.cuda.synchronize()
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                for _ in range(10):
+                for _ in range(REPEATS):
                     step(**kw)
                 b.record()
                 torch.cuda.synchronize()
-            res[f"{name}/{kind}"] = round(a.elapsed_time(b) / 10, 3)
+            res[f"{name}/{kind}"] = round(a.elapsed_time(b) / REPEATS, 3)
         except RuntimeError as e:
             res[f"{name}/{kind}"] = "unavailable: " + str(e)[:120]
 print(json.dumps(res))
-"""
+""".replace("SHAPE", str(size((16, 16, 1024, 64), (1, 2, 64, 16))))
 
 
 def test_attention_speed_of_both_backends(gpu, workdir):

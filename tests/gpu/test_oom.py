@@ -9,6 +9,7 @@ or torch cannot use CUDA. Every scenario runs in a fresh interpreter (the hook
 and the OOM observer are process-wide)."""
 import textwrap
 
+from gpu import size
 from kit import last_json
 
 # 20 SGD steps of an MLP whose full batch needs more than the cap allows.
@@ -19,12 +20,12 @@ torch.manual_seed(0)
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 dev = "cuda"
-model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(4096, 4096),
+model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(WIDTH, WIDTH),
                                                            torch.nn.GELU())],
-                            torch.nn.Linear(4096, 10)).to(dev)
+                            torch.nn.Linear(WIDTH, 10)).to(dev)
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 g = torch.Generator(device="cpu").manual_seed(1)
-data = [(torch.randn(32768, 4096, generator=g), torch.randint(0, 10, (32768,), generator=g))
+data = [(torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
         for _ in range(2)]
 step = outofcuda.auto_microbatch(
     lambda b: torch.nn.functional.cross_entropy(model(b[0]), b[1]))
@@ -36,7 +37,8 @@ for i in range(20):
     opt.zero_grad(set_to_none=True)
 print(json.dumps({"losses": losses, "pieces": step.pieces, "splits": step.splits,
                   "peak": torch.cuda.max_memory_allocated()}))
-"""
+""".replace(
+    "WIDTH", str(size(4096, 32))).replace("BATCH", str(size(32768, 64)))
 
 
 def test_training_survives_a_memory_cap_with_the_same_losses(gpu, workdir):

@@ -6,11 +6,15 @@ tells TF32 (about 1e-3 relative) from full float32 (about 1e-6)."""
 
 import pytest
 
+from gpu import size
+
+N = size(2048, 128)  # the matmul's side
+
 PROGRAM = """
 import json, torch
 {action}
-a = torch.randn(2048, 2048, device="cuda")
-b = torch.randn(2048, 2048, device="cuda")
+a = torch.randn({n}, {n}, device="cuda")
+b = torch.randn({n}, {n}, device="cuda")
 ref = (a.double() @ b.double())
 err = ((a @ b).double() - ref).abs().max().item() / ref.abs().max().item()
 out = {{"err": err}}
@@ -33,7 +37,7 @@ ACTIONS = ["pass",
 
 
 def run(gpu, workdir, action, env=None):
-    return gpu.json(PROGRAM.format(action=action), "P=", env=env, cwd=workdir)
+    return gpu.json(PROGRAM.format(action=action, n=N), "P=", env=env, cwd=workdir)
 
 
 def tf32(err):

@@ -4,11 +4,13 @@ torch's peaks. Skips cleanly where there is no NVIDIA GPU."""
 import json
 import re
 
+from gpu import size
+
 LOOP = """
 import time, torch, _outofcuda
 assert not torch.cuda.is_initialized()
-a = torch.randn(4096, 4096, device="cuda")
-deadline = time.monotonic() + 60
+a = torch.randn(N, N, device="cuda")
+deadline = time.monotonic() + WAIT
 # Keep the GPU busy until the sampler (every 200 ms) has 10 samples.
 while time.monotonic() < deadline:
     for _ in range(20):
@@ -18,8 +20,9 @@ while time.monotonic() < deadline:
     if devs and devs[0]["util_samples"] >= 10:
         break
 else:
-    raise SystemExit(f"the sampler took no 10 samples in 60 s: {_outofcuda._summary_stats()}")
-"""
+    raise SystemExit(f"the sampler took no 10 samples in {WAIT} s: {_outofcuda._summary_stats()}")
+""".replace(
+    "N", str(size(4096, 64))).replace("WAIT", str(size(60, 3)))
 
 
 def test_matmul_loop_prints_the_block_with_utilisation(gpu, workdir):
