@@ -130,7 +130,7 @@ typedef struct {
 } oc_setting;
 
 size_t oc_setting_count(void);
-const oc_setting *oc_setting_at(size_t i); /* NULL past the end */
+const oc_setting *oc_setting_at(size_t i);            /* NULL past the end */
 const oc_setting *oc_setting_named(const char *name); /* NULL when not in the table */
 /* getenv() of a variable of the table; every read of the environment goes
  * through here (the boot, which links nothing, reads its two itself). */

@@ -143,6 +143,10 @@ cases = {
     "_outofcuda._alloc_items(error)": lambda: error(_outofcuda._alloc_items, "a:[1"),
     "_outofcuda.visible_devices": _outofcuda.visible_devices,
     "_outofcuda._visible_ccs": _outofcuda._visible_ccs,
+    "_outofcuda._platform": _outofcuda._platform,
+    "_outofcuda._testing.simulate_kernel_release": lambda: (
+        _outofcuda._testing.simulate_kernel_release("5.15.153.1-microsoft-standard-WSL2"),
+        _outofcuda._platform(), _outofcuda._testing.simulate_kernel_release(None)),
     "_outofcuda._known_bugs_check": lambda: _outofcuda._known_bugs_check(
         "2.14.1", True, 92400, [90, 80], {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "0"}),
     "_outofcuda._known_bugs_check(error)": lambda: (
@@ -212,7 +216,8 @@ CASES = [
     "_outofcuda._alloc_var", "_outofcuda._alloc_vars", "_outofcuda._is_oom", "_outofcuda._wrap",
     "_outofcuda._wrap(error)", "_outofcuda._text_layout", "_outofcuda._fmt_bytes", "_outofcuda._alloc_items",
     "_outofcuda._alloc_items(error)", "_outofcuda.visible_devices",
-    "_outofcuda._visible_ccs", "_outofcuda._known_bugs_check", "_outofcuda._known_bugs_check(error)",
+    "_outofcuda._visible_ccs", "_outofcuda._platform", "_outofcuda._testing.simulate_kernel_release",
+    "_outofcuda._known_bugs_check", "_outofcuda._known_bugs_check(error)",
     "_outofcuda._grad_set_aside(error)",
 ]
 
