@@ -14,7 +14,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "buildsys"))
 import hookfiles  # noqa: E402  (buildsys/, shared with the build backend)
 
-# Which hook file the wheel carries, decided (and a bad OUTOFCUDA_HOOK_FILE
+# Which hook file the wheel carries, decided (and a bad OUTOFCUDA_BUILD_HOOK_FILE
 # refused) before anything is compiled.
 START_KIND = hookfiles.start_kind()
 VERSION = re.search(r'#define OC_VERSION "([^"]+)"', (HERE / "src" / "oc.h").read_text()).group(1)
@@ -67,12 +67,12 @@ def refuse_free_threaded_build(config_var=None):
             .format(*[sysconfig.get_python_version()] * 3))
 
 
-# OUTOFCUDA_SANITIZE=1: an AddressSanitizer + UndefinedBehaviorSanitizer build.
-SANITIZE = os.environ.get("OUTOFCUDA_SANITIZE", "") not in ("", "0")
-# OUTOFCUDA_WERROR=1 (CI, the tests, development builds): a warning fails the
+# OUTOFCUDA_BUILD_SANITIZE=1: an AddressSanitizer + UndefinedBehaviorSanitizer build.
+SANITIZE = os.environ.get("OUTOFCUDA_BUILD_SANITIZE", "") not in ("", "0")
+# OUTOFCUDA_BUILD_WERROR=1 (CI, the tests, development builds): a warning fails the
 # build. A user's `pip install` leaves it unset: a warning that a newer
 # compiler adds must not break an install.
-WERROR = os.environ.get("OUTOFCUDA_WERROR", "") not in ("", "0")
+WERROR = os.environ.get("OUTOFCUDA_BUILD_WERROR", "") not in ("", "0")
 
 
 def extra_compile_args():

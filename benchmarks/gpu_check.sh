@@ -113,8 +113,8 @@ rc=0
 TESTS="$CHECKOUT/tests/gpu"
 if [ -d "$TESTS" ]; then
     # From a folder outside the checkout so `import outofcuda` is the installed
-    # one. OUTOFCUDA_REQUIRE_GPU=1: the `gpu` fixture fails where it would skip.
-    (cd "$OUT" && OUTOFCUDA_REQUIRE_GPU=1 OUTOFCUDA_GPU_DRY_RUN="$DRY" OUTOFCUDA_GPU_FIGURES="$OUT" \
+    # one. OUTOFCUDA_TEST_REQUIRE_GPU=1: the `gpu` fixture fails where it would skip.
+    (cd "$OUT" && OUTOFCUDA_TEST_REQUIRE_GPU=1 OUTOFCUDA_TEST_GPU_DRY_RUN="$DRY" OUTOFCUDA_TEST_GPU_FIGURES="$OUT" \
         OUTOFCUDA_TEST_PYTHON="$VPY" timeout "$([ "$DRY" = 1 ] && echo 900 || echo 200)" \
         "$VPY" -m pytest "$TESTS" -v -rsx -p no:cacheprovider --continue-on-collection-errors > "$OUT/gpu_tests.log" 2>&1)
     t=$?

@@ -30,13 +30,13 @@ SITEDIR_PATH = "sitedir+'/" + BOOT_FILE + "'"
 
 
 def start_kind():
-    """True when the wheel is the .start kind: OUTOFCUDA_HOOK_FILE=pth or
+    """True when the wheel is the .start kind: OUTOFCUDA_BUILD_HOOK_FILE=pth or
     start chooses; unset, the building Python decides."""
-    word = os.environ.get("OUTOFCUDA_HOOK_FILE", "").strip().lower()
+    word = os.environ.get("OUTOFCUDA_BUILD_HOOK_FILE", "").strip().lower()
     if word in ("pth", "start"):
         return word == "start"
     if word:
-        raise SystemExit(f"OUTOFCUDA_HOOK_FILE={word!r}: use 'pth' (a wheel for Python "
+        raise SystemExit(f"OUTOFCUDA_BUILD_HOOK_FILE={word!r}: use 'pth' (a wheel for Python "
                          "3.9-3.17) or 'start' (for 3.18 and later)")
     return sys.version_info >= START_FROM
 

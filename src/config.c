@@ -288,6 +288,10 @@ void oc_config_check_names(oc_config *cfg, char *const *env)
         size_t len = eq ? (size_t)(eq - *env) : strlen(*env), best = 4;
         if (strncmp(*env, prefix, sizeof prefix - 1) != 0 || cfg->n_warnings >= OC_WARN_MAX)
             continue;
+        /* Read by the build (setup.py) and by outofcuda's own test harness,
+         * never at run time: a shell that exports them is not mistaken. */
+        if (strncmp(*env, "OUTOFCUDA_BUILD_", 16) == 0 || strncmp(*env, "OUTOFCUDA_TEST_", 15) == 0)
+            continue;
         if (len >= sizeof name) {
             shorten(*env, shown, sizeof shown);
         } else {

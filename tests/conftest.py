@@ -16,12 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 TORCH_SPEC = os.environ.get("OUTOFCUDA_TEST_TORCH", "torch==2.13.0")
 
 
-# OUTOFCUDA_SANITIZE=1: the wheel is built with AddressSanitizer and
+# OUTOFCUDA_BUILD_SANITIZE=1: the wheel is built with AddressSanitizer and
 # UndefinedBehaviorSanitizer and every scenario interpreter runs with the ASan
 # runtime preloaded (Python itself is not instrumented) and PYTHONMALLOC=malloc
 # so ASan sees Python's allocations. Leak detection stays off: torch and
 # CPython keep allocations until exit by design.
-SANITIZE = os.environ.get("OUTOFCUDA_SANITIZE") == "1"
+SANITIZE = os.environ.get("OUTOFCUDA_BUILD_SANITIZE") == "1"
 
 
 def _sanitizer_env():
@@ -37,7 +37,7 @@ def _sanitizer_env():
 
 # The tests build as CI and development do: a compiler warning fails the
 # build (setup.py adds -Werror only then; a user's pip install never has it).
-WERROR = {"OUTOFCUDA_WERROR": "1"}
+WERROR = {"OUTOFCUDA_BUILD_WERROR": "1"}
 
 
 def _clean_env(extra=None):
@@ -87,7 +87,7 @@ def wheel(tmp_path_factory):
         ".git", "build", "dist", "*.egg-info", "*.so", ".venv*", "__pycache__", ".pytest_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                     "--no-build-isolation", "-w", str(out), str(src)],
-                   check=True, env=_clean_env(dict(WERROR, OUTOFCUDA_SANITIZE="1" if SANITIZE else None)))
+                   check=True, env=_clean_env(dict(WERROR, OUTOFCUDA_BUILD_SANITIZE="1" if SANITIZE else None)))
     (whl,) = out.glob("outofcuda-*.whl")
     return whl
 

@@ -318,7 +318,9 @@ def test_docs_list_exactly_the_variables_of_the_table(venv, workdir):
 def test_a_misspelt_variable_warns_naming_the_closest(venv, workdir):
     """OUTOFCUDA_TF23=0 is a typo of OUTOFCUDA_TF32: silence would leave TF32
     on while the user believes it off. The names come from the table."""
-    env = {"OUTOFCUDA_TF23": "0", "OUTOFCUDA_NO_SUCH_THING_AT_ALL": "1"}
+    env = {"OUTOFCUDA_TF23": "0", "OUTOFCUDA_NO_SUCH_THING_AT_ALL": "1",
+           # the build's and the test harness's own: never read at run time, never warned about
+           "OUTOFCUDA_BUILD_WERROR": "1", "OUTOFCUDA_TEST_VENV": "/nowhere"}
     r = venv.run("import torch, _outofcuda, json; "
                  "print(json.dumps(_outofcuda.status()['config_warnings']))", env=env, cwd=workdir)
     assert r.returncode == 0, r.stderr
@@ -328,5 +330,6 @@ def test_a_misspelt_variable_warns_naming_the_closest(venv, workdir):
     assert ("outofcuda: ignoring OUTOFCUDA_NO_SUCH_THING_AT_ALL: not a variable outofcuda reads"
             in warnings)
     assert "did you mean OUTOFCUDA_TF32?" in r.stderr
+    assert len(warnings) == 2 and "BUILD_" not in r.stderr and "TEST_" not in r.stderr, warnings
     doctor = venv.run(None, args=("-m", "outofcuda", "doctor"), env=env, cwd=workdir)
     assert "did you mean OUTOFCUDA_TF32?" in " ".join(doctor.stdout.split()), doctor.stdout

@@ -135,7 +135,7 @@ def built(chroot, version):
              f"--disable-pip-version-check -w {{out}} {ch.inside(src)}")
     r = ch.sh(build.format(out="pth"), env=WERROR)
     log = r.stdout + r.stderr
-    ch.sh(build.format(out="start"), env=dict(WERROR, OUTOFCUDA_HOOK_FILE="start"))
+    ch.sh(build.format(out="start"), env=dict(WERROR, OUTOFCUDA_BUILD_HOOK_FILE="start"))
     (whl,) = (d / "pth").glob("*.whl")
     (start,) = (d / "start").glob("*.whl")
     _built[version] = {"dir": d, "wheel": whl, "start_wheel": start, "log": log}

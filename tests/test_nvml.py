@@ -603,11 +603,11 @@ def test_gpu_tests_fail_instead_of_skipping_when_a_gpu_is_required():
     assert r.returncode == 0, r.stdout[-3000:]
     assert " skipped" in r.stdout.splitlines()[-1] and "passed" not in r.stdout.splitlines()[-1]
     # As benchmarks/gpu_check.sh runs them: nothing skips, everything errors.
-    r = _pytest_gpu({"OUTOFCUDA_REQUIRE_GPU": "1"}, "--continue-on-collection-errors", *files)
+    r = _pytest_gpu({"OUTOFCUDA_TEST_REQUIRE_GPU": "1"}, "--continue-on-collection-errors", *files)
     assert r.returncode == 1, r.stdout[-3000:]
     last = r.stdout.splitlines()[-1]
     assert "skipped" not in last and "passed" not in last and " errors" in last, last
-    assert "OUTOFCUDA_REQUIRE_GPU=1 but no NVIDIA GPU on this machine" in r.stdout
+    assert "OUTOFCUDA_TEST_REQUIRE_GPU=1 but no NVIDIA GPU on this machine" in r.stdout
 
 
 @pytest.mark.skipif(HAS_GPU, reason="this machine has an NVIDIA GPU: the no-GPU paths do not run")

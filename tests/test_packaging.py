@@ -102,7 +102,7 @@ def build_wheel(src, out, **env):
 def start_wheel(tmp_path_factory):
     """The wheel for Python 3.18 and later, built here on demand."""
     tmp = tmp_path_factory.mktemp("start")
-    r = build_wheel(clean_copy(tmp / "src"), tmp / "out", OUTOFCUDA_HOOK_FILE="start", **WERROR)
+    r = build_wheel(clean_copy(tmp / "src"), tmp / "out", OUTOFCUDA_BUILD_HOOK_FILE="start", **WERROR)
     assert r.returncode == 0, r.stderr[-4000:]
     (whl,) = (tmp / "out").glob("outofcuda-*.whl")
     return whl
@@ -138,14 +138,14 @@ def test_pip_picks_the_pth_wheel_before_318_and_the_start_wheel_after(wheel, sta
 
 
 def test_bad_hook_file_choice_is_refused_before_compiling(tmp_path):
-    r = build_wheel(clean_copy(tmp_path / "src"), tmp_path / "out", OUTOFCUDA_HOOK_FILE="both")
+    r = build_wheel(clean_copy(tmp_path / "src"), tmp_path / "out", OUTOFCUDA_BUILD_HOOK_FILE="both")
     assert r.returncode != 0
-    assert "OUTOFCUDA_HOOK_FILE='both': use 'pth'" in r.stdout + r.stderr
+    assert "OUTOFCUDA_BUILD_HOOK_FILE='both': use 'pth'" in r.stdout + r.stderr
     assert "gcc" not in r.stdout + r.stderr
 
 
 def test_a_new_compiler_warning_never_breaks_a_users_install(tmp_path):
-    """-Werror belongs to CI and development (OUTOFCUDA_WERROR=1, which the
+    """-Werror belongs to CI and development (OUTOFCUDA_BUILD_WERROR=1, which the
     tests set): a warning the user's compiler adds (-Wpadded stands in for one)
     leaves a user's build working."""
     src = clean_copy(tmp_path / "src")
@@ -233,7 +233,7 @@ def _asan_symbols(wheel_dir, tmp):
 
 
 def test_sanitize_build_over_an_existing_build_dir(tmp_path):
-    """OUTOFCUDA_SANITIZE=1 pip wheel . after a plain build in the same
+    """OUTOFCUDA_BUILD_SANITIZE=1 pip wheel . after a plain build in the same
     folder gives an instrumented extension, and a plain build after it an
     uninstrumented one: neither reuses the other's object files."""
     src = clean_copy(tmp_path / "src")
@@ -243,7 +243,7 @@ def test_sanitize_build_over_an_existing_build_dir(tmp_path):
         out = tmp_path / name
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                         "--no-build-isolation", "-w", str(out), "."], cwd=src, check=True,
-                       env=_clean_env({"OUTOFCUDA_SANITIZE": sanitize}), timeout=600)
+                       env=_clean_env({"OUTOFCUDA_BUILD_SANITIZE": sanitize}), timeout=600)
         assert (src / "build").is_dir()
         found[name] = _asan_symbols(out, tmp_path / (name + "-so"))
     assert found["plain"] == 0 and found["plain-again"] == 0, found

@@ -1,6 +1,6 @@
 """The C core under AddressSanitizer + UndefinedBehaviorSanitizer.
 
-A wheel is built with OUTOFCUDA_SANITIZE=1 (setup.py adds
+A wheel is built with OUTOFCUDA_BUILD_SANITIZE=1 (setup.py adds
 -fsanitize=address,undefined), unpacked into a fresh virtual environment that
 borrows torch and numpy from the test environment through a path-only .pth
 line, and the scenarios below run there with the ASan runtime preloaded
@@ -19,7 +19,7 @@ allocations until exit by design, so reports are noise); it runs on the
 scenario without torch, where CPython alone reports nothing (measured), so any
 report fails.
 
-Opt out with OUTOFCUDA_SKIP_SANITIZE=1 (a developer machine without the
+Opt out with OUTOFCUDA_TEST_SKIP_SANITIZE=1 (a developer machine without the
 sanitizer runtime); CI runs it."""
 import json
 import os
@@ -36,8 +36,8 @@ import pytest
 
 from conftest import ROOT, _clean_env
 
-pytestmark = pytest.mark.skipif(bool(os.environ.get("OUTOFCUDA_SKIP_SANITIZE")),
-                                reason="OUTOFCUDA_SKIP_SANITIZE is set")
+pytestmark = pytest.mark.skipif(bool(os.environ.get("OUTOFCUDA_TEST_SKIP_SANITIZE")),
+                                reason="OUTOFCUDA_TEST_SKIP_SANITIZE is set")
 
 SAN_ERRORS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer",
               "SUMMARY: UndefinedBehaviorSanitizer", "Fatal Python error")
@@ -67,7 +67,7 @@ def san(tmp_path_factory, base_venv):
     out = work / "wheel"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                     "--no-build-isolation", "-w", str(out), str(src)],
-                   check=True, env=_clean_env({"OUTOFCUDA_SANITIZE": "1"}))
+                   check=True, env=_clean_env({"OUTOFCUDA_BUILD_SANITIZE": "1"}))
     (whl,) = out.glob("outofcuda-*.whl")
     venv = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -344,10 +344,10 @@ def test_core_suites_under_sanitizers(tmp_path):
     """The C-heavy test files (hook and watcher on real torch, release gating
     over every release, configuration) rerun whole against the sanitizer build, every scenario
     interpreter with the ASan runtime preloaded (tests/conftest.py,
-    OUTOFCUDA_SANITIZE=1). The other files run against the normal build."""
-    if os.environ.get("OUTOFCUDA_SANITIZE") == "1":
+    OUTOFCUDA_BUILD_SANITIZE=1). The other files run against the normal build."""
+    if os.environ.get("OUTOFCUDA_BUILD_SANITIZE") == "1":
         pytest.skip("already running under the sanitizer build")
-    env = _clean_env({"OUTOFCUDA_SANITIZE": "1",
+    env = _clean_env({"OUTOFCUDA_BUILD_SANITIZE": "1",
                       "OUTOFCUDA_TEST_VENV": str(tmp_path / "venv"),
                       "PYTHONDONTWRITEBYTECODE": "1"})
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

@@ -1,12 +1,12 @@
 """GPU-only checks (skip without a GPU); a package so their basenames may repeat tests/.
 
-OUTOFCUDA_GPU_DRY_RUN=1 (benchmarks/gpu_check.sh --dry-run, run by the suite in
+OUTOFCUDA_TEST_GPU_DRY_RUN=1 (benchmarks/gpu_check.sh --dry-run, run by the suite in
 tests/test_gpu_dry_run.py): every check runs on the CPU with tiny shapes
 (`size`), the device calls answered by tests/gpu/dry_run/sitecustomize.py and
 the stand-in NVIDIA library."""
 import os
 
-DRY_RUN = os.environ.get("OUTOFCUDA_GPU_DRY_RUN", "").strip() == "1"
+DRY_RUN = os.environ.get("OUTOFCUDA_TEST_GPU_DRY_RUN", "").strip() == "1"
 
 
 def size(real, dry):

@@ -2,13 +2,13 @@
 `venv`), once torch there can use CUDA. The device check comes first so a
 machine without an NVIDIA GPU skips without building anything.
 
-OUTOFCUDA_REQUIRE_GPU=1 (set by benchmarks/gpu_check.sh) turns every skip that
+OUTOFCUDA_TEST_REQUIRE_GPU=1 (set by benchmarks/gpu_check.sh) turns every skip that
 happens before a test body runs (this fixture, skipif marks, a module that
 skips at import) into a failure: on the GPU machine a missing GPU must not pass
 as "nothing failed". A skip from inside a test body (a check this machine
 cannot make, with its reason) stays a skip and is listed.
 
-In a dry run (OUTOFCUDA_GPU_DRY_RUN=1, tests/gpu/__init__.py) the fixture is
+In a dry run (OUTOFCUDA_TEST_GPU_DRY_RUN=1, tests/gpu/__init__.py) the fixture is
 the same environment with "cuda" made the CPU and the stand-in NVIDIA library
 of an H200: each scenario runs end to end. A scenario that dies of a mistake
 in its own code (a name, an import, a path: DRY_RUN_MISTAKES) fails the dry
@@ -22,7 +22,7 @@ import pytest
 
 from gpu import DRY_RUN
 
-REQUIRED = os.environ.get("OUTOFCUDA_REQUIRE_GPU", "").strip() == "1"
+REQUIRED = os.environ.get("OUTOFCUDA_TEST_REQUIRE_GPU", "").strip() == "1"
 # The exceptions that, raised in a scenario or a test on the CPU, are a mistake
 # in the check itself rather than a figure the CPU cannot give.
 DRY_RUN_MISTAKES = ("SyntaxError", "IndentationError", "NameError", "UnboundLocalError",
@@ -36,7 +36,7 @@ class DryRunMistake(Exception):
 
 def _unavailable(reason):
     if REQUIRED:
-        pytest.fail(f"OUTOFCUDA_REQUIRE_GPU=1 but {reason}", pytrace=False)
+        pytest.fail(f"OUTOFCUDA_TEST_REQUIRE_GPU=1 but {reason}", pytrace=False)
     pytest.skip(reason)
 
 
@@ -49,7 +49,7 @@ def _skip_reason(longrepr):
 def pytest_collectreport(report):
     if REQUIRED and report.skipped:
         report.outcome = "failed"
-        report.longrepr = (f"OUTOFCUDA_REQUIRE_GPU=1 but the module skipped: "
+        report.longrepr = (f"OUTOFCUDA_TEST_REQUIRE_GPU=1 but the module skipped: "
                            f"{_skip_reason(report.longrepr)}")
 
 
@@ -65,7 +65,7 @@ def pytest_runtest_makereport(item, call):
                            if str(call.excinfo.value) else "dry run: a figure only the GPU gives")
     if REQUIRED and report.skipped and report.when == "setup":
         report.outcome = "failed"
-        report.longrepr = (f"OUTOFCUDA_REQUIRE_GPU=1 but skipped before running: "
+        report.longrepr = (f"OUTOFCUDA_TEST_REQUIRE_GPU=1 but skipped before running: "
                            f"{_skip_reason(report.longrepr)}")
 
 

@@ -98,7 +98,7 @@ def test_default_allocator_reuses_freed_blocks_inside_expandable_segments(gpu, w
         d = last_json(gpu.run(FRAGMENT, env=env, cwd=workdir))
         d["reserved_per_peak"] = d["reserved"] / d["peak_allocated"]
         runs[name] = d
-    figures = os.environ.get("OUTOFCUDA_GPU_FIGURES")
+    figures = os.environ.get("OUTOFCUDA_TEST_GPU_FIGURES")
     if figures:  # benchmarks/gpu_check.sh keeps the figures
         with open(os.path.join(figures, "fragment.json"), "w") as f:
             json.dump(runs, f, indent=1)
