@@ -428,12 +428,12 @@ PyMODINIT_FUNC PyInit_outofcuda_hook(void)
     return m;
 }
 #else
-/* abi3t: the import system creates and runs the module (the .pth line's
- * by-path load names the abi3 file, so here the line's `import
- * outofcuda_hook` fallback loads outofcuda_hook.abi3t.so). */
+/* abi3t: a multi-phase module. Its .pth line names outofcuda_hook.abi3t.so,
+ * sets __file__ (the engine is found beside it) and runs the module after
+ * creating it (_imp.exec_dynamic). */
 static int boot_exec(PyObject *m)
 {
-    PyObject *res;
+    PyObject *modules, *res;
     if (PyInterpreterState_GetID(PyInterpreterState_Get()) != 0) {
         PyErr_SetString(PyExc_ImportError,
                         "outofcuda's extension supports only the main interpreter");
@@ -443,6 +443,12 @@ static int boot_exec(PyObject *m)
         Py_INCREF(m);
         boot_module = m;
     }
+    /* Loaded by path from the .pth line, no import system to record it: as
+     * the abi3 boot does, it records itself, so a second line stands aside. */
+    modules = PyImport_GetModuleDict(); /* borrowed */
+    if (PyDict_GetItemString(modules, OC_BOOT_NAME) == NULL &&
+        PyDict_SetItemString(modules, OC_BOOT_NAME, m) < 0)
+        BOOT_CLEAR();
     res = boot_install(m, NULL);
     Py_XDECREF(res);
     return 0;

@@ -179,7 +179,7 @@ T="-DOC_ABI3T -DPy_LIMITED_API=0x030f0000 -DPy_TARGET_ABI3T=0x030f0000"
 gcc $F $T src/boot.c -o outofcuda_hook.abi3t.so
 gcc $F $T $(ls src/*.c | grep -v boot.c) -ldl -lpthread -o _outofcuda.abi3t.so
 # the line the wheel would carry for this boot: its file name and size
-sed -i "s/abi3\\.so/abi3t.so/; s/BOOT_SIZE/$(stat -c %s outofcuda_hook.abi3t.so)/" outofcuda_hook.pth
+sed -i "s/BOOT_SIZE/$(stat -c %s outofcuda_hook.abi3t.so)/" outofcuda_hook.pth
 python3.15 -m venv --without-pip v
 SITE=$(v/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 cp -r outofcuda outofcuda_hook.pth outofcuda_hook.abi3t.so _outofcuda.abi3t.so "$SITE/"
@@ -223,7 +223,14 @@ def test_abi3t_build_loads_and_works_on_gil_enabled_315(tmp_path):
                             ignore=shutil.ignore_patterns("__pycache__", "*.so"))
         (work / "tests").mkdir()
         shutil.copy(ROOT / "tests" / "fake_torch.py", work / "tests")
-        shutil.copy(ROOT / "outofcuda_hook.pth", work)
+        # The line an abi3t wheel would carry: the abi3t file, and a load that
+        # also gives the module its file (where the engine is found) and runs
+        # it (the abi3t boot is a multi-phase module).
+        line = (ROOT / "outofcuda_hook.pth").read_text().replace("abi3.so", "abi3t.so")
+        create = "_imp.create_dynamic(type(sys.implementation)(name='outofcuda_hook',origin=p))"
+        assert create in line
+        (work / "outofcuda_hook.pth").write_text(
+            line.replace(create, f"m={create};m.__file__=p;_imp.exec_dynamic(m)"))
         (work / "run.sh").write_text(ABI3T_SCRIPT)
         inside = "/" + str(work.relative_to(root))
         r = subprocess.run(["chroot", root, "bash", f"{inside}/run.sh", inside, ABI3T_CHECK],
