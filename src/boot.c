@@ -378,6 +378,23 @@ static PyMethodDef boot_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* Both builds: the module becomes the process's boot, records itself in
+ * sys.modules (loaded by path from the .pth line, with no import system to do
+ * it, so a second line stands aside) and installs the finder. NULL only for a
+ * Ctrl-C or exit(), which propagate. */
+static PyObject *boot_start(PyObject *m)
+{
+    PyObject *modules = PyImport_GetModuleDict(); /* borrowed */
+    if (boot_module == NULL) {
+        Py_INCREF(m);
+        boot_module = m;
+    }
+    if (PyDict_GetItemString(modules, OC_BOOT_NAME) == NULL &&
+        PyDict_SetItemString(modules, OC_BOOT_NAME, m) < 0)
+        BOOT_CLEAR();
+    return boot_install(m, NULL);
+}
+
 #ifndef OC_ABI3T
 static struct PyModuleDef boot_def = {
     PyModuleDef_HEAD_INIT,
@@ -397,7 +414,7 @@ static struct PyModuleDef boot_def = {
  * modules only. */
 PyMODINIT_FUNC PyInit_outofcuda_hook(void)
 {
-    PyObject *m, *modules, *res;
+    PyObject *m, *res;
     if (oc_free_threaded_interpreter()) {
         PyErr_SetString(PyExc_ImportError, OC_FREE_THREADED_REFUSAL);
         return NULL;
@@ -411,15 +428,7 @@ PyMODINIT_FUNC PyInit_outofcuda_hook(void)
     m = PyModule_Create(&boot_def);
     if (m == NULL)
         return NULL;
-    if (boot_module == NULL) {
-        Py_INCREF(m);
-        boot_module = m;
-    }
-    modules = PyImport_GetModuleDict(); /* borrowed */
-    if (PyDict_GetItemString(modules, OC_BOOT_NAME) == NULL &&
-        PyDict_SetItemString(modules, OC_BOOT_NAME, m) < 0)
-        BOOT_CLEAR();
-    res = boot_install(m, NULL);
+    res = boot_start(m);
     if (res == NULL) {
         Py_DECREF(m); /* only a Ctrl-C or exit() gets here: it propagates */
         return NULL;
@@ -433,25 +442,15 @@ PyMODINIT_FUNC PyInit_outofcuda_hook(void)
  * creating it (_imp.exec_dynamic). */
 static int boot_exec(PyObject *m)
 {
-    PyObject *modules, *res;
+    PyObject *res;
     if (PyInterpreterState_GetID(PyInterpreterState_Get()) != 0) {
         PyErr_SetString(PyExc_ImportError,
                         "outofcuda's extension supports only the main interpreter");
         return -1;
     }
-    if (boot_module == NULL) {
-        Py_INCREF(m);
-        boot_module = m;
-    }
-    /* Loaded by path from the .pth line, no import system to record it: as
-     * the abi3 boot does, it records itself, so a second line stands aside. */
-    modules = PyImport_GetModuleDict(); /* borrowed */
-    if (PyDict_GetItemString(modules, OC_BOOT_NAME) == NULL &&
-        PyDict_SetItemString(modules, OC_BOOT_NAME, m) < 0)
-        BOOT_CLEAR();
-    res = boot_install(m, NULL);
+    res = boot_start(m);
     Py_XDECREF(res);
-    return 0;
+    return res != NULL ? 0 : -1;
 }
 
 PyABIInfo_VAR(boot_abi);
