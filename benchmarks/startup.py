@@ -52,10 +52,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PASS_TARGET = 1.020        # python -c pass, outofcuda installed / not installed: the goal
 # What the shipped hook keeps (the goal is not met: the .pth guard that keeps a
-# damaged boot silent costs about 0.006; see results/startup-pth-variants.md).
+# damaged boot silent costs about 0.006, see results/startup-pth-variants.md,
+# and the size check that never maps a partly written boot about 0.003).
 # The exit status, and tests/test_bench.py, fail above this.
-PASS_CEILING = 1.025
-NO_BYTECODE_TARGET = 1.025  # the same without any outofcuda byte-code
+PASS_CEILING = 1.030
+NO_BYTECODE_TARGET = 1.030  # the same without any outofcuda byte-code
 IMPORT_OUTOFCUDA_TARGET = 1.10  # import outofcuda / python -c pass, same venv
 IMPORT_TARGET = 1.005      # import torch, instructions
 # About 200 standard-library modules imported at start-up (counted per run).
@@ -351,7 +352,7 @@ def markdown(paths):
             f"{r['pass']['with'] / r['anchors']['comment-only .pth']['with']:.4f}"
             if "ratio" in r.get("anchors", {}).get("comment-only .pth", {}) else "-")),
         ("with `OUTOFCUDA_DISABLE=1`", lambda r: cell(r, "pass_disabled")),
-        ("without byte-code (target <= 1.025)", lambda r: cell(r, "pass_no_bytecode")),
+        ("without byte-code (target <= 1.030)", lambda r: cell(r, "pass_no_bytecode")),
         ("`import outofcuda` / `pass` (target <= 1.10)", lambda r: cell(r, "import_outofcuda")),
         ("finder, instructions per import", lambda r: (
             f"{r['finder_per_import']['per_import']:.0f} over "
