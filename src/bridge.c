@@ -419,8 +419,6 @@ static int flags_frozen(PyObject *torch)
  * from the CUDA-init callback, and only when the program chose nothing by
  * then; cuDNN TF32 is never written (it is torch's default). */
 
-static int pending_tf32;
-
 /* Returns 1 when the program already chose its float32 matmul precision
  * (why says how), 0 when it did not, -1 when that cannot be read (why says
  * so). On 2.9+ every choice, through either API, the global switch, cuDNN's
@@ -485,9 +483,6 @@ static void tf32_at_cuda_init(PyObject *torch)
     char why[200];
     PyObject *c_mod, *value;
     int chosen;
-    if (!pending_tf32)
-        return;
-    pending_tf32 = 0;
     c_mod = PyObject_GetAttrString(torch, "_C");
     if (c_mod == NULL) {
         OC_CLEAR();
@@ -546,7 +541,7 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
         oc_result_set("tf32", 0, NULL, no_queue);
         return;
     }
-    pending_tf32 = 1;
+    oc_cuda_step_arm(OC_STEP_TF32);
     oc_result_set("tf32", 1, NULL,
                   "queued: cuBLAS TF32 for float32 matmuls when CUDA initialises, unless the "
                   "program has chosen its float32 precision by then");
@@ -705,10 +700,7 @@ static void hand_back_allocator(PyObject *c_mod)
     oc_result_set("allocator", 0, NULL, reason);
 }
 
-static struct {
-    int armed;
-    double fraction;
-} pending_fraction;
+static double pending_fraction; /* for the fraction step, when armed */
 
 /* Appends to what was decided about frameworks (oc_g.framework_decided,
  * which status() shows). */
@@ -759,8 +751,8 @@ static void framework_left(PyObject *torch)
         Py_XDECREF(v);
     }
     if (tv.cuda_build) {
-        pending_fraction.fraction = oc_config_get()->memory_fraction;
-        pending_fraction.armed = 1;
+        pending_fraction = oc_config_get()->memory_fraction;
+        oc_cuda_step_arm(OC_STEP_FRACTION);
     }
 }
 
@@ -771,12 +763,8 @@ static void framework_left(PyObject *torch)
  * (the next step) is left to the framework. */
 static void framework_at_cuda_init(PyObject *torch)
 {
-    static int done;
     char reason[sizeof owner.why + 120];
     PyObject *c_mod;
-    if (done)
-        return;
-    done = 1;
     if (owner.name[0]) {
         if (oc_framework_in_use(NULL, 0) == NULL)
             framework_left(torch);
@@ -853,9 +841,6 @@ static void fraction_at_cuda_init(PyObject *torch)
 {
     PyObject *c_mod = NULL, *n = NULL, *dev = NULL, *r = NULL, *value;
     long rank = oc_env_rank("LOCAL_RANK"), count = 0, device = 0;
-    if (!pending_fraction.armed)
-        return;
-    pending_fraction.armed = 0;
     if (owner.name[0]) {
         /* The framework step (first) left the fraction to a framework. */
         return;
@@ -877,11 +862,10 @@ static void fraction_at_cuda_init(PyObject *torch)
             goto error;
         device = PyLong_AsLong(dev);
     }
-    r = PyObject_CallMethod(c_mod, "_cuda_setMemoryFraction", "dl", pending_fraction.fraction,
-                            device);
+    r = PyObject_CallMethod(c_mod, "_cuda_setMemoryFraction", "dl", pending_fraction, device);
     if (r == NULL)
         goto error;
-    value = Py_BuildValue("{s:d,s:l}", "fraction", pending_fraction.fraction, "device", device);
+    value = Py_BuildValue("{s:d,s:l}", "fraction", pending_fraction, "device", device);
     oc_result_setf("memory_fraction", 1, value, "applied to cuda:%ld when CUDA initialised%s",
                    device, rank >= 0 && rank == device ? " (LOCAL_RANK)" : "");
     Py_XDECREF(value);
@@ -896,32 +880,31 @@ done:
     Py_XDECREF(c_mod);
 }
 
-static int arm_memory_fraction(const oc_config *cfg, const char *no_queue)
+static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
 {
     PyObject *value;
     if (!tv.cuda_build) {
         oc_result_set("memory_fraction", 0, NULL, "this torch build has no CUDA");
-        return 0;
+        return;
     }
     if (no_queue != NULL) {
         oc_result_set("memory_fraction", 0, NULL, no_queue);
-        return 0;
+        return;
     }
     if (owner.name[0]) {
         char reason[sizeof owner.why + 120];
         snprintf(reason, sizeof reason, "not set: left to %s. %s", owner.name, owner.why);
         oc_result_set("memory_fraction", 0, NULL, reason);
-        return 0;
+        return;
     }
     if (fraction_left_to_program(NULL, "not set", "applies when CUDA initialises"))
-        return 0;
-    pending_fraction.fraction = cfg->memory_fraction;
-    pending_fraction.armed = 1;
+        return;
+    pending_fraction = cfg->memory_fraction;
+    oc_cuda_step_arm(OC_STEP_FRACTION);
     value = Py_BuildValue("{s:d,s:O}", "fraction", cfg->memory_fraction, "device", Py_None);
     oc_result_set("memory_fraction", 1, value,
                   "queued: applied to this process's device when CUDA initialises");
     Py_XDECREF(value);
-    return 1;
 }
 
 /* ---- the one callback at CUDA initialisation ----
@@ -938,8 +921,23 @@ static int arm_memory_fraction(const oc_config *cfg, const char *no_queue)
  * initialisation fails) and must not call torch.cuda._lazy_call (from torch
  * 2.6 _lazy_init runs the queue while holding _initialization_lock, a plain
  * threading.Lock that _lazy_call takes too: the thread would wait on itself
- * for ever). Each step runs at most once: torch runs its queue once, but a
- * stand-in torch or a queue run by hand may run it again. */
+ * for ever). A step runs only when armed (oc_g.cuda_init_steps), and at most
+ * once: its bit is cleared as it starts, since torch runs its queue once but
+ * a stand-in torch or a queue run by hand may run it again. */
+
+static int step_armed(oc_cuda_step step)
+{
+    return (oc_g.cuda_init_steps & (1u << step)) != 0;
+}
+
+/* Clears the step's bit; 1 when it was armed. */
+static int take_step(oc_cuda_step step)
+{
+    int armed = step_armed(step);
+    oc_g.cuda_init_steps &= ~(1u << step);
+    return armed;
+}
+
 static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
 {
     PyObject *torch = oc_sys_module("torch");
@@ -947,12 +945,18 @@ static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
     (void)unused;
     if (torch == NULL)
         Py_RETURN_NONE;
-    framework_at_cuda_init(torch);
-    tf32_at_cuda_init(torch);
-    fraction_at_cuda_init(torch);
-    oc_known_bugs_at_cuda_init(torch);
-    oc_oom_at_cuda_init(torch);
-    oc_summary_at_cuda_init();
+    if (take_step(OC_STEP_FRAMEWORK))
+        framework_at_cuda_init(torch);
+    if (take_step(OC_STEP_TF32))
+        tf32_at_cuda_init(torch);
+    if (take_step(OC_STEP_FRACTION)) /* armed at import or by the framework step */
+        fraction_at_cuda_init(torch);
+    if (take_step(OC_STEP_KNOWN_BUGS))
+        oc_known_bugs_at_cuda_init(torch);
+    if (take_step(OC_STEP_OOM))
+        oc_oom_at_cuda_init(torch);
+    if (take_step(OC_STEP_SUMMARY))
+        oc_summary_at_cuda_init();
     OC_CLEAR();
     Py_DECREF(torch);
     Py_RETURN_NONE;
@@ -1138,7 +1142,6 @@ void oc_bridge_after_torch(PyObject *torch)
     const oc_config *cfg = oc_config_get();
     PyObject *c_mod, *v, *lazy_call;
     const char *no_queue;
-    int armed, oom_armed;
     v = PyObject_GetAttrString(torch, "__version__");
     if (v != NULL) {
         PyObject *old = oc_g.torch_version;
@@ -1167,31 +1170,34 @@ void oc_bridge_after_torch(PyObject *torch)
     arm_tf32(cfg, torch, c_mod, no_queue);
     apply_cudnn(cfg, torch, c_mod);
     record_allocator(cfg);
-    armed = pending_tf32 + arm_memory_fraction(cfg, no_queue);
+    arm_memory_fraction(cfg, no_queue);
     /* The framework step may have to hand torch's allocator back, or to
      * look again at a framework found at import. */
-    armed += (oc_g.alloc_applied || owner.name[0]) && no_queue == NULL;
+    if ((oc_g.alloc_applied || owner.name[0]) && no_queue == NULL)
+        oc_cuda_step_arm(OC_STEP_FRAMEWORK);
     apply_sdpa(cfg, c_mod);
-    armed += oc_known_bugs_at_import(torch, no_queue);
+    oc_known_bugs_at_import(torch, no_queue);
     apply_amp_dtype(cfg, torch);
-    oom_armed = oc_oom_install(torch, no_queue);
-    armed += oom_armed;
+    oc_oom_install(torch, no_queue);
     if (tv.cuda_build && no_queue == NULL)
-        armed += oc_summary_prepare();
-    if (armed && queue_at_cuda_init(lazy_call) < 0) {
+        oc_summary_prepare();
+    /* The framework step runs whenever the callback does: a framework
+     * imported after torch counts too. */
+    if (oc_g.cuda_init_steps)
+        oc_cuda_step_arm(OC_STEP_FRAMEWORK);
+    if (oc_g.cuda_init_steps && queue_at_cuda_init(lazy_call) < 0) {
         /* Nothing will run when CUDA starts: no step may still say queued. */
-        if (pending_tf32)
+        if (step_armed(OC_STEP_TF32))
             oc_result_set("tf32", 0, NULL,
                           "torch.cuda._lazy_call failed: TF32 left as torch has it");
-        pending_tf32 = 0;
-        pending_fraction.armed = 0;
+        oc_g.cuda_init_steps = 0;
         oc_result_set("memory_fraction", 0, NULL, "torch.cuda._lazy_call failed");
         oc_result_set("oom_handler", 0, NULL,
                       "torch.cuda._lazy_call failed: Python's exception hooks left alone");
-    } else if (armed) {
-        mark_queued("tf32", pending_tf32);
-        mark_queued("memory_fraction", pending_fraction.armed);
-        mark_queued("oom_handler", oom_armed);
+    } else {
+        mark_queued("tf32", step_armed(OC_STEP_TF32));
+        mark_queued("memory_fraction", step_armed(OC_STEP_FRACTION));
+        mark_queued("oom_handler", step_armed(OC_STEP_OOM));
     }
     Py_XDECREF(lazy_call);
     Py_DECREF(c_mod);

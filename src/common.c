@@ -15,6 +15,11 @@ extern char **environ;
 
 oc_state oc_g;
 
+void oc_cuda_step_arm(oc_cuda_step step)
+{
+    oc_g.cuda_init_steps |= 1u << step;
+}
+
 static const char *env_getenv(const char *name, void *ctx)
 {
     (void)ctx;

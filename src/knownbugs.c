@@ -163,7 +163,6 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
 /* What each entry came to in this process. */
 static struct {
     int decided;                  /* the import-time step ran */
-    int pending;                  /* something is left for CUDA's start */
     int state[OC_KB_MAX_ENTRIES]; /* OC_KB_* per entry */
     int done[OC_KB_MAX_ENTRIES];  /* the action was taken */
     char reason[OC_KB_MAX_ENTRIES][400];
@@ -240,10 +239,11 @@ static void decide_all(PyObject *torch, size_t n)
     }
 }
 
-int oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
+void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
 {
     const oc_config *cfg = oc_config_get();
     size_t n = oc_known_bug_count();
+    int pending = 0; /* something is left for CUDA's start */
     memset(&kb, 0, sizeof kb);
     kb.cudnn = -1;
     kb.decided = 1;
@@ -255,23 +255,24 @@ int oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
             snprintf(kb.reason[i], sizeof kb.reason[i],
                      "OUTOFCUDA_KNOWN_BUGS=0: torch's own choice kept, nothing checked");
         }
-        return 0;
+        return;
     }
     for (size_t i = 0; i < n; i++)
         kb.state[i] = OC_KB_UNDECIDED;
     decide_all(torch, n);
     for (size_t i = 0; i < n; i++)
-        kb.pending |= kb.state[i] == OC_KB_UNDECIDED;
-    if (kb.pending && no_queue != NULL) {
+        pending |= kb.state[i] == OC_KB_UNDECIDED;
+    if (pending && no_queue != NULL) {
         /* Nothing will run when CUDA starts: it stays undecided, and says why. */
         for (size_t i = 0; i < n; i++) {
             size_t len = strlen(kb.reason[i]);
             if (kb.state[i] == OC_KB_UNDECIDED)
                 snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, " (never: %s)", no_queue);
         }
-        kb.pending = 0;
+        pending = 0;
     }
-    return kb.pending;
+    if (pending)
+        oc_cuda_step_arm(OC_STEP_KNOWN_BUGS);
 }
 
 /* The runtime cuDNN's version, or 0 when torch has none, -1 when it cannot
@@ -483,9 +484,8 @@ void oc_known_bugs_at_cuda_init(PyObject *torch)
 {
     int undecided[OC_KB_MAX_ENTRIES];
     size_t n = oc_known_bug_count();
-    if (!kb.decided || !kb.pending || torch == NULL)
+    if (!kb.decided || torch == NULL)
         return;
-    kb.pending = 0;
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
     kb.cudnn = read_cudnn_version(torch);

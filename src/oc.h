@@ -403,7 +403,22 @@ static inline PySlot *oc_export(PySlot *slots)
 }
 #endif
 
-/* Process-wide state: the hook fires once per process, whatever imports it. */
+/* The steps of the one callback on torch's lazy-init queue (bridge.c), in
+ * the order it runs them. */
+typedef enum {
+    OC_STEP_FRAMEWORK,
+    OC_STEP_TF32,
+    OC_STEP_FRACTION,
+    OC_STEP_KNOWN_BUGS,
+    OC_STEP_OOM,
+    OC_STEP_SUMMARY,
+} oc_cuda_step;
+
+/* Process-wide state: the hook fires once per process, whatever imports it,
+ * and CUDA starts once per process, so the record of what waits for CUDA's
+ * start is process-wide too. The native threads (monitor.c, summary.c) and
+ * the boot (boot.c) keep theirs in their own files: a thread runs outside
+ * any module object, and the boot runs before the engine is loaded. */
 typedef struct {
     int installed; /* install() put the finder on sys.meta_path */
     int fired;     /* the torch callback ran */
@@ -426,9 +441,15 @@ typedef struct {
      * and why. */
     char framework_left_to[32];
     char framework_decided[700];
+    /* What is armed for CUDA's start: one bit per oc_cuda_step, set at
+     * import through oc_cuda_step_arm, cleared by the callback as each step
+     * runs, and cleared whole when the callback cannot be queued (GIL held). */
+    unsigned cuda_init_steps;
 } oc_state;
 
 extern oc_state oc_g;
+/* Arms a step: the callback runs it when CUDA starts (common.c). */
+void oc_cuda_step_arm(oc_cuda_step step);
 
 /* common.c */
 const oc_config *oc_config_get(void); /* loads once, emits warnings */
@@ -542,9 +563,9 @@ int oc_nvml_utilization(int index, unsigned *gpu, unsigned *mem);
 
 /* oom.c */
 /* With torch imported: prepares the observer and hooks. no_queue is NULL when
- * bridge.c's CUDA-init callback is queued, else why not (a reason). Returns
- * 1 when oc_oom_at_cuda_init has work. Never raises. */
-int oc_oom_install(PyObject *torch, const char *no_queue);
+ * bridge.c's CUDA-init callback is queued, else why not (a reason). Arms
+ * oc_oom_at_cuda_init when it has work. Never raises. */
+void oc_oom_install(PyObject *torch, const char *no_queue);
 void oc_oom_at_cuda_init(PyObject *torch); /* a step of the CUDA-init callback */
 /* What counts as a CUDA OOM: torch's type (torch.cuda.OutOfMemoryError or
  * torch.OutOfMemoryError, from the torch in sys.modules), or a plain
@@ -602,9 +623,10 @@ int oc_resolve_file_path(const char *path, char *dir, size_t dirsz, char *out, s
 
 /* knownbugs.c: decides what it can with torch imported (never reads the
  * cuDNN version: that loads cuDNN), and the rest from the CUDA-init callback,
- * where it also acts. Neither raises nor queues anything. at_import returns 1
- * when the callback has work (no_queue: why there is no queue, or NULL). */
-int oc_known_bugs_at_import(PyObject *torch, const char *no_queue);
+ * where it also acts. Neither raises nor queues anything. at_import arms
+ * the callback's step when it has work (no_queue: why there is no queue, or
+ * NULL). */
+void oc_known_bugs_at_import(PyObject *torch, const char *no_queue);
 void oc_known_bugs_at_cuda_init(PyObject *torch);
 PyObject *oc_known_bugs_status(void); /* new list, or NULL with an exception */
 extern PyMethodDef oc_known_bugs_methods[];
@@ -639,7 +661,7 @@ int oc_thread_join(pthread_t thread, int limit_s);
 double oc_thread_now(void); /* CLOCK_MONOTONIC, in seconds */
 
 /* summary.c: OUTOFCUDA_SUMMARY, what the GPU did, printed at exit */
-int oc_summary_prepare(void);       /* with torch imported: 1 when the step has work */
+void oc_summary_prepare(void);      /* with torch imported: arms its step when it has work */
 void oc_summary_at_cuda_init(void); /* a step of the CUDA-init callback */
 extern PyMethodDef oc_summary_methods[];
 

@@ -25,11 +25,6 @@
 
 static PyObject *prev_sys_hook, *prev_thread_hook, *oom_type;
 
-/* Set by oc_oom_install, cleared by the first oc_oom_at_cuda_init: a second
- * run must not attach a second observer or chain our own hook behind itself,
- * which would print every report twice. Guarded by the GIL. */
-static int armed;
-
 /* The observer: attached (or to be) with observer.state saying when, or none
  * with observer.none saying why (static storage); status() shows
  * "none: <why>". */
@@ -193,15 +188,14 @@ static int start_history(PyObject *torch)
 
 static void install_hooks(void);
 
-/* Step of bridge.c's one CUDA-init callback (its rules apply). torch 2.0
- * crashed when the observer was attached before CUDA initialised, hence the
+/* Step of bridge.c's one CUDA-init callback (its rules apply, and it runs
+ * at most once: a second run would attach a second observer and chain our
+ * own hook behind itself, printing every report twice). torch 2.0 crashed
+ * when the observer was attached before CUDA initialised, hence the
  * deferral. */
 void oc_oom_at_cuda_init(PyObject *torch)
 {
     PyObject *attach = NULL, *obs = NULL, *r = NULL;
-    if (!armed)
-        return;
-    armed = 0;
     if (snapshot_path[0] && start_history(torch) < 0) {
         char msg[400];
         take_error(msg, sizeof msg,
@@ -519,7 +513,7 @@ static void install_hooks(void)
                             : "none: the exception hooks could not be set");
 }
 
-int oc_oom_install(PyObject *torch, const char *no_queue)
+void oc_oom_install(PyObject *torch, const char *no_queue)
 {
     PyObject *attach;
     int snapshot;
@@ -527,7 +521,7 @@ int oc_oom_install(PyObject *torch, const char *no_queue)
     if (oom_type == NULL) {
         OC_CLEAR();
         oc_result_set("oom_handler", 0, NULL, "this torch has no torch.cuda.OutOfMemoryError");
-        return 0;
+        return;
     }
     snapshot = read_snapshot_env();
     attach = oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
@@ -556,11 +550,10 @@ int oc_oom_install(PyObject *torch, const char *no_queue)
         else
             oc_result_setf("oom_handler", 0, NULL, "%s: Python's exception hooks left alone",
                            observer.none);
-        return 0;
+        return;
     }
-    armed = 1;
+    oc_cuda_step_arm(OC_STEP_OOM);
     record_status("installed when CUDA initialises");
-    return 1;
 }
 
 /* ---- the ranked actions (the rules and their ranking: advice.c) ---- */

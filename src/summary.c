@@ -242,26 +242,21 @@ static int choose_devices(int *torch_index)
     return n;
 }
 
-static int armed; /* set at import, cleared by the step (GIL held) */
-
 /* Step of bridge.c's one CUDA-init callback (its rules apply). */
 void oc_summary_at_cuda_init(void)
 {
     int devices[SUMMARY_MAX_DEVICES] = {0};
     int n;
-    if (!armed)
-        return;
-    armed = 0;
     n = choose_devices(devices);
     if (summary_begin(devices, n, DEFAULT_INTERVAL_MS) < 0)
         oc_set_error("starting the exit summary");
     OC_CLEAR();
 }
 
-int oc_summary_prepare(void)
+void oc_summary_prepare(void)
 {
-    armed = oc_config_get()->summary != OC_SUMMARY_OFF && resolve_output() != OC_SUMMARY_OFF;
-    return armed;
+    if (oc_config_get()->summary != OC_SUMMARY_OFF && resolve_output() != OC_SUMMARY_OFF)
+        oc_cuda_step_arm(OC_STEP_SUMMARY);
 }
 
 /* ---- at exit: figures from torch and the Python layer (GIL held) ---- */
