@@ -235,7 +235,6 @@ static int shm_size(const char *path, unsigned long long *total)
 static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"cuda_available", "num_workers", "shm_path", "shm_min_bytes", NULL};
-    static int shm_warned;
     const oc_config *cfg = oc_config_get();
     const char *shm_path = "/dev/shm";
     unsigned long long shm_min = OC_SHM_MIN_BYTES, shm_total = 0;
@@ -252,8 +251,8 @@ static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
     workers = requested >= 0 ? requested : (cfg->num_workers < cpus ? cfg->num_workers : cpus);
     shm_ok = shm_size(shm_path, &shm_total) == 0;
     shm_enough = workers <= 0 || (shm_ok && shm_total >= shm_min);
-    if (!shm_enough && !shm_warned) {
-        shm_warned = 1;
+    if (!shm_enough && !oc_g.shm_warned) {
+        oc_g.shm_warned = 1;
         if (shm_ok)
             snprintf(warning, sizeof warning,
                      "outofcuda: %s holds only %llu MiB; DataLoader workers pass batches "
@@ -408,11 +407,6 @@ static PyObject *list_pop(PyObject *list)
     return item;
 }
 
-/* Types of autograd nodes seen without a `variable` (all but AccumulateGrad):
- * a failed attribute look-up builds an exception, which every node of every
- * step would pay; a type is asked once. Holds its types for the process. */
-static PyObject *no_variable_types;
-
 /* One autograd node: records the leaf it accumulates into (first time only)
  * and sets its gradient aside, then pushes the nodes it leads to. Counts the
  * gradients set aside in *aside. */
@@ -420,7 +414,7 @@ static int visit_node(PyObject *node, PyObject *saved, PyObject *stack, long *as
 {
     PyObject *type = PyObject_Type(node), *var = NULL, *next;
     Py_ssize_t n;
-    int known = type && no_variable_types ? PySet_Contains(no_variable_types, type) : 0;
+    int known = type && oc_g.no_variable_types ? PySet_Contains(oc_g.no_variable_types, type) : 0;
     if (type == NULL || known < 0) {
         Py_XDECREF(type);
         return -1;
@@ -433,9 +427,9 @@ static int visit_node(PyObject *node, PyObject *saved, PyObject *stack, long *as
                 return -1;
             }
             PyErr_Clear(); /* absence: not an AccumulateGrad node */
-            if (no_variable_types == NULL)
-                no_variable_types = PySet_New(NULL);
-            if (no_variable_types == NULL || PySet_Add(no_variable_types, type) < 0) {
+            if (oc_g.no_variable_types == NULL)
+                oc_g.no_variable_types = PySet_New(NULL);
+            if (oc_g.no_variable_types == NULL || PySet_Add(oc_g.no_variable_types, type) < 0) {
                 Py_DECREF(type);
                 return -1;
             }

@@ -9,14 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* What version.py of the torch about to load says. */
-static struct {
-    long ver;       /* oc_torch_version_number; 0 unknown */
-    int cuda_build; /* torch.version.cuda is not None */
-    int hip_build;
-    int known;
-} tv;
-
 /* ---- reading torch/version.py without importing torch ---- */
 
 /* Finds `name` at the start of a line followed by '=' (an annotation may sit
@@ -60,7 +52,7 @@ static void read_version_file(PyObject *spec)
     char *slash;
     /* Facts of an earlier, failed attempt (another copy of torch) never
      * carry over to this one. */
-    memset(&tv, 0, sizeof tv);
+    memset(&oc_g.build, 0, sizeof oc_g.build);
     o = spec ? PyObject_GetAttrString(spec, "origin") : NULL;
     if (o == NULL || !PyUnicode_Check(o)) {
         OC_CLEAR();
@@ -83,10 +75,10 @@ static void read_version_file(PyObject *spec)
     version_field(text, "__version__", v, sizeof v);
     version_field(text, "cuda", cuda, sizeof cuda);
     version_field(text, "hip", hip, sizeof hip);
-    tv.ver = oc_torch_version_number(v);
-    tv.cuda_build = cuda[0] != '\0' && strcmp(cuda, "None") != 0;
-    tv.hip_build = hip[0] != '\0' && strcmp(hip, "None") != 0;
-    tv.known = tv.ver != 0;
+    oc_g.build.ver = oc_torch_version_number(v);
+    oc_g.build.cuda_build = cuda[0] != '\0' && strcmp(cuda, "None") != 0;
+    oc_g.build.hip_build = hip[0] != '\0' && strcmp(hip, "None") != 0;
+    oc_g.build.known = oc_g.build.ver != 0;
 }
 
 /* Reads the same facts from the torch that executed: the one that counts,
@@ -100,10 +92,10 @@ static void read_version_module(PyObject *torch)
         return;
     cuda = oc_getattr_chain(torch, "version.cuda");
     hip = oc_getattr_chain(torch, "version.hip");
-    tv.ver = ver;
-    tv.cuda_build = cuda != NULL && cuda != Py_None;
-    tv.hip_build = hip != NULL && hip != Py_None;
-    tv.known = 1;
+    oc_g.build.ver = ver;
+    oc_g.build.cuda_build = cuda != NULL && cuda != Py_None;
+    oc_g.build.hip_build = hip != NULL && hip != Py_None;
+    oc_g.build.known = 1;
     Py_XDECREF(cuda);
     Py_XDECREF(hip);
 }
@@ -117,7 +109,7 @@ static int key_allowed(const char *key, void *ctx)
 {
     if (*(const int *)ctx && strcmp(key, "backend") != 0)
         return 0;
-    return oc_alloc_key_known(key, tv.ver);
+    return oc_alloc_key_known(key, oc_g.build.ver);
 }
 
 /* Returns 1 when the allocator string chooses backend:cudaMallocAsync. */
@@ -130,22 +122,11 @@ static int async_backend(const char *conf)
  * (oc_alloc_user_var); its value through *value ("" when unset). */
 static const char *user_alloc_var(const char **value)
 {
-    const char *name = oc_alloc_user_var(tv.ver, value);
+    const char *name = oc_alloc_user_var(oc_g.build.ver, value);
     if (*value == NULL)
         *value = "";
     return name;
 }
-
-/* The allocator variable as the user left it, so it can be given back once
- * torch has read outofcuda's value: children (and programs started from
- * this one, some of which refuse expandable segments) inherit os.environ
- * and must see the user's environment, not outofcuda's merge. */
-static struct {
-    int written; /* outofcuda changed the variable and has not restored it */
-    int had;     /* the user had set it (possibly empty) */
-    char name[32];
-    char value[OC_ALLOC_CONF_MAX];
-} saved;
 
 /* Sets (value) or deletes (NULL) os.environ[name]: os.environ keeps
  * Python's view and the C environment (what torch's getenv reads) in step;
@@ -175,10 +156,11 @@ static int set_environ(const char *name, const char *value)
  * Returns 0, or -1 when os.environ refused (recorded as outofcuda's error). */
 static int restore_allocator_env(void)
 {
-    if (!saved.written)
+    if (!oc_g.alloc_saved.written)
         return 0;
-    saved.written = 0;
-    if (set_environ(saved.name, saved.had ? saved.value : NULL) < 0) {
+    oc_g.alloc_saved.written = 0;
+    if (set_environ(oc_g.alloc_saved.name, oc_g.alloc_saved.had ? oc_g.alloc_saved.value : NULL) <
+        0) {
         oc_set_error("restoring the allocator variable failed");
         return -1;
     }
@@ -198,24 +180,17 @@ static const char *dropped_note(const char *dropped, int async)
                  : "; left out (unknown to this torch): ";
 }
 
-/* A framework that owns GPU memory (frameworks.c), once outofcuda has left
- * the allocator and the memory fraction to it: its name and why. */
-static struct {
-    char name[32];
-    char why[600];
-} owner;
-
 /* Returns 1 when a framework owns GPU memory in this process and outofcuda
- * steps back (remembered in `owner`); 0 otherwise, with a note in
+ * steps back (remembered in oc_g.framework); 0 otherwise, with a note in
  * override_note when OUTOFCUDA_FRAMEWORK_OVERRIDE=1 kept outofcuda's
  * settings beside one. */
 static int framework_owns_memory(const oc_config *cfg, char *override_note, size_t notesz)
 {
-    char why[sizeof owner.why];
+    char why[sizeof oc_g.framework.why];
     const char *name;
     if (override_note != NULL && notesz > 0)
         override_note[0] = '\0';
-    if (owner.name[0])
+    if (oc_g.framework.left_to[0])
         return 1;
     name = oc_framework_in_use(why, sizeof why);
     if (name == NULL)
@@ -227,15 +202,10 @@ static int framework_owns_memory(const oc_config *cfg, char *override_note, size
                      name);
         return 0;
     }
-    snprintf(owner.name, sizeof owner.name, "%s", name);
-    snprintf(owner.why, sizeof owner.why, "%s", why);
-    snprintf(oc_g.framework_left_to, sizeof oc_g.framework_left_to, "%s", name);
+    snprintf(oc_g.framework.left_to, sizeof oc_g.framework.left_to, "%s", name);
+    snprintf(oc_g.framework.why, sizeof oc_g.framework.why, "%s", why);
     return 1;
 }
-
-/* Set when the merged string goes to torch through its runtime setter alone,
- * with the environment untouched (setter_configures). */
-static int by_setter;
 
 /* Returns 1 when torch's allocator can take outofcuda's merge through the
  * runtime setter after `import torch`, before CUDA starts, so the variable
@@ -250,8 +220,8 @@ static int by_setter;
  * Before 2.9 it is written the same way. */
 static int setter_configures(const char *user)
 {
-    return tv.ver >= 20900 && (oc_alloc_value(oc_g.alloc_value, "backend", NULL, 0) != 1 ||
-                               oc_alloc_value(user, "backend", NULL, 0) == 1);
+    return oc_g.build.ver >= 20900 && (oc_alloc_value(oc_g.alloc_value, "backend", NULL, 0) != 1 ||
+                                       oc_alloc_value(user, "backend", NULL, 0) == 1);
 }
 
 static void prepare_allocator(const oc_config *cfg)
@@ -273,25 +243,25 @@ static void prepare_allocator(const oc_config *cfg)
                  "left to %s: the allocator variable stays as the user set it, and no memory "
                  "fraction is set (OUTOFCUDA_FRAMEWORK_OVERRIDE=1 applies outofcuda's anyway). "
                  "%s",
-                 owner.name, owner.why);
-        snprintf(oc_g.framework_decided, sizeof oc_g.framework_decided,
+                 oc_g.framework.left_to, oc_g.framework.why);
+        snprintf(oc_g.framework.decided, sizeof oc_g.framework.decided,
                  "at torch's import: %s in use, allocator and memory fraction left to it",
-                 owner.name);
+                 oc_g.framework.left_to);
     } else {
-        snprintf(oc_g.framework_decided, sizeof oc_g.framework_decided,
+        snprintf(oc_g.framework.decided, sizeof oc_g.framework.decided,
                  "at torch's import: no framework that owns GPU memory in use%s",
                  cfg->framework_override ? " (or OUTOFCUDA_FRAMEWORK_OVERRIDE=1)" : "");
     }
-    if (!tv.known) {
+    if (!oc_g.build.known) {
         if (!owned)
             snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
                      "torch's version could not be read before it loaded");
         return;
     }
-    if (!tv.cuda_build) {
+    if (!oc_g.build.cuda_build) {
         if (!owned)
             snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
-                     tv.hip_build
+                     oc_g.build.hip_build
                          ? "ROCm build of torch: outofcuda configures CUDA's allocator only"
                          : "this torch build has no CUDA");
         return;
@@ -323,7 +293,7 @@ static void prepare_allocator(const oc_config *cfg)
         return;
     }
     if (setter_configures(user)) {
-        by_setter = 1;
+        oc_g.alloc_by_setter = 1;
         oc_g.alloc_applied = 1;
         snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
                  "given to torch's runtime setter once torch loaded, the environment never "
@@ -334,15 +304,15 @@ static void prepare_allocator(const oc_config *cfg)
     }
     {
         const char *had = oc_env(name);
-        saved.had = had != NULL;
-        snprintf(saved.value, sizeof saved.value, "%s", had ? had : "");
-        snprintf(saved.name, sizeof saved.name, "%s", name);
+        oc_g.alloc_saved.had = had != NULL;
+        snprintf(oc_g.alloc_saved.value, sizeof oc_g.alloc_saved.value, "%s", had ? had : "");
+        snprintf(oc_g.alloc_saved.name, sizeof oc_g.alloc_saved.name, "%s", name);
     }
     if (set_environ(name, oc_g.alloc_value) < 0) {
         oc_set_error("setting the allocator variable failed");
         return;
     }
-    saved.written = 1;
+    oc_g.alloc_saved.written = 1;
     oc_g.alloc_applied = 1;
     snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "%s set while torch loaded%s%s%.200s%s%s",
              name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async), dropped,
@@ -364,8 +334,8 @@ void oc_bridge_import_failed(void)
     /* The next attempt may load another copy of torch: it is prepared
      * afresh, from its own version file, with the user's environment. */
     restore_allocator_env();
-    by_setter = 0;
-    memset(&tv, 0, sizeof tv);
+    oc_g.alloc_by_setter = 0;
+    memset(&oc_g.build, 0, sizeof oc_g.build);
     oc_g.prepared = 0;
 }
 
@@ -376,7 +346,7 @@ static PyObject *bool_obj(int b)
     return b ? Py_True : Py_False;
 }
 
-/* Calls owner.name(value) when it exists. Records errors as the step's reason. */
+/* Calls oc_g.framework.left_to(value) when it exists. Records errors as the step's reason. */
 static int set_flag(PyObject *c_mod, const char *fn, int value, const char *step)
 {
     int rc = oc_call_bool(c_mod, fn, value);
@@ -517,7 +487,7 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
     /* On a CPU-only build the legacy flag still moves torch's float32 matmul
      * precision to "high", which made CPU matmuls slower here: no gain, only
      * harm. */
-    if (!tv.cuda_build) {
+    if (!oc_g.build.cuda_build) {
         oc_result_set("tf32", 0, NULL,
                       "this torch build has no CUDA (TF32 would only slow CPU matmuls)");
         return;
@@ -553,7 +523,7 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
  * kernel of that build uses them. There outofcuda changes nothing readable. */
 static int skip_without_cuda(const char *name)
 {
-    if (tv.cuda_build)
+    if (oc_g.build.cuda_build)
         return 0;
     oc_result_set(name, 0, NULL, "this torch build has no CUDA: torch's default kept");
     return 1;
@@ -667,12 +637,12 @@ static int call_setter(PyObject *c_mod, const char *conf, const char **used)
  * `backend` key was read when torch loaded and stays. */
 static void hand_back_allocator(PyObject *c_mod)
 {
-    char reason[sizeof oc_g.alloc_reason + sizeof owner.why + 200];
+    char reason[sizeof oc_g.alloc_reason + sizeof oc_g.framework.why + 200];
     const char *name, *user, *used;
     int rc = 1;
     if (!oc_g.alloc_applied) {
         snprintf(reason, sizeof reason, "%s; left to %s from CUDA initialisation. %s",
-                 oc_g.alloc_reason, owner.name, owner.why);
+                 oc_g.alloc_reason, oc_g.framework.left_to, oc_g.framework.why);
         oc_result_set("allocator", 0, NULL, reason);
         return;
     }
@@ -688,7 +658,7 @@ static void hand_back_allocator(PyObject *c_mod)
         snprintf(reason, sizeof reason,
                  "%s; %s is in use but torch's setter refused the user's %s, so outofcuda's "
                  "settings stay",
-                 oc_g.alloc_reason, owner.name, name);
+                 oc_g.alloc_reason, oc_g.framework.left_to, name);
         oc_result_set("allocator", 1, NULL, reason);
         return;
     }
@@ -696,18 +666,16 @@ static void hand_back_allocator(PyObject *c_mod)
     snprintf(reason, sizeof reason,
              "handed back at CUDA initialisation: torch's allocator holds the user's own %s "
              "('%.200s'), left to %s. %s",
-             name, user, owner.name, owner.why);
+             name, user, oc_g.framework.left_to, oc_g.framework.why);
     oc_result_set("allocator", 0, NULL, reason);
 }
 
-static double pending_fraction; /* for the fraction step, when armed */
-
-/* Appends to what was decided about frameworks (oc_g.framework_decided,
+/* Appends to what was decided about frameworks (oc_g.framework.decided,
  * which status() shows). */
 static void fw_say(const char *fmt, const char *a, const char *b)
 {
-    size_t len = strlen(oc_g.framework_decided);
-    snprintf(oc_g.framework_decided + len, sizeof oc_g.framework_decided - len, fmt, a, b);
+    size_t len = strlen(oc_g.framework.decided);
+    snprintf(oc_g.framework.decided + len, sizeof oc_g.framework.decided - len, fmt, a, b);
 }
 
 /* The framework found at torch's import is gone when CUDA initialises: its
@@ -717,13 +685,12 @@ static void fw_say(const char *fmt, const char *a, const char *b)
  * first allocation, and the fraction step that follows sets the fraction. */
 static void framework_left(PyObject *torch)
 {
-    char gone[sizeof owner.name], reason[400];
+    char gone[sizeof oc_g.framework.left_to], reason[400];
     const char *user, *used = NULL;
     PyObject *c_mod, *v;
     int rc = 1;
-    snprintf(gone, sizeof gone, "%s", owner.name);
-    owner.name[0] = '\0';
-    oc_g.framework_left_to[0] = '\0';
+    snprintf(gone, sizeof gone, "%s", oc_g.framework.left_to);
+    oc_g.framework.left_to[0] = '\0';
     fw_say("; when CUDA initialised: %s was no longer in use (its import failed), so outofcuda's "
            "settings were applied then%s",
            gone, "");
@@ -750,8 +717,8 @@ static void framework_left(PyObject *torch)
                        reason);
         Py_XDECREF(v);
     }
-    if (tv.cuda_build) {
-        pending_fraction = oc_config_get()->memory_fraction;
+    if (oc_g.build.cuda_build) {
+        oc_g.pending_fraction = oc_config_get()->memory_fraction;
         oc_cuda_step_arm(OC_STEP_FRACTION);
     }
 }
@@ -763,13 +730,13 @@ static void framework_left(PyObject *torch)
  * (the next step) is left to the framework. */
 static void framework_at_cuda_init(PyObject *torch)
 {
-    char reason[sizeof owner.why + 120];
+    char reason[sizeof oc_g.framework.why + 120];
     PyObject *c_mod;
-    if (owner.name[0]) {
+    if (oc_g.framework.left_to[0]) {
         if (oc_framework_in_use(NULL, 0) == NULL)
             framework_left(torch);
         else
-            fw_say("; when CUDA initialised: %s still in use%s", owner.name, "");
+            fw_say("; when CUDA initialised: %s still in use%s", oc_g.framework.left_to, "");
         return;
     }
     if (!framework_owns_memory(oc_config_get(), NULL, 0)) {
@@ -778,12 +745,13 @@ static void framework_at_cuda_init(PyObject *torch)
     }
     fw_say("; when CUDA initialised: %s in use (imported after torch): torch's allocator handed "
            "back to the user's settings and the memory fraction left to it%s",
-           owner.name, "");
+           oc_g.framework.left_to, "");
     c_mod = PyObject_GetAttrString(torch, "_C");
     OC_CLEAR();
     hand_back_allocator(c_mod);
     Py_XDECREF(c_mod);
-    snprintf(reason, sizeof reason, "not set: left to %s. %s", owner.name, owner.why);
+    snprintf(reason, sizeof reason, "not set: left to %s. %s", oc_g.framework.left_to,
+             oc_g.framework.why);
     oc_result_set("memory_fraction", 0, NULL, reason);
 }
 
@@ -841,7 +809,7 @@ static void fraction_at_cuda_init(PyObject *torch)
 {
     PyObject *c_mod = NULL, *n = NULL, *dev = NULL, *r = NULL, *value;
     long rank = oc_env_rank("LOCAL_RANK"), count = 0, device = 0;
-    if (owner.name[0]) {
+    if (oc_g.framework.left_to[0]) {
         /* The framework step (first) left the fraction to a framework. */
         return;
     }
@@ -862,10 +830,10 @@ static void fraction_at_cuda_init(PyObject *torch)
             goto error;
         device = PyLong_AsLong(dev);
     }
-    r = PyObject_CallMethod(c_mod, "_cuda_setMemoryFraction", "dl", pending_fraction, device);
+    r = PyObject_CallMethod(c_mod, "_cuda_setMemoryFraction", "dl", oc_g.pending_fraction, device);
     if (r == NULL)
         goto error;
-    value = Py_BuildValue("{s:d,s:l}", "fraction", pending_fraction, "device", device);
+    value = Py_BuildValue("{s:d,s:l}", "fraction", oc_g.pending_fraction, "device", device);
     oc_result_setf("memory_fraction", 1, value, "applied to cuda:%ld when CUDA initialised%s",
                    device, rank >= 0 && rank == device ? " (LOCAL_RANK)" : "");
     Py_XDECREF(value);
@@ -883,7 +851,7 @@ done:
 static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
 {
     PyObject *value;
-    if (!tv.cuda_build) {
+    if (!oc_g.build.cuda_build) {
         oc_result_set("memory_fraction", 0, NULL, "this torch build has no CUDA");
         return;
     }
@@ -891,15 +859,16 @@ static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
         oc_result_set("memory_fraction", 0, NULL, no_queue);
         return;
     }
-    if (owner.name[0]) {
-        char reason[sizeof owner.why + 120];
-        snprintf(reason, sizeof reason, "not set: left to %s. %s", owner.name, owner.why);
+    if (oc_g.framework.left_to[0]) {
+        char reason[sizeof oc_g.framework.why + 120];
+        snprintf(reason, sizeof reason, "not set: left to %s. %s", oc_g.framework.left_to,
+                 oc_g.framework.why);
         oc_result_set("memory_fraction", 0, NULL, reason);
         return;
     }
     if (fraction_left_to_program(NULL, "not set", "applies when CUDA initialises"))
         return;
-    pending_fraction = cfg->memory_fraction;
+    oc_g.pending_fraction = cfg->memory_fraction;
     oc_cuda_step_arm(OC_STEP_FRACTION);
     value = Py_BuildValue("{s:d,s:O}", "fraction", cfg->memory_fraction, "device", Py_None);
     oc_result_set("memory_fraction", 1, value,
@@ -997,7 +966,7 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
     const char *dtype_name;
     PyObject *dtype, *fn, *r;
     int use_new;
-    if (!tv.cuda_build) {
+    if (!oc_g.build.cuda_build) {
         oc_result_set("amp_dtype", 0, NULL, "this torch build has no CUDA");
         return;
     }
@@ -1052,7 +1021,7 @@ static void settle_allocator(PyObject *c_mod)
     const char *used = NULL;
     size_t len;
     int rc;
-    if (!saved.written && !by_setter)
+    if (!oc_g.alloc_saved.written && !oc_g.alloc_by_setter)
         return;
     rc = call_setter(c_mod, oc_g.alloc_value, &used);
     len = strlen(oc_g.alloc_reason);
@@ -1063,16 +1032,17 @@ static void settle_allocator(PyObject *c_mod)
         oc_g.alloc_applied = 0;
         snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len, "; not in effect: %s%s",
                  used ? "torch's setter failed" : "this torch has no runtime allocator setter",
-                 by_setter ? "" : ", so the variable was restored");
+                 oc_g.alloc_by_setter ? "" : ", so the variable was restored");
     } else {
         snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len,
-                 by_setter ? "; given to torch._C.%s"
-                           : "; given to torch._C.%s, then the variable was restored for child "
-                             "processes (it was written while torch imported: this release reads "
-                             "`backend` only then)",
+                 oc_g.alloc_by_setter
+                     ? "; given to torch._C.%s"
+                     : "; given to torch._C.%s, then the variable was restored for child "
+                       "processes (it was written while torch imported: this release reads "
+                       "`backend` only then)",
                  used);
     }
-    by_setter = 0;
+    oc_g.alloc_by_setter = 0;
     restore_allocator_env();
 }
 
@@ -1092,7 +1062,7 @@ static void note_idle_gc(const oc_config *cfg)
     if (oc_alloc_value(oc_g.alloc_value, "per_process_memory_fraction", v, sizeof v) == 1 &&
         atof(v) < 1.0)
         return;
-    if (cfg->memory_fraction >= 1.0 && tv.ver >= 21100)
+    if (cfg->memory_fraction >= 1.0 && oc_g.build.ver >= 21100)
         why = "OUTOFCUDA_MEMORY_FRACTION=1 sets no limit on this torch";
     if (why == NULL)
         return;
@@ -1109,7 +1079,7 @@ static void record_allocator(const oc_config *cfg)
         /* A build without CUDA has no CUDA allocator to miss: say that, as
          * the hook would have, rather than blame the order. */
         oc_result_set("allocator", 0, NULL,
-                      tv.known && !tv.cuda_build
+                      oc_g.build.known && !oc_g.build.cuda_build
                           ? "this torch build has no CUDA"
                           : "torch was imported before outofcuda's hook installed; the allocator "
                             "variable must be set before torch loads (call outofcuda.apply() "
@@ -1173,13 +1143,13 @@ void oc_bridge_after_torch(PyObject *torch)
     arm_memory_fraction(cfg, no_queue);
     /* The framework step may have to hand torch's allocator back, or to
      * look again at a framework found at import. */
-    if ((oc_g.alloc_applied || owner.name[0]) && no_queue == NULL)
+    if ((oc_g.alloc_applied || oc_g.framework.left_to[0]) && no_queue == NULL)
         oc_cuda_step_arm(OC_STEP_FRAMEWORK);
     apply_sdpa(cfg, c_mod);
     oc_known_bugs_at_import(torch, no_queue);
     apply_amp_dtype(cfg, torch);
     oc_oom_install(torch, no_queue);
-    if (tv.cuda_build && no_queue == NULL)
+    if (oc_g.build.cuda_build && no_queue == NULL)
         oc_summary_prepare();
     /* The framework step runs whenever the callback does: a framework
      * imported after torch counts too. */

@@ -39,8 +39,6 @@ int oc_disabled_by_env(void)
  * or the program's code is the user's, not an error of outofcuda's: it is set
  * aside here, never swallowed, and raised again by oc_raise_interrupt at the
  * edge where control goes back to the program. */
-static PyObject *interrupt_type, *interrupt_value, *interrupt_tb;
-
 static int keep_interrupt(void)
 {
     PyObject *type, *value, *tb;
@@ -48,10 +46,10 @@ static int keep_interrupt(void)
         !PyErr_ExceptionMatches(PyExc_SystemExit))
         return 0;
     PyErr_Fetch(&type, &value, &tb);
-    if (interrupt_type == NULL) {
-        interrupt_type = type;
-        interrupt_value = value;
-        interrupt_tb = tb;
+    if (oc_g.interrupt_type == NULL) {
+        oc_g.interrupt_type = type;
+        oc_g.interrupt_value = value;
+        oc_g.interrupt_tb = tb;
         return 1;
     }
     /* A second one while the first waits: the first is raised. */
@@ -63,12 +61,12 @@ static int keep_interrupt(void)
 
 int oc_raise_interrupt(void)
 {
-    if (interrupt_type == NULL)
+    if (oc_g.interrupt_type == NULL)
         return 0;
     /* An exception already propagating (torch's own import error) gives way
      * to the interrupt, as it would without outofcuda. */
-    PyErr_Restore(interrupt_type, interrupt_value, interrupt_tb);
-    interrupt_type = interrupt_value = interrupt_tb = NULL;
+    PyErr_Restore(oc_g.interrupt_type, oc_g.interrupt_value, oc_g.interrupt_tb);
+    oc_g.interrupt_type = oc_g.interrupt_value = oc_g.interrupt_tb = NULL;
     return -1;
 }
 

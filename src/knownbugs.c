@@ -160,15 +160,6 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
 #ifndef OC_PURE_C
 /* ---- applying the table to the running torch ---- */
 
-/* What each entry came to in this process. */
-static struct {
-    int decided;                  /* the import-time step ran */
-    int state[OC_KB_MAX_ENTRIES]; /* OC_KB_* per entry */
-    int done[OC_KB_MAX_ENTRIES];  /* the action was taken */
-    char reason[OC_KB_MAX_ENTRIES][400];
-    long cudnn; /* -1 until read */
-} kb = {.cudnn = -1};
-
 static const char *proc_getenv(const char *name, void *ctx)
 {
     (void)ctx;
@@ -220,7 +211,7 @@ static void decide_all(PyObject *torch, size_t n)
     memset(&f, 0, sizeof f);
     torch_facts(torch, &f);
     f.n_cc = -1;
-    f.cudnn = kb.cudnn;
+    f.cudnn = oc_g.kb.cudnn;
     f.getenv_fn = proc_getenv;
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1) {
@@ -230,11 +221,11 @@ static void decide_all(PyObject *torch, size_t n)
         }
         undecided = 0;
         for (size_t i = 0; i < n; i++) {
-            if (kb.state[i] != OC_KB_UNDECIDED)
+            if (oc_g.kb.state[i] != OC_KB_UNDECIDED)
                 continue;
-            kb.state[i] =
-                oc_known_bug_decide(oc_known_bug_at(i), &f, kb.reason[i], sizeof kb.reason[i]);
-            undecided |= kb.state[i] == OC_KB_UNDECIDED;
+            oc_g.kb.state[i] = oc_known_bug_decide(oc_known_bug_at(i), &f, oc_g.kb.reason[i],
+                                                   sizeof oc_g.kb.reason[i]);
+            undecided |= oc_g.kb.state[i] == OC_KB_UNDECIDED;
         }
     }
 }
@@ -244,30 +235,31 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     const oc_config *cfg = oc_config_get();
     size_t n = oc_known_bug_count();
     int pending = 0; /* something is left for CUDA's start */
-    memset(&kb, 0, sizeof kb);
-    kb.cudnn = -1;
-    kb.decided = 1;
+    memset(&oc_g.kb, 0, sizeof oc_g.kb);
+    oc_g.kb.cudnn = -1;
+    oc_g.kb.decided = 1;
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
     if (!cfg->known_bugs) {
         for (size_t i = 0; i < n; i++) {
-            kb.state[i] = OC_KB_UNDECIDED;
-            snprintf(kb.reason[i], sizeof kb.reason[i],
+            oc_g.kb.state[i] = OC_KB_UNDECIDED;
+            snprintf(oc_g.kb.reason[i], sizeof oc_g.kb.reason[i],
                      "OUTOFCUDA_KNOWN_BUGS=0: torch's own choice kept, nothing checked");
         }
         return;
     }
     for (size_t i = 0; i < n; i++)
-        kb.state[i] = OC_KB_UNDECIDED;
+        oc_g.kb.state[i] = OC_KB_UNDECIDED;
     decide_all(torch, n);
     for (size_t i = 0; i < n; i++)
-        pending |= kb.state[i] == OC_KB_UNDECIDED;
+        pending |= oc_g.kb.state[i] == OC_KB_UNDECIDED;
     if (pending && no_queue != NULL) {
         /* Nothing will run when CUDA starts: it stays undecided, and says why. */
         for (size_t i = 0; i < n; i++) {
-            size_t len = strlen(kb.reason[i]);
-            if (kb.state[i] == OC_KB_UNDECIDED)
-                snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, " (never: %s)", no_queue);
+            size_t len = strlen(oc_g.kb.reason[i]);
+            if (oc_g.kb.state[i] == OC_KB_UNDECIDED)
+                snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len, " (never: %s)",
+                         no_queue);
         }
         pending = 0;
     }
@@ -420,7 +412,7 @@ static void note_on_sdpa_row(const char *what, const char *id)
 /* Takes entry i's action. Returns 1 done, 0 not (reason appended). */
 static int act(PyObject *torch, const oc_known_bug *b, size_t i)
 {
-    size_t len = strlen(kb.reason[i]);
+    size_t len = strlen(oc_g.kb.reason[i]);
     PyObject *c_mod, *get, *r;
     int on = 1, rc;
     if (b->action != OC_KB_SDPA_NO_CUDNN)
@@ -443,7 +435,7 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
         Py_ssize_t open = blocks ? PyList_Size(blocks) : 0;
         if (open > 0) {
             int moved = guard_after_blocks(blocks);
-            snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
+            snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len,
                      "; CUDA started inside %ld sdpa_kernel() block(s), whose choice stands "
                      "there (cuDNN attention %s); %s",
                      (long)open, on ? "on" : "off",
@@ -460,7 +452,7 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
         Py_XDECREF(blocks);
     }
     if (!on) {
-        snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
+        snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len,
                  "; cuDNN attention was already off");
         Py_DECREF(c_mod);
         return 1;
@@ -469,12 +461,12 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
     Py_DECREF(c_mod);
     OC_CLEAR();
     if (rc != 1) {
-        snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
+        snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len,
                  "; not avoided: torch._C._set_sdp_use_cudnn %s",
                  rc == 0 ? "is missing" : "failed");
         return 0;
     }
-    snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, "; when CUDA started: %s",
+    snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len, "; when CUDA started: %s",
              b->action_text);
     note_on_sdpa_row("cuDNN attention turned off when CUDA started", b->id);
     return 1;
@@ -484,17 +476,17 @@ void oc_known_bugs_at_cuda_init(PyObject *torch)
 {
     int undecided[OC_KB_MAX_ENTRIES];
     size_t n = oc_known_bug_count();
-    if (!kb.decided || torch == NULL)
+    if (!oc_g.kb.decided || torch == NULL)
         return;
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
-    kb.cudnn = read_cudnn_version(torch);
+    oc_g.kb.cudnn = read_cudnn_version(torch);
     for (size_t i = 0; i < n; i++)
-        undecided[i] = kb.state[i] == OC_KB_UNDECIDED;
+        undecided[i] = oc_g.kb.state[i] == OC_KB_UNDECIDED;
     decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {
-        if (undecided[i] && kb.state[i] == OC_KB_YES)
-            kb.done[i] = act(torch, oc_known_bug_at(i), i);
+        if (undecided[i] && oc_g.kb.state[i] == OC_KB_YES)
+            oc_g.kb.done[i] = act(torch, oc_known_bug_at(i), i);
     }
     OC_CLEAR();
 }
@@ -580,15 +572,17 @@ PyObject *oc_known_bugs_status(void)
     PyObject *list = PyList_New(0);
     size_t n = oc_known_bug_count();
     for (size_t i = 0; list != NULL && i < n && i < OC_KB_MAX_ENTRIES; i++) {
-        char reason[sizeof kb.reason[i] + 200];
+        char reason[sizeof oc_g.kb.reason[i] + 200];
         const char *now = NULL;
         snprintf(reason, sizeof reason, "%s",
-                 kb.decided ? kb.reason[i]
-                            : "undecided: torch has not been imported by the hook in this process");
-        if (kb.decided && kb.done[i])
+                 oc_g.kb.decided
+                     ? oc_g.kb.reason[i]
+                     : "undecided: torch has not been imported by the hook in this process");
+        if (oc_g.kb.decided && oc_g.kb.done[i])
             now = guard_now(oc_known_bug_at(i), reason, sizeof reason);
-        list = append_entry(list, oc_known_bug_at(i), kb.decided ? kb.state[i] : OC_KB_UNDECIDED,
-                            kb.done[i], reason, now);
+        list = append_entry(list, oc_known_bug_at(i),
+                            oc_g.kb.decided ? oc_g.kb.state[i] : OC_KB_UNDECIDED, oc_g.kb.done[i],
+                            reason, now);
     }
     return list;
 }

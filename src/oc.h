@@ -340,6 +340,7 @@ int oc_summary_hints(const oc_summary_figures *d, oc_advice_item *out, int max);
 
 #include <elf.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -414,37 +415,130 @@ typedef enum {
     OC_STEP_SUMMARY,
 } oc_cuda_step;
 
-/* Process-wide state: the hook fires once per process, whatever imports it,
- * and CUDA starts once per process, so the record of what waits for CUDA's
- * start is process-wide too. The native threads (monitor.c, summary.c) and
- * the boot (boot.c) keep theirs in their own files: a thread runs outside
- * any module object, and the boot runs before the engine is loaded. */
+/* The last OOM the observer saw; seq 0: none yet, and nothing else
+ * here is read. */
 typedef struct {
+    unsigned long seq;
+    double when;
+    long device;
+    unsigned long long request, limit, device_free;
+    PyObject *stats;      /* torch.cuda.memory_stats(device) at the OOM, or NULL */
+    int autocast;         /* 1 on, 0 off, -1 unknown */
+    int snapshot_written; /* the snapshot file was written for this OOM */
+    char snapshot_error[300];
+} oc_oom_seen;
+
+/* The engine's state, the whole of it, in one struct (common.c defines the
+ * one instance, oc_g). It is process-wide by nature, not per module object:
+ * the hook fires once per process whatever imports torch, CUDA starts once
+ * per process, and the callbacks torch and the interpreter call (the
+ * lazy-init queue, the OOM observer, the exception hooks, atexit) receive no
+ * module to find per-module state through. Every field is read and written
+ * with the GIL held. Three things keep their state in their own files, and
+ * say so there: the native threads (monitor.c's watchdogs, summary.c's
+ * sampler) run without the GIL and guard theirs with their own locks; NVML
+ * (nvml.c) is a library loaded once per process, behind pthread_once, and
+ * read from those threads; the boot (boot.c) runs at start-up, before the
+ * engine is loaded. Function-local statics elsewhere are scratch buffers for
+ * one call under the GIL, or a variable read once (OUTOFCUDA_DEBUG). */
+typedef struct {
+    /* ---- the hook (module.c, watcher.c) ---- */
     int installed; /* install() put the finder on sys.meta_path */
     int fired;     /* the torch callback ran */
     int prepared;  /* pre-import work (config, allocator env) done */
     int config_loaded;
     oc_config cfg;
+    PyObject *engine_module; /* borrowed: lives in sys.modules as long as the engine */
     PyObject *proxy_type;
     PyObject *error;         /* str or NULL: what went wrong inside outofcuda */
     PyObject *results;       /* dict: optimisation name -> dict(applied, value, reason) */
     PyObject *torch_version; /* str or NULL */
+    /* A KeyboardInterrupt or SystemExit set aside until control goes back to
+     * the program (common.c). */
+    PyObject *interrupt_type, *interrupt_value, *interrupt_tb;
+
+    /* ---- torch about to load, from its version.py (bridge.c) ---- */
+    struct {
+        long ver;       /* oc_torch_version_number; 0 unknown */
+        int cuda_build; /* torch.version.cuda is not None */
+        int hip_build;
+        int known;
+    } build;
+
+    /* ---- the allocator variable (bridge.c) ---- */
     char alloc_env_name[32]; /* variable written before torch loaded, or "" */
     char alloc_value[OC_ALLOC_CONF_MAX];
     char alloc_reason[1000];
     int alloc_applied;
-    /* Events of this process, for the exit summary (GIL held). */
-    unsigned long oom_events;    /* CUDA OOMs torch's observer reported */
-    long long microbatch_splits; /* splits auto_microbatch made */
-    /* Frameworks that own GPU memory (bridge.c decides, report.c shows): the
-     * one outofcuda left GPU memory to ("" none), and what was decided, when
-     * and why. */
-    char framework_left_to[32];
-    char framework_decided[700];
+    int alloc_by_setter; /* the merge went to torch's runtime setter alone */
+    /* The variable as the user left it, given back once torch has read
+     * outofcuda's value: children inherit the user's environment. */
+    struct {
+        int written; /* outofcuda changed the variable and has not restored it */
+        int had;     /* the user had set it (possibly empty) */
+        char name[32];
+        char value[OC_ALLOC_CONF_MAX];
+    } alloc_saved;
+    double pending_fraction; /* for the fraction step, when armed */
+
+    /* ---- frameworks that own GPU memory (bridge.c decides, report.c shows) ---- */
+    struct {
+        char left_to[32];  /* the one outofcuda left GPU memory to, "" none */
+        char why[600];     /* why it owns GPU memory */
+        char decided[700]; /* what was decided, when and why */
+    } framework;
+
     /* What is armed for CUDA's start: one bit per oc_cuda_step, set at
      * import through oc_cuda_step_arm, cleared by the callback as each step
-     * runs, and cleared whole when the callback cannot be queued (GIL held). */
+     * runs, and cleared whole when the callback cannot be queued. */
     unsigned cuda_init_steps;
+
+    /* ---- known bugs (knownbugs.c) ---- */
+    struct {
+        int decided;                  /* the import-time step ran */
+        int state[OC_KB_MAX_ENTRIES]; /* OC_KB_* per entry */
+        int done[OC_KB_MAX_ENTRIES];  /* the action was taken */
+        char reason[OC_KB_MAX_ENTRIES][400];
+        long cudnn; /* -1 until read */
+    } kb;
+
+    /* ---- out of memory (oom.c) ---- */
+    struct {
+        PyObject *prev_sys_hook, *prev_thread_hook, *type;
+        /* The observer: attached (or to be) with observer_state saying when,
+         * or none with observer_none saying why (static storage). */
+        const char *observer_state, *observer_none;
+        char snapshot_path[PATH_MAX]; /* OUTOFCUDA_OOM_SNAPSHOT made absolute, "" off */
+        oc_oom_seen seen;
+    } oom;
+    /* Events of this process, for the exit summary. */
+    unsigned long oom_events;    /* CUDA OOMs torch's observer reported */
+    long long microbatch_splits; /* splits auto_microbatch made */
+
+    /* ---- where the exit summary goes (summary.c): resolved once ---- */
+    struct {
+        int resolved;
+        oc_summary_mode mode;
+        char json_path[PATH_MAX];
+        /* atexit.register ran in this process or the parent it was forked
+         * from (a child inherits the registration too). */
+        int atexit_registered;
+    } summary_out;
+
+    /* ---- the platform's defaults (platform.c) ---- */
+    struct {
+        int defaults_changed; /* changed for this platform at the last preparation */
+        /* Test door: a kernel release that replaces uname()'s. */
+        int simulated;
+        char simulated_release[128];
+    } platform;
+
+    /* ---- the Python API (api.c) ---- */
+    /* Autograd node types seen without a `variable` (all but AccumulateGrad):
+     * a failed look-up builds an exception that every node of every step
+     * would pay, so a type is asked once. */
+    PyObject *no_variable_types;
+    int shm_warned; /* the shared-memory warning was given */
 } oc_state;
 
 extern oc_state oc_g;

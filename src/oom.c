@@ -23,31 +23,6 @@
  * each entry holds a stack trace of several KB of host memory. */
 #define SNAPSHOT_MAX_ENTRIES 100000
 
-static PyObject *prev_sys_hook, *prev_thread_hook, *oom_type;
-
-/* The observer: attached (or to be) with observer.state saying when, or none
- * with observer.none saying why (static storage); status() shows
- * "none: <why>". */
-static struct {
-    const char *state; /* NULL: none */
-    const char *none;
-} observer;
-
-/* OUTOFCUDA_OOM_SNAPSHOT, checked and made absolute at install ("" = off). */
-static char snapshot_path[PATH_MAX];
-
-/* The last OOM the observer saw. Guarded by the GIL. */
-static struct {
-    unsigned long seq;
-    double when;
-    long device;
-    unsigned long long request, limit, device_free;
-    PyObject *stats;      /* torch.cuda.memory_stats(device) at the OOM, or NULL */
-    int autocast;         /* 1 on, 0 off, -1 unknown */
-    int snapshot_written; /* 1 when the snapshot file was written for this OOM */
-    char snapshot_error[300];
-} seen = {0, 0.0, -1, 0, 0, 0, NULL, -1, 0, ""};
-
 /* Copies the current exception's text into buf and clears it. */
 static void take_error(char *buf, size_t sz, const char *what)
 {
@@ -85,19 +60,21 @@ static int autocast_enabled(PyObject *torch)
     return on;
 }
 
-/* Writes the allocator history to snapshot_path; records failure text. */
+/* Writes the allocator history to oc_g.oom.snapshot_path; records failure text. */
 static void dump_snapshot(PyObject *torch)
 {
+    oc_oom_seen *seen = &oc_g.oom.seen;
     PyObject *mem = oc_getattr_chain(torch, "cuda.memory");
-    PyObject *r = mem ? PyObject_CallMethod(mem, "_dump_snapshot", "s", snapshot_path) : NULL;
+    PyObject *r =
+        mem ? PyObject_CallMethod(mem, "_dump_snapshot", "s", oc_g.oom.snapshot_path) : NULL;
     if (r == NULL) {
         if (PyErr_Occurred())
-            take_error(seen.snapshot_error, sizeof seen.snapshot_error, "dumping the snapshot");
+            take_error(seen->snapshot_error, sizeof seen->snapshot_error, "dumping the snapshot");
         else
-            snprintf(seen.snapshot_error, sizeof seen.snapshot_error,
+            snprintf(seen->snapshot_error, sizeof seen->snapshot_error,
                      "this torch has no torch.cuda.memory._dump_snapshot");
     } else {
-        seen.snapshot_written = 1;
+        seen->snapshot_written = 1;
     }
     Py_XDECREF(r);
     Py_XDECREF(mem);
@@ -109,6 +86,7 @@ static void dump_snapshot(PyObject *torch)
  * an exception here would replace the OutOfMemoryError. */
 static PyObject *oom_observer(PyObject *self, PyObject *args)
 {
+    oc_oom_seen *seen = &oc_g.oom.seen;
     PyObject *torch = NULL, *stats = NULL;
     long device = -1;
     unsigned long long request = 0, limit = 0, device_free = 0;
@@ -119,17 +97,17 @@ static PyObject *oom_observer(PyObject *self, PyObject *args)
         OC_CLEAR();
         goto done;
     }
-    seen.seq++;
-    oc_g.oom_events = seen.seq;
-    seen.when = (double)time(NULL);
-    seen.device = device;
-    seen.request = request;
-    seen.limit = limit;
-    seen.device_free = device_free;
-    seen.autocast = -1;
-    seen.snapshot_written = 0;
-    seen.snapshot_error[0] = '\0';
-    Py_CLEAR(seen.stats);
+    seen->seq++;
+    oc_g.oom_events = seen->seq;
+    seen->when = (double)time(NULL);
+    seen->device = device;
+    seen->request = request;
+    seen->limit = limit;
+    seen->device_free = device_free;
+    seen->autocast = -1;
+    seen->snapshot_written = 0;
+    seen->snapshot_error[0] = '\0';
+    Py_CLEAR(seen->stats);
     torch = oc_sys_module("torch");
     if (torch == NULL)
         goto done;
@@ -140,9 +118,9 @@ static PyObject *oom_observer(PyObject *self, PyObject *args)
         if (stats == NULL)
             OC_CLEAR();
     }
-    seen.stats = stats;
-    seen.autocast = autocast_enabled(torch);
-    if (snapshot_path[0])
+    seen->stats = stats;
+    seen->autocast = autocast_enabled(torch);
+    if (oc_g.oom.snapshot_path[0])
         dump_snapshot(torch);
 done:
     OC_CLEAR();
@@ -196,12 +174,12 @@ static void install_hooks(void);
 void oc_oom_at_cuda_init(PyObject *torch)
 {
     PyObject *attach = NULL, *obs = NULL, *r = NULL;
-    if (snapshot_path[0] && start_history(torch) < 0) {
+    if (oc_g.oom.snapshot_path[0] && start_history(torch) < 0) {
         char msg[400];
         take_error(msg, sizeof msg,
                    "OUTOFCUDA_OOM_SNAPSHOT: recording the allocator history "
                    "failed; no snapshot will be written");
-        snapshot_path[0] = '\0';
+        oc_g.oom.snapshot_path[0] = '\0';
         oc_warn(msg);
     }
     attach = oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
@@ -209,10 +187,10 @@ void oc_oom_at_cuda_init(PyObject *torch)
     r = obs ? PyObject_CallFunctionObjArgs(attach, obs, NULL) : NULL;
     if (r == NULL) {
         oc_set_error("attaching the CUDA OOM observer");
-        observer.state = NULL;
-        observer.none = "attaching it at CUDA initialisation failed";
+        oc_g.oom.observer_state = NULL;
+        oc_g.oom.observer_none = "attaching it at CUDA initialisation failed";
     } else {
-        observer.state = "attached";
+        oc_g.oom.observer_state = "attached";
     }
     OC_CLEAR();
     Py_XDECREF(r);
@@ -221,7 +199,7 @@ void oc_oom_at_cuda_init(PyObject *torch)
     install_hooks();
 }
 
-/* Reads OUTOFCUDA_OOM_SNAPSHOT into snapshot_path (absolute). The value is a
+/* Reads OUTOFCUDA_OOM_SNAPSHOT into oc_g.oom.snapshot_path (absolute). The value is a
  * file path and nothing else; a bad one gets one warning and is ignored.
  * Returns 1 when set and usable. */
 static int read_snapshot_env(void)
@@ -231,7 +209,7 @@ static int read_snapshot_env(void)
     const char *base, *slash;
     struct stat st;
     int resolved;
-    snapshot_path[0] = '\0';
+    oc_g.oom.snapshot_path[0] = '\0';
     if (v == NULL || v[0] == '\0')
         return 0;
     slash = strrchr(v, '/');
@@ -245,7 +223,8 @@ static int read_snapshot_env(void)
         oc_warn(msg);
         return 0;
     }
-    resolved = oc_resolve_file_path(v, dir, sizeof dir, snapshot_path, sizeof snapshot_path);
+    resolved = oc_resolve_file_path(v, dir, sizeof dir, oc_g.oom.snapshot_path,
+                                    sizeof oc_g.oom.snapshot_path);
     if (resolved == -1) {
         snprintf(msg, sizeof msg,
                  "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: its directory %.200s does "
@@ -254,12 +233,12 @@ static int read_snapshot_env(void)
         oc_warn(msg);
         return 0;
     }
-    if (resolved != 0 || (stat(snapshot_path, &st) == 0 && S_ISDIR(st.st_mode))) {
+    if (resolved != 0 || (stat(oc_g.oom.snapshot_path, &st) == 0 && S_ISDIR(st.st_mode))) {
         snprintf(msg, sizeof msg,
                  "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: it must name a file, not a "
                  "directory",
                  v);
-        snapshot_path[0] = '\0';
+        oc_g.oom.snapshot_path[0] = '\0';
         oc_warn(msg);
         return 0;
     }
@@ -422,8 +401,8 @@ static PyObject *sys_excepthook(PyObject *self, PyObject *args)
         return NULL;
     if (is_oom(type))
         handle_uncaught(value);
-    if (prev_sys_hook != NULL)
-        return PyObject_CallObject(prev_sys_hook, args);
+    if (oc_g.oom.prev_sys_hook != NULL)
+        return PyObject_CallObject(oc_g.oom.prev_sys_hook, args);
     Py_RETURN_NONE;
 }
 
@@ -440,8 +419,8 @@ static PyObject *thread_excepthook(PyObject *self, PyObject *hook_args)
         Py_XDECREF(value);
     }
     Py_XDECREF(type);
-    if (prev_thread_hook != NULL)
-        return PyObject_CallFunctionObjArgs(prev_thread_hook, hook_args, NULL);
+    if (oc_g.oom.prev_thread_hook != NULL)
+        return PyObject_CallFunctionObjArgs(oc_g.oom.prev_thread_hook, hook_args, NULL);
     Py_RETURN_NONE;
 }
 
@@ -453,11 +432,12 @@ static PyMethodDef thread_hook_def = {"outofcuda_threading_excepthook", thread_e
 /* status()'s entry for the handler; `hooks` says which hooks are set. */
 static void record_status(const char *hooks)
 {
-    PyObject *state = observer.state  ? PyUnicode_FromString(observer.state)
-                      : observer.none ? PyUnicode_FromFormat("none: %s", observer.none)
-                                      : PyUnicode_FromString("none");
+    PyObject *state = oc_g.oom.observer_state ? PyUnicode_FromString(oc_g.oom.observer_state)
+                      : oc_g.oom.observer_none
+                          ? PyUnicode_FromFormat("none: %s", oc_g.oom.observer_none)
+                          : PyUnicode_FromString("none");
     PyObject *value = Py_BuildValue("{s:s,s:N,s:z}", "hooks", hooks, "observer", state, "snapshot",
-                                    snapshot_path[0] ? snapshot_path : NULL);
+                                    oc_g.oom.snapshot_path[0] ? oc_g.oom.snapshot_path : NULL);
     oc_result_set("oom_handler", 1, value,
                   "once CUDA initialises, on a CUDA OOM: record the figures (observer), print a "
                   "report and ranked actions before the traceback of an uncaught one, then empty "
@@ -496,11 +476,12 @@ static void install_hooks(void)
     console = PySys_GetObject("ps1") != NULL;
     sys = PyImport_ImportModule("sys");
     if (sys != NULL && !console)
-        sys_set = chain_hook(sys, "excepthook", &sys_hook_def, &prev_sys_hook);
+        sys_set = chain_hook(sys, "excepthook", &sys_hook_def, &oc_g.oom.prev_sys_hook);
     /* threading is imported by torch already; this only looks it up. */
     threading = PyImport_ImportModule("threading");
     if (threading != NULL)
-        thread_set = chain_hook(threading, "excepthook", &thread_hook_def, &prev_thread_hook);
+        thread_set =
+            chain_hook(threading, "excepthook", &thread_hook_def, &oc_g.oom.prev_thread_hook);
     OC_CLEAR();
     Py_XDECREF(threading);
     Py_XDECREF(sys);
@@ -517,8 +498,8 @@ void oc_oom_install(PyObject *torch, const char *no_queue)
 {
     PyObject *attach;
     int snapshot;
-    oom_type = oc_getattr_chain(torch, "cuda.OutOfMemoryError");
-    if (oom_type == NULL) {
+    oc_g.oom.type = oc_getattr_chain(torch, "cuda.OutOfMemoryError");
+    if (oc_g.oom.type == NULL) {
         OC_CLEAR();
         oc_result_set("oom_handler", 0, NULL, "this torch has no torch.cuda.OutOfMemoryError");
         return;
@@ -528,17 +509,18 @@ void oc_oom_install(PyObject *torch, const char *no_queue)
     OC_CLEAR();
     /* Every CUDA (and ROCm) build has the observer; a CPU-only build has no
      * CUDA to report on. */
-    observer.state = attach == NULL || no_queue ? NULL : "attached when CUDA initialises";
-    observer.none = attach == NULL ? "this torch build has no CUDA OOM observer" : no_queue;
+    oc_g.oom.observer_state = attach == NULL || no_queue ? NULL : "attached when CUDA initialises";
+    oc_g.oom.observer_none =
+        attach == NULL ? "this torch build has no CUDA OOM observer" : no_queue;
     Py_XDECREF(attach);
-    if (observer.state == NULL) {
+    if (oc_g.oom.observer_state == NULL) {
         if (snapshot) {
             char msg[OC_WARN_LEN];
             snprintf(msg, sizeof msg,
                      "outofcuda: OUTOFCUDA_OOM_SNAPSHOT is set but no snapshot "
                      "can be written (%s)",
-                     observer.none);
-            snapshot_path[0] = '\0';
+                     oc_g.oom.observer_none);
+            oc_g.oom.snapshot_path[0] = '\0';
             oc_warn(msg);
         }
         /* Nothing will ever run at CUDA initialisation: Python's exception
@@ -549,7 +531,7 @@ void oc_oom_install(PyObject *torch, const char *no_queue)
                           "Python's exception hooks left alone");
         else
             oc_result_setf("oom_handler", 0, NULL, "%s: Python's exception hooks left alone",
-                           observer.none);
+                           oc_g.oom.observer_none);
         return;
     }
     oc_cuda_step_arm(OC_STEP_OOM);
@@ -663,17 +645,18 @@ static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
 /* _oom_observed() -> dict of the last OOM torch's observer reported, or None. */
 static PyObject *py_oom_observed(PyObject *self, PyObject *unused)
 {
+    oc_oom_seen *seen = &oc_g.oom.seen;
     (void)self;
     (void)unused;
-    if (seen.seq == 0)
+    if (seen->seq == 0)
         Py_RETURN_NONE;
-    return Py_BuildValue("{s:k,s:d,s:l,s:K,s:K,s:K,s:O,s:O,s:z,s:z}", "seq", seen.seq, "time",
-                         seen.when, "device", seen.device, "request", seen.request, "limit",
-                         seen.limit, "device_free", seen.device_free, "stats",
-                         seen.stats ? seen.stats : Py_None, "autocast",
-                         seen.autocast < 0 ? Py_None : (seen.autocast ? Py_True : Py_False),
-                         "snapshot", seen.snapshot_written ? snapshot_path : NULL, "snapshot_error",
-                         seen.snapshot_error[0] ? seen.snapshot_error : NULL);
+    return Py_BuildValue("{s:k,s:d,s:l,s:K,s:K,s:K,s:O,s:O,s:z,s:z}", "seq", seen->seq, "time",
+                         seen->when, "device", seen->device, "request", seen->request, "limit",
+                         seen->limit, "device_free", seen->device_free, "stats",
+                         seen->stats ? seen->stats : Py_None, "autocast",
+                         seen->autocast < 0 ? Py_None : (seen->autocast ? Py_True : Py_False),
+                         "snapshot", seen->snapshot_written ? oc_g.oom.snapshot_path : NULL,
+                         "snapshot_error", seen->snapshot_error[0] ? seen->snapshot_error : NULL);
 }
 
 /* ---- the whole report, figures and ranked advice ---- */
@@ -844,6 +827,7 @@ static int add_note(PyObject *notes, const char *text)
  * ranked actions, and the observer's sequence number it used. */
 static PyObject *py_oom_report(PyObject *self, PyObject *args, PyObject *kw)
 {
+    oc_oom_seen *seen = &oc_g.oom.seen;
     static char *kwlist[] = {"text", "exhausted", NULL};
     const char *text = NULL;
     int exhausted = 0, cuda_up = 0, use_seen, index = -1;
@@ -869,13 +853,13 @@ static PyObject *py_oom_report(PyObject *self, PyObject *args, PyObject *kw)
     memset(&info, 0, sizeof info);
     from_message(text, &request, &msg_device);
     device = msg_device;
-    use_seen = seen.seq > 0 && (double)time(NULL) - seen.when <= OBSERVER_WINDOW_S &&
-               !(text != NULL && msg_device >= 0 && msg_device != seen.device);
+    use_seen = seen->seq > 0 && (double)time(NULL) - seen->when <= OBSERVER_WINDOW_S &&
+               !(text != NULL && msg_device >= 0 && msg_device != seen->device);
     if (use_seen) {
-        device = seen.device;
-        request = (long long)seen.request;
-        limit = (long long)seen.limit;
-        stats = seen.stats;
+        device = seen->device;
+        request = (long long)seen->request;
+        limit = (long long)seen->limit;
+        stats = seen->stats;
         Py_XINCREF(stats);
     }
     notes = PyList_New(0);
@@ -919,18 +903,18 @@ static PyObject *py_oom_report(PyObject *self, PyObject *args, PyObject *kw)
         if (add_note(notes, note) < 0)
             goto done;
         if (use_seen)
-            free_b = (long long)seen.device_free;
+            free_b = (long long)seen->device_free;
         others = PyList_New(0);
     }
     if (others == NULL)
         goto done;
     have_alloc = allocator_config(torch, alloc, sizeof alloc);
     fraction = fraction_set();
-    autocast = use_seen && seen.autocast >= 0 ? seen.autocast : autocast_enabled(torch);
+    autocast = use_seen && seen->autocast >= 0 ? seen->autocast : autocast_enabled(torch);
     if (!(use_seen && fraction > 0.0))
         limit = -1;
     f.request = request > 0 ? (unsigned long long)request : 0;
-    f.total = total > 0 ? (unsigned long long)total : use_seen ? seen.limit : 0;
+    f.total = total > 0 ? (unsigned long long)total : use_seen ? seen->limit : 0;
     f.limit = limit > 0 ? (unsigned long long)limit : 0;
     f.allocated = allocated > 0 ? (unsigned long long)allocated : 0;
     f.reserved = reserved > 0 ? (unsigned long long)reserved : 0;
@@ -941,7 +925,7 @@ static PyObject *py_oom_report(PyObject *self, PyObject *args, PyObject *kw)
     f.exhausted = exhausted;
     advice = advice_list(&f);
     if (advice == NULL ||
-        (use_seen && seen.snapshot_error[0] && add_note(notes, seen.snapshot_error) < 0))
+        (use_seen && seen->snapshot_error[0] && add_note(notes, seen->snapshot_error) < 0))
         goto done;
     if (text != NULL) {
         /* The first line of the message, stripped; the type's name when empty. */
@@ -970,7 +954,8 @@ static PyObject *py_oom_report(PyObject *self, PyObject *args, PyObject *kw)
         f.expandable ? Py_True : Py_False, "memory_fraction",
         fraction > 0.0 ? PyFloat_FromDouble(fraction) : figure(-1), "autocast",
         autocast < 0 ? figure(-1) : PyBool_FromLong(autocast), "snapshot",
-        use_seen && seen.snapshot_written ? snapshot_path : NULL, "advice", advice, "notes", notes);
+        use_seen && seen->snapshot_written ? oc_g.oom.snapshot_path : NULL, "advice", advice,
+        "notes", notes);
 done:
     Py_XDECREF(advice);
     Py_XDECREF(others);
@@ -980,7 +965,7 @@ done:
     Py_DECREF(torch);
     if (report == NULL)
         return NULL;
-    return Py_BuildValue("(Nk)", report, use_seen ? seen.seq : 0ul);
+    return Py_BuildValue("(Nk)", report, use_seen ? seen->seq : 0ul);
 }
 
 /* _is_oom(exc) -> bool: exc means the GPU ran out of memory

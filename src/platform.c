@@ -28,21 +28,14 @@
     "native Windows: torch's Windows builds have no expandable segments and warn "                 \
     "\"expandable_segments not supported on this platform\""
 
-/* Test door: a kernel release that replaces uname()'s (set only through
- * _testing.simulate_kernel_release, which the tests call before importing torch). */
-static char simulated_release[128];
-static int simulated;
-/* The defaults were changed for this platform at the last preparation. */
-static int defaults_changed;
-
 static const char *kernel_release(void)
 {
     static char release[128];
 #ifndef _WIN32
     struct utsname u;
 #endif
-    if (simulated)
-        return simulated_release;
+    if (oc_g.platform.simulated)
+        return oc_g.platform.simulated_release;
     release[0] = '\0';
 #ifndef _WIN32
     if (uname(&u) == 0)
@@ -57,7 +50,7 @@ static const char *no_expandable_why(void)
     static char why[300];
     const char *rel;
 #ifdef _WIN32
-    if (!simulated)
+    if (!oc_g.platform.simulated)
         return WINDOWS_WHY;
 #endif
     rel = kernel_release();
@@ -73,7 +66,7 @@ const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas,
 {
     static oc_alloc_list list;
     size_t used = 0;
-    defaults_changed = 0;
+    oc_g.platform.defaults_changed = 0;
     /* The user's own OUTOFCUDA_ALLOC_CONF stands as written, here too. */
     if (!are_outofcudas || outsz == 0 || no_expandable_why() == NULL ||
         oc_alloc_parse(defaults, &list, NULL, 0) != 0)
@@ -89,7 +82,7 @@ const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas,
             return defaults;
         used += (size_t)n;
     }
-    defaults_changed = 1;
+    oc_g.platform.defaults_changed = 1;
     return out;
 }
 
@@ -100,9 +93,9 @@ void oc_platform_note(char *reason, size_t reasonsz, const char *value)
         oc_alloc_expandable(value)
             ? "the user's expandable_segments:True kept, though on this platform"
             : "expandable_segments left out of outofcuda's defaults on this platform";
-    if (defaults_changed && len < reasonsz)
+    if (oc_g.platform.defaults_changed && len < reasonsz)
         snprintf(reason + len, reasonsz - len, "; %s: %s", what, no_expandable_why());
-    defaults_changed = 0; /* said once, for the preparation that changed them */
+    oc_g.platform.defaults_changed = 0; /* said once, for the preparation that changed them */
 }
 
 /* _platform() -> {"kernel_release", "expandable_segments_work", "why"}. */
@@ -122,7 +115,7 @@ static PyObject *py_simulate_kernel_release(PyObject *self, PyObject *arg)
     PyObject *bytes;
     (void)self;
     if (arg == Py_None) {
-        simulated = 0;
+        oc_g.platform.simulated = 0;
         Py_RETURN_NONE;
     }
     if (!PyUnicode_Check(arg)) {
@@ -132,9 +125,10 @@ static PyObject *py_simulate_kernel_release(PyObject *self, PyObject *arg)
     bytes = PyUnicode_AsEncodedString(arg, "utf-8", "surrogateescape");
     if (bytes == NULL)
         return NULL;
-    snprintf(simulated_release, sizeof simulated_release, "%s", PyBytes_AsString(bytes));
+    snprintf(oc_g.platform.simulated_release, sizeof oc_g.platform.simulated_release, "%s",
+             PyBytes_AsString(bytes));
     Py_DECREF(bytes);
-    simulated = 1;
+    oc_g.platform.simulated = 1;
     Py_RETURN_NONE;
 }
 

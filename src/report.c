@@ -258,15 +258,15 @@ static PyObject *optimizations(void)
  * settings were in effect before it came. */
 static PyObject *framework_status(void)
 {
-    char why[600], text[sizeof oc_g.framework_decided + 300];
+    char why[600], text[sizeof oc_g.framework.decided + 300];
     const char *now = oc_framework_in_use(why, sizeof why);
-    const char *left_to = oc_g.framework_left_to[0] ? oc_g.framework_left_to : NULL;
+    const char *left_to = oc_g.framework.left_to[0] ? oc_g.framework.left_to : NULL;
     snprintf(text, sizeof text, "%s",
-             oc_g.framework_decided[0]
-                 ? oc_g.framework_decided
+             oc_g.framework.decided[0]
+                 ? oc_g.framework.decided
                  : "nothing decided: torch was not imported through the hook");
     if (now != NULL && left_to == NULL &&
-        strstr(oc_g.framework_decided, "when CUDA initialised") != NULL)
+        strstr(oc_g.framework.decided, "when CUDA initialised") != NULL)
         snprintf(text + strlen(text), sizeof text - strlen(text),
                  "; now: %s is in use, imported after CUDA started: outofcuda's allocator "
                  "settings and memory fraction were already in effect (OUTOFCUDA_DISABLE=1, or "

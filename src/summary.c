@@ -39,6 +39,8 @@ typedef struct {
     long long peak_allocated, peak_reserved; /* -1: unknown */
 } sum_device;
 
+/* The sampler thread's state: outside oc_state (oc.h) because the thread
+ * reads and writes it without the GIL, under th.lock. */
 static struct {
     oc_thread th; /* th.lock guards the aggregates and stop_requested */
     int started, running, stop_requested;
@@ -48,17 +50,6 @@ static struct {
     sum_device dev[SUMMARY_MAX_DEVICES];
     char why[240]; /* why nothing is sampled, or "" */
 } S;
-
-/* atexit.register ran in this process or the parent it was forked from (a
- * child inherits the registration itself too). */
-static int atexit_registered;
-
-/* Where the summary goes: resolved once, when the feature starts. */
-static struct {
-    int resolved;
-    oc_summary_mode mode;
-    char json_path[PATH_MAX];
-} out;
 
 /* ---- the sampler thread: no Python object, no GIL ---- */
 
@@ -130,23 +121,23 @@ static oc_summary_mode resolve_output(void)
 {
     const oc_config *cfg = oc_config_get();
     char dir[OC_SUMMARY_PATH_MAX], msg[OC_WARN_LEN + 2 * OC_SUMMARY_PATH_MAX];
-    if (out.resolved)
-        return out.mode;
-    out.resolved = 1;
-    out.mode = cfg->summary;
-    if (out.mode != OC_SUMMARY_JSON)
-        return out.mode;
-    if (oc_resolve_file_path(cfg->summary_path, dir, sizeof dir, out.json_path,
-                             sizeof out.json_path) != 0) {
+    if (oc_g.summary_out.resolved)
+        return oc_g.summary_out.mode;
+    oc_g.summary_out.resolved = 1;
+    oc_g.summary_out.mode = cfg->summary;
+    if (oc_g.summary_out.mode != OC_SUMMARY_JSON)
+        return oc_g.summary_out.mode;
+    if (oc_resolve_file_path(cfg->summary_path, dir, sizeof dir, oc_g.summary_out.json_path,
+                             sizeof oc_g.summary_out.json_path) != 0) {
         snprintf(msg, sizeof msg,
                  "outofcuda: ignoring OUTOFCUDA_SUMMARY=%.300s: the directory %.300s does not "
                  "exist; no summary will be written",
                  cfg->summary_path, dir);
         oc_warn(msg);
-        out.json_path[0] = '\0';
-        out.mode = OC_SUMMARY_OFF;
+        oc_g.summary_out.json_path[0] = '\0';
+        oc_g.summary_out.mode = OC_SUMMARY_OFF;
     }
-    return out.mode;
+    return oc_g.summary_out.mode;
 }
 
 /* RANK (torchrun's global rank), else LOCAL_RANK, else -1. */
@@ -166,7 +157,7 @@ static PyMethodDef at_exit_def = {"outofcuda_summary_at_exit", at_exit, METH_NOA
 static int register_at_exit(void)
 {
     PyObject *atexit_mod, *fn, *r;
-    if (atexit_registered)
+    if (oc_g.summary_out.atexit_registered)
         return 0;
     atexit_mod = PyImport_ImportModule("atexit");
     fn = atexit_mod ? PyCFunction_NewEx(&at_exit_def, NULL, NULL) : NULL;
@@ -176,7 +167,7 @@ static int register_at_exit(void)
     if (r == NULL)
         return -1;
     Py_DECREF(r);
-    atexit_registered = 1;
+    oc_g.summary_out.atexit_registered = 1;
     return 0;
 }
 
@@ -486,11 +477,11 @@ static PyObject *device_dict(const sum_device *d, const oc_advice_item *h, int n
 /* "x.json" -> "x.rank3.json" so that ranks do not overwrite each other. */
 static void json_target(long rank, char *path, size_t sz)
 {
-    size_t n = strlen(out.json_path);
+    size_t n = strlen(oc_g.summary_out.json_path);
     if (rank < 0)
-        snprintf(path, sz, "%s", out.json_path);
+        snprintf(path, sz, "%s", oc_g.summary_out.json_path);
     else
-        snprintf(path, sz, "%.*s.rank%ld.json", (int)(n - 5), out.json_path, rank);
+        snprintf(path, sz, "%.*s.rank%ld.json", (int)(n - 5), oc_g.summary_out.json_path, rank);
 }
 
 /* Writes the JSON form (through a temporary file, renamed into place).
@@ -539,7 +530,7 @@ done:
 static void emit(const proc_figs *p, const sum_device *dev, int n)
 {
     text t = {malloc(65536), 0, 65536};
-    PyObject *devices = out.mode == OC_SUMMARY_JSON ? PyList_New(0) : NULL;
+    PyObject *devices = oc_g.summary_out.mode == OC_SUMMARY_JSON ? PyList_New(0) : NULL;
     char err[PATH_MAX + 200];
     for (int i = 0; i < n; i++) {
         oc_advice_item h[HINTS_MAX + 1];
@@ -553,7 +544,7 @@ static void emit(const proc_figs *p, const sum_device *dev, int n)
             Py_XDECREF(d);
         }
     }
-    if (out.mode == OC_SUMMARY_JSON) {
+    if (oc_g.summary_out.mode == OC_SUMMARY_JSON) {
         PyObject *doc = devices ? Py_BuildValue("{s:i,s:N,s:d,s:k,s:L,s:N,s:l,s:O}", "version", 1,
                                                 "rank", none_or_ll(p->rank), "wall_s", p->wall,
                                                 "ooms", p->ooms, "microbatch_splits", p->splits,
@@ -609,7 +600,7 @@ static PyObject *at_exit(PyObject *self, PyObject *unused)
     p.splits = oc_g.microbatch_splits;
     torch_figures(dev, &n);
     p.workers = dataloader_workers();
-    if (out.mode != OC_SUMMARY_OFF)
+    if (oc_g.summary_out.mode != OC_SUMMARY_OFF)
         emit(&p, dev, n);
     OC_CLEAR();
     PyErr_Restore(type, value, tb);
@@ -657,9 +648,9 @@ static PyObject *py_summary_start(PyObject *self, PyObject *args)
     }
     if (oc_config_get()->summary != OC_SUMMARY_OFF && resolve_output() == OC_SUMMARY_OFF)
         Py_RETURN_FALSE;
-    if (!out.resolved || out.mode == OC_SUMMARY_OFF) {
-        out.resolved = 1;
-        out.mode = OC_SUMMARY_STDERR;
+    if (!oc_g.summary_out.resolved || oc_g.summary_out.mode == OC_SUMMARY_OFF) {
+        oc_g.summary_out.resolved = 1;
+        oc_g.summary_out.mode = OC_SUMMARY_STDERR;
     }
     if (summary_begin(devices, n, interval_ms) < 0)
         return NULL;

@@ -314,8 +314,6 @@ PyMethodDef oc_watcher_methods[] = {
 
 /* ---- the boot module that owns the finder ---- */
 
-static PyObject *engine_module; /* borrowed: lives in sys.modules as long as we do */
-
 /* The boot module: the one in sys.modules when it is outofcuda's (the hook
  * imported it), else loaded by path from the engine's own directory, never by
  * name (the working directory may be on sys.path). New reference or NULL. */
@@ -327,11 +325,11 @@ static PyObject *boot_module(void)
         return mod;
     }
     mod = NULL;
-    if (engine_module == NULL) {
+    if (oc_g.engine_module == NULL) {
         PyErr_SetString(PyExc_ImportError, "outofcuda's engine was not initialised");
         return NULL;
     }
-    mod = oc_load_sibling(engine_module, OC_ENGINE_NAME, OC_BOOT_NAME);
+    mod = oc_load_sibling(oc_g.engine_module, OC_ENGINE_NAME, OC_BOOT_NAME);
     if (mod != NULL && PyDict_GetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME) == NULL &&
         PyDict_SetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME, mod) < 0)
         Py_CLEAR(mod);
@@ -343,7 +341,7 @@ static PyObject *boot_module(void)
 int oc_watcher_init(PyObject *module)
 {
     PyObject *boot = PyDict_GetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME), *f;
-    engine_module = module;
+    oc_g.engine_module = module;
     if (boot == NULL || !PyObject_HasAttrString(boot, "_finder"))
         return 0;
     f = PyObject_CallMethod(boot, "_finder", NULL);
