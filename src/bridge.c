@@ -946,7 +946,7 @@ static PyObject *lazy_call_fn(PyObject *torch, const char **why_not)
 /* Queues the callback. Returns 0, or -1 (recorded as outofcuda's error). */
 static int queue_at_cuda_init(PyObject *lazy_call)
 {
-    PyObject *cb = PyCFunction_NewEx(&at_cuda_init_def, NULL, NULL);
+    PyObject *cb = oc_edge_function(&at_cuda_init_def, NULL, NULL);
     PyObject *r = cb ? PyObject_CallFunctionObjArgs(lazy_call, cb, NULL) : NULL;
     Py_XDECREF(cb);
     if (r == NULL) {

@@ -31,25 +31,38 @@ int oc_disabled_by_env(void)
     return oc_parse_bool(oc_env("OUTOFCUDA_DISABLE")) == 1;
 }
 
-/* Clears the current exception, which outofcuda swallows so that nothing it
- * does can fail the program. With OUTOFCUDA_DEBUG=1 (read once) each one is
- * first printed to stderr, where and what, as psutil's PSUTIL_DEBUG does:
- * "outofcuda debug: bridge.c:312 set_flag: RuntimeError: ...". Never raises. */
 /* A KeyboardInterrupt or SystemExit that arrives while outofcuda runs torch's
  * or the program's code is the user's, not an error of outofcuda's: it is set
  * aside here, never swallowed, and raised again by oc_raise_interrupt at the
- * edge where control goes back to the program. */
+ * edge where control goes back to the program, in the thread it arrived in
+ * (a SystemExit in a thread ends that thread, not the program). */
+static oc_interrupt *interrupt_slot(unsigned long thread)
+{
+    for (int i = 0; i < OC_INTERRUPT_SLOTS; i++)
+        if (oc_g.interrupts[i].type != NULL && oc_g.interrupts[i].thread == thread)
+            return &oc_g.interrupts[i];
+    return NULL;
+}
+
 static int keep_interrupt(void)
 {
+    unsigned long thread = PyThread_get_thread_ident();
+    oc_interrupt *slot = interrupt_slot(thread);
     PyObject *type, *value, *tb;
     if (!PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) &&
         !PyErr_ExceptionMatches(PyExc_SystemExit))
         return 0;
+    for (int i = 0; slot == NULL && i < OC_INTERRUPT_SLOTS; i++)
+        if (oc_g.interrupts[i].type == NULL)
+            slot = &oc_g.interrupts[i];
+    if (slot == NULL)
+        return 0; /* every slot waits in another thread: cleared as an error, traced */
     PyErr_Fetch(&type, &value, &tb);
-    if (oc_g.interrupt_type == NULL) {
-        oc_g.interrupt_type = type;
-        oc_g.interrupt_value = value;
-        oc_g.interrupt_tb = tb;
+    if (slot->type == NULL) {
+        slot->thread = thread;
+        slot->type = type;
+        slot->value = value;
+        slot->tb = tb;
         return 1;
     }
     /* A second one while the first waits: the first is raised. */
@@ -61,15 +74,130 @@ static int keep_interrupt(void)
 
 int oc_raise_interrupt(void)
 {
-    if (oc_g.interrupt_type == NULL)
+    oc_interrupt *slot = interrupt_slot(PyThread_get_thread_ident());
+    if (slot == NULL)
         return 0;
     /* An exception already propagating (torch's own import error) gives way
      * to the interrupt, as it would without outofcuda. */
-    PyErr_Restore(oc_g.interrupt_type, oc_g.interrupt_value, oc_g.interrupt_tb);
-    oc_g.interrupt_type = oc_g.interrupt_value = oc_g.interrupt_tb = NULL;
+    PyErr_Restore(slot->type, slot->value, slot->tb);
+    memset(slot, 0, sizeof *slot);
     return -1;
 }
 
+/* ---- the edge ----
+ *
+ * Each engine function and callback is called through a trampoline of its
+ * own (edge slot i), which calls the real function as CPython would (its
+ * flags' argument rules and messages) and then raises any interrupt set
+ * aside meanwhile. The slot's definition (METH_VARARGS | METH_KEYWORDS)
+ * keeps the function's name and docstring, so its text signature, its self
+ * (the module) and its repr are unchanged. A slot is one C function per
+ * index because CPython hands a function nothing but self and the
+ * arguments. */
+static PyObject *edge_call(int slot, PyObject *self, PyObject *args, PyObject *kw)
+{
+    const PyMethodDef *def = oc_g.edge_inner[slot];
+    PyObject *r = NULL;
+    Py_ssize_t n = PyTuple_Size(args), n_kw = kw != NULL ? PyDict_Size(kw) : 0;
+    switch (def->ml_flags) {
+    case METH_NOARGS:
+        if (n != 0 || n_kw != 0)
+            PyErr_Format(PyExc_TypeError, "%s() takes no arguments (%zd given)", def->ml_name,
+                         n + n_kw);
+        else
+            r = def->ml_meth(self, NULL);
+        break;
+    case METH_O:
+        if (n_kw != 0)
+            PyErr_Format(PyExc_TypeError, "%s() takes no keyword arguments", def->ml_name);
+        else if (n != 1)
+            PyErr_Format(PyExc_TypeError, "%s() takes exactly one argument (%zd given)",
+                         def->ml_name, n);
+        else
+            r = def->ml_meth(self, PyTuple_GetItem(args, 0));
+        break;
+    case METH_VARARGS:
+        if (n_kw != 0)
+            PyErr_Format(PyExc_TypeError, "%s() takes no keyword arguments", def->ml_name);
+        else
+            r = def->ml_meth(self, args);
+        break;
+    case METH_VARARGS | METH_KEYWORDS:
+        r = ((PyCFunctionWithKeywords)(void (*)(void))def->ml_meth)(self, args, kw);
+        break;
+    default:
+        PyErr_Format(PyExc_SystemError, "%s: calling convention %d not handled by the edge",
+                     def->ml_name, def->ml_flags);
+    }
+    if (oc_raise_interrupt() < 0) {
+        Py_XDECREF(r);
+        return NULL;
+    }
+    return r;
+}
+
+/* clang-format off */
+#define EDGE_SLOT(hi, lo)                                                                          \
+    static PyObject *edge_##hi##_##lo(PyObject *self, PyObject *args, PyObject *kw)                \
+    {                                                                                              \
+        return edge_call((hi) * 8 + (lo), self, args, kw);                                         \
+    }
+#define EDGE_SLOTS(hi)                                                                             \
+    EDGE_SLOT(hi, 0) EDGE_SLOT(hi, 1) EDGE_SLOT(hi, 2) EDGE_SLOT(hi, 3)                            \
+    EDGE_SLOT(hi, 4) EDGE_SLOT(hi, 5) EDGE_SLOT(hi, 6) EDGE_SLOT(hi, 7)
+#define EDGE_ROW(hi)                                                                               \
+    edge_##hi##_0, edge_##hi##_1, edge_##hi##_2, edge_##hi##_3,                                    \
+    edge_##hi##_4, edge_##hi##_5, edge_##hi##_6, edge_##hi##_7
+EDGE_SLOTS(0) EDGE_SLOTS(1) EDGE_SLOTS(2) EDGE_SLOTS(3) EDGE_SLOTS(4) EDGE_SLOTS(5)
+EDGE_SLOTS(6) EDGE_SLOTS(7) EDGE_SLOTS(8) EDGE_SLOTS(9) EDGE_SLOTS(10) EDGE_SLOTS(11)
+static PyCFunctionWithKeywords const edge_slots[] = {
+    EDGE_ROW(0), EDGE_ROW(1), EDGE_ROW(2), EDGE_ROW(3), EDGE_ROW(4), EDGE_ROW(5),
+    EDGE_ROW(6), EDGE_ROW(7), EDGE_ROW(8), EDGE_ROW(9), EDGE_ROW(10), EDGE_ROW(11),
+};
+/* clang-format on */
+_Static_assert(sizeof edge_slots / sizeof edge_slots[0] == OC_EDGE_MAX, "one slot per entry");
+
+PyObject *oc_edge_function(const PyMethodDef *def, PyObject *self, PyObject *module_name)
+{
+    PyMethodDef *outer = NULL;
+    /* A callback queued again (a second torch import) reuses its slot. */
+    for (int i = 0; i < oc_g.edge_n && outer == NULL; i++)
+        if (oc_g.edge_inner[i] == def)
+            outer = &oc_g.edge_defs[i];
+    if (outer == NULL) {
+        if (oc_g.edge_n == OC_EDGE_MAX) {
+            PyErr_SetString(PyExc_SystemError, "outofcuda: more functions than OC_EDGE_MAX");
+            return NULL;
+        }
+        outer = &oc_g.edge_defs[oc_g.edge_n];
+        oc_g.edge_inner[oc_g.edge_n] = def;
+        outer->ml_name = def->ml_name;
+        outer->ml_meth = (PyCFunction)(void (*)(void))edge_slots[oc_g.edge_n];
+        outer->ml_flags = METH_VARARGS | METH_KEYWORDS;
+        outer->ml_doc = def->ml_doc;
+        oc_g.edge_n++;
+    }
+    return PyCFunction_NewEx(outer, self, module_name);
+}
+
+int oc_edge_add_functions(PyObject *m, const PyMethodDef *defs)
+{
+    PyObject *name = PyModule_GetNameObject(m);
+    int rc = name ? 0 : -1;
+    for (const PyMethodDef *d = defs; rc == 0 && d->ml_name != NULL; d++) {
+        PyObject *fn = oc_edge_function(d, m, name);
+        rc = fn ? PyModule_AddObject(m, d->ml_name, fn) : -1;
+        if (rc < 0)
+            Py_XDECREF(fn);
+    }
+    Py_XDECREF(name);
+    return rc;
+}
+
+/* Clears the current exception, which outofcuda swallows so that nothing it
+ * does can fail the program. With OUTOFCUDA_DEBUG=1 (read once) each one is
+ * first printed to stderr, where and what, as psutil's PSUTIL_DEBUG does:
+ * "outofcuda debug: bridge.c:312 set_flag: RuntimeError: ...". Never raises. */
 void oc_clear_at(const char *file, int line, const char *func)
 {
     static int debug = -1;

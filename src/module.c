@@ -23,8 +23,7 @@ static PyObject *oc_install(PyObject *self, PyObject *unused)
     oc_g.installed = 1;
     if (oc_watcher_fire_if_imported() < 0)
         oc_set_error("applying to an already imported torch failed");
-    if (oc_raise_interrupt() < 0)
-        return NULL; /* the user's Ctrl-C, not a failure of outofcuda's */
+    /* A Ctrl-C set aside meanwhile is raised by the edge as this returns. */
     Py_RETURN_NONE;
 }
 
@@ -257,9 +256,9 @@ static int add_test_door(PyObject *m)
     PyObject *door = PyModule_New("_outofcuda._testing");
     if (door == NULL)
         return -1;
-    if (PyModule_AddFunctions(door, oc_summary_testing_methods) < 0 ||
-        PyModule_AddFunctions(door, oc_monitor_testing_methods) < 0 ||
-        PyModule_AddFunctions(door, oc_platform_testing_methods) < 0 ||
+    if (oc_edge_add_functions(door, oc_summary_testing_methods) < 0 ||
+        oc_edge_add_functions(door, oc_monitor_testing_methods) < 0 ||
+        oc_edge_add_functions(door, oc_platform_testing_methods) < 0 ||
         PyModule_AddObject(m, "_testing", door) < 0) {
         Py_DECREF(door);
         return -1;
@@ -276,16 +275,16 @@ static int module_exec(PyObject *m)
                         "outofcuda's extension supports only the main interpreter");
         return -1;
     }
-    if (PyModule_AddFunctions(m, module_methods) < 0 ||
-        PyModule_AddFunctions(m, oc_report_methods) < 0 ||
-        PyModule_AddFunctions(m, oc_nvml_methods) < 0 ||
-        PyModule_AddFunctions(m, oc_oom_methods) < 0 ||
-        PyModule_AddFunctions(m, oc_api_methods) < 0 ||
-        PyModule_AddFunctions(m, oc_facts_methods) < 0 ||
-        PyModule_AddFunctions(m, oc_summary_methods) < 0 ||
-        PyModule_AddFunctions(m, oc_known_bugs_methods) < 0 ||
-        PyModule_AddFunctions(m, oc_platform_methods) < 0 ||
-        PyModule_AddFunctions(m, oc_watcher_methods) < 0 || oc_watcher_init(m) < 0)
+    if (oc_edge_add_functions(m, module_methods) < 0 ||
+        oc_edge_add_functions(m, oc_report_methods) < 0 ||
+        oc_edge_add_functions(m, oc_nvml_methods) < 0 ||
+        oc_edge_add_functions(m, oc_oom_methods) < 0 ||
+        oc_edge_add_functions(m, oc_api_methods) < 0 ||
+        oc_edge_add_functions(m, oc_facts_methods) < 0 ||
+        oc_edge_add_functions(m, oc_summary_methods) < 0 ||
+        oc_edge_add_functions(m, oc_known_bugs_methods) < 0 ||
+        oc_edge_add_functions(m, oc_platform_methods) < 0 ||
+        oc_edge_add_functions(m, oc_watcher_methods) < 0 || oc_watcher_init(m) < 0)
         return -1;
     if (oc_monitor_add_type(m) < 0 || add_test_door(m) < 0)
         return -1;

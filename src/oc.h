@@ -415,6 +415,16 @@ typedef enum {
     OC_STEP_SUMMARY,
 } oc_cuda_step;
 
+/* An interrupt set aside in a thread (common.c); type NULL: a free slot. */
+#define OC_INTERRUPT_SLOTS 8
+typedef struct {
+    unsigned long thread; /* PyThread_get_thread_ident() */
+    PyObject *type, *value, *tb;
+} oc_interrupt;
+
+/* Engine functions and callbacks that go through the edge (common.c). */
+#define OC_EDGE_MAX 96
+
 /* The last OOM the observer saw; seq 0: none yet, and nothing else
  * here is read. */
 typedef struct {
@@ -453,9 +463,15 @@ typedef struct {
     PyObject *error;         /* str or NULL: what went wrong inside outofcuda */
     PyObject *results;       /* dict: optimisation name -> dict(applied, value, reason) */
     PyObject *torch_version; /* str or NULL */
-    /* A KeyboardInterrupt or SystemExit set aside until control goes back to
-     * the program (common.c). */
-    PyObject *interrupt_type, *interrupt_value, *interrupt_tb;
+    /* KeyboardInterrupts and SystemExits set aside until control goes back
+     * to the program, one per thread (common.c). */
+    oc_interrupt interrupts[OC_INTERRUPT_SLOTS];
+    /* The edge (common.c): the definitions the function objects of the
+     * engine's functions point to, for the life of the process (one per
+     * engine function or callback), and the functions they call. */
+    PyMethodDef edge_defs[OC_EDGE_MAX];
+    const PyMethodDef *edge_inner[OC_EDGE_MAX];
+    int edge_n;
 
     /* ---- torch about to load, from its version.py (bridge.c) ---- */
     struct {
@@ -562,9 +578,20 @@ void oc_set_error(const char *where); /* keeps the current exception text */
 void oc_clear_at(const char *file, int line, const char *func);
 #define OC_CLEAR() oc_clear_at(__FILE__, __LINE__, __func__)
 /* Raises the KeyboardInterrupt or SystemExit that oc_clear_at or
- * oc_set_error set aside: -1 with it set, else 0. Called where control goes
- * back to the program (the end of `import torch`, the API's entry points). */
+ * oc_set_error set aside in this thread: -1 with it set, else 0. Called where
+ * control goes back to the program: the edge (every engine function and
+ * callback) and the steps of `import torch` (watcher.c). */
 int oc_raise_interrupt(void);
+/* The edge: a function object for def whose every call ends with
+ * oc_raise_interrupt, so an interrupt set aside while it ran reaches its
+ * caller as it returns (new ref, or NULL with an exception). self is what
+ * def's C function receives as self (the module, or NULL); name, text
+ * signature and argument rules are def's. Every engine function and
+ * callback is made through it. */
+PyObject *oc_edge_function(const PyMethodDef *def, PyObject *self, PyObject *module_name);
+/* Adds each function of defs (ending with a NULL name) to module m through
+ * oc_edge_function. Returns 0, or -1 with an exception. */
+int oc_edge_add_functions(PyObject *m, const PyMethodDef *defs);
 int oc_disabled_by_env(void);
 
 /* watcher.c */

@@ -183,7 +183,7 @@ void oc_oom_at_cuda_init(PyObject *torch)
         oc_warn(msg);
     }
     attach = oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
-    obs = attach ? PyCFunction_NewEx(&observer_def, NULL, NULL) : NULL;
+    obs = attach ? oc_edge_function(&observer_def, NULL, NULL) : NULL;
     r = obs ? PyObject_CallFunctionObjArgs(attach, obs, NULL) : NULL;
     if (r == NULL) {
         oc_set_error("attaching the CUDA OOM observer");
@@ -451,7 +451,7 @@ static void record_status(const char *hooks)
 static int chain_hook(PyObject *owner, const char *name, PyMethodDef *def, PyObject **prev)
 {
     PyObject *current = PyObject_GetAttrString(owner, name);
-    PyObject *hook = current ? PyCFunction_NewEx(def, NULL, NULL) : NULL;
+    PyObject *hook = current ? oc_edge_function(def, NULL, NULL) : NULL;
     if (hook == NULL || PyObject_SetAttrString(owner, name, hook) < 0) {
         Py_XDECREF(hook);
         Py_XDECREF(current);

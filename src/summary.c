@@ -160,7 +160,7 @@ static int register_at_exit(void)
     if (oc_g.summary_out.atexit_registered)
         return 0;
     atexit_mod = PyImport_ImportModule("atexit");
-    fn = atexit_mod ? PyCFunction_NewEx(&at_exit_def, NULL, NULL) : NULL;
+    fn = atexit_mod ? oc_edge_function(&at_exit_def, NULL, NULL) : NULL;
     r = fn ? PyObject_CallMethod(atexit_mod, "register", "O", fn) : NULL;
     Py_XDECREF(fn);
     Py_XDECREF(atexit_mod);

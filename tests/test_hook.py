@@ -406,6 +406,77 @@ print('the program went on')
     assert "SystemError" not in r.stderr, r.stderr
 
 
+# Where outofcuda runs torch's code after the import: CUDA's start (its
+# queued callback sets the fraction) and an API call (clear_cache asks
+# whether CUDA is up). The interrupt is raised as that call returns, in the
+# program's thread, never held for a later one.
+LATE_INTERRUPTS = {
+    "CUDA's start": ("_C.py", """
+def _cuda_setMemoryFraction(fraction, device):
+    raise {exc}
+""", "torch.cuda._fake_cuda_init()"),
+    "an API call": ("cuda/__init__.py", """
+def is_initialized():
+    raise {exc}
+""", "outofcuda.clear_cache()"),
+}
+
+
+@pytest.mark.parametrize("exc", ["KeyboardInterrupt", "SystemExit(3)"])
+@pytest.mark.parametrize("where", sorted(LATE_INTERRUPTS))
+def test_ctrl_c_after_the_import_reaches_the_call_it_arrived_in(venv, tmp_path, exc, where):
+    from fake_torch import make_fake_torch
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    path, code, call = LATE_INTERRUPTS[where]
+    with open(root / "torch" / path, "a") as f:
+        f.write(code.format(exc=exc))
+    r = venv.run(S(f"""
+        import sys, threading
+        import torch, outofcuda
+        try:
+            {call}
+        except KeyboardInterrupt:
+            print('KeyboardInterrupt reached the call')
+            sys.exit(5)
+        print('the program went on')
+    """), env={"PYTHONPATH": str(root), "OUTOFCUDA_MEMORY_FRACTION": "0.9"}, cwd=tmp_path,
+        args=("-W", "error"))
+    assert "the program went on" not in r.stdout, (r.stdout, r.stderr)
+    if exc == "KeyboardInterrupt":
+        assert r.returncode == 5, (r.stdout, r.stderr)
+    else:
+        assert r.returncode == 3, (r.stdout, r.stderr)
+    assert "SystemError" not in r.stderr, r.stderr
+
+
+def test_systemexit_in_a_thread_ends_that_thread_not_the_program(venv, tmp_path):
+    # sys.exit() inside torch code that outofcuda runs in a worker thread: as
+    # without outofcuda, it ends the thread; the main thread never sees it.
+    from fake_torch import make_fake_torch
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    with open(root / "torch" / "cuda" / "__init__.py", "a") as f:
+        f.write(LATE_INTERRUPTS["an API call"][1].format(exc="SystemExit(3)"))
+    r = venv.run(S("""
+        import threading
+        import torch, outofcuda
+        seen = []
+        def worker():
+            try:
+                outofcuda.clear_cache()
+            except SystemExit:
+                seen.append('SystemExit')
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        print(seen, outofcuda.clear_cache.__name__)
+        outofcuda.status()
+        print('the program went on')
+    """), env={"PYTHONPATH": str(root)}, cwd=tmp_path, args=("-W", "error"))
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "['SystemExit'] clear_cache" in r.stdout
+    assert "the program went on" in r.stdout
+
+
 def test_apply_beside_a_stand_in_torch_waits_for_the_real_one(venv, workdir):
     # a test suite puts a mock in sys.modules, calls apply(), then removes it
     r = venv.run(S("""
