@@ -754,5 +754,5 @@ static PyMethodDef monitor_methods[] = {
 
 int oc_monitor_add_type(PyObject *module)
 {
-    return PyModule_AddFunctions(module, monitor_methods);
+    return oc_edge_add_functions(module, monitor_methods);
 }

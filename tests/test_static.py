@@ -263,6 +263,17 @@ def test_c_files_read_top_down_as_oc_h_maps_them():
     assert ("bridge.c", "oom.c", "oc_oom_at_cuda_init") in _calls_between_files()
 
 
+def test_every_engine_function_is_made_through_the_edge():
+    """A Ctrl-C set aside while an engine function runs is raised as it
+    returns only if the function object comes from oc_edge_function
+    (src/common.c): nothing else in the engine makes one."""
+    makers = re.compile(r"\b(PyModule_AddFunctions|PyCFunction_New(Ex)?|PyCMethod_New)\s*\(")
+    found = [f"{p.name}:{n}" for p in sorted(SRC.glob("*.c")) if p.name != "boot.c"
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             if makers.search(line) and not (p.name == "common.c" and "outer" in line)]
+    assert not found, f"function objects made around the edge: {found}"
+
+
 def test_every_swallowed_error_leaves_a_trace():
     """OUTOFCUDA_DEBUG=1 prints each error outofcuda swallows (OC_CLEAR, and the
     boot's BOOT_CLEAR): a bare PyErr_Clear() stays only where absence is the
