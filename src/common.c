@@ -458,6 +458,15 @@ const char *oc_utf8(PyObject *str, char *buf, size_t sz)
     return buf;
 }
 
+PyObject *oc_arg_bytes(PyObject *arg, const char *message)
+{
+    if (!PyUnicode_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, message);
+        return NULL;
+    }
+    return PyUnicode_AsEncodedString(arg, "utf-8", "surrogateescape");
+}
+
 long oc_torch_version(PyObject *torch)
 {
     PyObject *v = oc_getattr_chain(torch, "__version__");

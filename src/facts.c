@@ -71,11 +71,7 @@ static PyObject *py_alloc_items(PyObject *self, PyObject *arg)
     const char *conf;
     PyObject *bytes, *items = NULL, *out = NULL;
     (void)self;
-    if (!PyUnicode_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "_alloc_items expects a str");
-        return NULL;
-    }
-    bytes = PyUnicode_AsEncodedString(arg, "utf-8", "surrogateescape");
+    bytes = oc_arg_bytes(arg, "_alloc_items expects a str");
     if (bytes == NULL)
         return NULL;
     conf = PyBytes_AsString(bytes);

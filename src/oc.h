@@ -732,6 +732,10 @@ PyObject *oc_call_quiet_at(PyObject *owner, const char *name, const char *a, con
 #define oc_call_quiet(owner, name, a, b)                                                           \
     oc_call_quiet_at(owner, name, a, b, __FILE__, __LINE__, __func__)
 const char *oc_utf8(PyObject *str, char *buf, size_t sz); /* copy of str into buf */
+/* An API argument that must be a str, as bytes (new ref) with surrogates
+ * kept (surrogateescape: a path or a value from the environment), or NULL
+ * with TypeError(message) when it is not a str. */
+PyObject *oc_arg_bytes(PyObject *arg, const char *message);
 /* The imported torch's release (oc_torch_version_number of its __version__);
  * 0 when it has none to read (errors swallowed). */
 long oc_torch_version(PyObject *torch);

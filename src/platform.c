@@ -28,19 +28,26 @@
     "native Windows: torch's Windows builds have no expandable segments and warn "                 \
     "\"expandable_segments not supported on this platform\""
 
+/* The kernel's release (or the tests' stand-in) as printable ASCII, what
+ * every kernel writes: any other byte reads as '?', so the text is safe in a
+ * str, a report and a terminal. */
 static const char *kernel_release(void)
 {
     static char release[128];
+    const char *raw = "";
+    size_t i;
 #ifndef _WIN32
     struct utsname u;
+    if (!oc_g.platform.simulated && uname(&u) == 0)
+        raw = u.release;
 #endif
     if (oc_g.platform.simulated)
-        return oc_g.platform.simulated_release;
-    release[0] = '\0';
-#ifndef _WIN32
-    if (uname(&u) == 0)
-        snprintf(release, sizeof release, "%s", u.release);
-#endif
+        raw = oc_g.platform.simulated_release;
+    for (i = 0; raw[i] != '\0' && i < sizeof release - 1; i++) {
+        unsigned char c = (unsigned char)raw[i];
+        release[i] = c >= 0x20 && c < 0x7f ? (char)c : '?';
+    }
+    release[i] = '\0';
     return release;
 }
 
@@ -118,11 +125,7 @@ static PyObject *py_simulate_kernel_release(PyObject *self, PyObject *arg)
         oc_g.platform.simulated = 0;
         Py_RETURN_NONE;
     }
-    if (!PyUnicode_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "simulate_kernel_release expects a str or None");
-        return NULL;
-    }
-    bytes = PyUnicode_AsEncodedString(arg, "utf-8", "surrogateescape");
+    bytes = oc_arg_bytes(arg, "simulate_kernel_release expects a str or None");
     if (bytes == NULL)
         return NULL;
     snprintf(oc_g.platform.simulated_release, sizeof oc_g.platform.simulated_release, "%s",

@@ -73,3 +73,14 @@ def test_a_users_expandable_segments_stand_on_wsl(venv, tmp_path, env):
         # outofcuda's defaults were adjusted, and status says the user's key
         # overrode that; OUTOFCUDA_ALLOC_CONF replaces the defaults whole.
         assert "the user's expandable_segments:True kept" in reason and "192330" in reason
+
+
+def test_a_kernel_release_of_odd_bytes_reads_as_printable_ascii(venv, tmp_path):
+    # a custom kernel's release with a byte that is not UTF-8 and a terminal
+    # escape: status() and the report still work, and show neither
+    rep, r = run(venv, tmp_path, "5.15.0-microsoft-standard-WSL2\udcff\x1b[31m")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    release = rep["platform"]["kernel_release"]
+    assert release == "5.15.0-microsoft-standard-WSL2??[31m"
+    assert release in rep["platform"]["why"]
+    assert "expandable_segments" not in rep["conf_read"]
