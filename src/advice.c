@@ -84,10 +84,17 @@ int oc_oom_advise(const oc_oom_figures *f, oc_advice_item *out, int max)
     if (frag > 0 && frag >= f->request &&
         (frag >= f->reserved / 10 || f->inactive_split >= f->request)) {
         oc_fmt_bytes(frag, a, sizeof a);
-        if (!f->expandable)
+        if (!f->expandable && !f->no_expandable_here)
             add(&l, (double)frag, l.n,
                 "%s is reserved by PyTorch but not allocated (fragmentation): set "
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python.",
+                a);
+        else if (!f->expandable)
+            add(&l, (double)frag, l.n,
+                "%s is reserved by PyTorch but not allocated (fragmentation); expandable "
+                "segments do not work on this platform (WSL): set "
+                "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128 before starting Python, so that "
+                "large cached blocks are not split for small requests.",
                 a);
         else
             add(&l, (double)frag / 4.0, l.n,
@@ -180,9 +187,11 @@ int oc_summary_hints(const oc_summary_figures *d, oc_advice_item *out, int max)
                 "fragmentation: torch reserved %.2f GiB at peak for %.2f GiB of tensors "
                 "(%.0f %% cached but unused); %s",
                 (double)d->peak_reserved / OC_GIB, (double)d->peak_allocated / OC_GIB, 100.0 * frag,
-                d->expandable ? "expandable_segments is on: vary tensor shapes less (pad "
-                                "to fixed sizes)"
-                              : "set expandable_segments:True (OUTOFCUDA_ALLOC_CONF)");
+                d->expandable           ? "expandable_segments is on: vary tensor shapes less (pad "
+                                          "to fixed sizes)"
+                : d->no_expandable_here ? "expandable segments do not work on this platform "
+                                          "(WSL): set max_split_size_mb:128 (OUTOFCUDA_ALLOC_CONF)"
+                                        : "set expandable_segments:True (OUTOFCUDA_ALLOC_CONF)");
     }
     oc_advice_rank(out, l.n);
     return l.n;

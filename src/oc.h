@@ -302,10 +302,11 @@ void oc_fmt_bytes(unsigned long long b, char *buf, size_t sz);
 #define OC_OOM_OTHERS_MAX 8
 typedef struct {
     unsigned long long request, total, limit, allocated, reserved, inactive_split;
-    double fraction; /* 0 when no fraction is set */
-    int expandable;  /* expandable_segments is on */
-    int autocast;    /* 1 on, 0 off, -1 unknown */
-    int exhausted;   /* auto_microbatch already split down to min_size */
+    double fraction;        /* 0 when no fraction is set */
+    int expandable;         /* expandable_segments is on */
+    int no_expandable_here; /* they cannot work on this platform (WSL): never advised */
+    int autocast;           /* 1 on, 0 off, -1 unknown */
+    int exhausted;          /* auto_microbatch already split down to min_size */
     int n_others;
     struct {
         unsigned int pid;
@@ -325,6 +326,7 @@ typedef struct {
     long long peak_allocated, peak_reserved; /* torch's; -1 unknown */
     long workers;                            /* largest DataLoader num_workers; -1 none */
     int expandable;                          /* expandable_segments is on */
+    int no_expandable_here; /* they cannot work on this platform (WSL): never advised */
 } oc_summary_figures;
 /* Fills out[] (room for max) with the hints that fit d, highest score
  * first. Returns how many (at most 3). */
@@ -634,6 +636,8 @@ const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas,
 /* Appends to reason why the last oc_platform_alloc_defaults changed them
  * (value: the allocator string that resulted, the user's keys in it). */
 void oc_platform_note(char *reason, size_t reasonsz, const char *value);
+/* 1 where expandable segments cannot work (WSL), so no advice names them. */
+int oc_platform_no_expandable(void);
 extern PyMethodDef oc_platform_methods[];
 /* Behind the test door, _outofcuda._testing (module.c). */
 extern PyMethodDef oc_platform_testing_methods[];

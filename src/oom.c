@@ -570,8 +570,9 @@ static int kw_tristate(PyObject *kw, const char *key)
 
 /* _oom_advice(**figures) -> list of str, most useful first. Keys (all
  * optional; None or missing = unknown): request, total, limit, allocated,
- * reserved, inactive_split (bytes), fraction (float), expandable, autocast,
- * exhausted (bool), others (list of (pid, name, bytes)). */
+ * reserved, inactive_split (bytes), fraction (float), expandable,
+ * no_expandable_here, autocast, exhausted (bool), others (list of (pid, name,
+ * bytes)). */
 /* The ranked actions for f, as a list of str (new ref), or NULL. */
 static PyObject *advice_list(const oc_oom_figures *f)
 {
@@ -604,11 +605,13 @@ static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
     f.reserved = kw_bytes(kw, "reserved");
     f.inactive_split = kw_bytes(kw, "inactive_split");
     f.expandable = kw_tristate(kw, "expandable");
+    f.no_expandable_here = kw_tristate(kw, "no_expandable_here");
     f.autocast = kw_tristate(kw, "autocast");
     f.exhausted = kw_tristate(kw, "exhausted");
-    if (f.expandable == -2 || f.autocast == -2 || f.exhausted == -2)
+    if (f.expandable == -2 || f.no_expandable_here == -2 || f.autocast == -2 || f.exhausted == -2)
         return NULL;
     f.expandable = f.expandable == 1;
+    f.no_expandable_here = f.no_expandable_here == 1;
     f.exhausted = f.exhausted == 1;
     fr = kw ? PyDict_GetItemString(kw, "fraction") : NULL;
     if (fr != NULL && fr != Py_None) {
@@ -921,6 +924,7 @@ static PyObject *py_oom_report(PyObject *self, PyObject *args, PyObject *kw)
     f.inactive_split = inactive > 0 ? (unsigned long long)inactive : 0;
     f.fraction = fraction;
     f.expandable = oc_alloc_expandable(alloc);
+    f.no_expandable_here = oc_platform_no_expandable();
     f.autocast = autocast;
     f.exhausted = exhausted;
     advice = advice_list(&f);

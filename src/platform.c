@@ -105,6 +105,11 @@ void oc_platform_note(char *reason, size_t reasonsz, const char *value)
     oc_g.platform.defaults_changed = 0; /* said once, for the preparation that changed them */
 }
 
+int oc_platform_no_expandable(void)
+{
+    return no_expandable_why() != NULL;
+}
+
 /* _platform() -> {"kernel_release", "expandable_segments_work", "why"}. */
 static PyObject *py_platform(PyObject *self, PyObject *unused)
 {

@@ -365,6 +365,7 @@ static int make_hints(const sum_device *d, long workers, oc_advice_item *h)
     f.peak_reserved = d->peak_reserved;
     f.workers = workers;
     f.expandable = oc_alloc_expandable(oc_g.alloc_value);
+    f.no_expandable_here = oc_platform_no_expandable();
     return oc_summary_hints(&f, h, HINTS_MAX + 1);
 }
 

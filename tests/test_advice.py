@@ -28,16 +28,16 @@ def advise(tmp_path_factory):
 
 
 def oom(request=0, total=0, limit=0, allocated=0, reserved=0, inactive_split=0, fraction=0.0,
-        expandable=0, autocast=-1, exhausted=0, others=()):
+        expandable=0, autocast=-1, exhausted=0, others=(), wsl=False):
     flat = [x for o in others for x in o]
-    return ("oom", request, total, limit, allocated, reserved, inactive_split, fraction,
-            expandable, autocast, exhausted, len(others), *flat)
+    return ("oom wsl" if wsl else "oom", request, total, limit, allocated, reserved,
+            inactive_split, fraction, expandable, autocast, exhausted, len(others), *flat)
 
 
 def hints(util_samples=0, util_sum=0.0, under_low=0, mem_samples=0, mem_peak=0, mem_total=0,
-          peak_allocated=-1, peak_reserved=-1, workers=-1, expandable=0):
-    return ("hints", util_samples, util_sum, under_low, mem_samples, mem_peak, mem_total,
-            peak_allocated, peak_reserved, workers, expandable)
+          peak_allocated=-1, peak_reserved=-1, workers=-1, expandable=0, wsl=False):
+    return ("hints wsl" if wsl else "hints", util_samples, util_sum, under_low, mem_samples,
+            mem_peak, mem_total, peak_allocated, peak_reserved, workers, expandable)
 
 
 def heads(items):
@@ -82,6 +82,27 @@ def test_oom_with_expandable_segments_counts_fragmentation_a_quarter(advise):
     assert off[0][0] == 40 * GiB and "expandable_segments:True" in off[0][2]
     # A process holding under half the GPU: the micro-batch action scores half the request.
     assert on[1][0] == off[1][0] == GiB // 2
+
+
+def test_where_expandable_segments_cannot_work_no_advice_names_them(advise):
+    # WSL (src/platform.c): fragmentation is still said, with the cure that works there
+    [oom_off, oom_on, summary] = advise(
+        oom(request=1 * GiB, total=80 * GiB, allocated=8 * GiB, reserved=48 * GiB, wsl=True),
+        oom(request=1 * GiB, total=80 * GiB, allocated=8 * GiB, reserved=48 * GiB,
+            expandable=1, wsl=True),
+        hints(mem_samples=10, mem_peak=79 * GiB, mem_total=80 * GiB, peak_allocated=4 * GiB,
+              peak_reserved=16 * GiB, wsl=True))
+    assert oom_off[0][0] == 40 * GiB
+    assert oom_off[0][2].startswith("40.00 GiB is reserved by PyTorch but not allocated "
+                                    "(fragmentation); expandable segments do not work on this "
+                                    "platform (WSL): set PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128")
+    # a user who set them anyway is told what the figures say, as elsewhere
+    assert oom_on[0][2].startswith("40.00 GiB is reserved but not allocated even with expandable")
+    frag = [t for _, _, t in summary if t.startswith("fragmentation")]
+    assert frag and frag[0].endswith("expandable segments do not work on this platform (WSL): "
+                                     "set max_split_size_mb:128 (OUTOFCUDA_ALLOC_CONF)"), summary
+    for items in (oom_off, summary):
+        assert not any("expandable_segments:True" in t for _, _, t in items), items
 
 
 def test_oom_exhausted_split_and_unknown_figures(advise):

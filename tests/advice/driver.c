@@ -4,8 +4,9 @@
  *       expandable autocast exhausted n_others [pid name used]...
  *   hints util_samples util_sum under_low mem_samples mem_peak mem_total
  *       peak_allocated peak_reserved workers expandable
- * (a name "-" stands for an unknown one); per case, one line per item in
- * rank order, "<score> <order> <text>", then a line "--". */
+ * (a name "-" stands for an unknown one; "oom wsl ..." and "hints wsl ..."
+ * stand on a platform where expandable segments cannot work); per case, one
+ * line per item in rank order, "<score> <order> <text>", then a line "--". */
 #include "../../src/oc.h"
 
 #include <stdio.h>
@@ -13,11 +14,12 @@
 
 #define MAX_ITEMS 12
 
-static int read_oom(const char *p, oc_advice_item *items)
+static int read_oom(const char *p, int wsl, oc_advice_item *items)
 {
     oc_oom_figures f;
     int used = 0;
     memset(&f, 0, sizeof f);
+    f.no_expandable_here = wsl;
     if (sscanf(p, "%llu %llu %llu %llu %llu %llu %lf %d %d %d %d%n", &f.request, &f.total, &f.limit,
                &f.allocated, &f.reserved, &f.inactive_split, &f.fraction, &f.expandable,
                &f.autocast, &f.exhausted, &f.n_others, &used) != 11)
@@ -36,10 +38,11 @@ static int read_oom(const char *p, oc_advice_item *items)
     return oc_oom_advise(&f, items, MAX_ITEMS);
 }
 
-static int read_hints(const char *p, oc_advice_item *items)
+static int read_hints(const char *p, int wsl, oc_advice_item *items)
 {
     oc_summary_figures f;
     memset(&f, 0, sizeof f);
+    f.no_expandable_here = wsl;
     if (sscanf(p, "%llu %lf %llu %llu %llu %llu %lld %lld %ld %d", &f.util_samples, &f.util_sum,
                &f.under_low, &f.mem_samples, &f.mem_peak, &f.mem_total, &f.peak_allocated,
                &f.peak_reserved, &f.workers, &f.expandable) != 10)
@@ -53,10 +56,14 @@ int main(void)
     while (fgets(line, sizeof line, stdin) != NULL) {
         oc_advice_item items[MAX_ITEMS];
         int n = -1;
-        if (strncmp(line, "oom ", 4) == 0)
-            n = read_oom(line + 4, items);
+        if (strncmp(line, "oom wsl ", 8) == 0)
+            n = read_oom(line + 8, 1, items);
+        else if (strncmp(line, "oom ", 4) == 0)
+            n = read_oom(line + 4, 0, items);
+        else if (strncmp(line, "hints wsl ", 10) == 0)
+            n = read_hints(line + 10, 1, items);
         else if (strncmp(line, "hints ", 6) == 0)
-            n = read_hints(line + 6, items);
+            n = read_hints(line + 6, 0, items);
         if (n < 0) {
             printf("bad case\n--\n");
             continue;
