@@ -409,11 +409,16 @@ def _check_torch(pr):
 
 def _check_alloc_conf(torch_version=None):
     cfg = _config()
-    own, no_expandable = cfg["alloc_conf"], cfg["alloc_conf_no_expandable"]
-    # outofcuda's defaults, those that join only without expandable segments too
+    platform = core._platform()
+    # outofcuda's defaults as this platform has them (none of expandable
+    # segments where they cannot work), those that join only without
+    # expandable segments too
+    own, no_expandable = platform["alloc_defaults"], cfg["alloc_conf_no_expandable"]
     own_items, own_split = core._alloc_items(own)
     defaults = dict(core._alloc_items(no_expandable)[0], **dict(own_items))
     notes, problems, paired = [], [], []
+    if not platform["expandable_segments_work"]:
+        notes.append(f"no expandable segments: {platform['why']}")
     if own_split == "inside_expandable":
         paired.append("OUTOFCUDA_ALLOC_CONF")
     # The one variable this torch reads, by the engine's rule (allocconf.c);
@@ -437,6 +442,9 @@ def _check_alloc_conf(torch_version=None):
         items = dict(items)
         if split == "inside_expandable":
             paired.append(var)
+        if not platform["expandable_segments_work"] and items.get("expandable_segments") == "True":
+            problems.append(f"{var} sets expandable_segments:True, which fails on this "
+                            f"platform: {platform['why']}")
         kept = [f"{k}:{v} (default {defaults[k]})" for k, v in items.items()
                 if k in defaults and v != defaults[k]]
         same = [k for k, v in items.items() if k in defaults and v == defaults[k]]
@@ -450,7 +458,9 @@ def _check_alloc_conf(torch_version=None):
         notes.append(f"{note} (effective: {merged})")
     if problems:
         return _check("alloc_conf", False, "; ".join(problems),
-                      "fix the value (torch would raise on it) or unset the variable")
+                      "remove expandable_segments:True on this platform"
+                      if all("fails on this platform" in p for p in problems)
+                      else "fix the value (torch would raise on it) or unset the variable")
     if paired:
         names = " and ".join(paired)
         return _check("alloc_conf", False,
@@ -460,8 +470,10 @@ def _check_alloc_conf(torch_version=None):
                       f"remove max_split_size_mb from {names} (expandable segments already "
                       "avoid most fragmentation), or set expandable_segments:False there if you "
                       "need max_split_size_mb")
-    return _check("alloc_conf", True, "; ".join(notes) or f"no user allocator settings "
-                  f"(defaults: {own or 'none'})")
+    if not any(var in os.environ for var in (read,)):
+        effective = core._merge_alloc_conf(own, "", no_expandable=no_expandable)[0]
+        notes.insert(0, f"no user allocator settings (defaults: {effective or 'none'})")
+    return _check("alloc_conf", True, "; ".join(notes))
 
 
 def _check_tf32_override():

@@ -68,12 +68,13 @@ static const char *no_expandable_why(void)
     return why;
 }
 
-const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas, char *out,
-                                       size_t outsz)
+/* The defaults for this platform: defaults itself, or a copy in out without
+ * expandable_segments (see oc_platform_alloc_defaults). */
+static const char *platform_defaults(const char *defaults, int are_outofcudas, char *out,
+                                     size_t outsz)
 {
     static oc_alloc_list list;
     size_t used = 0;
-    oc_g.platform.defaults_changed = 0;
     /* The user's own OUTOFCUDA_ALLOC_CONF stands as written, here too. */
     if (!are_outofcudas || outsz == 0 || no_expandable_why() == NULL ||
         oc_alloc_parse(defaults, &list, NULL, 0) != 0)
@@ -89,8 +90,15 @@ const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas,
             return defaults;
         used += (size_t)n;
     }
-    oc_g.platform.defaults_changed = 1;
     return out;
+}
+
+const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas, char *out,
+                                       size_t outsz)
+{
+    const char *r = platform_defaults(defaults, are_outofcudas, out, outsz);
+    oc_g.platform.defaults_changed = r != defaults;
+    return r;
 }
 
 void oc_platform_note(char *reason, size_t reasonsz, const char *value)
@@ -110,14 +118,21 @@ int oc_platform_no_expandable(void)
     return no_expandable_why() != NULL;
 }
 
-/* _platform() -> {"kernel_release", "expandable_segments_work", "why"}. */
+/* _platform() -> {"kernel_release", "expandable_segments_work", "why",
+ * "alloc_defaults"}: the last is OUTOFCUDA_ALLOC_CONF's defaults as this
+ * platform has them, before the merge (what `outofcuda doctor` shows). */
 static PyObject *py_platform(PyObject *self, PyObject *unused)
 {
+    const oc_config *cfg = oc_config_get();
     const char *why = no_expandable_why();
+    char buf[OC_ALLOC_CONF_MAX];
     (void)self;
     (void)unused;
-    return Py_BuildValue("{s:s,s:O,s:z}", "kernel_release", kernel_release(),
-                         "expandable_segments_work", why ? Py_False : Py_True, "why", why);
+    return Py_BuildValue(
+        "{s:s,s:O,s:z,s:s}", "kernel_release", kernel_release(), "expandable_segments_work",
+        why ? Py_False : Py_True, "why", why, "alloc_defaults",
+        platform_defaults(cfg->alloc_conf, cfg->alloc_conf_no_expandable[0] != '\0', buf,
+                          sizeof buf));
 }
 
 /* _testing.simulate_kernel_release(release or None): the tests' one way to stand on

@@ -5,6 +5,8 @@ says why in status(), and still lets a user's own choice stand. The kernel
 release is simulated through the engine's one test door,
 _outofcuda._testing.simulate_kernel_release, before torch is imported; torch is the
 stand-in of a CUDA release (tests/fake_torch.py)."""
+import json
+
 import pytest
 
 from fake_torch import make_fake_torch
@@ -48,7 +50,8 @@ def test_wsl_gets_no_expandable_segments_by_default(venv, tmp_path, kernel, torc
     assert "expandable_segments left out" in alloc["reason"]
     assert kernel in alloc["reason"] and "192330" in alloc["reason"]
     assert rep["platform"] == {"kernel_release": kernel, "expandable_segments_work": False,
-                               "why": rep["platform"]["why"]}
+                               "why": rep["platform"]["why"],
+                               "alloc_defaults": "garbage_collection_threshold:0.8"}
 
 
 def test_native_linux_keeps_expandable_segments(venv, tmp_path):
@@ -59,7 +62,8 @@ def test_native_linux_keeps_expandable_segments(venv, tmp_path):
     assert "left out of outofcuda's defaults" not in \
         rep["status"]["optimizations"]["allocator"]["reason"]
     assert rep["platform"] == {"kernel_release": NATIVE, "expandable_segments_work": True,
-                               "why": None}
+                               "why": None, "alloc_defaults":
+                               "garbage_collection_threshold:0.8,expandable_segments:True"}
 
 
 @pytest.mark.parametrize("env", [{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
@@ -84,3 +88,35 @@ def test_a_kernel_release_of_odd_bytes_reads_as_printable_ascii(venv, tmp_path):
     assert release == "5.15.0-microsoft-standard-WSL2??[31m"
     assert release in rep["platform"]["why"]
     assert "expandable_segments" not in rep["conf_read"]
+
+
+DOCTOR = """
+import sys, _outofcuda
+_outofcuda._testing.simulate_kernel_release(sys.argv[1])
+from outofcuda import cli
+sys.exit(cli.main(['doctor', '--json']))
+"""
+
+
+@pytest.mark.parametrize("user", [None, "expandable_segments:True"])
+@pytest.mark.parametrize("kernel", [WSL2, NATIVE])
+def test_doctor_shows_the_defaults_this_platform_gets(venv, tmp_path, kernel, user):
+    # doctor tells what outofcuda applies here, and names a user's
+    # expandable_segments:True where it fails
+    env = {"PYTORCH_CUDA_ALLOC_CONF": user} if user else {}
+    r = venv.run(None, env=env, args=("-", kernel), cwd=tmp_path, input=DOCTOR)
+    assert r.stderr == "", r.stderr
+    check = {c["name"]: c for c in json.loads(r.stdout)["checks"]}["alloc_conf"]
+    wsl = kernel == WSL2
+    if user is None:
+        assert check["ok"], check
+        defaults = ("garbage_collection_threshold:0.8,max_split_size_mb:128" if wsl
+                    else "garbage_collection_threshold:0.8,expandable_segments:True")
+        assert f"no user allocator settings (defaults: {defaults})" in check["message"]
+    else:
+        assert check["ok"] is not wsl, check
+    if check["ok"]:
+        assert ("no expandable segments: WSL kernel" in check["message"]) is wsl
+    if wsl and user:
+        assert "sets expandable_segments:True, which fails on this platform" in check["message"]
+        assert check["fix"] == "remove expandable_segments:True on this platform"
