@@ -3,7 +3,10 @@
 The engine is loaded by path from the directory that holds this package, never
 by name: the working directory and PYTHONPATH are on ``sys.path`` and a file
 called ``_outofcuda.py`` there must not be picked up. When the start-up hook
-already loaded it (on ``import torch``), that module is used.
+already loaded it (on ``import torch``), that module is used; when the hook's
+boot of this install is loaded, the boot loads it, as it does for
+``import torch`` (only a complete file: a partly written one would kill the
+process when mapped).
 
 Only modules that are already imported are used here (``os`` and importlib's
 own bootstrap): ``import outofcuda`` stays cheap in a process without torch.
@@ -15,6 +18,7 @@ import _frozen_importlib as _bootstrap  # what importlib.util.module_from_spec i
 import _frozen_importlib_external as _external  # what importlib.machinery exports
 
 _NAME = "_outofcuda"
+_BOOT = "outofcuda_hook"  # the start-up hook's boot
 _ENTRY = "_find_torch_spec"  # a function only the engine has
 
 
@@ -55,6 +59,14 @@ def _load():
     if mod is not None:
         return _check(mod)
     root = _path.dirname(_path.dirname(_path.realpath(__file__)))
+    boot = sys.modules.get(_BOOT)
+    boot_file = getattr(boot, "__file__", None)
+    if boot_file and _path.dirname(_path.realpath(boot_file)) == root and hasattr(boot, "_engine"):
+        try:
+            return _check(boot._engine())
+        except ImportError as exc:
+            raise ImportError(f"{exc} (pip install --force-reinstall --no-deps "
+                              "'outofcuda>=0.2')") from exc
     for suffix in _external.EXTENSION_SUFFIXES:
         path = _path.join(root, _NAME + suffix)
         if _path.isfile(path):

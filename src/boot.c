@@ -360,6 +360,18 @@ static PyObject *boot_install(PyObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* _engine() -> the engine, loaded as `import torch` loads it: by path beside
+ * the boot, only when the file is complete (oc_elf_complete); ImportError
+ * otherwise. `import outofcuda` loads it through here (outofcuda/_native.py). */
+static PyObject *boot_engine(PyObject *self, PyObject *unused)
+{
+    PyObject *eng = get_engine();
+    (void)self;
+    (void)unused;
+    Py_XINCREF(eng);
+    return eng;
+}
+
 /* _finder() -> the installed finder or None (for the engine's status). */
 static PyObject *boot_finder(PyObject *self, PyObject *unused)
 {
@@ -377,6 +389,8 @@ static PyMethodDef boot_methods[] = {
      "raises). The .pth/.start hook calls this at interpreter start-up."},
     {"_install", boot_install_raw, METH_NOARGS, "install(), raising on failure."},
     {"_finder", boot_finder, METH_NOARGS, "The installed watcher, or None."},
+    {"_engine", boot_engine, METH_NOARGS,
+     "The engine, loaded by path beside the boot when its file is complete."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -43,7 +43,7 @@ static const char *kernel_release(void)
 #endif
     if (oc_g.platform.simulated)
         raw = oc_g.platform.simulated_release;
-    for (i = 0; raw[i] != '\0' && i < sizeof release - 1; i++) {
+    for (i = 0; i < sizeof release - 1 && raw[i] != '\0'; i++) {
         unsigned char c = (unsigned char)raw[i];
         release[i] = c >= 0x20 && c < 0x7f ? (char)c : '?';
     }

@@ -530,5 +530,13 @@ def test_partly_written_engine_never_breaks_import_torch(venv, workdir):
         assert r.stdout.split() == ["2.0", "False"] and r.stderr == ""
         r = venv.check("import torch", env={"OUTOFCUDA_DEBUG": "1"}, cwd=workdir)
         assert "is incomplete (a partly written file): reinstall outofcuda" in r.stderr, r.stderr
+        # `import outofcuda` works and says so where the engine is needed, and
+        # doctor explains: neither dies of the mapping
+        r = venv.run("import outofcuda; outofcuda.status()", cwd=workdir)
+        assert r.returncode == 1, (r.returncode, r.stderr)
+        assert "is incomplete (a partly written file): reinstall outofcuda" in r.stderr, r.stderr
+        r = venv.run(None, args=("-m", "outofcuda", "doctor"), cwd=workdir)
+        assert r.returncode == 1, (r.returncode, r.stderr)
+        assert "is incomplete (a partly written file): reinstall outofcuda" in r.stderr, r.stderr
     finally:
         shutil.copy2(backup, so)
