@@ -141,7 +141,7 @@ static int set_environ(const char *name, const char *value)
         rc = PyMapping_DelItemString(environ, name);
         /* Already gone (something deleted it meanwhile) is what was asked. */
         if (rc < 0 && PyErr_ExceptionMatches(PyExc_KeyError)) {
-            PyErr_Clear(); /* absence: already gone is what was asked */
+            oc_clear_absence(); /* absence: already gone is what was asked */
             rc = 0;
         }
     } else if (environ != NULL && v != NULL)
@@ -502,7 +502,7 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
     }
     setter = PyObject_GetAttrString(c_mod, "_set_cublas_allow_tf32");
     if (setter == NULL) {
-        PyErr_Clear(); /* recorded: the step's reason says torch lacks it */
+        oc_clear_absence(); /* recorded: the step's reason says torch lacks it */
         oc_result_set("tf32", 0, NULL, "this torch has no torch._C._set_cublas_allow_tf32");
         return;
     }
@@ -612,7 +612,7 @@ static int call_setter(PyObject *c_mod, const char *conf, const char **used)
     for (size_t i = 0; c_mod != NULL && i < 2; i++) {
         PyObject *fn = PyObject_GetAttrString(c_mod, setters[i]), *r;
         if (fn == NULL) {
-            PyErr_Clear(); /* absence: the next setter is tried */
+            oc_clear_absence(); /* absence: the next setter is tried */
             continue;
         }
         *used = setters[i];
@@ -938,7 +938,7 @@ static PyMethodDef at_cuda_init_def = {"outofcuda_at_cuda_init", at_cuda_init, M
 static PyObject *lazy_call_fn(PyObject *torch, const char **why_not)
 {
     PyObject *fn = oc_getattr_chain(torch, "cuda._lazy_call");
-    PyErr_Clear(); /* recorded: *why_not says why */
+    oc_clear_absence(); /* recorded: *why_not says why */
     *why_not = fn ? NULL : "this torch has no torch.cuda._lazy_call";
     return fn;
 }
@@ -951,7 +951,7 @@ static int queue_at_cuda_init(PyObject *lazy_call)
     Py_XDECREF(cb);
     if (r == NULL) {
         oc_set_error("queueing outofcuda's CUDA-init callback");
-        PyErr_Clear(); /* recorded by oc_set_error */
+        oc_clear_absence(); /* recorded by oc_set_error */
         return -1;
     }
     Py_DECREF(r);
@@ -981,7 +981,7 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
     fn = PyObject_GetAttrString(torch, "set_autocast_dtype");
     use_new = fn != NULL;
     if (fn == NULL) {
-        PyErr_Clear(); /* absence: an older torch, the GPU setter is tried */
+        oc_clear_absence(); /* absence: an older torch, the GPU setter is tried */
         fn = PyObject_GetAttrString(torch, "set_autocast_gpu_dtype");
     }
     if (dtype == NULL || fn == NULL) {
@@ -1028,7 +1028,7 @@ static void settle_allocator(PyObject *c_mod)
     if (rc != 1) {
         if (rc < 0)
             oc_set_error("handing the allocator settings to torch");
-        PyErr_Clear(); /* recorded above, or absence (no setter: the reason says so) */
+        oc_clear_absence(); /* recorded above, or absence (no setter: the reason says so) */
         oc_g.alloc_applied = 0;
         snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len, "; not in effect: %s%s",
                  used ? "torch's setter failed" : "this torch has no runtime allocator setter",

@@ -194,6 +194,12 @@ int oc_edge_add_functions(PyObject *m, const PyMethodDef *defs)
     return rc;
 }
 
+void oc_clear_absence(void)
+{
+    if (PyErr_Occurred() && !keep_interrupt())
+        PyErr_Clear(); /* absence: what the callers' comments say */
+}
+
 /* Clears the current exception, which outofcuda swallows so that nothing it
  * does can fail the program. With OUTOFCUDA_DEBUG=1 (read once) each one is
  * first printed to stderr, where and what, as psutil's PSUTIL_DEBUG does:
@@ -307,7 +313,7 @@ static void program_location(PyObject **file, int *line)
         frame = back;
     }
     Py_XDECREF(frame);
-    PyErr_Clear(); /* absence: no frame to name, the warning names outofcuda */
+    oc_clear_absence(); /* absence: no frame to name, the warning names outofcuda */
 }
 
 void oc_warn(const char *msg)
@@ -384,7 +390,7 @@ PyObject *oc_sys_module(const char *name)
     PyObject *mod = key ? PyImport_GetModule(key) : NULL;
     Py_XDECREF(key);
     if (mod == NULL)
-        PyErr_Clear(); /* absence: not imported */
+        oc_clear_absence(); /* absence: not imported */
     return mod;
 }
 
@@ -406,7 +412,7 @@ PyObject *oc_getattr_chain(PyObject *obj, const char *dotted)
         next = PyObject_GetAttrString(cur, part);
         Py_DECREF(cur);
         if (next == NULL) {
-            PyErr_Clear(); /* absence: the chain ends here (NULL) */
+            oc_clear_absence(); /* absence: the chain ends here (NULL) */
             return NULL;
         }
         cur = next;
@@ -420,7 +426,7 @@ int oc_call_bool(PyObject *owner, const char *name, int value)
     PyObject *fn, *res;
     fn = PyObject_GetAttrString(owner, name);
     if (fn == NULL) {
-        PyErr_Clear(); /* absence: the caller's 0 means missing */
+        oc_clear_absence(); /* absence: the caller's 0 means missing */
         return 0;
     }
     res = PyObject_CallFunctionObjArgs(fn, value ? Py_True : Py_False, NULL);

@@ -71,7 +71,7 @@ static int in_sys_modules(const char *name)
     PyObject *modules = PySys_GetObject("modules"); /* borrowed */
     PyObject *m = modules && PyDict_Check(modules) ? PyDict_GetItemString(modules, name) : NULL;
     /* Absence is the answer: PyDict_GetItemString sets nothing to record. */
-    PyErr_Clear(); /* absence: see above */
+    oc_clear_absence(); /* absence: see above */
     return m != NULL && m != Py_None;
 }
 

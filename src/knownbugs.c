@@ -332,7 +332,7 @@ static PyObject *open_sdpa_blocks(void)
         chosen = locals ? PyMapping_GetItemString(locals, "backends") : NULL;
         saved = chosen ? PyMapping_GetItemString(locals, "previous_backends") : NULL;
         /* A block not yet entered has no saved list: absence, skipped. */
-        PyErr_Clear(); /* absence: see above */
+        oc_clear_absence(); /* absence: see above */
         pair = saved && PyList_Check(saved) ? PyTuple_Pack(2, chosen, saved) : NULL;
         if (pair != NULL && PyList_Append(out, pair) < 0)
             Py_CLEAR(out);

@@ -579,6 +579,10 @@ void oc_set_error(const char *where); /* keeps the current exception text */
  * what it clears is recorded, with a comment saying so (tests/test_static.py). */
 void oc_clear_at(const char *file, int line, const char *func);
 #define OC_CLEAR() oc_clear_at(__FILE__, __LINE__, __func__)
+/* Clears an exception whose absence is the expected answer (a missing
+ * attribute, a key already gone) or that is recorded elsewhere, untraced; a
+ * KeyboardInterrupt or SystemExit among them is set aside, as by OC_CLEAR. */
+void oc_clear_absence(void);
 /* Raises the KeyboardInterrupt or SystemExit that oc_clear_at or
  * oc_set_error set aside in this thread: -1 with it set, else 0. Called where
  * control goes back to the program: the edge (every engine function and

@@ -290,7 +290,7 @@ oc_oom_kind oc_oom_kind_of(PyObject *type, PyObject *exc)
         if (t != NULL && PyType_Check(t) && PyObject_IsSubclass(type, t) == 1)
             kind = OC_OOM_TYPE;
         Py_XDECREF(t);
-        PyErr_Clear(); /* absence: a torch without that type is answered by the other */
+        oc_clear_absence(); /* absence: a torch without that type is answered by the other */
     }
     Py_XDECREF(torch);
     if (kind != OC_OOM_NONE || exc == NULL || type != PyExc_RuntimeError)

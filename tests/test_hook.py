@@ -449,6 +449,30 @@ def test_ctrl_c_after_the_import_reaches_the_call_it_arrived_in(venv, tmp_path, 
     assert "SystemError" not in r.stderr, r.stderr
 
 
+def test_ctrl_c_where_outofcuda_looks_for_a_missing_name_propagates(venv, tmp_path):
+    # the engine asks torch for names that may be absent (a missing one is an
+    # answer, not an error): a Ctrl-C raised by the look-up is the program's
+    from fake_torch import make_fake_torch
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    with open(root / "torch" / "cuda" / "__init__.py", "a") as f:
+        f.write("del _lazy_call\n"
+                "def __getattr__(name):\n"
+                "    if name == '_lazy_call':\n"
+                "        raise KeyboardInterrupt\n"
+                "    raise AttributeError(name)\n")
+    r = venv.run(S("""
+        import sys
+        try:
+            import torch
+        except KeyboardInterrupt:
+            print('KeyboardInterrupt reached the program')
+            sys.exit(5)
+        print('the program went on')
+    """), env={"PYTHONPATH": str(root)}, cwd=tmp_path, args=("-W", "error"))
+    assert r.returncode == 5, (r.stdout, r.stderr)
+    assert "SystemError" not in r.stderr, r.stderr
+
+
 def test_systemexit_in_a_thread_ends_that_thread_not_the_program(venv, tmp_path):
     # sys.exit() inside torch code that outofcuda runs in a worker thread: as
     # without outofcuda, it ends the thread; the main thread never sees it.
