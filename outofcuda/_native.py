@@ -3,10 +3,9 @@
 The engine is loaded by path from the directory that holds this package, never
 by name: the working directory and PYTHONPATH are on ``sys.path`` and a file
 called ``_outofcuda.py`` there must not be picked up. When the start-up hook
-already loaded it (on ``import torch``), that module is used; when the hook's
-boot of this install is loaded, the boot loads it, as it does for
-``import torch`` (only a complete file: a partly written one would kill the
-process when mapped).
+already loaded it (on ``import torch``), that module is used. When the hook's
+boot of this install is loaded, its check comes first, as on ``import torch``:
+a partly written file would kill the process when mapped.
 
 Only modules that are already imported are used here (``os`` and importlib's
 own bootstrap): ``import outofcuda`` stays cheap in a process without torch.
@@ -59,14 +58,6 @@ def _load():
     if mod is not None:
         return _check(mod)
     root = _path.dirname(_path.dirname(_path.realpath(__file__)))
-    boot = sys.modules.get(_BOOT)
-    boot_file = getattr(boot, "__file__", None)
-    if boot_file and _path.dirname(_path.realpath(boot_file)) == root and hasattr(boot, "_engine"):
-        try:
-            return _check(boot._engine())
-        except ImportError as exc:
-            raise ImportError(f"{exc} (pip install --force-reinstall --no-deps "
-                              "'outofcuda>=0.2')") from exc
     for suffix in _external.EXTENSION_SUFFIXES:
         path = _path.join(root, _NAME + suffix)
         if _path.isfile(path):
@@ -79,6 +70,15 @@ def _load():
             f"outofcuda's C extension ({_NAME}) is missing from {root}; reinstall outofcuda: "
             "pip install --force-reinstall --no-deps 'outofcuda>=0.2'"
         )
+    # The boot's check (a partly written file would kill the process when
+    # mapped), where the hook loaded the boot of this install.
+    boot = sys.modules.get(_BOOT)
+    boot_file = getattr(boot, "__file__", None)
+    if boot_file and _path.dirname(_path.realpath(boot_file)) == root:
+        why = getattr(boot, "_incomplete", lambda _: None)(path)
+        if why is not None:
+            raise ImportError(f"outofcuda: {why} (pip install --force-reinstall --no-deps "
+                              "'outofcuda>=0.2')")
     loader = _external.ExtensionFileLoader(_NAME, path)
     spec = _external.spec_from_file_location(_NAME, path, loader=loader)
     try:

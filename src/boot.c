@@ -360,16 +360,27 @@ static PyObject *boot_install(PyObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* _engine() -> the engine, loaded as `import torch` loads it: by path beside
- * the boot, only when the file is complete (oc_elf_complete); ImportError
- * otherwise. `import outofcuda` loads it through here (outofcuda/_native.py). */
-static PyObject *boot_engine(PyObject *self, PyObject *unused)
+/* _incomplete(path) -> None when the extension file at path holds every
+ * byte its headers promise (oc_elf_complete), else why not to load it: the
+ * check `import torch` makes, for `import outofcuda` (outofcuda/_native.py),
+ * which loads the engine itself with what is already imported. */
+static PyObject *boot_incomplete(PyObject *self, PyObject *path)
 {
-    PyObject *eng = get_engine();
+    PyObject *bytes;
+    int complete;
     (void)self;
-    (void)unused;
-    Py_XINCREF(eng);
-    return eng;
+    if (!PyUnicode_Check(path)) {
+        PyErr_SetString(PyExc_TypeError, "_incomplete expects a str");
+        return NULL;
+    }
+    bytes = PyUnicode_EncodeFSDefault(path);
+    if (bytes == NULL)
+        return NULL;
+    complete = oc_elf_complete(PyBytes_AsString(bytes));
+    Py_DECREF(bytes);
+    if (complete)
+        Py_RETURN_NONE;
+    return PyUnicode_FromFormat(OC_INCOMPLETE_FMT, path);
 }
 
 /* _finder() -> the installed finder or None (for the engine's status). */
@@ -389,8 +400,9 @@ static PyMethodDef boot_methods[] = {
      "raises). The .pth/.start hook calls this at interpreter start-up."},
     {"_install", boot_install_raw, METH_NOARGS, "install(), raising on failure."},
     {"_finder", boot_finder, METH_NOARGS, "The installed watcher, or None."},
-    {"_engine", boot_engine, METH_NOARGS,
-     "The engine, loaded by path beside the boot when its file is complete."},
+    {"_incomplete", boot_incomplete, METH_O,
+     "_incomplete(path, /)\n--\n\nNone when the extension file at path is complete, else why "
+     "not to load it."},
     {NULL, NULL, 0, NULL},
 };
 

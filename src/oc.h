@@ -803,6 +803,7 @@ extern PyMethodDef oc_summary_methods[];
  * last. A partly written extension (an interrupted install, a full disk) fails
  * this: dlopen would map it past the end of the file, and the first touch of
  * a missing page kills the process with SIGBUS. */
+#define OC_INCOMPLETE_FMT "%U is incomplete (a partly written file): reinstall outofcuda"
 static inline int oc_elf_complete(const char *path)
 {
     Elf64_Ehdr eh;
@@ -858,8 +859,7 @@ static inline PyObject *oc_load_sibling(PyObject *self, const char *from, const 
     res = PyUnicode_EncodeFSDefault(path);
     if (res == NULL || !oc_elf_complete(PyBytes_AsString(res))) {
         if (!PyErr_Occurred())
-            PyErr_Format(PyExc_ImportError,
-                         "%U is incomplete (a partly written file): reinstall outofcuda", path);
+            PyErr_Format(PyExc_ImportError, OC_INCOMPLETE_FMT, path);
         Py_XDECREF(res);
         Py_DECREF(path);
         return NULL;

@@ -107,7 +107,7 @@ cases = {
     "outofcuda_hook.install": outofcuda_hook.install,
     "outofcuda_hook._install": outofcuda_hook._install,
     "outofcuda_hook._finder": outofcuda_hook._finder,
-    "outofcuda_hook._engine": outofcuda_hook._engine,
+    "outofcuda_hook._incomplete": lambda: outofcuda_hook._incomplete(_outofcuda.__file__),
     "outofcuda_hook finder.find_spec": lambda: (watcher.find_spec("json"),
                                                 watcher.find_spec("torch", None, None)),
     "outofcuda.status": outofcuda.status,
@@ -201,7 +201,7 @@ def leak_figures(venv, tmp_path_factory):
 
 CASES = [
     "_outofcuda._find_torch_spec", "outofcuda_hook.install", "outofcuda_hook._install",
-    "outofcuda_hook._finder", "outofcuda_hook._engine", "outofcuda_hook finder.find_spec",
+    "outofcuda_hook._finder", "outofcuda_hook._incomplete", "outofcuda_hook finder.find_spec",
     "_outofcuda.install", "_outofcuda.status", "_outofcuda.config", "_outofcuda._parse_config",
     "_outofcuda._parse_config(error)", "_outofcuda._merge_alloc_conf",
     "_outofcuda._merge_alloc_conf(error)", "_outofcuda.nvml_devices", "_outofcuda.nvml_processes",
