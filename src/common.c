@@ -46,12 +46,14 @@ static oc_interrupt *interrupt_slot(unsigned long thread)
 
 static int keep_interrupt(void)
 {
-    unsigned long thread = PyThread_get_thread_ident();
-    oc_interrupt *slot = interrupt_slot(thread);
+    unsigned long thread;
+    oc_interrupt *slot;
     PyObject *type, *value, *tb;
     if (!PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) &&
         !PyErr_ExceptionMatches(PyExc_SystemExit))
         return 0;
+    thread = PyThread_get_thread_ident();
+    slot = interrupt_slot(thread);
     for (int i = 0; slot == NULL && i < OC_INTERRUPT_SLOTS; i++)
         if (oc_g.interrupts[i].type == NULL)
             slot = &oc_g.interrupts[i];

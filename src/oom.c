@@ -82,8 +82,12 @@ static void dump_snapshot(PyObject *torch)
 
 /* torch's OOM observer: (device, alloc, device_limit, device_free). Runs in
  * the allocating thread after the allocator dropped its lock and before the
- * error is raised, so the figures are those of the failure. Never raises:
- * an exception here would replace the OutOfMemoryError. */
+ * error is raised, so the figures are those of the failure. Raises no error
+ * of its own: an exception here would replace the OutOfMemoryError. A Ctrl-C
+ * or exit() that arrives meanwhile (a long snapshot dump) is the program's:
+ * the edge raises it, and torch's observer wrapper carries it out of the
+ * allocation in the OutOfMemoryError's place, as it does for any observer
+ * that raises. */
 static PyObject *oom_observer(PyObject *self, PyObject *args)
 {
     oc_oom_seen *seen = &oc_g.oom.seen;
