@@ -416,7 +416,7 @@ def _check_alloc_conf(torch_version=None):
     own, no_expandable = platform["alloc_defaults"], cfg["alloc_conf_no_expandable"]
     own_items, own_split = core._alloc_items(own)
     defaults = dict(core._alloc_items(no_expandable)[0], **dict(own_items))
-    notes, problems, paired = [], [], []
+    notes, malformed, fails_here, paired = [], [], [], []
     if not platform["expandable_segments_work"]:
         notes.append(f"no expandable segments: {platform['why']}")
     if own_split == "inside_expandable":
@@ -433,7 +433,7 @@ def _check_alloc_conf(torch_version=None):
         try:
             merged, _dropped = core._merge_alloc_conf(own, user, no_expandable=no_expandable)
         except ValueError as e:
-            problems.append(f"{var} is malformed ({e})")
+            malformed.append(f"{var} is malformed ({e})")
             continue
         # A key set to outofcuda's own value changes nothing; another value is
         # the user's choice (expandable_segments:False is the documented way
@@ -443,8 +443,8 @@ def _check_alloc_conf(torch_version=None):
         if split == "inside_expandable":
             paired.append(var)
         if not platform["expandable_segments_work"] and items.get("expandable_segments") == "True":
-            problems.append(f"{var} sets expandable_segments:True, which fails on this "
-                            f"platform: {platform['why']}")
+            fails_here.append(f"{var} sets expandable_segments:True, which fails on this "
+                              f"platform: {platform['why']}")
         kept = [f"{k}:{v} (default {defaults[k]})" for k, v in items.items()
                 if k in defaults and v != defaults[k]]
         same = [k for k, v in items.items() if k in defaults and v == defaults[k]]
@@ -456,11 +456,10 @@ def _check_alloc_conf(torch_version=None):
         if split == "no_expandable":
             note += "; no expandable segments beside its max_split_size_mb"
         notes.append(f"{note} (effective: {merged})")
-    if problems:
-        return _check("alloc_conf", False, "; ".join(problems),
-                      "remove expandable_segments:True on this platform"
-                      if all("fails on this platform" in p for p in problems)
-                      else "fix the value (torch would raise on it) or unset the variable")
+    if malformed or fails_here:
+        return _check("alloc_conf", False, "; ".join(malformed + fails_here),
+                      "fix the value (torch would raise on it) or unset the variable" if malformed
+                      else "remove expandable_segments:True on this platform")
     if paired:
         names = " and ".join(paired)
         return _check("alloc_conf", False,
@@ -470,7 +469,7 @@ def _check_alloc_conf(torch_version=None):
                       f"remove max_split_size_mb from {names} (expandable segments already "
                       "avoid most fragmentation), or set expandable_segments:False there if you "
                       "need max_split_size_mb")
-    if not any(var in os.environ for var in (read,)):
+    if read not in os.environ:
         effective = core._merge_alloc_conf(own, "", no_expandable=no_expandable)[0]
         notes.insert(0, f"no user allocator settings (defaults: {effective or 'none'})")
     return _check("alloc_conf", True, "; ".join(notes))
