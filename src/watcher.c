@@ -78,20 +78,43 @@ static PyObject *proxy_create_module(PyObject *self, PyObject *spec)
     return res;
 }
 
-/* Puts the real loader back on the module and its spec before torch's code
- * runs: a proxy left there broke pkg_resources (wrapt issue 221). */
-static void restore_loader(PyObject *module, PyObject *loader)
+/* Puts the real loader back where the proxy itself sits, before torch's code
+ * runs: a proxy left there broke pkg_resources (wrapt issue 221). `slot` is
+ * module.__loader__ or __spec__.loader; an import tool in front of the
+ * watcher may have put its own wrapper there, holding the proxy as its
+ * `loader` (ddtrace, wrapt): then the wrapper stays, and only its inner
+ * reference becomes the real loader, so the tool later restores the real one,
+ * as it would without outofcuda. */
+static void restore_in(PyObject *self, PyObject *holder, const char *attr, PyObject *loader)
+{
+    PyObject *slot = PyObject_GetAttrString(holder, attr), *inner;
+    if (slot == NULL) {
+        OC_CLEAR();
+        return;
+    }
+    if (slot == self) {
+        if (PyObject_SetAttrString(holder, attr, loader) < 0)
+            OC_CLEAR();
+    } else if (slot != Py_None && slot != loader) {
+        inner = oc_getattr_chain(slot, "loader");
+        if (inner == self && PyObject_SetAttrString(slot, "loader", loader) < 0)
+            OC_CLEAR();
+        Py_XDECREF(inner);
+    }
+    Py_DECREF(slot);
+}
+
+static void restore_loader(PyObject *self, PyObject *module, PyObject *loader)
 {
     PyObject *spec;
-    if (PyObject_SetAttrString(module, "__loader__", loader) < 0)
-        OC_CLEAR();
+    restore_in(self, module, "__loader__", loader);
     spec = PyObject_GetAttrString(module, "__spec__");
     if (spec == NULL) {
         OC_CLEAR();
         return;
     }
-    if (spec != Py_None && PyObject_SetAttrString(spec, "loader", loader) < 0)
-        OC_CLEAR();
+    if (spec != Py_None)
+        restore_in(self, spec, "loader", loader);
     Py_DECREF(spec);
 }
 
@@ -118,7 +141,7 @@ static PyObject *proxy_exec_module(PyObject *self, PyObject *module)
     PyObject *loader = OC_FIELDS(proxy_object, self)->loader;
     PyObject *spec, *res;
     Py_INCREF(loader);
-    restore_loader(module, loader);
+    restore_loader(self, module, loader);
     if (!oc_g.prepared) {
         oc_g.prepared = 1;
         spec = PyObject_GetAttrString(module, "__spec__");
@@ -171,6 +194,41 @@ static PyObject *proxy_getattro(PyObject *self, PyObject *name)
     return PyObject_GetAttr(OC_FIELDS(proxy_object, self)->loader, name);
 }
 
+/* Writes and deletes go to the real loader: import tools set attributes on
+ * the loader they are handed (ddtrace replaces get_code), and the real
+ * loader's exec_module must see them. */
+static int proxy_setattro(PyObject *self, PyObject *name, PyObject *value)
+{
+    PyObject *loader = OC_FIELDS(proxy_object, self)->loader;
+    if (value == NULL)
+        return PyObject_DelAttr(loader, name);
+    return PyObject_SetAttr(loader, name, value);
+}
+
+/* __class__ is the real loader's, so isinstance() against its class or
+ * against importlib.abc.Loader answers as it would for the loader itself
+ * (isinstance consults __class__ when type() does not match). */
+static PyObject *proxy_class(PyObject *self, void *closure)
+{
+    (void)closure;
+    return PyObject_GetAttrString(OC_FIELDS(proxy_object, self)->loader, "__class__");
+}
+
+static PyObject *proxy_richcompare(PyObject *self, PyObject *other, int op)
+{
+    return PyObject_RichCompare(OC_FIELDS(proxy_object, self)->loader, other, op);
+}
+
+static Py_hash_t proxy_hash(PyObject *self)
+{
+    return PyObject_Hash(OC_FIELDS(proxy_object, self)->loader);
+}
+
+static PyGetSetDef proxy_getset[] = {
+    {"__class__", proxy_class, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyObject *proxy_repr(PyObject *self)
 {
     return PyUnicode_FromFormat("<outofcuda loader proxy for %R>",
@@ -188,6 +246,10 @@ static PyType_Slot proxy_slots[] = {
     {Py_tp_traverse, (void *)proxy_traverse},
     {Py_tp_clear, (void *)proxy_clear},
     {Py_tp_getattro, (void *)proxy_getattro},
+    {Py_tp_setattro, (void *)proxy_setattro},
+    {Py_tp_getset, proxy_getset},
+    {Py_tp_richcompare, (void *)proxy_richcompare},
+    {Py_tp_hash, (void *)proxy_hash},
     {Py_tp_repr, (void *)proxy_repr},
     {Py_tp_methods, proxy_methods},
     {0, NULL},
@@ -219,13 +281,17 @@ static PyObject *make_proxy(PyObject *loader)
 
 /* ---- the torch lookup ---- */
 
-/* Asks the other meta-path finders, in order, for the spec of `name`.
- * Returns a new reference (Py_None when none found) or NULL with an error. */
+/* Asks the meta-path finders after `self`, in order, for the spec of `name`
+ * (all of them when `self` is not on the list: a direct call). The finders in
+ * front of the watcher have already been asked by the import system, or are
+ * asking right now: an import tool there that asks the rest would run twice
+ * for one import. Returns a new reference (Py_None when none found) or NULL
+ * with an error. */
 static PyObject *find_with_others(PyObject *self, PyObject *name, PyObject *path, PyObject *target)
 {
     PyObject *meta_path = PySys_GetObject("meta_path"); /* borrowed */
     PyObject *snapshot, *spec = NULL;
-    Py_ssize_t n;
+    Py_ssize_t n, start = 0;
     if (meta_path == NULL || !PyList_Check(meta_path))
         Py_RETURN_NONE;
     snapshot = PySequence_List(meta_path);
@@ -233,6 +299,12 @@ static PyObject *find_with_others(PyObject *self, PyObject *name, PyObject *path
         return NULL;
     n = PyList_Size(snapshot);
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyList_GetItem(snapshot, i) == self) {
+            start = i + 1;
+            break;
+        }
+    }
+    for (Py_ssize_t i = start; i < n; i++) {
         PyObject *f = PyList_GetItem(snapshot, i); /* borrowed */
         PyObject *fn;
         if (f == self)

@@ -564,3 +564,138 @@ def test_partly_written_engine_never_breaks_import_torch(venv, workdir):
         assert "is incomplete (a partly written file): reinstall outofcuda" in r.stderr, r.stderr
     finally:
         shutil.copy2(backup, so)
+
+
+# ---- import tools in front of the watcher (tracers, coverage, ddtrace) ----
+
+@pytest.fixture(scope="session")
+def ddtrace_dir(venv, tmp_path_factory):
+    """The real ddtrace 4.16.0 from the package index, installed once into a
+    folder of its own that a scenario puts on PYTHONPATH (the shared
+    environment stays as it is). OUTOFCUDA_TEST_DDTRACE_DIR reuses one."""
+    import os
+    import subprocess
+    from pathlib import Path
+    from conftest import _pip
+    reuse = os.environ.get("OUTOFCUDA_TEST_DDTRACE_DIR")
+    path = Path(reuse) if reuse else tmp_path_factory.mktemp("ddtrace") / "site"
+    if not (path / ".ready").exists():
+        try:
+            _pip(venv.python, "install", "--target", str(path), "ddtrace==4.16.0")
+        except subprocess.CalledProcessError as e:
+            if os.environ.get("CI") == "1":
+                pytest.fail(f"pip install ddtrace==4.16.0 failed (exit {e.returncode})")
+            pytest.skip(f"pip install ddtrace==4.16.0 failed (exit {e.returncode})")
+        (path / ".ready").write_text("ok")
+    return str(path)
+
+
+LOADERS = S("""
+    import importlib.machinery, torch
+    print('LOADERS=' + json.dumps([type(torch.__loader__).__name__, type(torch.__spec__.loader).__name__,
+                                   isinstance(torch.__loader__, importlib.machinery.SourceFileLoader)]))
+""".replace("import importlib", "import json, importlib"))
+
+
+@pytest.mark.parametrize("how", ["ddtrace-run", "import ddtrace.auto"])
+def test_real_ddtrace_imports_torch(venv, workdir, ddtrace_dir, how):
+    code = LOADERS if how == "ddtrace-run" else "import ddtrace.auto\n" + LOADERS
+    args = ("-m", "ddtrace.commands.ddtrace_run", str(venv.python), "-c", code) \
+        if how == "ddtrace-run" else ()
+    env = {"PYTHONPATH": ddtrace_dir, "DD_TRACE_ENABLED": "true", "DD_INSTRUMENTATION_TELEMETRY_ENABLED": "false",
+           "DD_REMOTE_CONFIGURATION_ENABLED": "false"}
+    runs = {}
+    for label, extra in (("with", {}), ("without", {"OUTOFCUDA_DISABLE": "1"})):
+        r = venv.run(None if args else code, args=args, env=dict(env, **extra), cwd=workdir,
+                     timeout=300)
+        assert r.returncode == 0, f"{label}: exit {r.returncode}\n{r.stderr[-3000:]}"
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("LOADERS=")][-1]
+        runs[label] = (json.loads(line[len("LOADERS="):]), status_of(r)["hook"])
+    # ddtrace's wrapper stays on the spec, the real loader on the module, as without outofcuda.
+    assert runs["with"][0] == runs["without"][0] == \
+        ["SourceFileLoader", "_ImportHookChainedLoader", True]
+    assert runs["with"][1] == {"installed": True, "fired": True, "error": None}
+    assert runs["without"][1]["fired"] is False
+
+
+TOOL = """
+import importlib.abc, importlib.machinery, json, sys
+calls = {"find_spec": 0, "exec_module": 0, "set": []}
+
+class Chained:
+    # What tracers and ddtrace's ModuleWatchdog do: wrap the loader they were
+    # handed, set attributes on it, and chain to it.
+    def __init__(self, loader):
+        self.loader = loader
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+    def exec_module(self, module):
+        calls["exec_module"] += 1
+        get_code = self.loader.get_code
+        self.loader.get_code = lambda fullname: (calls["set"].append(fullname), get_code(fullname))[1]
+        self.loader.exec_module(module)
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+class Tool:
+    guarded = GUARDED
+    busy = False
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch" or (self.guarded and self.busy):
+            return None
+        calls["find_spec"] += 1
+        self.busy = True
+        try:
+            for f in sys.meta_path:
+                if f is not self:
+                    spec = f.find_spec(name, path, target)
+                    if spec is not None:
+                        spec.loader = Chained(spec.loader)
+                        return spec
+        finally:
+            self.busy = False
+
+sys.meta_path.insert(0, Tool())
+import torch, _outofcuda
+calls["loaders"] = [type(torch.__loader__).__name__, type(torch.__spec__.loader).__name__,
+                    type(torch.__spec__.loader.loader).__name__]
+calls["fired"] = _outofcuda.status()["hook"]["fired"]
+print("TOOL=" + json.dumps(calls))
+"""
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_an_import_tool_ahead_runs_once_and_keeps_its_loader(venv, workdir, guarded):
+    code = TOOL.replace("GUARDED", str(guarded))
+    runs = {}
+    for label, extra in (("with", {}), ("without", {"OUTOFCUDA_DISABLE": "1"})):
+        r = venv.run(code, env=extra, cwd=workdir)
+        assert r.returncode == 0, f"{label}: {r.stderr[-3000:]}"
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("TOOL=")][-1]
+        runs[label] = json.loads(line[len("TOOL="):])
+    with_, without = runs["with"], runs["without"]
+    # One find_spec and one exec_module for one import, the get_code it set used.
+    assert with_["find_spec"] == without["find_spec"] == 1
+    assert with_["exec_module"] == without["exec_module"] == 1
+    assert with_["set"] == without["set"] == ["torch"]
+    # The tool's wrapper where it put it, the real loader inside it.
+    assert with_["loaders"] == without["loaders"] == ["Chained", "Chained", "SourceFileLoader"]
+    assert with_["fired"] is True and without["fired"] is False
+
+
+def test_find_spec_without_import_gives_a_loader_that_answers_as_the_real_one(venv, workdir):
+    r = venv.check(S("""
+        import importlib.abc, importlib.machinery, importlib.util, sys
+        spec = importlib.util.find_spec('torch')
+        loader = spec.loader
+        out = [isinstance(loader, importlib.abc.Loader),
+               isinstance(loader, importlib.machinery.SourceFileLoader),
+               loader.__class__.__name__, loader.is_package('torch')]
+        loader.marker = 42                      # writes reach the loader it wraps
+        out.append(vars(loader).get('marker'))
+        del loader.marker
+        out.append(hasattr(loader, 'marker'))
+        out.append('torch' in sys.modules)
+        print(json.dumps(out))
+    """.replace("import importlib.abc", "import json, importlib.abc")), cwd=workdir)
+    assert json.loads(r.stdout.splitlines()[0]) == [True, True, "SourceFileLoader", True, 42, False, False]
