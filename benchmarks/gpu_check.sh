@@ -116,7 +116,7 @@ if [ -d "$TESTS" ]; then
     # one. OUTOFCUDA_TEST_REQUIRE_GPU=1: the `gpu` fixture fails where it would skip.
     (cd "$OUT" && OUTOFCUDA_TEST_REQUIRE_GPU=1 OUTOFCUDA_TEST_GPU_DRY_RUN="$DRY" OUTOFCUDA_TEST_GPU_FIGURES="$OUT" \
         OUTOFCUDA_TEST_PYTHON="$VPY" timeout "$([ "$DRY" = 1 ] && echo 900 || echo 200)" \
-        "$VPY" -m pytest "$TESTS" -v -rsx -p no:cacheprovider --continue-on-collection-errors > "$OUT/gpu_tests.log" 2>&1)
+        "$VPY" -m pytest "$TESTS" -v -rsx -p no:cacheprovider -p no:xdist --continue-on-collection-errors > "$OUT/gpu_tests.log" 2>&1)
     t=$?
     last="$(tail -1 "$OUT/gpu_tests.log")"
     note "gpu tests exit $t: $last"

@@ -35,6 +35,7 @@ A markdown table from several result files::
 
     python benchmarks/startup.py --markdown benchmarks/results/startup.md r39.json r311.json
 """
+import atexit
 import argparse
 import datetime
 import json
@@ -117,14 +118,22 @@ def has_outofcuda(python):
 # Measured commands run in an empty directory: `-c` puts the working directory
 # first on sys.path, and a busy one (files appearing while the runs go on)
 # makes every import's directory scan differ between runs.
-QUIET_CWD = tempfile.mkdtemp(prefix="oc-startup-cwd-")
+# Made at first use and removed at exit, so importing this module leaves nothing.
+_quiet = []
+
+
+def quiet_cwd():
+    if not _quiet:
+        _quiet.append(tempfile.mkdtemp(prefix="oc-startup-cwd-"))
+        atexit.register(shutil.rmtree, _quiet[0], True)
+    return _quiet[0]
 
 
 def callgrind_instructions(python, code="pass", env=None):
     """Instructions executed by `python -c code` (callgrind's 'Collected')."""
     r = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
                         python, "-c", code], capture_output=True, text=True,
-                       env=clean_env(env), cwd=QUIET_CWD)
+                       env=clean_env(env), cwd=quiet_cwd())
     m = re.search(r"Collected\s*:\s*(\d+)", r.stderr)
     if r.returncode != 0 or m is None:
         raise RuntimeError(f"callgrind failed ({r.returncode}): {r.stderr[-800:]}")
@@ -133,7 +142,7 @@ def callgrind_instructions(python, code="pass", env=None):
 
 def counts(python, repeats, code="pass", env=None):
     # One unmeasured run first: byte-code caches written by it are not counted.
-    subprocess.run([python, "-c", code], env=clean_env(env), capture_output=True, cwd=QUIET_CWD)
+    subprocess.run([python, "-c", code], env=clean_env(env), capture_output=True, cwd=quiet_cwd())
     return [callgrind_instructions(python, code, env) for _ in range(repeats)]
 
 
@@ -259,7 +268,7 @@ def measure(py_with, py_without, runs, repeats, skip_torch, wall_runs):
     # The finder's cost per import: the same venv with the hook on and off.
     probe = MANY + "; import sys; print(len(sys.modules))"
     n_mods = int(subprocess.run([py_with, "-c", probe], capture_output=True, text=True,
-                                env=clean_env(), check=True, cwd=QUIET_CWD).stdout)
+                                env=clean_env(), check=True, cwd=quiet_cwd()).stdout)
     n_base = int(subprocess.run([py_with, "-c", "import sys; print(len(sys.modules))"],
                                 capture_output=True, text=True, env=clean_env(off),
                                 check=True).stdout)

@@ -1,6 +1,8 @@
 """Shared fixtures: the built wheel installed into a fresh virtual environment
 with real torch, and a runner that starts a fresh interpreter per scenario
 (the hook changes process-wide state, so no scenario shares a process)."""
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
@@ -43,7 +45,7 @@ WERROR = {"OUTOFCUDA_BUILD_WERROR": "1"}
 def _clean_env(extra=None):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OUTOFCUDA_", "PYTORCH_", "PYTHON", "NVIDIA_TF32", "LOCAL_RANK",
-                                "ASAN_", "UBSAN_", "LD_PRELOAD"))}
+                                "ASAN_", "UBSAN_", "LD_PRELOAD", "PYTEST_"))}
     env["PYTHONUNBUFFERED"] = "1"
     if extra:
         env.update({k: v for k, v in extra.items() if v is not None})
@@ -53,7 +55,7 @@ def _clean_env(extra=None):
 def _pip(python, *args):
     # Once a sanitizer build is installed, its hook loads in every interpreter
     # of that environment, pip's included: the runtime must be preloaded.
-    subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", "-q", *args],
+    subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", "--no-cache-dir", "-q", *args],
                    check=True, env=_clean_env(_sanitizer_env() if SANITIZE else None))
 
 
@@ -66,43 +68,177 @@ FAST_TIER = ("test_advice.py", "test_known_bugs.py", "test_gating.py", "test_con
 
 
 def pytest_configure(config):
+    global WORKER
+    # xdist gives its workers `workerinput`; an environment variable would
+    # also reach a pytest that a test starts.
+    WORKER = getattr(config, "workerinput", {}).get("workerid")
     config.addinivalue_line("markers", "fast: the fast tier (tests/conftest.py FAST_TIER)")
 
 
+# Two workers (pytest-xdist, in requirements-test.txt), each running whole
+# files: nearly every test waits on a scenario interpreter that uses one core,
+# so a second worker halves the run on CI's two cores. Set here rather than in
+# pyproject.toml's addopts, so that pytest without pytest-xdist (the GPU
+# machine's interpreter runs tests/gpu) still starts, serially. `-n N` on the
+# command line (`-n 0`: one process) overrides it.
+WORKERS = min(2, len(os.sched_getaffinity(0)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    opt = config.option
+    if (config.pluginmanager.hasplugin("xdist") and WORKERS > 1
+            and getattr(opt, "numprocesses", 0) is None and opt.dist == "no"
+            and not hasattr(config, "workerinput")
+            and not opt.collectonly and not opt.usepdb):
+        opt.numprocesses = WORKERS
+        opt.dist = "loadfile"
+        opt.loadscopereorder = False
+
+
+# The files that take longest run first, so that the last file a worker gets
+# is a short one (figures in docs/testing.md).
+LONGEST_FIRST = ("test_sanitize.py", "test_interpreters.py", "test_gpu_dry_run.py",
+                 "test_packaging.py", "test_api.py", "test_cli.py", "test_cuda_build.py",
+                 "test_oom.py", "test_monitor.py", "test_nvml.py", "test_leaks.py")
+
+
 def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     for item in items:
         if (item.path.parent.name == "tests" and item.path.name in FAST_TIER
                 and "cuda_venv" not in item.fixturenames):
             item.add_marker(pytest.mark.fast)
 
 
+# ---- what one run builds once and every worker shares ----
+#
+# The suite runs under pytest-xdist (pyproject.toml: two workers, whole files
+# each). Each worker is its own pytest session, so a session fixture would
+# build the wheel and install torch once per worker: what is expensive is
+# built once per run, in the run's temporary folder that the workers' own
+# folders sit in, by whichever worker asks first, while the others wait on a
+# lock. Each worker then works on its own hard-link copy of an environment
+# (no bytes copied), so a test that damages its installed outofcuda, or
+# reinstalls it, never disturbs a test of another worker.
+
+WORKER = None  # this worker's name ("gw0"), set by pytest_configure; None without workers
+
+
+def run_root(tmp_path_factory):
+    """The folder of this run that every worker shares."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if WORKER else base
+
+
+@contextlib.contextmanager
+def _locked(path):
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def build_once(tmp_path_factory, name, build):
+    """run_root/name, made by build(path) once per run, whichever worker asks
+    first; the others wait, then reuse it. A build that fails (or skips) is
+    tried again by the next worker that asks."""
+    path = run_root(tmp_path_factory) / name
+    with _locked(path):
+        if not (path / ".ready").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True)
+            build(path)
+            (path / ".ready").write_text("ok")
+    return path
+
+
+def worker_copy(tmp_path_factory, master, name):
+    """This worker's copy of the environment at master: hard links (cp -al),
+    or a real copy where master lies on another filesystem. Without workers,
+    master itself."""
+    if not WORKER:
+        return master
+    path = run_root(tmp_path_factory) / f"{name}-{WORKER}"
+    shutil.rmtree(path, ignore_errors=True)
+    return hard_link_copy(master, path)
+
+
+def pytest_sessionfinish(session):
+    """The environments (gigabytes: the CUDA build alone is 5.5 GB) go when
+    the run ends, whatever its outcome; an environment named by
+    OUTOFCUDA_TEST_VENV or OUTOFCUDA_TEST_CUDA_VENV is the developer's and
+    stays. The workers' sessions end first; the run's own removes them."""
+    if WORKER:
+        return
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is None or factory._basetemp is None:
+        return
+    for path in factory.getbasetemp().glob("*venv-*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory):
-    """The project's wheel, built once per test session."""
-    out = tmp_path_factory.mktemp("wheel")
-    build = tmp_path_factory.mktemp("build")
-    # Build from a copy so the checkout's build/ and in-place .so stay out of it.
-    src = build / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".git", "build", "dist", "*.egg-info", "*.so", ".venv*", "__pycache__", ".pytest_cache"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(out), str(src)],
-                   check=True, env=_clean_env(dict(WERROR, OUTOFCUDA_BUILD_SANITIZE="1" if SANITIZE else None)))
-    (whl,) = out.glob("outofcuda-*.whl")
+    """The project's wheel, built once per test run."""
+    def build(out):
+        # Build from a copy so the checkout's build/ and in-place .so stay out of it.
+        src = out / "src"
+        shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+            ".git", "build", "dist", "*.egg-info", "*.so", ".venv*", "__pycache__", ".pytest_cache"))
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                        "--no-build-isolation", "-w", str(out), str(src)],
+                       check=True, env=_clean_env(dict(WERROR, OUTOFCUDA_BUILD_SANITIZE="1" if SANITIZE else None)))
+        shutil.rmtree(src)
+    (whl,) = build_once(tmp_path_factory, "wheel", build).glob("outofcuda-*.whl")
     return whl
 
 
+def _make_venv(path, spec, unavailable=None):
+    """A virtual environment at path holding numpy and torch `spec`. pip
+    skips compiling every module of torch to bytecode (--no-compile): an
+    interpreter compiles what it imports, once, and the run imports a small
+    part of torch."""
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+    try:
+        _pip(path / "bin" / "python", "install", "--no-compile", "numpy", spec)
+    except subprocess.CalledProcessError as e:
+        if unavailable is None:
+            raise
+        unavailable(f"pip install {spec} failed (exit {e.returncode})")
+
+
 @pytest.fixture(scope="session")
-def base_venv(tmp_path_factory):
+def venv_master(tmp_path_factory):
     """A virtual environment holding torch (and numpy, which torch warns about
-    when missing) but not outofcuda. OUTOFCUDA_TEST_VENV reuses one across runs."""
+    when missing), made once per run; OUTOFCUDA_TEST_VENV reuses one across
+    runs. Tests work on copies of it (base_venv, hard_link_copy)."""
     reuse = os.environ.get("OUTOFCUDA_TEST_VENV")
-    path = Path(reuse) if reuse else tmp_path_factory.mktemp("venv") / "base"
-    python = path / "bin" / "python"
-    if not (python.exists() and (path / ".ready").exists()):
-        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
-        _pip(python, "install", "numpy", TORCH_SPEC)
-        (path / ".ready").write_text("ok")
+    if reuse:
+        master = Path(reuse)
+        with _locked(run_root(tmp_path_factory) / "venv-given"):
+            if not (master / "bin" / "python").exists() or not (master / ".ready").exists():
+                _make_venv(master, TORCH_SPEC)
+                (master / ".ready").write_text("ok")
+    else:
+        master = build_once(tmp_path_factory, "venv-master", lambda p: _make_venv(p, TORCH_SPEC))
+    return master
+
+
+@pytest.fixture(scope="session")
+def base_venv(tmp_path_factory, venv_master):
+    """This worker's environment with torch, into which the venv fixture
+    installs the wheel."""
+    return worker_copy(tmp_path_factory, venv_master, "venv-base")
+
+
+def hard_link_copy(master, path):
+    """A copy of the environment at master at path that shares its files
+    (cp -al; a real copy across filesystems): installing into it replaces
+    files, never writes into the shared ones."""
+    if subprocess.run(["cp", "-al", str(master), str(path)], capture_output=True).returncode:
+        shutil.rmtree(path, ignore_errors=True)
+        subprocess.run(["cp", "-a", str(master), str(path)], check=True)
     return path
 
 
@@ -182,13 +318,11 @@ def _unavailable(reason):
 @pytest.fixture(scope="session")
 def cuda_base_venv(tmp_path_factory):
     """A virtual environment holding the CUDA build of torch (numpy too) but
-    not outofcuda, created once per session. OUTOFCUDA_TEST_CUDA_VENV reuses
+    not outofcuda, created once per run. OUTOFCUDA_TEST_CUDA_VENV reuses
     one across runs."""
     import platform
-    reuse = os.environ.get("OUTOFCUDA_TEST_CUDA_VENV")
-    path = Path(reuse) if reuse else tmp_path_factory.mktemp("cuda-venv") / "base"
-    python = path / "bin" / "python"
-    if not (python.exists() and (path / ".ready").exists()):
+
+    def build(path):
         if platform.machine() != "x86_64":
             _unavailable(f"PyPI's CUDA wheels are built for x86_64, this is {platform.machine()}")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,12 +330,19 @@ def cuda_base_venv(tmp_path_factory):
         if free < CUDA_VENV_FREE_BYTES:
             _unavailable(f"{free / 1024**3:.1f} GiB free under {path.parent}, the CUDA build "
                          f"needs {CUDA_VENV_FREE_BYTES / 1024**3:.0f} GiB")
-        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
-        try:
-            _pip(python, "install", "numpy", CUDA_TORCH_SPEC)
-        except subprocess.CalledProcessError as e:
-            _unavailable(f"pip install {CUDA_TORCH_SPEC} failed (exit {e.returncode})")
-        (path / ".ready").write_text("ok")
+        _make_venv(path, CUDA_TORCH_SPEC, _unavailable)
+
+    reuse = os.environ.get("OUTOFCUDA_TEST_CUDA_VENV")
+    if reuse:
+        master = Path(reuse)
+        with _locked(run_root(tmp_path_factory) / "cuda-venv-given"):
+            if not ((master / "bin" / "python").exists() and (master / ".ready").exists()):
+                build(master)
+                (master / ".ready").write_text("ok")
+    else:
+        master = build_once(tmp_path_factory, "cuda-venv-master", build)
+    path = worker_copy(tmp_path_factory, master, "cuda-venv-base")
+    python = path / "bin" / "python"
     r = subprocess.run([str(python), "-c", "import torch; print(torch.version.cuda)"],
                        capture_output=True, text=True, env=_clean_env({"OUTOFCUDA_DISABLE": "1"}))
     if r.returncode != 0 or r.stdout.strip() in ("", "None"):

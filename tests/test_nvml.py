@@ -590,10 +590,10 @@ HAS_GPU = os.path.exists("/dev/nvidiactl") or os.path.isdir("/proc/driver/nvidia
 
 
 def _pytest_gpu(env_extra, *args):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTOFCUDA_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTOFCUDA_", "PYTEST_"))}
     env.update(env_extra)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                           "-p", "no:xdist", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.skipif(HAS_GPU, reason="this machine has an NVIDIA GPU: the no-GPU paths do not run")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, _clean_env
+from conftest import ROOT, _clean_env, hard_link_copy
 
 pytestmark = pytest.mark.skipif(bool(os.environ.get("OUTOFCUDA_TEST_SKIP_SANITIZE")),
                                 reason="OUTOFCUDA_TEST_SKIP_SANITIZE is set")
@@ -340,19 +340,23 @@ def test_no_torch_scenario_with_leak_detection(san, tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-6000:]
 
 
-def test_core_suites_under_sanitizers(tmp_path):
+def test_core_suites_under_sanitizers(tmp_path, venv_master):
     """The C-heavy test files (hook and watcher on real torch, release gating
     over every release, configuration) rerun whole against the sanitizer build, every scenario
     interpreter with the ASan runtime preloaded (tests/conftest.py,
     OUTOFCUDA_BUILD_SANITIZE=1). The other files run against the normal build."""
     if os.environ.get("OUTOFCUDA_BUILD_SANITIZE") == "1":
         pytest.skip("already running under the sanitizer build")
+    # torch comes from a hard-link copy of the run's environment: the
+    # sanitizer build replaces outofcuda there, never in a file it shares.
     env = _clean_env({"OUTOFCUDA_BUILD_SANITIZE": "1",
-                      "OUTOFCUDA_TEST_VENV": str(tmp_path / "venv"),
+                      "OUTOFCUDA_TEST_VENV": str(hard_link_copy(venv_master, tmp_path / "venv")),
                       "PYTHONDONTWRITEBYTECODE": "1"})
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    # One process (no workers): this test's own worker already shares the cores.
+    # ddtrace's tests exercise the same watcher code as the tool tests there.
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                         "tests/test_hook.py", "tests/test_gating.py", "tests/test_config.py",
-                        "-k", "not collect_env"],
+                        "-k", "not collect_env and not ddtrace"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     tail = "\n".join(r.stdout.splitlines()[-15:])
     assert r.returncode == 0, tail + r.stderr[-3000:]
