@@ -602,8 +602,9 @@ def test_real_ddtrace_imports_torch(venv, workdir, ddtrace_dir, how):
     code = LOADERS if how == "ddtrace-run" else "import ddtrace.auto\n" + LOADERS
     args = ("-m", "ddtrace.commands.ddtrace_run", str(venv.python), "-c", code) \
         if how == "ddtrace-run" else ()
+    # TMPDIR: ddtrace keeps files for its processes in the temporary folder.
     env = {"PYTHONPATH": ddtrace_dir, "DD_TRACE_ENABLED": "true", "DD_INSTRUMENTATION_TELEMETRY_ENABLED": "false",
-           "DD_REMOTE_CONFIGURATION_ENABLED": "false"}
+           "DD_REMOTE_CONFIGURATION_ENABLED": "false", "TMPDIR": str(workdir)}
     runs = {}
     for label, extra in (("with", {}), ("without", {"OUTOFCUDA_DISABLE": "1"})):
         r = venv.run(None if args else code, args=args, env=dict(env, **extra), cwd=workdir,
