@@ -441,6 +441,7 @@ static PyObject *dropped_torch_spec(void)
         oc_set_error("handing back the torch an interrupt left out of sys.modules");
         Py_XDECREF(proxy);
         Py_XDECREF(spec);
+        Py_CLEAR(oc_g.torch_dropped); /* the import system finds torch as it would */
         Py_RETURN_NONE;
     }
     Py_DECREF(proxy);
