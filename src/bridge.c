@@ -890,42 +890,157 @@ static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
  * initialisation fails) and must not call torch.cuda._lazy_call (from torch
  * 2.6 _lazy_init runs the queue while holding _initialization_lock, a plain
  * threading.Lock that _lazy_call takes too: the thread would wait on itself
- * for ever). A step runs only when armed (oc_g.cuda_init_steps), and at most
- * once: its bit is cleared as it starts, since torch runs its queue once but
- * a stand-in torch or a queue run by hand may run it again. */
+ * for ever). A step runs only when armed (oc_g.cuda_init_steps), and is done
+ * only when it completed: its bit is cleared after it ran to the end. A step
+ * during which a Ctrl-C (or a SystemExit) arrived stays armed and the
+ * callback stops there: the interrupt reaches the program as the callback
+ * returns, torch keeps its queue after a raising callback and runs it again
+ * at the next CUDA call, and the step runs again then, from where it began
+ * (struct step_undo). A step that completed never runs again, though a
+ * stand-in torch or a queue run by hand may call the callback again. */
 
 static int step_armed(oc_cuda_step step)
 {
     return (oc_g.cuda_init_steps & (1u << step)) != 0;
 }
 
-/* Clears the step's bit; 1 when it was armed. */
-static int take_step(oc_cuda_step step)
+/* The optimisations' records a step may write (NULL-terminated). */
+static const char *const *step_records(oc_cuda_step step)
 {
-    int armed = step_armed(step);
-    oc_g.cuda_init_steps &= ~(1u << step);
-    return armed;
+    static const char *const framework[] = {"allocator", "memory_fraction", NULL};
+    static const char *const tf32[] = {"tf32", NULL};
+    static const char *const fraction[] = {"memory_fraction", NULL};
+    static const char *const known_bugs[] = {"sdpa", NULL}; /* the guard's note */
+    static const char *const oom[] = {"oom_handler", NULL};
+    static const char *const none[] = {NULL};
+    switch (step) {
+    case OC_STEP_FRAMEWORK:
+        return framework;
+    case OC_STEP_TF32:
+        return tf32;
+    case OC_STEP_FRACTION:
+        return fraction;
+    case OC_STEP_KNOWN_BUGS:
+        return known_bugs;
+    case OC_STEP_OOM:
+        return oom;
+    default:
+        return none;
+    }
+}
+
+/* What a step changes in the engine's state, kept before it runs and put
+ * back when it is interrupted, so that its next run starts where this one
+ * did (the framework step appends to what was decided and may leave the
+ * framework; the known-bugs step decides its entries once). What a step
+ * changes in torch it sets again on its next run; oom.c's step keeps its
+ * own, since an observer attached cannot be taken back. */
+#define STEP_RECORDS_MAX 3
+struct step_undo {
+    unsigned steps;
+    int alloc_applied;
+    double pending_fraction;
+    char framework[sizeof oc_g.framework];
+    char kb[sizeof oc_g.kb];
+    PyObject *records[STEP_RECORDS_MAX]; /* the entries as they were, or NULL */
+};
+
+static void step_keep(oc_cuda_step step, struct step_undo *u)
+{
+    const char *const *names = step_records(step);
+    u->steps = oc_g.cuda_init_steps;
+    u->alloc_applied = oc_g.alloc_applied;
+    u->pending_fraction = oc_g.pending_fraction;
+    memcpy(u->framework, &oc_g.framework, sizeof u->framework);
+    memcpy(u->kb, &oc_g.kb, sizeof u->kb);
+    for (int i = 0; i < STEP_RECORDS_MAX; i++) {
+        u->records[i] =
+            names[i] && oc_g.results ? PyDict_GetItemString(oc_g.results, names[i]) : NULL;
+        if (names[i] == NULL)
+            break;
+        Py_XINCREF(u->records[i]);
+    }
+}
+
+/* The step was interrupted: its state as it was before, and each of its
+ * records that waited for CUDA's start says it was interrupted. */
+static void step_undo(oc_cuda_step step, struct step_undo *u)
+{
+    const char *const *names = step_records(step);
+    oc_g.cuda_init_steps = u->steps;
+    oc_g.alloc_applied = u->alloc_applied;
+    oc_g.pending_fraction = u->pending_fraction;
+    memcpy(&oc_g.framework, u->framework, sizeof u->framework);
+    memcpy(&oc_g.kb, u->kb, sizeof u->kb);
+    for (int i = 0; i < STEP_RECORDS_MAX && names[i] != NULL; i++) {
+        PyObject *e = u->records[i] ? PyDict_Copy(u->records[i]) : NULL;
+        if (e != NULL && PyDict_GetItemString(e, "queued") == Py_True &&
+            PyDict_SetItemString(e, "interrupted", Py_True) < 0)
+            Py_CLEAR(e);
+        if (e != NULL && PyDict_SetItemString(oc_g.results, names[i], e) < 0)
+            oc_set_error("putting back the record of an interrupted step");
+        Py_XDECREF(e);
+        OC_CLEAR();
+    }
+}
+
+static void step_forget(struct step_undo *u)
+{
+    for (int i = 0; i < STEP_RECORDS_MAX; i++)
+        Py_CLEAR(u->records[i]);
+}
+
+static void run_step(oc_cuda_step step, PyObject *torch)
+{
+    switch (step) {
+    case OC_STEP_FRAMEWORK:
+        framework_at_cuda_init(torch);
+        break;
+    case OC_STEP_TF32:
+        tf32_at_cuda_init(torch);
+        break;
+    case OC_STEP_FRACTION: /* armed at import or by the framework step */
+        fraction_at_cuda_init(torch);
+        break;
+    case OC_STEP_KNOWN_BUGS:
+        oc_known_bugs_at_cuda_init(torch);
+        break;
+    case OC_STEP_OOM:
+        oc_oom_at_cuda_init(torch);
+        break;
+    case OC_STEP_SUMMARY:
+        oc_summary_at_cuda_init();
+        break;
+    default:
+        break;
+    }
+    OC_CLEAR();
 }
 
 static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
 {
     PyObject *torch = oc_sys_module("torch");
+    struct step_undo undo = {0};
     (void)self;
     (void)unused;
     if (torch == NULL)
         Py_RETURN_NONE;
-    if (take_step(OC_STEP_FRAMEWORK))
-        framework_at_cuda_init(torch);
-    if (take_step(OC_STEP_TF32))
-        tf32_at_cuda_init(torch);
-    if (take_step(OC_STEP_FRACTION)) /* armed at import or by the framework step */
-        fraction_at_cuda_init(torch);
-    if (take_step(OC_STEP_KNOWN_BUGS))
-        oc_known_bugs_at_cuda_init(torch);
-    if (take_step(OC_STEP_OOM))
-        oc_oom_at_cuda_init(torch);
-    if (take_step(OC_STEP_SUMMARY))
-        oc_summary_at_cuda_init();
+    for (int i = 0; i < OC_STEP_COUNT && !oc_interrupt_waiting(); i++) {
+        oc_cuda_step step = (oc_cuda_step)i;
+        if (!step_armed(step))
+            continue;
+        step_keep(step, &undo);
+        run_step(step, torch);
+        if (oc_interrupt_waiting()) {
+            step_undo(step, &undo);
+            oc_g.cuda_init_interrupted |= 1u << step;
+        } else {
+            oc_g.cuda_init_steps &= ~(1u << step);
+            oc_g.cuda_init_interrupted &= ~(1u << step);
+            oc_g.cuda_init_done |= 1u << step;
+        }
+        step_forget(&undo);
+    }
     OC_CLEAR();
     Py_DECREF(torch);
     Py_RETURN_NONE;

@@ -35,54 +35,67 @@ int oc_disabled_by_env(void)
  * or the program's code is the user's, not an error of outofcuda's: it is set
  * aside here, never swallowed, and raised again by oc_raise_interrupt at the
  * edge where control goes back to the program, in the thread it arrived in
- * (a SystemExit in a thread ends that thread, not the program). */
-static oc_interrupt *interrupt_slot(unsigned long thread)
-{
-    for (int i = 0; i < OC_INTERRUPT_SLOTS; i++)
-        if (oc_g.interrupts[i].type != NULL && oc_g.interrupts[i].thread == thread)
-            return &oc_g.interrupts[i];
-    return NULL;
-}
+ * (a SystemExit in a thread ends that thread, not the program). It waits in
+ * the thread's own state (PyThreadState_GetDict(), as watcher.c's guard):
+ * no table to fill, and no thread id that a later thread could reuse. */
+static const char interrupt_key[] = "outofcuda.interrupt";
 
 static int keep_interrupt(void)
 {
-    unsigned long thread;
-    oc_interrupt *slot;
-    PyObject *type, *value, *tb;
+    PyObject *d, *type, *value, *tb, *kept;
     if (!PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) &&
         !PyErr_ExceptionMatches(PyExc_SystemExit))
         return 0;
-    thread = PyThread_get_thread_ident();
-    slot = interrupt_slot(thread);
-    for (int i = 0; slot == NULL && i < OC_INTERRUPT_SLOTS; i++)
-        if (oc_g.interrupts[i].type == NULL)
-            slot = &oc_g.interrupts[i];
-    if (slot == NULL)
-        return 0; /* every slot waits in another thread: cleared as an error, traced */
     PyErr_Fetch(&type, &value, &tb);
-    if (slot->type == NULL) {
-        slot->thread = thread;
-        slot->type = type;
-        slot->value = value;
-        slot->tb = tb;
+    PyErr_NormalizeException(&type, &value, &tb);
+    d = PyThreadState_GetDict(); /* borrowed; NULL only without a thread state */
+    if (d != NULL && PyDict_GetItemString(d, interrupt_key) != NULL) {
+        /* A second one while the first waits: the first is raised. */
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
         return 1;
     }
-    /* A second one while the first waits: the first is raised. */
+    kept =
+        d != NULL ? Py_BuildValue("(OOO)", type, value ? value : Py_None, tb ? tb : Py_None) : NULL;
+    if (kept == NULL || PyDict_SetItemString(d, interrupt_key, kept) < 0) {
+        /* No memory to keep it: it stays the current exception, which the
+         * caller then raises or clears as an error of its own. */
+        Py_XDECREF(kept);
+        PyErr_Restore(type, value, tb);
+        return 0;
+    }
+    Py_DECREF(kept);
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(tb);
     return 1;
 }
 
+int oc_interrupt_waiting(void)
+{
+    PyObject *d = PyThreadState_GetDict();
+    return d != NULL && PyDict_GetItemString(d, interrupt_key) != NULL;
+}
+
 int oc_raise_interrupt(void)
 {
-    oc_interrupt *slot = interrupt_slot(PyThread_get_thread_ident());
-    if (slot == NULL)
+    PyObject *d = PyThreadState_GetDict(), *kept, *type, *value, *tb;
+    kept = d != NULL ? PyDict_GetItemString(d, interrupt_key) : NULL; /* borrowed */
+    if (kept == NULL)
         return 0;
+    type = PyTuple_GetItem(kept, 0);
+    value = PyTuple_GetItem(kept, 1);
+    tb = PyTuple_GetItem(kept, 2);
+    Py_XINCREF(type);
+    if (value != Py_None)
+        Py_XINCREF(value);
+    if (tb != Py_None)
+        Py_XINCREF(tb);
+    (void)PyDict_DelItemString(d, interrupt_key); /* present: read above */
     /* An exception already propagating (torch's own import error) gives way
      * to the interrupt, as it would without outofcuda. */
-    PyErr_Restore(slot->type, slot->value, slot->tb);
-    memset(slot, 0, sizeof *slot);
+    PyErr_Restore(type, value != Py_None ? value : NULL, tb != Py_None ? tb : NULL);
     return -1;
 }
 
@@ -254,7 +267,7 @@ void oc_stderr_write(const char *text)
         closed = PyObject_GetAttrString(err, "closed");
         is_closed = closed != NULL && PyObject_IsTrue(closed) == 1;
         Py_XDECREF(closed);
-        PyErr_Clear(); /* absence: a stream without `closed` is open */
+        oc_clear_absence(); /* absence: a stream without `closed` is open */
         str = is_closed ? NULL
                         : PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "backslashreplace");
         res = str ? PyObject_CallMethod(err, "write", "O", str) : NULL;
@@ -335,7 +348,7 @@ void oc_warn(const char *msg)
                                            line, "outofcuda", NULL) < 0) {
         /* -W error turned the warning into an exception; outofcuda must not
          * raise from an import, so the message goes to stderr instead. */
-        PyErr_Clear(); /* reported: the message goes to stderr below */
+        oc_clear_absence(); /* reported: the message goes to stderr below; a Ctrl-C is kept */
         oc_stderr_printf("%.1000s\n", utf8 != NULL ? PyBytes_AsString(utf8)
                                                    : "outofcuda: a warning could not be shown");
     }

@@ -407,22 +407,17 @@ static inline PySlot *oc_export(PySlot *slots)
 #endif
 
 /* The steps of the one callback on torch's lazy-init queue (bridge.c), in
- * the order it runs them. */
-typedef enum {
-    OC_STEP_FRAMEWORK,
-    OC_STEP_TF32,
-    OC_STEP_FRACTION,
-    OC_STEP_KNOWN_BUGS,
-    OC_STEP_OOM,
-    OC_STEP_SUMMARY,
-} oc_cuda_step;
-
-/* An interrupt set aside in a thread (common.c); type NULL: a free slot. */
-#define OC_INTERRUPT_SLOTS 8
-typedef struct {
-    unsigned long thread; /* PyThread_get_thread_ident() */
-    PyObject *type, *value, *tb;
-} oc_interrupt;
+ * the order it runs them, each with the name status()["cuda_init"] gives it. */
+#define OC_CUDA_STEPS(X)                                                                           \
+    X(FRAMEWORK, "framework")                                                                      \
+    X(TF32, "tf32")                                                                                \
+    X(FRACTION, "memory_fraction")                                                                 \
+    X(KNOWN_BUGS, "known_bugs")                                                                    \
+    X(OOM, "oom_handler")                                                                          \
+    X(SUMMARY, "summary")
+#define OC_STEP_ENUM(id, name) OC_STEP_##id,
+typedef enum { OC_CUDA_STEPS(OC_STEP_ENUM) OC_STEP_COUNT } oc_cuda_step;
+#undef OC_STEP_ENUM
 
 /* Engine functions and callbacks that go through the edge (common.c). */
 #define OC_EDGE_MAX 96
@@ -462,12 +457,13 @@ typedef struct {
     oc_config cfg;
     PyObject *engine_module; /* borrowed: lives in sys.modules as long as the engine */
     PyObject *proxy_type;
+    /* torch, fully loaded, that importlib dropped from sys.modules when an
+     * interrupt in a thread other than the main one was raised from its
+     * import (watcher.c); the next import hands it back. */
+    PyObject *torch_dropped;
     PyObject *error;         /* str or NULL: what went wrong inside outofcuda */
     PyObject *results;       /* dict: optimisation name -> dict(applied, value, reason) */
     PyObject *torch_version; /* str or NULL */
-    /* KeyboardInterrupts and SystemExits set aside until control goes back
-     * to the program, one per thread (common.c). */
-    oc_interrupt interrupts[OC_INTERRUPT_SLOTS];
     /* The edge (common.c): the definitions the function objects of the
      * engine's functions point to, for the life of the process (one per
      * engine function or callback), and the functions they call. */
@@ -508,8 +504,11 @@ typedef struct {
 
     /* What is armed for CUDA's start: one bit per oc_cuda_step, set at
      * import through oc_cuda_step_arm, cleared by the callback as each step
-     * runs, and cleared whole when the callback cannot be queued. */
-    unsigned cuda_init_steps;
+     * completes (an interrupted step stays armed and runs again when torch
+     * runs its queue again), and cleared whole when the callback cannot be
+     * queued. Beside it, the steps that completed, and those whose last run
+     * was interrupted (status()["cuda_init"]). */
+    unsigned cuda_init_steps, cuda_init_done, cuda_init_interrupted;
 
     /* ---- known bugs (knownbugs.c) ---- */
     struct {
@@ -588,6 +587,8 @@ void oc_clear_absence(void);
  * control goes back to the program: the edge (every engine function and
  * callback) and the steps of `import torch` (watcher.c). */
 int oc_raise_interrupt(void);
+/* 1 when this thread has a KeyboardInterrupt or SystemExit set aside. */
+int oc_interrupt_waiting(void);
 /* The edge: a function object for def whose every call ends with
  * oc_raise_interrupt, so an interrupt set aside while it ran reaches its
  * caller as it returns (new ref, or NULL with an exception). self is what

@@ -170,26 +170,39 @@ static int start_history(PyObject *torch)
 
 static void install_hooks(void);
 
-/* Step of bridge.c's one CUDA-init callback (its rules apply, and it runs
- * at most once: a second run would attach a second observer and chain our
- * own hook behind itself, printing every report twice). torch 2.0 crashed
- * when the observer was attached before CUDA initialised, hence the
- * deferral. */
+/* Step of bridge.c's one CUDA-init callback (its rules apply, and it
+ * completes at most once: a second observer or our own hook chained behind
+ * itself would print every report twice). An interrupted run stops before
+ * the hooks and runs again; an observer it attached stays attached. torch
+ * 2.0 crashed when the observer was attached before CUDA initialised, hence
+ * the deferral. */
 void oc_oom_at_cuda_init(PyObject *torch)
 {
     PyObject *attach = NULL, *obs = NULL, *r = NULL;
-    if (oc_g.oom.snapshot_path[0] && start_history(torch) < 0) {
+    int attached =
+        oc_g.oom.observer_state != NULL && strcmp(oc_g.oom.observer_state, "attached") == 0;
+    if (!attached && oc_g.oom.snapshot_path[0] && start_history(torch) < 0) {
         char msg[400];
+        if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) ||
+            PyErr_ExceptionMatches(PyExc_SystemExit)) {
+            OC_CLEAR(); /* set aside: the step runs again */
+            return;
+        }
         take_error(msg, sizeof msg,
                    "OUTOFCUDA_OOM_SNAPSHOT: recording the allocator history "
                    "failed; no snapshot will be written");
         oc_g.oom.snapshot_path[0] = '\0';
         oc_warn(msg);
     }
-    attach = oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
+    attach = attached ? NULL : oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
     obs = attach ? oc_edge_function(&observer_def, NULL, NULL) : NULL;
     r = obs ? PyObject_CallFunctionObjArgs(attach, obs, NULL) : NULL;
-    if (r == NULL) {
+    if (r == NULL && (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) ||
+                      PyErr_ExceptionMatches(PyExc_SystemExit))) {
+        OC_CLEAR(); /* set aside: the step runs again */
+    } else if (attached) {
+        /* attached by an interrupted run */
+    } else if (r == NULL) {
         oc_set_error("attaching the CUDA OOM observer");
         oc_g.oom.observer_state = NULL;
         oc_g.oom.observer_none = "attaching it at CUDA initialisation failed";
@@ -200,7 +213,8 @@ void oc_oom_at_cuda_init(PyObject *torch)
     Py_XDECREF(r);
     Py_XDECREF(obs);
     Py_XDECREF(attach);
-    install_hooks();
+    if (!oc_interrupt_waiting())
+        install_hooks();
 }
 
 /* Reads OUTOFCUDA_OOM_SNAPSHOT into oc_g.oom.snapshot_path (absolute). The value is a

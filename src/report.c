@@ -275,9 +275,32 @@ static PyObject *framework_status(void)
     return Py_BuildValue("{s:z,s:z,s:s}", "left_to", left_to, "in_use_now", now, "decided", text);
 }
 
+/* status()'s "cuda_init": each step of the CUDA-init callback (bridge.c) by
+ * name: "queued" (armed, waiting for CUDA's start), "interrupted" (its last
+ * run was interrupted; it runs again when torch next runs its queue), "done"
+ * (it ran to the end) or "off" (nothing to do when CUDA starts). */
+static PyObject *cuda_init_status(void)
+{
+#define OC_STEP_NAME(id, name) name,
+    static const char *const names[] = {OC_CUDA_STEPS(OC_STEP_NAME)};
+#undef OC_STEP_NAME
+    PyObject *d = PyDict_New(), *v;
+    for (int i = 0; d != NULL && i < OC_STEP_COUNT; i++) {
+        unsigned bit = 1u << i;
+        v = PyUnicode_FromString((oc_g.cuda_init_done & bit)          ? "done"
+                                 : !(oc_g.cuda_init_steps & bit)      ? "off"
+                                 : (oc_g.cuda_init_interrupted & bit) ? "interrupted"
+                                                                      : "queued");
+        if (v == NULL || PyDict_SetItemString(d, names[i], v) < 0)
+            Py_CLEAR(d);
+        Py_XDECREF(v);
+    }
+    return d;
+}
+
 static PyObject *oc_status(PyObject *self, PyObject *unused)
 {
-    PyObject *opts, *warnings, *res, *bugs, *framework;
+    PyObject *opts, *warnings, *res, *bugs, *framework, *cuda_init;
     (void)self;
     (void)unused;
     opts = optimizations();
@@ -312,12 +335,20 @@ static PyObject *oc_status(PyObject *self, PyObject *unused)
         Py_DECREF(bugs);
         return NULL;
     }
-    res = Py_BuildValue("{s:s,s:{s:O,s:O,s:O},s:O,s:N,s:N,s:N,s:N}", "version", OC_VERSION, "hook",
-                        "installed", oc_g.installed ? Py_True : Py_False, "fired",
+    cuda_init = cuda_init_status();
+    if (cuda_init == NULL) {
+        Py_DECREF(opts);
+        Py_DECREF(warnings);
+        Py_DECREF(bugs);
+        Py_DECREF(framework);
+        return NULL;
+    }
+    res = Py_BuildValue("{s:s,s:{s:O,s:O,s:O},s:O,s:N,s:N,s:N,s:N,s:N}", "version", OC_VERSION,
+                        "hook", "installed", oc_g.installed ? Py_True : Py_False, "fired",
                         oc_g.fired ? Py_True : Py_False, "error", oc_g.error ? oc_g.error : Py_None,
                         "torch", oc_g.torch_version ? oc_g.torch_version : Py_None, "optimizations",
                         opts, "config_warnings", warnings, "known_bugs", bugs, "framework",
-                        framework);
+                        framework, "cuda_init", cuda_init);
     return res;
 }
 

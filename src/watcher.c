@@ -9,6 +9,7 @@
 typedef struct {
     OC_OBJECT_HEAD
     PyObject *loader; /* torch's real loader */
+    PyObject *module; /* a torch that already ran, handed back by this loader, or NULL */
 } proxy_object;
 
 static const char guard_key[] = "outofcuda.finding_torch";
@@ -43,6 +44,7 @@ static void guard_leave(void)
 static int proxy_traverse(PyObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(OC_FIELDS(proxy_object, self)->loader);
+    Py_VISIT(OC_FIELDS(proxy_object, self)->module);
     Py_VISIT(Py_TYPE(self));
     return 0;
 }
@@ -50,6 +52,7 @@ static int proxy_traverse(PyObject *self, visitproc visit, void *arg)
 static int proxy_clear(PyObject *self)
 {
     Py_CLEAR(OC_FIELDS(proxy_object, self)->loader);
+    Py_CLEAR(OC_FIELDS(proxy_object, self)->module);
     return 0;
 }
 
@@ -66,8 +69,12 @@ static void proxy_dealloc(PyObject *self)
 static PyObject *proxy_create_module(PyObject *self, PyObject *spec)
 {
     PyObject *loader = OC_FIELDS(proxy_object, self)->loader;
-    PyObject *fn = PyObject_GetAttrString(loader, "create_module");
-    PyObject *res;
+    PyObject *fn, *res;
+    if (OC_FIELDS(proxy_object, self)->module != NULL) {
+        Py_INCREF(OC_FIELDS(proxy_object, self)->module);
+        return OC_FIELDS(proxy_object, self)->module;
+    }
+    fn = PyObject_GetAttrString(loader, "create_module");
     if (fn == NULL) {
         /* Loaders without create_module get the default module. */
         OC_CLEAR();
@@ -136,12 +143,96 @@ static void fire(PyObject *fallback_module)
     }
 }
 
+/* ---- a Ctrl-C after torch's __init__ ----
+ *
+ * A KeyboardInterrupt or SystemExit that arrives during outofcuda's work
+ * after torch's __init__ finished is the program's, but raised from
+ * exec_module it would make importlib drop the fully loaded torch from
+ * sys.modules (_load_unlocked removes the module whenever exec_module
+ * raises), and torch's own code cannot run twice in a process.
+ *
+ * In the main thread, where CPython raises every Ctrl-C, it is raised once
+ * the import has returned, by a pending call (Py_AddPendingCall): the main
+ * thread runs one at its next check, which comes right after exec_module
+ * returns, still inside importlib's try, so the call puts itself back until
+ * torch's spec says its import has ended (a few checks), then raises the
+ * exception as it was (a SystemExit stays one). PyErr_SetInterrupt() would
+ * raise at that first check, inside the try.
+ *
+ * In another thread, no signal is ever raised: a KeyboardInterrupt there
+ * was raised by code, and a SystemExit ends that thread alone. Handing it to
+ * the main thread would move it, so it stays with its thread and is raised
+ * from that thread's import; torch is kept (oc_g.torch_dropped) and the next
+ * `import torch`, in any thread, gets that same module back through the
+ * watcher instead of running torch's __init__ a second time. */
+
+/* The pending call: raises the interrupt once torch's spec (arg, a
+ * reference the call owns) says its import has ended. Not sys.modules:
+ * importlib takes torch out and puts it back (to move it to the end) after
+ * exec_module, with a check between. Reads the spec's attribute only: no
+ * Python code runs. */
+static int raise_after_import(void *arg)
+{
+    PyObject *spec = arg;
+    PyObject *initializing = spec != NULL ? PyObject_GetAttrString(spec, "_initializing") : NULL;
+    int running = initializing != NULL && PyObject_IsTrue(initializing) == 1;
+    Py_XDECREF(initializing);
+    oc_clear_absence(); /* absence: no flag, no import running */
+    if (running && Py_AddPendingCall(raise_after_import, spec) == 0)
+        return 0;
+    Py_XDECREF(spec);
+    return oc_raise_interrupt();
+}
+
+static int in_main_thread(void)
+{
+    PyObject *threading = PyImport_ImportModule("threading");
+    PyObject *main = threading ? PyObject_CallMethod(threading, "main_thread", NULL) : NULL;
+    PyObject *ident = main ? PyObject_GetAttrString(main, "ident") : NULL;
+    int res = ident != NULL && PyLong_AsUnsignedLong(ident) == PyThread_get_thread_ident();
+    Py_XDECREF(ident);
+    Py_XDECREF(main);
+    Py_XDECREF(threading);
+    OC_CLEAR();
+    return res;
+}
+
+/* After torch's module ran: 0 with an interrupt that waits in this thread
+ * left to the pending call or to the module kept, or -1 with it raised. */
+static int interrupt_after_exec(PyObject *module)
+{
+    if (!oc_interrupt_waiting())
+        return 0;
+    if (in_main_thread()) {
+        PyObject *spec = PyObject_GetAttrString(module, "__spec__");
+        oc_clear_absence(); /* absence: no spec, raised at the first check */
+        if (Py_AddPendingCall(raise_after_import, spec) == 0)
+            return 0;
+        Py_XDECREF(spec);
+    }
+    if (oc_g.torch_dropped == NULL) {
+        oc_g.torch_dropped = oc_sys_module("torch");
+        if (oc_g.torch_dropped == NULL) {
+            oc_g.torch_dropped = module;
+            Py_INCREF(module);
+        }
+    }
+    return oc_raise_interrupt();
+}
+
 static PyObject *proxy_exec_module(PyObject *self, PyObject *module)
 {
     PyObject *loader = OC_FIELDS(proxy_object, self)->loader;
     PyObject *spec, *res;
     Py_INCREF(loader);
     restore_loader(self, module, loader);
+    if (OC_FIELDS(proxy_object, self)->module != NULL) {
+        /* torch dropped by an interrupt in another thread, back in sys.modules */
+        Py_CLEAR(OC_FIELDS(proxy_object, self)->module);
+        Py_CLEAR(oc_g.torch_dropped);
+        Py_DECREF(loader);
+        Py_RETURN_NONE;
+    }
     if (!oc_g.prepared) {
         oc_g.prepared = 1;
         spec = PyObject_GetAttrString(module, "__spec__");
@@ -178,7 +269,7 @@ static PyObject *proxy_exec_module(PyObject *self, PyObject *module)
     }
     Py_DECREF(res);
     fire(module);
-    if (oc_raise_interrupt() < 0)
+    if (interrupt_after_exec(module) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -263,7 +354,7 @@ static PyType_Spec proxy_spec = {
     proxy_slots,
 };
 
-static PyObject *make_proxy(PyObject *loader)
+static PyObject *make_proxy(PyObject *loader, PyObject *module)
 {
     PyObject *p;
     if (oc_g.proxy_type == NULL) {
@@ -276,6 +367,8 @@ static PyObject *make_proxy(PyObject *loader)
         return NULL;
     Py_INCREF(loader);
     OC_FIELDS(proxy_object, p)->loader = loader;
+    Py_XINCREF(module);
+    OC_FIELDS(proxy_object, p)->module = module;
     return p;
 }
 
@@ -328,6 +421,33 @@ static PyObject *find_with_others(PyObject *self, PyObject *name, PyObject *path
     return spec;
 }
 
+/* The spec that hands back the torch an interrupt in another thread made
+ * importlib drop (oc_g.torch_dropped): its own spec, with a loader whose
+ * create_module returns that module and whose exec_module runs nothing. */
+static PyObject *dropped_torch_spec(void)
+{
+    PyObject *spec, *loader, *proxy;
+    PyObject *now = PyDict_GetItemString(PyImport_GetModuleDict(), "torch"); /* borrowed */
+    if (now != NULL) {
+        /* imported again some other way: that one stands */
+        Py_CLEAR(oc_g.torch_dropped);
+        Py_RETURN_NONE;
+    }
+    spec = PyObject_GetAttrString(oc_g.torch_dropped, "__spec__");
+    loader = spec && spec != Py_None ? PyObject_GetAttrString(spec, "loader") : NULL;
+    proxy = loader ? make_proxy(loader, oc_g.torch_dropped) : NULL;
+    Py_XDECREF(loader);
+    if (proxy == NULL || PyObject_SetAttrString(spec, "loader", proxy) < 0) {
+        oc_set_error("handing back the torch an interrupt left out of sys.modules");
+        Py_XDECREF(proxy);
+        Py_XDECREF(spec);
+        Py_CLEAR(oc_g.torch_dropped); /* the import system finds torch as it would */
+        Py_RETURN_NONE;
+    }
+    Py_DECREF(proxy);
+    return spec;
+}
+
 /* _find_torch_spec(finder, fullname, path=None, target=None): the boot's
  * finder hands every "torch" lookup here. None after the hook fired; else
  * torch's real spec with the loader wrapped. `finder` is skipped when the
@@ -337,13 +457,15 @@ static PyObject *find_torch_spec(PyObject *module, PyObject *args, PyObject *kw)
     static char *kwlist[] = {"finder", "fullname", "path", "target", NULL};
     PyObject *self, *name, *path = Py_None, *target = Py_None, *spec, *loader, *proxy;
     (void)module;
-    if (oc_g.fired)
+    if (oc_g.fired && oc_g.torch_dropped == NULL)
         Py_RETURN_NONE;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OU|OO:find_spec", kwlist, &self, &name, &path,
                                      &target))
         return NULL;
     if (PyUnicode_CompareWithASCIIString(name, "torch") != 0)
         Py_RETURN_NONE;
+    if (oc_g.fired)
+        return dropped_torch_spec();
     if (guard_enter())
         Py_RETURN_NONE;
     spec = find_with_others(self, name, path, target);
@@ -361,7 +483,7 @@ static PyObject *find_torch_spec(PyObject *module, PyObject *args, PyObject *kw)
         Py_DECREF(loader);
         return spec;
     }
-    proxy = make_proxy(loader);
+    proxy = make_proxy(loader, NULL);
     Py_DECREF(loader);
     if (proxy == NULL || PyObject_SetAttrString(spec, "loader", proxy) < 0) {
         oc_set_error("wrapping torch's loader failed");
