@@ -286,7 +286,8 @@ def _render_optimizations(opts):
              + ("value" if shared else "value (reason below)")]
     for name, e in opts.items():
         value = _value_lines(e.get("value"))
-        applied = "queued" if e.get("queued") else "yes" if e.get("applied") else "no"
+        applied = ("queued" if e.get("queued") else "yes" if e.get("applied")
+                   else "off" if e.get("off_by") else "no")
         lines.append(f"  {name:<20} {applied:<8} {value[0]}")
         lines += value[1:]
         if not shared:

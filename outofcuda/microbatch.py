@@ -22,13 +22,27 @@ def _is_container(x):
             and not isinstance(x, (str, bytes, bytearray, memoryview)))
 
 
+# How deep containers may nest in a batch: the walks below recurse once per
+# level, so a deeper batch would end in a RecursionError instead of a message.
+_DEPTH_MAX = 100
+
+
+def _deeper(path, x):
+    """`path` with x's container added, or a ValueError past _DEPTH_MAX."""
+    if len(path) >= _DEPTH_MAX:
+        raise ValueError(f"auto_microbatch: the batch nests containers more than {_DEPTH_MAX} "
+                         f"deep (a {type(x).__name__} at that depth); pass tensors in "
+                         f"shallower dicts, lists or tuples")
+    return path + (id(x),)
+
+
 def _tensors(x, torch, path=()):
     """Every tensor inside `x`; `path` holds the containers above, so a
     container that holds itself is walked once."""
     if isinstance(x, torch.Tensor):
         yield x
     elif _is_container(x) and id(x) not in path:
-        inner = path + (id(x),)
+        inner = _deeper(path, x)
         for v in (x.values() if isinstance(x, Mapping) else x):
             yield from _tensors(v, torch, inner)
 
@@ -132,7 +146,7 @@ def _slice(x, n, start, stop, torch, path=()):
         return x[start:stop] if x.dim() > 0 and x.shape[0] == n else x
     if not _is_container(x) or id(x) in path:
         return x
-    inner = path + (id(x),)
+    inner = _deeper(path, x)
     if isinstance(x, Mapping):
         old = list(x.items())
         new = [(k, _slice(v, n, start, stop, torch, inner)) for k, v in old]

@@ -39,6 +39,9 @@
  * intervals are clamped, so a deadline never overflows time_t. The Python
  * layer refuses them with a ValueError. */
 #define INTERVAL_MAX_S 86400.0
+/* The shortest: a shorter interval is raised to it (the Python layer does
+ * the same), so the thread never spins a core on NVML. */
+#define INTERVAL_MIN_S 0.01
 
 typedef struct {
     double t;
@@ -522,7 +525,9 @@ static PyObject *monitor_start(PyObject *args, int with_source)
     m->cap = (size_t)capacity;
     m->torch_index = device;
     m->threshold = threshold;
-    m->interval = interval < INTERVAL_MAX_S ? interval : INTERVAL_MAX_S;
+    m->interval = interval < INTERVAL_MIN_S   ? INTERVAL_MIN_S
+                  : interval < INTERVAL_MAX_S ? interval
+                                              : INTERVAL_MAX_S;
     m->cooldown = cooldown;
     m->allocator_stats = alloc_stats;
     snprintf(m->source, sizeof m->source, "%s", source);
