@@ -617,7 +617,8 @@ static PyObject *py_monitor_stop_all(PyObject *self, PyObject *args)
     return PyLong_FromLong(stop_all());
 }
 
-/* _monitor_info(capsule) -> dict(running, why, dropped, nvml_index, count). */
+/* _monitor_info(capsule) -> dict(running, why, dropped, nvml_index, count,
+ * interval: the seconds between polls, clamped). */
 static PyObject *py_monitor_info(PyObject *self, PyObject *capsule)
 {
     oc_monitor *m = get_monitor(capsule);
@@ -630,9 +631,9 @@ static PyObject *py_monitor_info(PyObject *self, PyObject *capsule)
     dropped = m->dropped;
     count = m->count;
     pthread_mutex_unlock(&m->th.lock);
-    return Py_BuildValue("{s:O,s:s,s:K,s:i,s:n}", "running", m->running ? Py_True : Py_False, "why",
-                         m->why, "dropped", dropped, "nvml_index", m->nvml_index, "count",
-                         (Py_ssize_t)count);
+    return Py_BuildValue("{s:O,s:s,s:K,s:i,s:n,s:d}", "running", m->running ? Py_True : Py_False,
+                         "why", m->why, "dropped", dropped, "nvml_index", m->nvml_index, "count",
+                         (Py_ssize_t)count, "interval", m->interval);
 }
 
 static PyObject *none_if_negative(long long x)

@@ -175,7 +175,7 @@ def test_smart_dataloader_iterates_with_0_and_2_workers_and_caller_wins(venv, wo
                "override": run(num_workers=1, prefetch_factor=5, persistent_workers=False,
                                pin_memory=False)}
         errs = []
-        for bad in ({"num_workers": -1}, {"num_workers": 1.5}):
+        for bad in ({"num_workers": -1}, {"num_workers": 1.5}, {"num_workers": 10**30}):
             try:
                 outofcuda.smart_dataloader(ds, **bad)
             except ValueError as e:
@@ -197,7 +197,9 @@ def test_smart_dataloader_iterates_with_0_and_2_workers_and_caller_wins(venv, wo
     assert res["two"]["workers"] == 2 and res["two"]["prefetch"] == 3 and res["two"]["ok"]
     assert res["override"] == {"workers": 1, "prefetch": 5, "persistent": False, "pin": False,
                                "ok": True, "batch": 5}
-    assert len(res["errs"]) == 3 and "num_workers" in res["errs"][0]
+    assert len(res["errs"]) == 4 and "num_workers" in res["errs"][0]
+    # past what the engine takes as a C long: the same clear ValueError, no OverflowError
+    assert "num_workers must be a whole number from 0 to 2147483647" in res["errs"][2]
     # torch's "suggested max number of worker" warning must not appear.
     assert "suggested max" not in r.stderr
 
