@@ -257,10 +257,16 @@ def auto_microbatch(fn=None, *, scaler=None, min_size=1, retry_after=100, ddp=No
     and the globals it names; ``ddp=model`` names it (or a list; also the root of an FSDP
     model, which is never looked for), ``ddp=False`` turns this off.
 
+    >>> import torch, outofcuda
+    >>> model = torch.nn.Linear(8, 3)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
     >>> @outofcuda.auto_microbatch
     ... def step(x, y):
     ...     return torch.nn.functional.cross_entropy(model(x), y)
+    >>> x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
     >>> loss = step(x, y); opt.step(); opt.zero_grad()
+    >>> step.pieces   # the whole batch fitted: one piece
+    1
     """
     if fn is None:
         return functools.partial(auto_microbatch, scaler=scaler, min_size=min_size,
@@ -454,7 +460,16 @@ def find_batch_size(fn, start, *, min_size=1, grow=False):
     is not an OOM propagates unchanged; when ``min_size`` itself fails the
     original error is re-raised with the report attached.
 
-    >>> bs = outofcuda.find_batch_size(lambda b: model(torch.zeros(b, 3, 224, 224)), 512)
+    >>> import torch, outofcuda
+    >>> model = torch.nn.Linear(8, 3)
+    >>> def fits(b):
+    ...     if b > 100:   # stands in for the CUDA OOM of a batch above 100 samples
+    ...         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    ...     model(torch.zeros(b, 8))
+    >>> outofcuda.find_batch_size(fits, 512)
+    64
+    >>> outofcuda.find_batch_size(fits, 512, grow=True)
+    100
     """
     _check_fn(fn, "find_batch_size")
     _check_min_size(min_size, "find_batch_size")

@@ -95,9 +95,9 @@ class MemoryMonitor:
 
     >>> from outofcuda import MemoryMonitor
     >>> with MemoryMonitor(threshold=0.85, interval=2.0) as mon:
-    ...     train(model, loader)                    # doctest: +SKIP
-    >>> mon.events                                  # what it did  # doctest: +SKIP
-    >>> mon.to_csv("vram.csv")                      # the timeline # doctest: +SKIP
+    ...     train(model, loader)      # needs a GPU and a training loop  # doctest: +SKIP
+    >>> mon.events                    # what it did (needs the run)  # doctest: +SKIP
+    >>> mon.to_csv("vram.csv")        # the timeline (needs the run) # doctest: +SKIP
     """
 
     def __init__(self, threshold=0.85, interval=2.0, device=None, on_high=None, *,
