@@ -46,12 +46,23 @@ static void check_config(const oc_config *c)
     if (memchr(c->alloc_conf, '\0', sizeof c->alloc_conf) == NULL ||
         memchr(c->compile_mode, '\0', sizeof c->compile_mode) == NULL)
         abort();
-    if (!(c->memory_fraction > 0.0 && c->memory_fraction <= 1.0))
+    /* A setting given an off word holds what leaves torch's default: a
+     * fraction of 0, OC_AMP_OFF, a prefetch factor of 0; only then. */
+    if (oc_config_off(c, "OUTOFCUDA_MEMORY_FRACTION")
+            ? c->memory_fraction != 0.0
+            : !(c->memory_fraction > 0.0 && c->memory_fraction <= 1.0))
         abort();
-    if (c->amp_dtype < OC_AMP_AUTO || c->amp_dtype > OC_AMP_BFLOAT16)
+    if (oc_config_off(c, "OUTOFCUDA_AMP_DTYPE")
+            ? c->amp_dtype != OC_AMP_OFF
+            : c->amp_dtype < OC_AMP_AUTO || c->amp_dtype > OC_AMP_BFLOAT16)
         abort();
-    if (c->num_workers < 0 || c->num_workers > 1024 || c->prefetch_factor < 1 ||
-        c->prefetch_factor > 1024)
+    if (c->num_workers < 0 || c->num_workers > 1024 ||
+        (oc_config_off(c, "OUTOFCUDA_PREFETCH_FACTOR")
+             ? c->prefetch_factor != 0
+             : c->prefetch_factor < 1 || c->prefetch_factor > 1024))
+        abort();
+    if (oc_config_off(c, "OUTOFCUDA_ALLOC_CONF") &&
+        (c->alloc_conf[0] != '\0' || c->alloc_conf_no_expandable[0] != '\0'))
         abort();
     if ((c->disable | c->verbose | c->tf32 | c->cudnn_benchmark | c->channels_last) & ~1)
         abort();

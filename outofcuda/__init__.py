@@ -58,9 +58,18 @@ _LAZY = {
 def status():
     """What outofcuda did in this process, as a JSON-serialisable dict.
 
+    Each optimisation says whether it was ``applied``, its ``value``, the
+    ``reason``, ``off_by`` (the ``OUTOFCUDA_*`` variable that turned it off,
+    else None) and ``now`` (what torch has now). A step that waits for CUDA's
+    start (TF32, the memory fraction, the OOM handler) says ``queued`` and
+    ``applied`` False until then; a CPU-only build of torch applies neither.
+
     >>> import torch, outofcuda
-    >>> outofcuda.status()["optimizations"]["tf32"]["applied"]
+    >>> st = outofcuda.status()
+    >>> st["hook"]["fired"]
     True
+    >>> st["optimizations"]["tf32"]["applied"]   # no CUDA started here
+    False
     """
     return _need_core().status()
 
@@ -78,7 +87,7 @@ def apply():
     process. ``OUTOFCUDA_DISABLE=1`` still wins.
 
     >>> import outofcuda
-    >>> outofcuda.apply()["hook"]["installed"]   # doctest: +SKIP
+    >>> outofcuda.apply()["hook"]["installed"]   # the hook had installed it already
     True
     """
     core = _need_core()

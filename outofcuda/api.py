@@ -52,7 +52,8 @@ def autocast_context(device_type=None, dtype=None, enabled=True):
     """A ``torch.autocast`` context with outofcuda's dtype choice.
 
     ``device_type`` defaults to ``"cuda"`` when CUDA is available, else
-    ``"cpu"``. ``dtype`` defaults to ``OUTOFCUDA_AMP_DTYPE`` when set, else the
+    ``"cpu"``. ``dtype`` defaults to ``OUTOFCUDA_AMP_DTYPE`` when set (``off``:
+    torch's own default dtype on every device), else the
     start-up hook's choice (bfloat16 on compute capability >= 8.0, float16 on
     older GPUs), bfloat16 on the CPU. The dtype is passed explicitly, so the
     choice also holds in threads other than the one that imported torch
@@ -181,13 +182,18 @@ def compile_model(model, channels_last=None, compile=None, mode=None, fullgraph=
     return torch.compile(model, mode=mode, fullgraph=fullgraph)
 
 
+# The most workers one DataLoader may be asked for: each is a process, and
+# the engine takes the count as a C long.
+_WORKERS_MAX = 2**31 - 1
+
+
 def smart_dataloader(dataset, **kwargs):
     """A ``torch.utils.data.DataLoader`` with the settings people forget.
 
     ``num_workers`` is ``OUTOFCUDA_NUM_WORKERS`` capped at the CPUs this
     process may use (affinity mask and cgroup quota); ``prefetch_factor``
-    (``OUTOFCUDA_PREFETCH_FACTOR``) and ``persistent_workers=True`` are added
-    only when there are workers; ``pin_memory`` (``OUTOFCUDA_PIN_MEMORY``) only
+    (``OUTOFCUDA_PREFETCH_FACTOR``; ``off``: torch's own) and
+    ``persistent_workers=True`` are added only when there are workers; ``pin_memory`` (``OUTOFCUDA_PIN_MEMORY``) only
     when CUDA is available. Every keyword you pass wins over these. When
     workers meet a ``/dev/shm`` under 512 MiB (a container's 64 MB default),
     one warning per process says so.
@@ -203,14 +209,17 @@ def smart_dataloader(dataset, **kwargs):
         raise TypeError("smart_dataloader got the dataset twice (positionally and as dataset=)")
     requested = kwargs.get("num_workers", -1)
     if "num_workers" in kwargs and (
-        not isinstance(requested, int) or isinstance(requested, bool) or requested < 0
+        not isinstance(requested, int) or isinstance(requested, bool)
+        or not 0 <= requested <= _WORKERS_MAX
     ):
-        raise ValueError(f"num_workers must be a whole number >= 0, got {requested!r}")
+        raise ValueError(f"num_workers must be a whole number from 0 to {_WORKERS_MAX}, "
+                         f"got {requested!r}")
     torch = _torch()
     plan = core._api_loader_plan(torch.cuda.is_available(), requested)
     args = {"num_workers": plan["num_workers"], "pin_memory": plan["pin_memory"]}
     if plan["num_workers"] > 0:
-        args["prefetch_factor"] = plan["prefetch_factor"]
+        if plan["prefetch_factor"] is not None:
+            args["prefetch_factor"] = plan["prefetch_factor"]
         args["persistent_workers"] = True
     if plan["shm_warning"]:
         warnings.warn(plan["shm_warning"], RuntimeWarning, stacklevel=2)

@@ -104,8 +104,8 @@ def _site_dirs():
 def hook_files():
     """Every outofcuda_hook.pth / .start on this interpreter's site dirs.
 
-    >>> [f["path"] for f in hook_files()]  # doctest: +SKIP
-    ['/venv/lib/python3.11/site-packages/outofcuda_hook.pth', ...]
+    >>> [f["path"].rsplit("/", 1)[-1] for f in hook_files()]  # one, .pth up to 3.17
+    ['outofcuda_hook...']
     """
     found = []
     real = {os.path.realpath(d) for d in _real_site_dirs()}
@@ -146,7 +146,7 @@ def probe(timeout=PROBE_TIMEOUT_S):
     Returns the probe dict (torch/cuda versions, the extension's status(),
     whether CUDA got initialised) plus ``exit_code`` and ``stderr``.
 
-    >>> probe()["status"]["hook"]["fired"]  # doctest: +SKIP
+    >>> probe()["status"]["hook"]["fired"]
     True
     """
     try:
@@ -286,7 +286,8 @@ def _render_optimizations(opts):
              + ("value" if shared else "value (reason below)")]
     for name, e in opts.items():
         value = _value_lines(e.get("value"))
-        applied = "queued" if e.get("queued") else "yes" if e.get("applied") else "no"
+        applied = ("queued" if e.get("queued") else "yes" if e.get("applied")
+                   else "off" if e.get("off_by") else "no")
         lines.append(f"  {name:<20} {applied:<8} {value[0]}")
         lines += value[1:]
         if not shared:
@@ -816,7 +817,7 @@ def main(argv=None):
     When whoever reads the output goes away (``outofcuda status | head -1``)
     it stops quietly, as other command-line tools do, with exit code 141.
 
-    >>> main(["doctor", "--json"])  # doctest: +SKIP
+    >>> main(["doctor", "--json"])  # the whole report; 1 on a machine without a GPU  # doctest: +SKIP
     0
     """
     if sys.stdout is None:

@@ -22,13 +22,27 @@ def _is_container(x):
             and not isinstance(x, (str, bytes, bytearray, memoryview)))
 
 
+# How deep containers may nest in a batch: the walks below recurse once per
+# level, so a deeper batch would end in a RecursionError instead of a message.
+_DEPTH_MAX = 100
+
+
+def _deeper(path, x):
+    """`path` with x's container added, or a ValueError past _DEPTH_MAX."""
+    if len(path) >= _DEPTH_MAX:
+        raise ValueError(f"auto_microbatch: the batch nests containers more than {_DEPTH_MAX} "
+                         f"deep (a {type(x).__name__} at that depth); pass tensors in "
+                         f"shallower dicts, lists or tuples")
+    return path + (id(x),)
+
+
 def _tensors(x, torch, path=()):
     """Every tensor inside `x`; `path` holds the containers above, so a
     container that holds itself is walked once."""
     if isinstance(x, torch.Tensor):
         yield x
     elif _is_container(x) and id(x) not in path:
-        inner = path + (id(x),)
+        inner = _deeper(path, x)
         for v in (x.values() if isinstance(x, Mapping) else x):
             yield from _tensors(v, torch, inner)
 
@@ -132,7 +146,7 @@ def _slice(x, n, start, stop, torch, path=()):
         return x[start:stop] if x.dim() > 0 and x.shape[0] == n else x
     if not _is_container(x) or id(x) in path:
         return x
-    inner = path + (id(x),)
+    inner = _deeper(path, x)
     if isinstance(x, Mapping):
         old = list(x.items())
         new = [(k, _slice(v, n, start, stop, torch, inner)) for k, v in old]
@@ -243,10 +257,16 @@ def auto_microbatch(fn=None, *, scaler=None, min_size=1, retry_after=100, ddp=No
     and the globals it names; ``ddp=model`` names it (or a list; also the root of an FSDP
     model, which is never looked for), ``ddp=False`` turns this off.
 
+    >>> import torch, outofcuda
+    >>> model = torch.nn.Linear(8, 3)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
     >>> @outofcuda.auto_microbatch
     ... def step(x, y):
     ...     return torch.nn.functional.cross_entropy(model(x), y)
+    >>> x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
     >>> loss = step(x, y); opt.step(); opt.zero_grad()
+    >>> step.pieces   # the whole batch fitted: one piece
+    1
     """
     if fn is None:
         return functools.partial(auto_microbatch, scaler=scaler, min_size=min_size,
@@ -440,7 +460,16 @@ def find_batch_size(fn, start, *, min_size=1, grow=False):
     is not an OOM propagates unchanged; when ``min_size`` itself fails the
     original error is re-raised with the report attached.
 
-    >>> bs = outofcuda.find_batch_size(lambda b: model(torch.zeros(b, 3, 224, 224)), 512)
+    >>> import torch, outofcuda
+    >>> model = torch.nn.Linear(8, 3)
+    >>> def fits(b):
+    ...     if b > 100:   # stands in for the CUDA OOM of a batch above 100 samples
+    ...         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    ...     model(torch.zeros(b, 8))
+    >>> outofcuda.find_batch_size(fits, 512)
+    64
+    >>> outofcuda.find_batch_size(fits, 512, grow=True)
+    100
     """
     _check_fn(fn, "find_batch_size")
     _check_min_size(min_size, "find_batch_size")

@@ -29,9 +29,13 @@ _warned_no_gpu = False
 atexit.register(core._monitor_stop_all, True)
 
 # Bounds the C thread relies on: its longest wait (the C layer clamps there
-# too) and a timeline that fits in memory (56 bytes a sample).
+# too) and a timeline that fits in memory (56 bytes a sample). A shorter
+# interval than INTERVAL_MIN is raised to it (the C layer clamps there too):
+# polling NVML more often only spins a core. Device indices are C ints.
 INTERVAL_MAX = 86400.0
+INTERVAL_MIN = 0.01
 CAPACITY_MAX = 10_000_000
+DEVICE_MAX = 2**31 - 1
 
 
 def _device_index(device):
@@ -48,20 +52,27 @@ def _device_index(device):
     else:
         text = str(device)
         kind, _, num = text.partition(":")
-        if kind != "cuda" or (num and not num.isdigit()):
+        if kind != "cuda" or (num and not (num.isascii() and num.isdigit())):
             raise ValueError(f"device must be a CUDA device ('cuda', 'cuda:N' or N), got {device!r}")
+        if len(num.lstrip("0")) > len(str(DEVICE_MAX)):  # int() of 5000 digits raises
+            raise ValueError(f"device index must be from 0 to {DEVICE_MAX}, got {device!r}")
         index = int(num) if num else _device_index(None)
-    if index < 0:
-        raise ValueError(f"device index must be >= 0, got {index}")
+    if not 0 <= index <= DEVICE_MAX:
+        raise ValueError(f"device index must be from 0 to {DEVICE_MAX}, got {index}")
     return index
 
 
 def _number(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(f"{name} must be a finite number, got an integer of "
+                         f"{value.bit_length()} bits") from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
+    return value
 
 
 class MemoryMonitor:
@@ -69,7 +80,8 @@ class MemoryMonitor:
 
     ``threshold``: fraction of the device's memory in use (NVML, all
     processes) that triggers action, in (0, 1]. ``interval``: seconds between
-    polls (> 0, at most 86400). ``device``: None (the current device when CUDA is up, else
+    polls (> 0, at most 86400; below 0.01 it polls every 0.01 s, and
+    ``.interval`` says so). ``device``: None (the current device when CUDA is up, else
     0), an index, ``"cuda:N"`` or a ``torch.device``. ``on_high(event)`` is
     called from the watchdog thread with a dict (time, used, total, fraction,
     released, ...). It acts once per upward crossing and, while usage stays
@@ -83,9 +95,9 @@ class MemoryMonitor:
 
     >>> from outofcuda import MemoryMonitor
     >>> with MemoryMonitor(threshold=0.85, interval=2.0) as mon:
-    ...     train(model, loader)                    # doctest: +SKIP
-    >>> mon.events                                  # what it did  # doctest: +SKIP
-    >>> mon.to_csv("vram.csv")                      # the timeline # doctest: +SKIP
+    ...     train(model, loader)      # needs a GPU and a training loop  # doctest: +SKIP
+    >>> mon.events                    # what it did (needs the run)  # doctest: +SKIP
+    >>> mon.to_csv("vram.csv")        # the timeline (needs the run) # doctest: +SKIP
     """
 
     def __init__(self, threshold=0.85, interval=2.0, device=None, on_high=None, *,
@@ -109,7 +121,7 @@ class MemoryMonitor:
         if not isinstance(allocator_stats, bool):
             raise TypeError(f"allocator_stats must be True or False, got {allocator_stats!r}")
         self.threshold = threshold
-        self.interval = interval
+        self.interval = max(interval, INTERVAL_MIN)
         self.cooldown = cooldown
         self.capacity = capacity
         self.device = _device_index(device)

@@ -54,7 +54,7 @@ def _gib(b):
 def format_report(report):
     """The report as printed before the traceback of an uncaught OOM.
 
-    >>> print(format_report(outofcuda.last_oom()))  # doctest: +SKIP
+    >>> print(format_report(outofcuda.last_oom()))  # needs a CUDA OOM first  # doctest: +SKIP
     """
     if not isinstance(report, dict) or "advice" not in report:
         raise TypeError("format_report expects the dict that outofcuda.last_oom() returns")

@@ -150,8 +150,9 @@ static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
     }
     oc_utf8(arg, dev, sizeof dev);
     if (cfg->amp_dtype != OC_AMP_AUTO) {
+        /* NULL under OC_AMP_OFF: torch's own default on every device type. */
         const char *name = oc_amp_cuda_dtype(cfg, reason, sizeof reason);
-        return Py_BuildValue("(ss)", name, reason);
+        return Py_BuildValue("(zs)", name, reason);
     }
     if (strcmp(dev, "cpu") == 0)
         return Py_BuildValue("(ss)", "bfloat16", "CPU autocast computes in bfloat16");
@@ -172,6 +173,10 @@ const char *oc_amp_cuda_dtype(const oc_config *cfg, char *reason, size_t sz)
 {
     char why[200] = "";
     int cc;
+    if (cfg->amp_dtype == OC_AMP_OFF) {
+        snprintf(reason, sz, "off by OUTOFCUDA_AMP_DTYPE: torch's own default");
+        return NULL;
+    }
     if (cfg->amp_dtype != OC_AMP_AUTO) {
         const char *name = cfg->amp_dtype == OC_AMP_BFLOAT16 ? "bfloat16" : "float16";
         snprintf(reason, sz, "OUTOFCUDA_AMP_DTYPE=%s", name);
@@ -266,8 +271,11 @@ static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
                      shm_path);
     }
     return Py_BuildValue(
-        "{s:l,s:l,s:O,s:O,s:l,s:K,s:s,s:O,s:O,s:K}", "num_workers", workers, "prefetch_factor",
-        cfg->prefetch_factor, "persistent_workers", workers > 0 ? Py_True : Py_False, "pin_memory",
+        "{s:l,s:N,s:O,s:O,s:l,s:K,s:s,s:O,s:O,s:K}", "num_workers", workers, "prefetch_factor",
+        /* None: off (OUTOFCUDA_PREFETCH_FACTOR=off), torch's own default */
+        cfg->prefetch_factor > 0 ? PyLong_FromLong(cfg->prefetch_factor)
+                                 : (Py_IncRef(Py_None), Py_None),
+        "persistent_workers", workers > 0 ? Py_True : Py_False, "pin_memory",
         (cfg->pin_memory && cuda_available) ? Py_True : Py_False, "cpus", cpus, "shm_bytes",
         shm_total, "shm_warning", warning, "shm_present", shm_ok ? Py_True : Py_False, "shm_enough",
         shm_enough ? Py_True : Py_False, "shm_min_bytes", shm_min);

@@ -252,6 +252,10 @@ static void prepare_allocator(const oc_config *cfg)
                  "at torch's import: no framework that owns GPU memory in use%s",
                  cfg->framework_override ? " (or OUTOFCUDA_FRAMEWORK_OVERRIDE=1)" : "");
     }
+    /* Off (OUTOFCUDA_ALLOC_CONF=off): nothing merged, nothing written; the
+     * user's own allocator variable is torch's alone. */
+    if (oc_config_off(cfg, "OUTOFCUDA_ALLOC_CONF"))
+        return;
     if (!oc_g.build.known) {
         if (!owned)
             snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
@@ -481,7 +485,7 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
     const char *override = oc_env("NVIDIA_TF32_OVERRIDE");
     PyObject *setter;
     if (!cfg->tf32) {
-        oc_result_set("tf32", 0, NULL, "OUTOFCUDA_TF32=0: torch's defaults kept");
+        oc_result_off("tf32", "OUTOFCUDA_TF32");
         return;
     }
     /* On a CPU-only build the legacy flag still moves torch's float32 matmul
@@ -531,14 +535,29 @@ static int skip_without_cuda(const char *name)
 
 static void apply_cudnn(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
 {
-    if (skip_without_cuda("cudnn_benchmark") + skip_without_cuda("cudnn_deterministic"))
+    /* A step the user turned off says so first, whatever else holds;
+     * deterministic cuDNN still forces the autotuner off in torch. */
+    int det_off = oc_config_off(cfg, "OUTOFCUDA_CUDNN_DETERMINISTIC");
+    int bench_off = !cfg->cudnn_benchmark;
+    if (det_off)
+        oc_result_off("cudnn_deterministic", "OUTOFCUDA_CUDNN_DETERMINISTIC");
+    if (bench_off)
+        oc_result_off("cudnn_benchmark", "OUTOFCUDA_CUDNN_BENCHMARK");
+    if (!oc_g.build.cuda_build) {
+        if (!bench_off)
+            skip_without_cuda("cudnn_benchmark");
+        if (!det_off)
+            skip_without_cuda("cudnn_deterministic");
         return;
+    }
     /* disable_global_flags() freezes torch.backends.cudnn's flags too. */
     if (flags_frozen(torch)) {
-        oc_result_set("cudnn_benchmark", 0, NULL,
-                      "torch.backends.disable_global_flags() was called");
-        oc_result_set("cudnn_deterministic", 0, NULL,
-                      "torch.backends.disable_global_flags() was called");
+        if (!bench_off)
+            oc_result_set("cudnn_benchmark", 0, NULL,
+                          "torch.backends.disable_global_flags() was called");
+        if (!det_off)
+            oc_result_set("cudnn_deterministic", 0, NULL,
+                          "torch.backends.disable_global_flags() was called");
         return;
     }
     if (cfg->cudnn_deterministic) {
@@ -546,16 +565,16 @@ static void apply_cudnn(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
             oc_result_set("cudnn_deterministic", 1, Py_True, "OUTOFCUDA_CUDNN_DETERMINISTIC=1");
         else
             oc_result_set("cudnn_deterministic", 0, NULL, "torch._C has no cuDNN setter");
-        if (set_flag(c_mod, "_set_cudnn_benchmark", 0, "cudnn_benchmark") == 1)
+        if (set_flag(c_mod, "_set_cudnn_benchmark", 0, "cudnn_benchmark") == 1 && !bench_off)
             oc_result_set("cudnn_benchmark", 0, Py_False,
                           "forced off: deterministic cuDNN needs fixed algorithms");
         return;
     }
-    oc_result_set("cudnn_deterministic", 0, Py_False, "OUTOFCUDA_CUDNN_DETERMINISTIC=0 (default)");
-    if (!cfg->cudnn_benchmark) {
-        oc_result_set("cudnn_benchmark", 0, Py_False, "OUTOFCUDA_CUDNN_BENCHMARK=0");
+    if (!det_off)
+        oc_result_set("cudnn_deterministic", 0, Py_False,
+                      "OUTOFCUDA_CUDNN_DETERMINISTIC=0 (default)");
+    if (bench_off)
         return;
-    }
     if (set_flag(c_mod, "_set_cudnn_benchmark", 1, "cudnn_benchmark") == 1)
         oc_result_set("cudnn_benchmark", 1, Py_True,
                       "autotunes convolutions per input shape (slow with changing shapes)");
@@ -640,6 +659,8 @@ static void hand_back_allocator(PyObject *c_mod)
     char reason[sizeof oc_g.alloc_reason + sizeof oc_g.framework.why + 200];
     const char *name, *user, *used;
     int rc = 1;
+    if (oc_config_off(oc_config_get(), "OUTOFCUDA_ALLOC_CONF"))
+        return; /* the record says off: there is nothing of outofcuda's to hand back */
     if (!oc_g.alloc_applied) {
         snprintf(reason, sizeof reason, "%s; left to %s from CUDA initialisation. %s",
                  oc_g.alloc_reason, oc_g.framework.left_to, oc_g.framework.why);
@@ -703,7 +724,9 @@ static void framework_left(PyObject *torch)
     if (oc_g.alloc_value[0] && strcmp(oc_g.alloc_value, user) != 0)
         rc = call_setter(c_mod, oc_g.alloc_value, &used);
     Py_XDECREF(c_mod);
-    if (rc != 1) {
+    if (oc_config_off(oc_config_get(), "OUTOFCUDA_ALLOC_CONF")) {
+        /* the record already says off */
+    } else if (rc != 1) {
         oc_set_error("handing the allocator settings to torch at CUDA initialisation");
         oc_result_setf("allocator", 0, NULL, "%s; torch's runtime setter %s", reason,
                        used ? "failed" : "is missing");
@@ -717,7 +740,7 @@ static void framework_left(PyObject *torch)
                        reason);
         Py_XDECREF(v);
     }
-    if (oc_g.build.cuda_build) {
+    if (oc_g.build.cuda_build && !oc_config_off(oc_config_get(), "OUTOFCUDA_MEMORY_FRACTION")) {
         oc_g.pending_fraction = oc_config_get()->memory_fraction;
         oc_cuda_step_arm(OC_STEP_FRACTION);
     }
@@ -750,6 +773,8 @@ static void framework_at_cuda_init(PyObject *torch)
     OC_CLEAR();
     hand_back_allocator(c_mod);
     Py_XDECREF(c_mod);
+    if (oc_config_off(oc_config_get(), "OUTOFCUDA_MEMORY_FRACTION"))
+        return; /* the record says off */
     snprintf(reason, sizeof reason, "not set: left to %s. %s", oc_g.framework.left_to,
              oc_g.framework.why);
     oc_result_set("memory_fraction", 0, NULL, reason);
@@ -851,6 +876,10 @@ done:
 static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
 {
     PyObject *value;
+    if (oc_config_off(cfg, "OUTOFCUDA_MEMORY_FRACTION")) {
+        oc_result_off("memory_fraction", "OUTOFCUDA_MEMORY_FRACTION");
+        return;
+    }
     if (!oc_g.build.cuda_build) {
         oc_result_set("memory_fraction", 0, NULL, "this torch build has no CUDA");
         return;
@@ -1081,6 +1110,10 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
     const char *dtype_name;
     PyObject *dtype, *fn, *r;
     int use_new;
+    if (cfg->amp_dtype == OC_AMP_OFF) {
+        oc_result_off("amp_dtype", "OUTOFCUDA_AMP_DTYPE");
+        return;
+    }
     if (!oc_g.build.cuda_build) {
         oc_result_set("amp_dtype", 0, NULL, "this torch build has no CUDA");
         return;
@@ -1177,7 +1210,9 @@ static void note_idle_gc(const oc_config *cfg)
     if (oc_alloc_value(oc_g.alloc_value, "per_process_memory_fraction", v, sizeof v) == 1 &&
         atof(v) < 1.0)
         return;
-    if (cfg->memory_fraction >= 1.0 && oc_g.build.ver >= 21100)
+    if (oc_config_off(cfg, "OUTOFCUDA_MEMORY_FRACTION"))
+        why = "OUTOFCUDA_MEMORY_FRACTION is off";
+    else if (cfg->memory_fraction >= 1.0 && oc_g.build.ver >= 21100)
         why = "OUTOFCUDA_MEMORY_FRACTION=1 sets no limit on this torch";
     if (why == NULL)
         return;
@@ -1190,6 +1225,10 @@ static void note_idle_gc(const oc_config *cfg)
 static void record_allocator(const oc_config *cfg)
 {
     PyObject *v;
+    if (oc_config_off(cfg, "OUTOFCUDA_ALLOC_CONF")) {
+        oc_result_off("allocator", "OUTOFCUDA_ALLOC_CONF");
+        return;
+    }
     if (!oc_g.prepared) {
         /* A build without CUDA has no CUDA allocator to miss: say that, as
          * the hook would have, rather than blame the order. */

@@ -76,14 +76,15 @@ static void shorten(const char *value, char *out, size_t outsz)
         memcpy(out + j, "...", 4);
 }
 
-static void add_warning(oc_config *cfg, const char *name, const char *value, const char *accepts)
+static void add_warning(oc_config *cfg, const oc_setting *s, const char *value)
 {
     char shown[200];
     if (cfg->n_warnings >= OC_WARN_MAX)
         return;
     shorten(value, shown, sizeof shown);
     snprintf(cfg->warnings[cfg->n_warnings++], OC_WARN_LEN,
-             "outofcuda: ignoring %s='%s': expected %s; using the default", name, shown, accepts);
+             "outofcuda: ignoring %s='%s': expected %s%s; using the default", s->name, shown,
+             s->accepts, s->kind == OC_SET_BOOL ? "" : ", or " OC_OFF_WORDS " (off)");
 }
 
 /* Copies s without leading and trailing blanks into buf (lower-cased when
@@ -118,17 +119,34 @@ static const char *lookup(oc_getenv_fn get, void *ctx, const char *name)
 int oc_parse_bool(const char *s)
 {
     static const char *const yes[] = {"1", "true", "yes", "on"};
-    static const char *const no[] = {"0", "false", "no", "off"};
+    /* The off words (OC_OFF_WORDS): the same for every setting. */
+    static const char *const no[] = {"0", "off", "false", "no", "none"};
     char buf[8];
     if (s == NULL || trim_copy(s, buf, sizeof buf, 1) == NULL)
         return -1;
-    for (size_t i = 0; i < 4; i++) {
+    for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++) {
         if (strcmp(buf, yes[i]) == 0)
             return 1;
+    }
+    for (size_t i = 0; i < sizeof no / sizeof no[0]; i++) {
         if (strcmp(buf, no[i]) == 0)
             return 0;
     }
     return -1;
+}
+
+int oc_parse_off(const char *s)
+{
+    return oc_parse_bool(s) == 0;
+}
+
+int oc_config_off(const oc_config *cfg, const char *name)
+{
+    for (size_t i = 0; name != NULL && i < oc_setting_count() && i < 64; i++) {
+        if (strcmp(oc_setting_at(i)->name, name) == 0)
+            return (cfg->off & (1ull << i)) != 0;
+    }
+    return 0;
 }
 
 /* ---- one parser per kind of value: 0 stored, -1 refused (nothing stored) ---- */
@@ -228,6 +246,41 @@ static int parse_summary(oc_config *cfg, const oc_setting *s, const char *v)
         return -1;
     cfg->summary = OC_SUMMARY_JSON;
     snprintf(cfg->summary_path, sizeof cfg->summary_path, "%s", p);
+    return 0;
+}
+
+/* An off word given to a setting whose own values do not take it: the
+ * field holds what leaves torch's own default (a fraction of 0, no
+ * allocator string, no word, 0), and cfg->off says the setting is off. */
+static int parse_off(oc_config *cfg, const oc_setting *s, const char *v)
+{
+    static const long zero_long = 0;
+    static const double zero_double = 0.0;
+    static const int off_value = -1;
+    if (!oc_parse_off(v))
+        return -1;
+    switch (s->kind) {
+    case OC_SET_LONG:
+        STORE(cfg, s, zero_long);
+        break;
+    case OC_SET_FRACTION:
+        STORE(cfg, s, zero_double);
+        break;
+    case OC_SET_WORD:
+        if (s->values != NULL)
+            STORE(cfg, s, off_value);
+        else
+            FIELD(cfg, s)[0] = '\0';
+        break;
+    case OC_SET_ALLOC:
+        FIELD(cfg, s)[0] = '\0';
+        break;
+    case OC_SET_BOOL:
+    case OC_SET_SUMMARY:
+    case OC_SET_TEXT:
+    case OC_SET_FOREIGN:
+        return -1;
+    }
     return 0;
 }
 
@@ -340,10 +393,20 @@ void oc_config_load(oc_config *cfg, oc_getenv_fn get, void *ctx)
         v = lookup(get, ctx, s->name);
         if (v == NULL)
             continue;
-        if (parse(cfg, s, v) < 0)
-            add_warning(cfg, s->name, v, s->accepts);
-        else if (s->kind == OC_SET_ALLOC)
-            /* The user's own string replaces every default, conditional ones too. */
+        /* The setting's own values first (OUTOFCUDA_NUM_WORKERS=0 is the
+         * number 0), then the off words every setting takes. */
+        if (parse(cfg, s, v) == 0) {
+            if ((s->kind == OC_SET_BOOL || s->kind == OC_SET_SUMMARY) && oc_parse_off(v) && i < 64)
+                cfg->off |= 1ull << i;
+        } else if (parse_off(cfg, s, v) == 0) {
+            if (i < 64)
+                cfg->off |= 1ull << i;
+        } else {
+            add_warning(cfg, s, v);
+            continue;
+        }
+        if (s->kind == OC_SET_ALLOC)
+            /* The user's own string, or off, replaces every default, conditional ones too. */
             cfg->alloc_conf_no_expandable[0] = '\0';
     }
 }

@@ -35,6 +35,12 @@ static PyObject *setting_value(const oc_config *c, const oc_setting *s)
     int i_val = 0;
     long l_val = 0;
     double d_val = 0.0;
+    /* A setting turned off by an off word reads None (torch's own default),
+     * but for a boolean (False) and a count whose 0 is torch's default
+     * (OUTOFCUDA_NUM_WORKERS: 0). */
+    if (oc_config_off(c, s->name) && s->kind != OC_SET_BOOL && s->kind != OC_SET_SUMMARY &&
+        !(s->kind == OC_SET_LONG && s->lo == 0))
+        Py_RETURN_NONE;
     switch (s->kind) {
     case OC_SET_BOOL:
         memcpy(&i_val, base, sizeof i_val);

@@ -39,6 +39,9 @@
  * intervals are clamped, so a deadline never overflows time_t. The Python
  * layer refuses them with a ValueError. */
 #define INTERVAL_MAX_S 86400.0
+/* The shortest: a shorter interval is raised to it (the Python layer does
+ * the same), so the thread never spins a core on NVML. */
+#define INTERVAL_MIN_S 0.01
 
 typedef struct {
     double t;
@@ -522,7 +525,9 @@ static PyObject *monitor_start(PyObject *args, int with_source)
     m->cap = (size_t)capacity;
     m->torch_index = device;
     m->threshold = threshold;
-    m->interval = interval < INTERVAL_MAX_S ? interval : INTERVAL_MAX_S;
+    m->interval = interval < INTERVAL_MIN_S   ? INTERVAL_MIN_S
+                  : interval < INTERVAL_MAX_S ? interval
+                                              : INTERVAL_MAX_S;
     m->cooldown = cooldown;
     m->allocator_stats = alloc_stats;
     snprintf(m->source, sizeof m->source, "%s", source);
@@ -612,7 +617,8 @@ static PyObject *py_monitor_stop_all(PyObject *self, PyObject *args)
     return PyLong_FromLong(stop_all());
 }
 
-/* _monitor_info(capsule) -> dict(running, why, dropped, nvml_index, count). */
+/* _monitor_info(capsule) -> dict(running, why, dropped, nvml_index, count,
+ * interval: the seconds between polls, clamped). */
 static PyObject *py_monitor_info(PyObject *self, PyObject *capsule)
 {
     oc_monitor *m = get_monitor(capsule);
@@ -625,9 +631,9 @@ static PyObject *py_monitor_info(PyObject *self, PyObject *capsule)
     dropped = m->dropped;
     count = m->count;
     pthread_mutex_unlock(&m->th.lock);
-    return Py_BuildValue("{s:O,s:s,s:K,s:i,s:n}", "running", m->running ? Py_True : Py_False, "why",
-                         m->why, "dropped", dropped, "nvml_index", m->nvml_index, "count",
-                         (Py_ssize_t)count);
+    return Py_BuildValue("{s:O,s:s,s:K,s:i,s:n,s:d}", "running", m->running ? Py_True : Py_False,
+                         "why", m->why, "dropped", dropped, "nvml_index", m->nvml_index, "count",
+                         (Py_ssize_t)count, "interval", m->interval);
 }
 
 static PyObject *none_if_negative(long long x)

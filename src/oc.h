@@ -54,7 +54,13 @@
 #define OC_WARN_MAX 24
 #define OC_WARN_LEN 320
 
-typedef enum { OC_AMP_AUTO = 0, OC_AMP_FLOAT16, OC_AMP_BFLOAT16 } oc_amp_dtype;
+/* OC_AMP_OFF: OUTOFCUDA_AMP_DTYPE set to an off word (torch's own dtype). */
+typedef enum { OC_AMP_OFF = -1, OC_AMP_AUTO = 0, OC_AMP_FLOAT16, OC_AMP_BFLOAT16 } oc_amp_dtype;
+
+/* The off words, the same for every OUTOFCUDA_* setting (any case, blanks
+ * around): a boolean's false, and for every other setting the value that
+ * leaves torch's own default (no step, no argument). */
+#define OC_OFF_WORDS "0, off, false, no or none"
 #define OC_WORD_MAX 32
 
 #define OC_SUMMARY_PATH_MAX 1024
@@ -89,6 +95,9 @@ typedef struct {
     oc_summary_mode summary;                /* OUTOFCUDA_SUMMARY */
     char summary_path[OC_SUMMARY_PATH_MAX]; /* the JSON file, as given */
     int known_bugs;                         /* OUTOFCUDA_KNOWN_BUGS: step around known bugs */
+    /* Bit i: the setting at index i of the table was given an off word
+     * (oc_config_off); its field then holds what leaves torch's default. */
+    unsigned long long off;
 } oc_config;
 
 /* Returns the value of an environment variable or NULL; lets tests and the
@@ -148,9 +157,15 @@ void oc_config_load(oc_config *cfg, oc_getenv_fn getenv_fn, void *ctx);
  * layout) that the table of settings does not have, naming the closest one. */
 void oc_config_check_names(oc_config *cfg, char *const *env);
 
-/* Parses a boolean word (1/0, true/false, yes/no, on/off, any case, spaces
- * around allowed). Returns 1 or 0, or -1 when the word is none of those. */
+/* Parses a boolean word (1, true, yes, on; or an off word of OC_OFF_WORDS;
+ * any case, spaces around allowed). Returns 1 or 0, or -1 when the word is
+ * none of those. */
 int oc_parse_bool(const char *s);
+/* 1 when s is one of OC_OFF_WORDS. */
+int oc_parse_off(const char *s);
+/* 1 when the environment gave the setting `name` an off word (the user
+ * turned it off), else 0. */
+int oc_config_off(const oc_config *cfg, const char *name);
 
 /* Allocator configuration strings: "key:value,key:value" where a value may
  * hold a bracketed list with commas ("[256:1,>:4]"). */
@@ -651,6 +666,9 @@ extern PyMethodDef oc_platform_testing_methods[];
 int oc_result_set(const char *name, int applied, PyObject *value, const char *reason);
 int oc_result_setf(const char *name, int applied, PyObject *value, const char *fmt, ...);
 void oc_result_set_all(const char *reason); /* every optimisation skipped for reason */
+/* The step `name` is off by the user's variable `var` (an off word): its
+ * record says so, in off_by and in its reason. */
+int oc_result_off(const char *name, const char *var);
 void oc_report_verbose(void);
 extern PyMethodDef oc_report_methods[];
 

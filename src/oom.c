@@ -228,7 +228,8 @@ static int read_snapshot_env(void)
     struct stat st;
     int resolved;
     oc_g.oom.snapshot_path[0] = '\0';
-    if (v == NULL || v[0] == '\0')
+    /* An off word is off, as for every setting, never a file named "0". */
+    if (v == NULL || v[0] == '\0' || oc_parse_off(v))
         return 0;
     slash = strrchr(v, '/');
     base = slash ? slash + 1 : v;

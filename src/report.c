@@ -20,12 +20,25 @@ int oc_result_set(const char *name, int applied, PyObject *value, const char *re
         if (oc_g.results == NULL)
             return -1;
     }
-    entry = Py_BuildValue("{s:O,s:O,s:s}", "applied", applied ? Py_True : Py_False, "value",
-                          value ? value : Py_None, "reason", reason);
+    /* off_by: the OUTOFCUDA_* variable the user turned the step off with
+     * (oc_result_off), else None. */
+    entry = Py_BuildValue("{s:O,s:O,s:s,s:O}", "applied", applied ? Py_True : Py_False, "value",
+                          value ? value : Py_None, "reason", reason, "off_by", Py_None);
     if (entry == NULL)
         return -1;
     rc = PyDict_SetItemString(oc_g.results, name, entry);
     Py_DECREF(entry);
+    return rc;
+}
+
+int oc_result_off(const char *name, const char *var)
+{
+    PyObject *e, *v;
+    int rc = oc_result_setf(name, 0, NULL, "off by %s: torch's own default kept", var);
+    e = rc == 0 ? PyDict_GetItemString(oc_g.results, name) : NULL; /* borrowed */
+    v = e ? PyUnicode_FromString(var) : NULL;
+    rc = v ? PyDict_SetItemString(e, "off_by", v) : -1;
+    Py_XDECREF(v);
     return rc;
 }
 
@@ -236,8 +249,8 @@ static PyObject *optimizations(void)
             /* A copy, so a caller editing the dict does not edit our record. */
             e = PyDict_Copy(e);
         } else {
-            e = Py_BuildValue("{s:O,s:O,s:s}", "applied", Py_False, "value", Py_None, "reason",
-                              pending_reason());
+            e = Py_BuildValue("{s:O,s:O,s:s,s:O}", "applied", Py_False, "value", Py_None, "reason",
+                              pending_reason(), "off_by", Py_None);
         }
         if (e == NULL || add_now(e, opt_names[i], c_mod) < 0 ||
             PyDict_SetItemString(d, opt_names[i], e) < 0) {
@@ -475,10 +488,12 @@ void oc_report_verbose(void)
         PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, opt_names[i]) : NULL;
         PyObject *applied = e ? PyDict_GetItemString(e, "applied") : NULL;
         PyObject *queued = e ? PyDict_GetItemString(e, "queued") : NULL;
+        PyObject *off_by = e ? PyDict_GetItemString(e, "off_by") : NULL;
         oc_stderr_printf("  %-20s %-8s ", opt_names[i],
-                         queued == Py_True    ? "queued"
-                         : applied == Py_True ? "yes"
-                                              : "no");
+                         queued == Py_True                     ? "queued"
+                         : applied == Py_True                  ? "yes"
+                         : off_by != NULL && off_by != Py_None ? "off"
+                                                               : "no");
         write_value(e ? PyDict_GetItemString(e, "value") : NULL);
         value_text(e ? PyDict_GetItemString(e, "reason") : NULL, reason, sizeof reason);
         oc_stderr_printf("%*s", REASON_INDENT, "");

@@ -13,7 +13,7 @@
 
 /* ---- the table: every variable outofcuda reads ---- */
 
-#define BOOL_WORDS "1/0, true/false, yes/no or on/off"
+#define BOOL_WORDS "1/0, true/false, yes/no or on/off (none: off too)"
 #define F(field) offsetof(oc_config, field)
 
 static const char *const amp_words[] = {"auto",     "float16", "fp16", "half",
@@ -41,8 +41,8 @@ static const oc_setting settings[] = {
      compile_modes, NULL},
     {"OUTOFCUDA_COMPILE_FULLGRAPH", OC_SET_BOOL, "0", BOOL_WORDS, F(compile_fullgraph), 0, 0, NULL,
      NULL},
-    {"OUTOFCUDA_AMP_DTYPE", OC_SET_WORD, "auto", "auto, float16 or bfloat16", F(amp_dtype), 0, 0,
-     amp_words, amp_values},
+    {"OUTOFCUDA_AMP_DTYPE", OC_SET_WORD, "auto", "auto, float16 (fp16, half) or bfloat16 (bf16)",
+     F(amp_dtype), 0, 0, amp_words, amp_values},
     {"OUTOFCUDA_MEMORY_FRACTION", OC_SET_FRACTION, "0.95", "a number f with 0 < f <= 1",
      F(memory_fraction), 0, 0, NULL, NULL},
     {"OUTOFCUDA_ALLOC_CONF", OC_SET_ALLOC, OC_DEFAULT_ALLOC_CONF,

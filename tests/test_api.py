@@ -2,6 +2,7 @@
 smart_dataloader, memory_report, clear_cache, CudaOptimizer. Each scenario
 runs in a fresh interpreter from the built wheel."""
 import json
+import re
 import shutil
 
 import pytest
@@ -175,7 +176,7 @@ def test_smart_dataloader_iterates_with_0_and_2_workers_and_caller_wins(venv, wo
                "override": run(num_workers=1, prefetch_factor=5, persistent_workers=False,
                                pin_memory=False)}
         errs = []
-        for bad in ({"num_workers": -1}, {"num_workers": 1.5}):
+        for bad in ({"num_workers": -1}, {"num_workers": 1.5}, {"num_workers": 10**30}):
             try:
                 outofcuda.smart_dataloader(ds, **bad)
             except ValueError as e:
@@ -197,7 +198,9 @@ def test_smart_dataloader_iterates_with_0_and_2_workers_and_caller_wins(venv, wo
     assert res["two"]["workers"] == 2 and res["two"]["prefetch"] == 3 and res["two"]["ok"]
     assert res["override"] == {"workers": 1, "prefetch": 5, "persistent": False, "pin": False,
                                "ok": True, "batch": 5}
-    assert len(res["errs"]) == 3 and "num_workers" in res["errs"][0]
+    assert len(res["errs"]) == 4 and "num_workers" in res["errs"][0]
+    # past what the engine takes as a C long: the same clear ValueError, no OverflowError
+    assert "num_workers must be a whole number from 0 to 2147483647" in res["errs"][2]
     # torch's "suggested max number of worker" warning must not appear.
     assert "suggested max" not in r.stderr
 
@@ -387,3 +390,43 @@ def test_memory_monitor_warning_names_the_users_line(venv, workdir, how):
     script.write_text(WARNED.format(how=how))
     r = venv.check(None, args=[str(script)], cwd=workdir)
     assert r.stdout.split() == [str(script), "5"], r.stdout
+
+
+DOCTESTS = """
+import doctest, importlib, json, pkgutil, re, outofcuda
+# importing __main__ runs the command line; microbatch last: its examples
+# record OOMs, and last_oom()'s example shows a process that had none
+names = ["outofcuda", "_outofcuda", "outofcuda_hook"] + sorted(
+    (f"outofcuda.{m.name}" for m in pkgutil.iter_modules(outofcuda.__path__)
+     if m.name != "__main__"), key=lambda n: (n == "outofcuda.microbatch", n))
+main_src = open(outofcuda.__path__[0] + "/__main__.py").read()
+finder = doctest.DocTestFinder()
+runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+report = []
+ran, skipped = 0, []
+for name in names:
+    for test in finder.find(importlib.import_module(name), name):
+        for ex in test.examples:
+            if ex.options.get(doctest.SKIP):
+                skipped.append([test.name, ex.source])
+            else:
+                ran += 1
+        runner.run(test, out=report.append)
+print(json.dumps({"modules": names, "ran": ran, "skipped": skipped,
+                  "failed": runner.failures, "report": "".join(report),
+                  "main_examples": ">>>" in main_src}))
+"""
+
+
+def test_every_docstring_example_runs_or_says_why_not(venv, workdir):
+    """Every docstring example of the installed package (the Python modules and
+    both extensions) runs as a doctest in a fresh interpreter beside the hook;
+    one that cannot run here is skipped with a comment saying why."""
+    res = venv.json(DOCTESTS, cwd=workdir)
+    assert {"outofcuda.api", "outofcuda.microbatch", "outofcuda.monitor", "outofcuda.oom",
+            "outofcuda.cli"} <= set(res["modules"]), res["modules"]
+    assert res["failed"] == 0, res["report"]
+    assert res["ran"] >= 30 and not res["main_examples"], res
+    for name, source in res["skipped"]:
+        # a reason: a comment of its own before the directive
+        assert re.search(r"#\s*\S[^#]*#\s*doctest:\s*\+SKIP", source), (name, source)

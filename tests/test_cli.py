@@ -283,10 +283,11 @@ def parse_table(lines):
         if ln[NAME_COL] != " ":
             name = ln[NAME_COL:APPLIED_COL].strip()
             assert re.fullmatch(r"\w+", name) and ln[APPLIED_COL - 1] == " ", ln
-            assert ln[APPLIED_COL:VALUE_COL].strip() in ("yes", "no", "queued"), ln
+            assert ln[APPLIED_COL:VALUE_COL].strip() in ("yes", "no", "queued", "off"), ln
             assert ln[VALUE_COL] != " " and ln[VALUE_COL - 1] == " ", ln
             cur = rows[name] = {"applied": ln[APPLIED_COL:VALUE_COL].strip() == "yes",
                                 "queued": ln[APPLIED_COL:VALUE_COL].strip() == "queued",
+                                "off": ln[APPLIED_COL:VALUE_COL].strip() == "off",
                                 "value": [ln[VALUE_COL:]], "reason": []}
         elif ln.startswith(" " * VALUE_COL) and not cur["reason"]:
             cur["value"].append(ln.strip())
@@ -306,6 +307,7 @@ def check_table(lines, optimizations):
         row = rows[name]
         assert row["applied"] is e["applied"], name
         assert row["queued"] is bool(e.get("queued")), name
+        assert row["off"] is bool(e.get("off_by")), name
         v = e["value"]
         got = _squash("".join(row["value"]))
         if isinstance(v, dict):

@@ -45,10 +45,10 @@ def test_boolean_words(venv, word, value):
 def test_every_bad_value_gets_one_named_warning_and_the_default(venv):
     cases = [
         {"OUTOFCUDA_MEMORY_FRACTION": "1.7"}, {"OUTOFCUDA_MEMORY_FRACTION": "abc"},
-        {"OUTOFCUDA_MEMORY_FRACTION": "0"}, {"OUTOFCUDA_MEMORY_FRACTION": "nan"},
+        {"OUTOFCUDA_MEMORY_FRACTION": "-0.5"}, {"OUTOFCUDA_MEMORY_FRACTION": "nan"},
         {"OUTOFCUDA_TF32": "maybe"}, {"OUTOFCUDA_TF32": " "}, {"OUTOFCUDA_TF32": "x" * 10240},
         {"OUTOFCUDA_NUM_WORKERS": "-1"}, {"OUTOFCUDA_NUM_WORKERS": "4.5"},
-        {"OUTOFCUDA_PREFETCH_FACTOR": "0"}, {"OUTOFCUDA_AMP_DTYPE": "float64"},
+        {"OUTOFCUDA_PREFETCH_FACTOR": "-1"}, {"OUTOFCUDA_AMP_DTYPE": "float64"},
         {"OUTOFCUDA_COMPILE_MODE": "fast"}, {"OUTOFCUDA_ALLOC_CONF": "expandable_segments"},
         {"OUTOFCUDA_ALLOC_CONF": "a:b,,c:d"}, {"OUTOFCUDA_ALLOC_CONF": "x:[1,2"},
         {"OUTOFCUDA_FRAMEWORK_OVERRIDE": "sometimes"},
@@ -75,6 +75,41 @@ def test_good_values_are_taken(venv):
     assert c["alloc_conf"].startswith("roundup_power2_divisions:[256:1")
     assert c["alloc_conf_no_expandable"] == ""  # the user's string replaces every default
     assert c["warnings"] == []
+
+
+OFF_WORDS = ["0", "off", "OFF", " none ", "False", "no"]
+
+
+def test_every_setting_takes_the_same_off_words(venv):
+    """Each OUTOFCUDA_* setting of the table takes every off word without a
+    warning: a boolean reads False, the summary "off", the worker count 0
+    (torch's default), every other setting None (torch's own default)."""
+    settings = venv.json("import json, _outofcuda; print(json.dumps(_outofcuda._settings()))")
+    names = [s["name"] for s in settings if s["name"].startswith("OUTOFCUDA_")
+             and s["kind"] not in ("text", "foreign")]
+    assert len(names) >= 20, names
+    cases = [{name: word} for name in names for word in OFF_WORDS]
+    kinds = {s["name"]: s["kind"] for s in settings}
+    for case, c in zip(cases, parse_many(venv, cases)):
+        (name, _), = case.items()
+        key = name[len("OUTOFCUDA_"):].lower()
+        assert c["warnings"] == [], case
+        if key not in c:  # read where it acts (OUTOFCUDA_DEBUG: oc_parse_bool)
+            continue
+        want = {"boolean": False, "summary": "off"}.get(kinds[name], None)
+        if name == "OUTOFCUDA_NUM_WORKERS":
+            want = 0
+        assert c[key] == want, (case, c[key])
+        if name == "OUTOFCUDA_ALLOC_CONF":
+            assert c["alloc_conf_no_expandable"] == ""  # no default joins either
+    # The setting's own values come first: 0 workers is the number 0.
+    (c,) = parse_many(venv, [{"OUTOFCUDA_NUM_WORKERS": "0", "OUTOFCUDA_MEMORY_FRACTION": "1"}])
+    assert c["num_workers"] == 0 and c["memory_fraction"] == 1.0
+
+
+def test_a_bad_value_names_the_off_words(venv):
+    (c,) = parse_many(venv, [{"OUTOFCUDA_MEMORY_FRACTION": "1.7"}])
+    assert "0, off, false, no or none" in c["warnings"][0]
 
 
 def test_framework_override_is_a_boolean(venv):

@@ -115,3 +115,16 @@ def test_testing_doc_shows_the_readme_test_command():
     section = README.read_text().split("## Two commands", 1)[1].split("\n## ", 1)[0]
     test_command = re.findall(r"```sh\n(.*?)\n```", section, re.S)[1]
     assert f"```sh\n{test_command}\n```" in (DOCS / "testing.md").read_text()
+
+
+def test_every_test_variable_the_tests_read_is_documented():
+    """An OUTOFCUDA_TEST_* variable changes what the suite does: each one the
+    tests (or the scripts that run them) read has its row in environment.md."""
+    read = set()
+    for pattern in ("tests/*.py", "tests/*/*.py", "benchmarks/*.sh", "benchmarks/*.py", ".ci/*"):
+        for path in ROOT.glob(pattern):
+            if path.is_file():
+                read |= set(re.findall(r"OUTOFCUDA_TEST_[A-Z_]*[A-Z]", path.read_text()))
+    documented = set(re.findall(r"`(OUTOFCUDA_TEST_[A-Z_]*[A-Z])`",
+                                (DOCS / "environment.md").read_text()))
+    assert len(read) >= 10 and read - documented == set(), sorted(read - documented)

@@ -98,9 +98,9 @@ def test_fuzzer_detects_a_broken_invariant(fuzzers, tmp_path):
     report a crash on its first input."""
     src = tmp_path / "broken.c"
     text = (FUZZ / "fuzz_config.c").read_text()
-    good = "if (!(c->memory_fraction > 0.0 && c->memory_fraction <= 1.0))"
+    good = ": !(c->memory_fraction > 0.0 && c->memory_fraction <= 1.0))"
     assert good in text
-    src.write_text(text.replace(good, "if (c->memory_fraction < 0.96)").replace(
+    src.write_text(text.replace(good, ": c->memory_fraction < 0.96)").replace(
         '#include "../src/oc.h"', f'#include "{ROOT}/src/oc.h"'))
     exe = tmp_path / "broken"
     b = subprocess.run(["clang", "-std=c11", "-O1", "-DOC_PURE_C=", "-D_GNU_SOURCE",

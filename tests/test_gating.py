@@ -179,7 +179,7 @@ def test_tf32_override_and_off_switch_are_respected(venv, tmp_path):
     assert "NVIDIA_TF32_OVERRIDE" in rep["status"]["optimizations"]["tf32"]["reason"]
     rep, _ = run_release(venv, tmp_path / "b", "2.14.1", env={"OUTOFCUDA_TF32": "0"})
     assert not {"_set_cublas_allow_tf32", "_set_cudnn_allow_tf32"} & set(names(rep))
-    assert "OUTOFCUDA_TF32=0" in rep["status"]["optimizations"]["tf32"]["reason"]
+    assert rep["status"]["optimizations"]["tf32"]["off_by"] == "OUTOFCUDA_TF32"
 
 
 LATE = """
@@ -435,3 +435,54 @@ def test_a_failing_lazy_call_leaves_nothing_saying_queued(venv, tmp_path):
         assert not opts[name]["applied"] and not opts[name].get("queued"), (name, opts[name])
         assert "_lazy_call failed" in opts[name]["reason"], (name, opts[name])
     assert "queue refused" in st["hook"]["error"]
+
+
+# ---- off values: every setting's off word leaves torch's own default ----
+
+OFF_STEPS = {"tf32": "OUTOFCUDA_TF32", "cudnn_benchmark": "OUTOFCUDA_CUDNN_BENCHMARK",
+             "cudnn_deterministic": "OUTOFCUDA_CUDNN_DETERMINISTIC",
+             "allocator": "OUTOFCUDA_ALLOC_CONF", "memory_fraction": "OUTOFCUDA_MEMORY_FRACTION",
+             "amp_dtype": "OUTOFCUDA_AMP_DTYPE"}
+OFF_REPORT = REPORT.replace("'status': _outofcuda.status(),",
+                            "'status': _outofcuda.status(), 'autocast': "
+                            "_outofcuda._api_autocast_dtype('cuda'), 'plan': "
+                            "_outofcuda._api_loader_plan(False, 2),")
+
+
+@pytest.mark.parametrize("word", ["0", "off", " None "])
+@pytest.mark.parametrize("cuda", [True, False])
+def test_an_off_word_turns_each_step_off_and_status_says_by_what(venv, tmp_path, word, cuda):
+    """The same off word for every setting: no warning, nothing of outofcuda's
+    reaches torch (no allocator string, no fraction, no flag, no dtype), and
+    status() names the variable in each step's off_by, before any other
+    reason (a CPU build's "no CUDA" included); the verbose table says "off"."""
+    env = {name: word for name in OFF_STEPS.values()}
+    env.update({"OUTOFCUDA_PREFETCH_FACTOR": word, "OUTOFCUDA_OOM_SNAPSHOT": word,
+                "OUTOFCUDA_COMPILE_MODE": word, "OUTOFCUDA_VERBOSE": "1"})
+    rep, r = run_release(venv, tmp_path, "2.14.1", env=env, cuda=cuda, code=OFF_REPORT)
+    assert "Warning" not in r.stderr, r.stderr
+    st = rep["status"]
+    assert st["config_warnings"] == [] and st["hook"]["error"] is None
+    opts = st["optimizations"]
+    for name, var in OFF_STEPS.items():
+        assert opts[name]["off_by"] == var and opts[name]["applied"] is False, (name, opts[name])
+        assert f"off by {var}" in opts[name]["reason"], opts[name]
+    assert opts["sdpa"]["off_by"] is None and opts["oom_handler"]["off_by"] is None
+    called = set(names(rep))
+    assert not called & {"_cuda_setMemoryFraction", ACCEL, "set_autocast_dtype",
+                         "_cuda_cudaCachingAllocator_set_allocator_settings",
+                         "_set_cublas_allow_tf32", "_set_cudnn_benchmark",
+                         "_set_cudnn_deterministic"}, called
+    assert set(rep["env_at_load"].values()) == {None} and rep["conf_read"] in ("", None)
+    assert rep["autocast"][0] is None  # torch's own autocast dtype
+    assert rep["plan"]["prefetch_factor"] is None and rep["plan"]["num_workers"] == 2
+    if cuda:
+        assert opts["oom_handler"]["value"]["snapshot"] is None  # no file named "0"
+    table = {ln.split()[0]: ln.split()[1] for ln in r.stderr.splitlines()
+             if ln.startswith("  ") and not ln.startswith("   ") and len(ln.split()) > 1}
+    assert {name: table[name] for name in OFF_STEPS} == {name: "off" for name in OFF_STEPS}
+
+
+def test_without_off_words_nothing_says_off(venv, tmp_path):
+    rep, _ = run_release(venv, tmp_path, "2.14.1")
+    assert {e["off_by"] for e in rep["status"]["optimizations"].values()} == {None}

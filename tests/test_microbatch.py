@@ -236,6 +236,36 @@ def test_empty_batches_are_a_clear_value_error(venv, workdir):
         assert message is not None and "empty" in message, out
 
 
+def test_a_batch_nested_too_deep_is_a_clear_value_error(venv, workdir):
+    """A batch nested 3,000 containers deep: a ValueError naming the limit,
+    not a RecursionError from the walk; 100 levels still split."""
+    out = run(venv, workdir, """
+    model = mlp()
+
+    def step(batch):
+        while isinstance(batch, list):
+            batch = batch[0]
+        return model(batch).sum()
+
+    def nest(depth):
+        batch = torch.randn(4, 12)
+        for _ in range(depth):
+            batch = [batch]
+        return batch
+
+    got = []
+    for depth in (3000, 99):
+        try:
+            outofcuda.auto_microbatch(step)(nest(depth))
+            got.append(None)
+        except Exception as e:
+            got.append([type(e).__name__, str(e)])
+    print(json.dumps(got))
+    """)
+    assert out[0][0] == "ValueError" and "more than 100 deep" in out[0][1], out
+    assert out[1] is None, out
+
+
 DDP_SCRIPT = '''
 import datetime, gc, json, os, sys
 import torch

@@ -608,3 +608,36 @@ def test_many_interrupts_under_load_never_hang(venv, workdir):
             k[1].close()
             k[0].stdout.close()
             k[0].stderr.close()
+
+
+def test_huge_arguments_are_a_clear_error_and_a_tiny_interval_has_a_floor(venv, workdir):
+    """Numbers past what the C thread takes are a ValueError with a message,
+    never a raw OverflowError; an interval under 0.01 s polls every 0.01 s, in
+    the Python layer and in the C thread (what it was told to poll at)."""
+    _, res = _run(venv, workdir, """
+        errs = []
+        for kw in (dict(device=2**31), dict(device="cuda:99999999999999999999"),
+                   dict(device="cuda:" + "9" * 5000), dict(device=10**400),
+                   dict(interval=10**400), dict(threshold=-10**400), dict(cooldown=10**400)):
+            try:
+                MemoryMonitor(**kw)
+                errs.append(None)
+            except Exception as e:
+                errs.append([type(e).__name__, str(e)])
+        core = outofcuda.monitor.core
+        tiny = MemoryMonitor(interval=1e-9, _source=SRC)
+        tiny.start()
+        python_side = [tiny.interval, core._monitor_info(tiny._handle)["interval"]]
+        tiny.stop()
+        h = core._testing.monitor_start(0, 0.5, 1e-9, 0.0, None, 10, False, SRC)
+        c_side = core._monitor_info(h)["interval"]
+        core._monitor_stop(h)
+        print(json.dumps({"errs": errs, "python": python_side, "c": c_side,
+                          "floor": outofcuda.monitor.INTERVAL_MIN}))
+    """)
+    errs = res["errs"]
+    assert [e[0] for e in errs] == ["ValueError"] * 7, errs
+    for e in errs[:4]:
+        assert "device index must be from 0 to 2147483647" in e[1], errs
+    assert all("must be a finite number" in e[1] for e in errs[4:]), errs
+    assert res["floor"] == 0.01 and res["python"] == [0.01, 0.01] and res["c"] == 0.01

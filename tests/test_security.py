@@ -347,3 +347,16 @@ print(json.dumps([rep["cuda:0"]["processes"][0]["name"], oom["other_processes"][
     mem_name, oom_name, advice, formatted = json.loads(api.stdout)
     assert mem_name == oom_name == escaped
     assert escaped in formatted and any(escaped in a for a in advice)
+
+
+def test_the_audit_command_of_the_docs_runs(venv, workdir):
+    """security.md's audit command, in the README's install (/tmp/oc there, the
+    test environment here), exits 0 and shows the hook file."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
+    (command,) = re.findall(r"Audit it.*?```sh\n(.*?)\n```", text, re.S)
+    assert "/tmp/oc/bin/python3" in command
+    command = command.replace("/tmp/oc/bin/python3", str(venv.python))
+    r = subprocess.run(["sh", "-c", command], capture_output=True, text=True, cwd=workdir,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (venv.site / "outofcuda_hook.pth").read_text()
