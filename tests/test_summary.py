@@ -173,7 +173,10 @@ def test_every_line_carries_the_rank_under_torchrun(venv, workdir, stub_nvml):
     r = run(venv, workdir, """
         _outofcuda._testing.summary_start([0], 10)
         need(lambda: samples()["util_samples"] >= 5, "5 samples", **SAMPLED)
+        # What the Python layer prints (the OOM report) gets the same label.
+        print(json.dumps(_outofcuda._labelled("a\\n\\nb\\n")))
     """, env)
+    assert json.loads(r.stdout) == "[rank 5] a\n\n[rank 5] b\n"
     lines = r.stderr.strip().splitlines()
     assert lines[0].startswith("[rank 5] outofcuda summary: cuda:0 Stand-in GPU 0"), r.stderr
     assert len(lines) >= 6 and all(line.startswith("[rank 5] ") for line in lines), r.stderr
