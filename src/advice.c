@@ -190,8 +190,8 @@ static void add_starved(advice_list *l, const oc_summary_figures *d)
         add(l, waited / (2 * OC_SUMMARY_STARVED_SHARE), 0,
             "input pipeline: the GPU was under %d %% busy in %.0f %% of the run while the main "
             "thread waited for the next batch (it waited %.0f %% of the run); %s",
-            OC_SUMMARY_LOW_UTIL,
-            100.0 * (double)d->paired_wait_low / (double)d->paired_samples, 100.0 * waited, fix);
+            OC_SUMMARY_LOW_UTIL, 100.0 * (double)d->paired_wait_low / (double)d->paired_samples,
+            100.0 * waited, fix);
     else
         add(l, waited / (2 * OC_SUMMARY_STARVED_SHARE), 0,
             "input pipeline: the main thread waited for the next batch %.0f %% of the run; %s",

@@ -362,8 +362,7 @@ void oc_warn(const char *msg)
     /* The label is part of the warning's text; the fallback below writes
      * through oc_stderr_write, which labels on its own. */
     if (labelled != NULL) {
-        memcpy(labelled, label, label_len);
-        strcpy(labelled + label_len, msg);
+        snprintf(labelled, label_len + strlen(msg) + 1, "%s%s", label, msg);
         text = PyUnicode_DecodeUTF8(labelled, (Py_ssize_t)strlen(labelled), "backslashreplace");
     }
     free(labelled);

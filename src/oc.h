@@ -13,7 +13,7 @@
  *   monitor.c  the native watchdog thread behind MemoryMonitor
  *   report.c   status dict and the verbose table
  *   facts.c    verdicts the Python layer asks for instead of parsing again
- *   summary.c  OUTOFCUDA_SUMMARY: utilisation sampler and the at-exit block
+ *   summary.c  OUTOFCUDA_SUMMARY: input-wait and utilisation sampler, at-exit block
  *   api.c      decisions behind the Python API
  *   knownbugs.c the known-bugs table and its lookup (pure C part first),
  *              then the guards applied at import and at CUDA's start
@@ -330,7 +330,7 @@ typedef struct {
     unsigned long long util_samples, under_low, mem_samples, mem_peak, mem_total;
     double util_sum;                         /* percent, summed over util_samples */
     long long peak_allocated, peak_reserved; /* torch's; -1 unknown */
-    long workers; /* num_workers of the DataLoader the main thread waited in, else the
+    long workers;           /* num_workers of the DataLoader the main thread waited in, else the
                      largest alive at exit; -1 none */
     int expandable;         /* expandable_segments is on */
     int no_expandable_here; /* they cannot work on this platform (WSL): never advised */
@@ -340,7 +340,7 @@ typedef struct {
     unsigned long long frame_samples, frame_waits, paired_samples, paired_wait_low;
     long cpus, suggested_workers; /* usable cores; the num_workers smart_dataloader picks */
 } oc_summary_figures;
-#define OC_SUMMARY_STARVED_SHARE 0.10 /* waited on data this share of the samples: starved */
+#define OC_SUMMARY_STARVED_SHARE 0.10  /* waited on data this share of the samples: starved */
 #define OC_SUMMARY_MIN_FRAME_SAMPLES 5 /* fewer stack samples measure no wait */
 /* 1 when the main thread waited on data for OC_SUMMARY_STARVED_SHARE of
  * enough samples (the input-pipeline hint and the JSON's "starved"). */

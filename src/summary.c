@@ -69,6 +69,7 @@ static struct {
     unsigned long main_ident; /* threading.main_thread().ident; 0: not sampled */
     int frames_on, in_worker; /* in_worker: a DataLoader worker, says nothing */
     unsigned long long frame_samples, frame_waits;
+    double gil_wait_s, gil_held_s; /* waiting for the GIL, holding it: the sampler's cost */
     long waited_workers; /* num_workers of the DataLoader last seen waited in; -1 unknown */
     unsigned rng;        /* the jitter's state, the thread's alone */
 } S;
@@ -187,15 +188,21 @@ static int sample_main_thread(void)
     PyGILState_STATE gil;
     long workers = -1;
     int where, worker = 0, stop;
+    double asked, got, done;
     pthread_mutex_lock(&S.th.lock);
     stop = S.stop_requested || !S.frames_on;
     pthread_mutex_unlock(&S.th.lock);
     if (stop)
         return -1;
+    asked = oc_thread_now();
     gil = PyGILState_Ensure();
+    got = oc_thread_now();
     where = main_thread_in_data(&workers, &worker);
+    done = oc_thread_now();
     PyGILState_Release(gil);
     pthread_mutex_lock(&S.th.lock);
+    S.gil_wait_s += got - asked;
+    S.gil_held_s += done - got;
     if (worker) {
         S.in_worker = 1;
         S.frames_on = 0;
@@ -620,8 +627,7 @@ static void format_wait(text *t, const proc_figs *p, const sum_device *d)
             100.0 * wait_share(p), p->frame_samples);
     if (d != NULL && d->paired_samples > 0)
         appendf(t, "; GPU under %d %% while it waited in %.1f %% of %llu\n", LOW_UTIL,
-                100.0 * (double)d->paired_wait_low / (double)d->paired_samples,
-                d->paired_samples);
+                100.0 * (double)d->paired_wait_low / (double)d->paired_samples, d->paired_samples);
     else
         appendf(t, " (every %ld ms)\n", S.interval_ms);
 }
@@ -629,8 +635,8 @@ static void format_wait(text *t, const proc_figs *p, const sum_device *d)
 /* The block of a process without a GPU part: the input wait and its hints. */
 static void format_no_gpu(text *t, const proc_figs *p, const oc_advice_item *h, int nh)
 {
-    appendf(t, "outofcuda summary: no GPU part (%s), %.1f s since torch was imported\n",
-            p->no_gpu, p->since_import);
+    appendf(t, "outofcuda summary: no GPU part (%s), %.1f s since torch was imported\n", p->no_gpu,
+            p->since_import);
     format_wait(t, p, NULL);
     for (int i = 0; i < nh; i++)
         appendf(t, "  hint %d         %s\n", i + 1, h[i].text);
@@ -640,8 +646,7 @@ static void format_no_gpu(text *t, const proc_figs *p, const oc_advice_item *h, 
 static void format_block(text *t, const sum_device *d, const proc_figs *p, const oc_advice_item *h,
                          int nh)
 {
-    appendf(t, "outofcuda summary: cuda:%d%s%s", d->torch_index, d->name[0] ? " " : "",
-            d->name);
+    appendf(t, "outofcuda summary: cuda:%d%s%s", d->torch_index, d->name[0] ? " " : "", d->name);
     if (d->nvml_index >= 0)
         appendf(t, " (NVML %d)", d->nvml_index);
     appendf(t, ", %.1f s since CUDA started\n", p->wall);
@@ -721,10 +726,9 @@ static PyObject *wait_dict(const proc_figs *p, const oc_summary_figures *f, cons
     PyObject *paired = PyList_New(0);
     for (int i = 0; paired != NULL && i < n; i++) {
         PyObject *x = none_or_double(dev[i].paired_samples > 0,
-                                     dev[i].paired_samples > 0
-                                         ? (double)dev[i].paired_wait_low /
-                                               (double)dev[i].paired_samples
-                                         : 0.0);
+                                     dev[i].paired_samples > 0 ? (double)dev[i].paired_wait_low /
+                                                                     (double)dev[i].paired_samples
+                                                               : 0.0);
         if (x == NULL || PyList_Append(paired, x) < 0)
             Py_CLEAR(paired);
         Py_XDECREF(x);
@@ -732,8 +736,8 @@ static PyObject *wait_dict(const proc_figs *p, const oc_summary_figures *f, cons
     if (paired == NULL)
         return NULL;
     return Py_BuildValue("{s:K,s:K,s:N,s:O,s:N,s:l,s:l,s:N}", "samples", p->frame_samples,
-                         "waiting", p->frame_waits,
-                         "share", none_or_double(p->frame_samples > 0, wait_share(p)), "starved",
+                         "waiting", p->frame_waits, "share",
+                         none_or_double(p->frame_samples > 0, wait_share(p)), "starved",
                          oc_summary_starved(f) ? Py_True : Py_False, "num_workers",
                          none_or_ll(p->workers), "cpus", p->cpus, "suggested_workers",
                          p->suggested_workers, "gpu_under_50_while_waiting_share", paired);
@@ -807,12 +811,11 @@ static int append_hints(PyObject *list, const oc_advice_item *h, int nh)
 /* The JSON document (new reference or NULL). */
 static PyObject *json_doc(const proc_figs *p, PyObject *devices, PyObject *hints, PyObject *wait)
 {
-    return Py_BuildValue("{s:i,s:N,s:d,s:d,s:k,s:L,s:N,s:l,s:O,s:N,s:O,s:O}", "version", 1,
-                         "rank", none_or_ll(p->rank), "wall_s", p->wall, "since_import_s",
-                         p->since_import, "ooms", p->ooms, "microbatch_splits", p->splits,
-                         "dataloader_workers", none_or_ll(p->workers), "interval_ms",
-                         S.interval_ms, "devices", devices, "no_gpu",
-                         p->no_gpu ? PyUnicode_FromString(p->no_gpu) : none_or_ll(-1),
+    return Py_BuildValue("{s:i,s:N,s:d,s:d,s:k,s:L,s:N,s:l,s:O,s:N,s:O,s:O}", "version", 1, "rank",
+                         none_or_ll(p->rank), "wall_s", p->wall, "since_import_s", p->since_import,
+                         "ooms", p->ooms, "microbatch_splits", p->splits, "dataloader_workers",
+                         none_or_ll(p->workers), "interval_ms", S.interval_ms, "devices", devices,
+                         "no_gpu", p->no_gpu ? PyUnicode_FromString(p->no_gpu) : none_or_ll(-1),
                          "input_wait", wait, "hints", hints);
 }
 
@@ -1020,23 +1023,24 @@ static PyObject *py_summary_stats(PyObject *self, PyObject *unused)
         return NULL;
     if (mine) {
         pthread_mutex_lock(&S.th.lock);
-        frames = Py_BuildValue("{s:K,s:K,s:l,s:O,s:O}", "samples", S.frame_samples, "waiting",
-                               S.frame_waits, "workers", S.waited_workers, "on",
+        frames = Py_BuildValue("{s:K,s:K,s:l,s:O,s:O,s:d,s:d}", "samples", S.frame_samples,
+                               "waiting", S.frame_waits, "workers", S.waited_workers, "on",
                                S.frames_on ? Py_True : Py_False, "in_worker",
-                               S.in_worker ? Py_True : Py_False);
+                               S.in_worker ? Py_True : Py_False, "gil_wait_s", S.gil_wait_s,
+                               "gil_held_s", S.gil_held_s);
         pthread_mutex_unlock(&S.th.lock);
     } else {
-        frames = Py_BuildValue("{s:i,s:i,s:i,s:O,s:O}", "samples", 0, "waiting", 0, "workers", -1,
-                               "on", Py_False, "in_worker", Py_False);
+        frames = Py_BuildValue("{s:i,s:i,s:i,s:O,s:O,s:d,s:d}", "samples", 0, "waiting", 0,
+                               "workers", -1, "on", Py_False, "in_worker", Py_False, "gil_wait_s",
+                               0.0, "gil_held_s", 0.0);
     }
     if (frames == NULL) {
         Py_DECREF(list);
         return NULL;
     }
-    return Py_BuildValue("{s:O,s:s,s:l,s:N,s:N}", "running",
-                         mine && S.running ? Py_True : Py_False, "why", mine ? S.why : "",
-                         "interval_ms", mine ? S.interval_ms : 0L, "devices", list, "frames",
-                         frames);
+    return Py_BuildValue("{s:O,s:s,s:l,s:N,s:N}", "running", mine && S.running ? Py_True : Py_False,
+                         "why", mine ? S.why : "", "interval_ms", mine ? S.interval_ms : 0L,
+                         "devices", list, "frames", frames);
 }
 
 /* Behind the test door (_outofcuda._testing, module.c). */

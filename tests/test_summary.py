@@ -310,8 +310,11 @@ def test_cpu_build_names_a_slow_loop_starved_and_a_fast_one_not(venv, workdir):
     # A fast loader, a slow step: never blamed. Text form this time.
     r = run(venv, workdir, LOOPS + textwrap.dedent("""
         _outofcuda._testing.summary_start([], 10)
-        loop(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(64, 4)),
-                                         batch_size=4), 0.01, 40)
+        # Alive at exit: without CUDA, a block comes from a process that was
+        # seen waiting on its data or still holds a DataLoader.
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(64, 4)),
+                                             batch_size=4)
+        loop(loader, 0.01, 40)
         print(json.dumps(_outofcuda._summary_stats()["frames"]))
     """), {"OUTOFCUDA_SUMMARY": "1"})
     frames = json.loads(r.stdout)
