@@ -51,18 +51,16 @@ def test_json_form_holds_utilisation_and_torch_peaks(gpu, workdir):
 STARVED = """
 import time, torch, _outofcuda
 
-class Slow(torch.utils.data.Dataset):
+class Stream(torch.utils.data.IterableDataset):
     # 10 ms an item, 40 ms a batch: far longer than the step on the GPU.
-    def __len__(self):
-        return 10 ** 6
-
-    def __getitem__(self, i):
-        time.sleep(0.01)
-        return torch.ones(8)
+    def __iter__(self):
+        while True:
+            time.sleep(0.01)
+            yield torch.ones(8)
 
 a = torch.randn(N, N, device="cuda")
 deadline = time.monotonic() + WAIT
-for batch in torch.utils.data.DataLoader(Slow(), batch_size=4):
+for batch in torch.utils.data.DataLoader(Stream(), batch_size=4):
     b = a @ a
     torch.cuda.synchronize()
     devs = _outofcuda._summary_stats()["devices"]
