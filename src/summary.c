@@ -3,7 +3,7 @@
  *
  * With the summary on, `import torch` starts one native thread. Each tick
  * (about every 200 ms, jittered so that a loop of a fixed period is not
- * sampled at one phase of it) it takes the GIL for a few microseconds and
+ * sampled at one phase of it) it takes the GIL for tens of microseconds and
  * looks at the main thread's stack through sys._current_frames() (the
  * Limited API has no way to another thread's frame): a stack holding code
  * from torch/utils/data/ is a main thread waiting for its next batch. Once
