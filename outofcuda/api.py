@@ -176,7 +176,8 @@ def compile_model(model, channels_last=None, compile=None, mode=None, fullgraph=
         return model
     blocker = _compile_blocker(torch, model)
     if blocker is not None:
-        warnings.warn(f"outofcuda: {asked_by} but {blocker}; the model runs uncompiled",
+        warnings.warn(core._labelled(f"outofcuda: {asked_by} but {blocker}; the model runs "
+                                     "uncompiled"),
                       RuntimeWarning, stacklevel=2)
         return model
     return torch.compile(model, mode=mode, fullgraph=fullgraph)
@@ -222,7 +223,7 @@ def smart_dataloader(dataset, **kwargs):
             args["prefetch_factor"] = plan["prefetch_factor"]
         args["persistent_workers"] = True
     if plan["shm_warning"]:
-        warnings.warn(plan["shm_warning"], RuntimeWarning, stacklevel=2)
+        warnings.warn(core._labelled(plan["shm_warning"]), RuntimeWarning, stacklevel=2)
     args.update(kwargs)
     return torch.utils.data.DataLoader(dataset, **args)
 

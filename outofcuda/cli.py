@@ -755,10 +755,15 @@ def _parser():
                    "optimisation does and why; torch/CUDA versions; GPUs (NVML, no CUDA context).")
     sub.add_parser("doctor", parents=[common], help="check the environment (exit 1: attention)",
                    description="Checks with a one-line fix each. Exit 0 healthy, 1 attention.")
-    sub.add_parser("report", parents=[common],
-                   help="memory figures per GPU (text; JSON with --json)",
-                   description="Per-device memory figures from outofcuda.memory_report() "
-                   "(NVML, no CUDA context) as text; --json prints the same dict as JSON.")
+    rp = sub.add_parser("report", parents=[common],
+                        help="memory figures per GPU (text; JSON with --json)",
+                        description="Per-device memory figures from outofcuda.memory_report() "
+                        "(NVML, no CUDA context) as text; --json prints the same dict as JSON. "
+                        "--bug prints a block for a bug report instead.")
+    rp.add_argument("--bug", action="store_true",
+                    help="a block to paste into a bug report: outofcuda's version and hook, "
+                    "the allocator, TF32, cuDNN and autocast settings torch reports, what "
+                    "outofcuda applied or skipped and why")
     from . import bench
 
     b = sub.add_parser("bench", parents=[common], help="run the gain benchmarks",
@@ -774,6 +779,144 @@ def _parser():
     # Each sub-command answers a bad argument with its own usage line.
     p.subcommands = sub.choices
     return p
+
+
+# ---------------------------------------------------------------- report --bug
+
+# Runs in a fresh interpreter (the hook fires there as in the user's program):
+# the settings torch itself says are in effect, each read alone (a read that
+# raises is shown, not fatal), and what outofcuda did. Nothing here
+# initialises CUDA: torch's flags and the allocator getter are host-side.
+_BUG_PROBE = r"""
+import json, os, sys
+sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]
+out = {"torch": None, "cuda": None, "torch_error": None, "settings": {}, "status": None,
+       "status_error": None, "cuda_initialized": None}
+
+def read(name, fn):
+    try:
+        v = fn()
+        out["settings"][name] = v if isinstance(v, (bool, int, float, type(None))) else str(v)
+    except BaseException as e:
+        out["settings"][name] = {"error": "%s: %s" % (type(e).__name__, e)}
+
+try:
+    import torch
+    out["torch"] = str(torch.__version__)
+    out["cuda"] = getattr(torch.version, "cuda", None)
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        read("allocator_settings", getter)
+    read("float32_matmul_precision", torch.get_float32_matmul_precision)
+    read("cuda.matmul.allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32)
+    read("cudnn.allow_tf32", lambda: torch.backends.cudnn.allow_tf32)
+    read("cudnn.enabled", lambda: torch.backends.cudnn.enabled)
+    read("cudnn.benchmark", lambda: torch.backends.cudnn.benchmark)
+    read("cudnn.deterministic", lambda: torch.backends.cudnn.deterministic)
+    read("autocast_dtype.cuda", lambda: torch.get_autocast_dtype("cuda"))
+    read("autocast_dtype.cpu", lambda: torch.get_autocast_dtype("cpu"))
+    out["cuda_initialized"] = bool(torch.cuda.is_initialized())
+except BaseException as e:
+    out["torch_error"] = "%s: %s" % (type(e).__name__, e)
+try:
+    import _outofcuda
+    out["status"] = _outofcuda.status()
+except BaseException as e:
+    out["status_error"] = "%s: %s" % (type(e).__name__, e)
+sys.stdout.write("\n@@OUTOFCUDA@@" + json.dumps(out, default=str) + "\n")
+"""
+
+# The variables a bug report needs besides torch's own view: outofcuda's, and
+# the foreign ones outofcuda acts on.
+_BUG_ENV_PREFIXES = ("OUTOFCUDA_", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
+                     "PYTORCH_HIP_ALLOC_CONF", "NVIDIA_TF32_OVERRIDE", "CUDA_VISIBLE_DEVICES",
+                     "TORCH_CUDNN_SDPA_DEPRIORITIZED")
+
+
+def bug_report_data(timeout=PROBE_TIMEOUT_S):
+    """What `outofcuda report --bug` shows, as a JSON-ready dict: outofcuda's
+    version and hook state, the settings torch reports in effect in a fresh
+    interpreter (the allocator's from torch's own getter where torch has
+    one), outofcuda's decisions with their reasons, and the environment
+    variables that steer them."""
+    try:
+        r = subprocess.run([sys.executable, "-c", _BUG_PROBE], capture_output=True, text=True,
+                           timeout=timeout)
+        marker = r.stdout.rfind("@@OUTOFCUDA@@")
+        pr = (json.loads(r.stdout[marker + len("@@OUTOFCUDA@@"):]) if marker >= 0 else
+              {"error": "the probe interpreter printed no result", "stderr": r.stderr[-2000:]})
+    except subprocess.TimeoutExpired:
+        pr = {"error": f"the probe interpreter did not finish within {timeout} s"}
+    st = pr.get("status") or {}
+    hook = st.get("hook") or {}
+    settings = pr.get("settings") or {}
+    opts = st.get("optimizations") or {}
+    return {
+        "version": core.__version__,
+        "python": sys.version.split()[0],
+        "torch": pr.get("torch"),
+        "cuda": pr.get("cuda"),
+        "torch_error": pr.get("torch_error"),
+        "error": pr.get("error") or pr.get("status_error"),
+        "hook": {"present": any(f["kind"] == "pth" and f["site_dir"] for f in hook_files()),
+                 "disabled_by_env": core._disabled_by_env(),
+                 "fired": bool(hook.get("fired")), "error": hook.get("error")},
+        "cuda_initialized": pr.get("cuda_initialized"),
+        "allocator_getter": "allocator_settings" in settings,
+        "settings": settings,
+        "optimizations": opts,
+        "skipped": {name: e.get("reason") for name, e in opts.items()
+                    if not e.get("applied") and not e.get("queued")},
+        "known_bugs": [{"id": b.get("id"), "applies": b.get("applies"), "done": b.get("done"),
+                        "reason": b.get("reason")} for b in st.get("known_bugs") or []],
+        "environment": {k: v for k, v in sorted(os.environ.items())
+                        if k.startswith(_BUG_ENV_PREFIXES)},
+    }
+
+
+def _render_bug_report(d):
+    s = d["settings"]
+
+    def val(name):
+        v = s.get(name, "n/a")
+        return f"unreadable ({v['error']})" if isinstance(v, dict) else v
+
+    hook = d["hook"]
+    alloc = (f"{val('allocator_settings')!r} (torch._C._accelerator_getAllocatorSettings)"
+             if d["allocator_getter"] else
+             f"torch {d['torch']} has no getter; outofcuda's entry: "
+             f"{(d['optimizations'].get('allocator') or {}).get('value')!r}")
+    lines = [
+        "```",
+        "outofcuda bug-report block (python -m torch.utils.collect_env does not show these)",
+        f"outofcuda {d['version']}, Python {d['python']}, torch {d['torch'] or d['torch_error']}"
+        f", CUDA {d['cuda'] or 'none (CPU build)'}",
+        f"hook: present={hook['present']} fired={hook['fired']} "
+        f"disabled_by_env={hook['disabled_by_env']} error={hook['error'] or 'none'}",
+        f"CUDA initialised by import torch: {d['cuda_initialized']}",
+        f"allocator settings: {alloc}",
+        f"TF32: float32_matmul_precision={val('float32_matmul_precision')} "
+        f"cuda.matmul.allow_tf32={val('cuda.matmul.allow_tf32')} "
+        f"cudnn.allow_tf32={val('cudnn.allow_tf32')}",
+        f"cuDNN: enabled={val('cudnn.enabled')} benchmark={val('cudnn.benchmark')} "
+        f"deterministic={val('cudnn.deterministic')}",
+        f"autocast dtype: cuda={val('autocast_dtype.cuda')} cpu={val('autocast_dtype.cpu')}",
+        "outofcuda's decisions (applied / queued for CUDA's start / no):",
+    ]
+    for name, e in d["optimizations"].items():
+        state = "queued" if e.get("queued") else "yes" if e.get("applied") else "no"
+        reason = str(e.get("reason"))
+        lines.append(f"  {name}: {reason}" if reason.startswith(state + ":") else
+                     f"  {name}: {state}: {reason}")
+    for b in d["known_bugs"]:
+        state = "worked around" if b["done"] else "applies" if b["applies"] else "no"
+        lines.append(f"  known bug {b['id']}: {state}: {b['reason']}")
+    env = d["environment"]
+    lines.append("environment: " + (" ".join(f"{k}={v}" for k, v in env.items()) or "none set"))
+    if d["error"]:
+        lines.append(f"error: {d['error']}")
+    lines.append("```")
+    return "\n".join(lines)
 
 
 def _emit(args, data, text):
@@ -869,6 +1012,10 @@ def _main(argv):
         d = doctor_data()
         _emit(args, d, _render_doctor(d))
         return 0 if d["healthy"] else 1
+    if command == "report" and args.bug:
+        d = bug_report_data()
+        _emit(args, d, _render_bug_report(d))
+        return 0
     if command == "report":
         try:
             import outofcuda

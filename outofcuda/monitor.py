@@ -154,7 +154,8 @@ class MemoryMonitor:
         why = self.reason
         if why and not _warned_no_gpu:
             _warned_no_gpu = True
-            warnings.warn(f"outofcuda.MemoryMonitor: {why}; it records nothing", RuntimeWarning,
+            warnings.warn(core._labelled(f"outofcuda.MemoryMonitor: {why}; it records nothing"),
+                          RuntimeWarning,
                           stacklevel=stacklevel)
         return self
 

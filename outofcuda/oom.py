@@ -157,7 +157,7 @@ def _on_uncaught(exc):
     """Called by the C exception hook before the traceback: prints the report.
     Returns True when it printed."""
     report = _record(exc)
-    sys.stderr.write(format_report(report) + "\n\n")
+    sys.stderr.write(core._labelled(format_report(report) + "\n\n"))
     sys.stderr.flush()
     return True
 

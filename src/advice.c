@@ -138,35 +138,93 @@ int oc_oom_advise(const oc_oom_figures *f, oc_advice_item *out, int max)
 /* ---- the exit summary: hints for one device ---- */
 
 #define MIN_UTIL_SAMPLES 5 /* fewer say nothing about a run */
-#define FEW_WORKERS 2      /* DataLoader num_workers at or below: "few" */
 #define FRAG_MIN_RESERVED (256LL << 20)
+
+int oc_summary_starved(const oc_summary_figures *d)
+{
+    return d->frame_samples >= OC_SUMMARY_MIN_FRAME_SAMPLES &&
+           (double)d->frame_waits >= OC_SUMMARY_STARVED_SHARE * (double)d->frame_samples;
+}
+
+/* The fix for a loop that waited on its data: from the waited DataLoader's
+ * num_workers and what smart_dataloader would pick on the cores here. */
+static void starved_fix(const oc_summary_figures *d, char *buf, size_t sz)
+{
+    long s = d->suggested_workers;
+    if (d->workers == 0 && s > 0)
+        snprintf(buf, sz,
+                 "this DataLoader has num_workers=0: num_workers=%ld (%ld cores here) or "
+                 "outofcuda.smart_dataloader",
+                 s, d->cpus);
+    else if (d->workers == 0)
+        snprintf(buf, sz,
+                 "this DataLoader has num_workers=0 and workers are off here "
+                 "(OUTOFCUDA_NUM_WORKERS=0 or one core): make __getitem__ and the transforms "
+                 "cheaper, or preprocess the data once");
+    else if (d->workers > 0 && d->workers < s)
+        snprintf(buf, sz,
+                 "this DataLoader has num_workers=%ld: num_workers=%ld (%ld cores here) with "
+                 "pin_memory=True, or outofcuda.smart_dataloader",
+                 d->workers, s, d->cpus);
+    else if (d->workers > 0)
+        snprintf(buf, sz,
+                 "this DataLoader's %ld workers do not keep up on %ld cores: make __getitem__ and "
+                 "the transforms cheaper (profile them), or preprocess the data once",
+                 d->workers, d->cpus);
+    else
+        snprintf(buf, sz,
+                 "raise the loader's num_workers (%ld cores here) or use "
+                 "outofcuda.smart_dataloader",
+                 d->cpus);
+}
+
+/* The input-pipeline hint, only where the main thread was measured waiting
+ * on its data; with a GPU part it says how often the GPU was under 50 % busy
+ * meanwhile. */
+static void add_starved(advice_list *l, const oc_summary_figures *d)
+{
+    char fix[300];
+    double waited = (double)d->frame_waits / (double)d->frame_samples;
+    starved_fix(d, fix, sizeof fix);
+    if (d->paired_samples >= MIN_UTIL_SAMPLES)
+        add(l, waited / (2 * OC_SUMMARY_STARVED_SHARE), 0,
+            "input pipeline: the GPU was under %d %% busy in %.0f %% of the run while the main "
+            "thread waited for the next batch (it waited %.0f %% of the run); %s",
+            OC_SUMMARY_LOW_UTIL, 100.0 * (double)d->paired_wait_low / (double)d->paired_samples,
+            100.0 * waited, fix);
+    else
+        add(l, waited / (2 * OC_SUMMARY_STARVED_SHARE), 0,
+            "input pipeline: the main thread waited for the next batch %.0f %% of the run; %s",
+            100.0 * waited, fix);
+}
 
 int oc_summary_hints(const oc_summary_figures *d, oc_advice_item *out, int max)
 {
     advice_list l = {out, 0, max};
+    int starved = oc_summary_starved(d);
     /* Each hint scores how far past its threshold the figure is; ties go to
-     * utilisation, then fragmentation, then memory. */
-    if (d->util_samples >= MIN_UTIL_SAMPLES) {
+     * utilisation, then fragmentation, then memory. Low utilisation is put
+     * on the input pipeline only where the main thread was seen waiting on
+     * its data: a loop that never waited is not blamed on its DataLoader. */
+    if (starved)
+        add_starved(&l, d);
+    if (!starved && d->util_samples >= MIN_UTIL_SAMPLES) {
         double mean = d->util_sum / (double)d->util_samples;
         double low = (double)d->under_low / (double)d->util_samples;
         if (mean < OC_SUMMARY_LOW_UTIL || low >= 0.5) {
-            char what[200];
-            if (d->workers >= 0 && d->workers <= FEW_WORKERS)
+            char what[240];
+            if (d->frame_samples >= OC_SUMMARY_MIN_FRAME_SAMPLES)
                 snprintf(what, sizeof what,
-                         "the DataLoader has num_workers=%ld: raise it "
-                         "(outofcuda.smart_dataloader picks a count) and pin memory",
-                         d->workers);
-            else if (d->workers > FEW_WORKERS)
-                snprintf(what, sizeof what,
-                         "with num_workers=%ld, profile the host side (torch.profiler): "
-                         "data loading, .item()/.cpu() syncs, many small kernels",
-                         d->workers);
+                         "the main thread waited for data in only %.0f %% of the run: look "
+                         "for host-side syncs (.item(), .cpu(), printing tensors) and many "
+                         "small kernels with torch.profiler",
+                         100.0 * (double)d->frame_waits / (double)d->frame_samples);
             else
                 snprintf(what, sizeof what,
-                         "check the DataLoader (num_workers, pin_memory) and host-side "
-                         "syncs with torch.profiler");
+                         "the wait for data was not measured: check the DataLoader "
+                         "(num_workers, pin_memory) and host-side syncs with torch.profiler");
             add(&l, (low > 1.0 - mean / 100.0 ? low : 1.0 - mean / 100.0) / 0.5, 0,
-                "input pipeline: the GPU was under %d %% busy in %.0f %% of samples "
+                "low utilisation: the GPU was under %d %% busy in %.0f %% of samples "
                 "(mean %.0f %%); %s",
                 OC_SUMMARY_LOW_UTIL, 100.0 * low, mean, what);
         }

@@ -219,6 +219,13 @@ static long usable_cpus(void)
     return n < 1 ? 1 : n;
 }
 
+long oc_loader_suggestion(long *cpus)
+{
+    const oc_config *cfg = oc_config_get();
+    *cpus = usable_cpus();
+    return cfg->num_workers < *cpus ? cfg->num_workers : *cpus;
+}
+
 /* Fills *total with the size of the shared-memory filesystem at path.
  * Returns 0, or -1 when it cannot be read (no /dev/shm). */
 static int shm_size(const char *path, unsigned long long *total)
@@ -250,10 +257,10 @@ static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "p|lsK", kwlist, &cuda_available, &requested,
                                      &shm_path, &shm_min))
         return NULL;
-    cpus = usable_cpus();
     /* The cap also keeps torch's own "suggested max number of worker" warning
      * away, which compares with the affinity mask. */
-    workers = requested >= 0 ? requested : (cfg->num_workers < cpus ? cfg->num_workers : cpus);
+    workers = oc_loader_suggestion(&cpus);
+    workers = requested >= 0 ? requested : workers;
     shm_ok = shm_size(shm_path, &shm_total) == 0;
     shm_enough = workers <= 0 || (shm_ok && shm_total >= shm_min);
     if (!shm_enough && !oc_g.shm_warned) {

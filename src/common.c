@@ -251,15 +251,46 @@ void oc_clear_at(const char *file, int line, const char *func)
     PyErr_Clear(); /* recorded above */
 }
 
+/* text with the rank label (oc_rank_label) before every line that starts
+ * in it: malloc'd, or NULL when there is no label (or no memory: text goes
+ * as is). *at_start: whether the stream is at a line's start, carried from
+ * one call to the next (a line may be written in pieces). */
+char *oc_labelled(const char *text, int *at_start)
+{
+    const char *label = oc_rank_label(), *p;
+    size_t ll = strlen(label), lines = 1;
+    char *out, *o;
+    if (ll == 0)
+        return NULL;
+    for (p = text; *p; p++)
+        lines += *p == '\n';
+    out = malloc(strlen(text) + lines * ll + 1);
+    if (out == NULL)
+        return NULL;
+    for (p = text, o = out; *p; p++) {
+        if (*at_start && *p != '\n') { /* an empty line stays empty */
+            memcpy(o, label, ll);
+            o += ll;
+        }
+        *o++ = *p;
+        *at_start = *p == '\n';
+    }
+    *o = '\0';
+    return out;
+}
+
 /* Writes text (UTF-8; other bytes as \xNN) through sys.stderr and nowhere
- * else. PySys_WriteStderr and C's stderr fall back to file descriptor 2, which
+ * else, each line labelled with the rank under torchrun. PySys_WriteStderr and C's stderr fall back to file descriptor 2, which
  * a program started with stderr closed has handed to one of its own files:
  * with sys.stderr None or closed nothing is written. Never raises; a
  * Ctrl-C raised by the write is kept (oc_clear_at). */
 void oc_stderr_write(const char *text)
 {
+    static int at_line_start = 1; /* under the GIL */
     PyObject *exc_type, *exc_value, *exc_tb, *err, *closed, *str, *res;
     int is_closed;
+    char *labelled = oc_labelled(text, &at_line_start);
+    text = labelled ? labelled : text;
     PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
     err = PySys_GetObject("stderr"); /* borrowed */
     if (err != NULL && err != Py_None) {
@@ -278,6 +309,7 @@ void oc_stderr_write(const char *text)
             PyErr_Clear(); /* absence: a stream that fails to write gets nothing */
     }
     PyErr_Restore(exc_type, exc_value, exc_tb);
+    free(labelled);
 }
 
 void oc_stderr_printf(const char *fmt, ...)
@@ -333,12 +365,20 @@ static void program_location(PyObject **file, int *line)
 
 void oc_warn(const char *msg)
 {
-    PyObject *exc_type, *exc_value, *exc_tb, *text, *utf8 = NULL, *file;
-    char where[512];
+    PyObject *exc_type, *exc_value, *exc_tb, *text = NULL, *utf8 = NULL, *file;
+    const char *label = oc_rank_label();
+    size_t label_len = strlen(label);
+    char where[512], *labelled = malloc(label_len + strlen(msg) + 1);
     int line;
     /* Keep whatever exception is being handled: a warning must not replace it. */
     PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
-    text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "backslashreplace");
+    /* The label is part of the warning's text; the fallback below writes
+     * through oc_stderr_write, which labels on its own. */
+    if (labelled != NULL) {
+        snprintf(labelled, label_len + strlen(msg) + 1, "%s%s", label, msg);
+        text = PyUnicode_DecodeUTF8(labelled, (Py_ssize_t)strlen(labelled), "backslashreplace");
+    }
+    free(labelled);
     if (text != NULL)
         utf8 = PyUnicode_AsUTF8String(text);
     Py_XDECREF(text);
@@ -349,7 +389,7 @@ void oc_warn(const char *msg)
         /* -W error turned the warning into an exception; outofcuda must not
          * raise from an import, so the message goes to stderr instead. */
         oc_clear_absence(); /* reported: the message goes to stderr below; a Ctrl-C is kept */
-        oc_stderr_printf("%.1000s\n", utf8 != NULL ? PyBytes_AsString(utf8)
+        oc_stderr_printf("%.1000s\n", utf8 != NULL ? PyBytes_AsString(utf8) + label_len
                                                    : "outofcuda: a warning could not be shown");
     }
     Py_XDECREF(utf8);

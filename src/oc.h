@@ -13,7 +13,7 @@
  *   monitor.c  the native watchdog thread behind MemoryMonitor
  *   report.c   status dict and the verbose table
  *   facts.c    verdicts the Python layer asks for instead of parsing again
- *   summary.c  OUTOFCUDA_SUMMARY: utilisation sampler and the at-exit block
+ *   summary.c  OUTOFCUDA_SUMMARY: input-wait and utilisation sampler, at-exit block
  *   api.c      decisions behind the Python API
  *   knownbugs.c the known-bugs table and its lookup (pure C part first),
  *              then the guards applied at import and at CUDA's start
@@ -149,6 +149,12 @@ const char *oc_env(const char *name);
  * anything else. Where LOCAL_RANK names a device, one past the devices counts
  * as absent at the caller. */
 long oc_env_rank(const char *name);
+/* The label every line outofcuda prints starts with: "[rank N] " in a
+ * process torchrun started (RANK, else LOCAL_RANK), "[launcher] " in
+ * torchrun's own launcher process, else "". Static storage. */
+const char *oc_rank_label(void);
+/* 1 in torchrun's launcher (its command line, and no RANK/LOCAL_RANK). */
+int oc_torchrun_launcher(void);
 
 /* Fills *cfg from the environment; never fails. Every bad value leaves the
  * default in place and appends one message to cfg->warnings. */
@@ -339,10 +345,21 @@ typedef struct {
     unsigned long long util_samples, under_low, mem_samples, mem_peak, mem_total;
     double util_sum;                         /* percent, summed over util_samples */
     long long peak_allocated, peak_reserved; /* torch's; -1 unknown */
-    long workers;                            /* largest DataLoader num_workers; -1 none */
-    int expandable;                          /* expandable_segments is on */
+    long workers;           /* num_workers of the DataLoader the main thread waited in, else the
+                     largest alive at exit; -1 none */
+    int expandable;         /* expandable_segments is on */
     int no_expandable_here; /* they cannot work on this platform (WSL): never advised */
+    /* The input wait: samples of the main thread's stack, and of them those
+     * inside a torch.utils.data iterator; utilisation samples taken with a
+     * stack sample, and of them those under 50 % while the main thread waited. */
+    unsigned long long frame_samples, frame_waits, paired_samples, paired_wait_low;
+    long cpus, suggested_workers; /* usable cores; the num_workers smart_dataloader picks */
 } oc_summary_figures;
+#define OC_SUMMARY_STARVED_SHARE 0.10  /* waited on data this share of the samples: starved */
+#define OC_SUMMARY_MIN_FRAME_SAMPLES 5 /* fewer stack samples measure no wait */
+/* 1 when the main thread waited on data for OC_SUMMARY_STARVED_SHARE of
+ * enough samples (the input-pipeline hint and the JSON's "starved"). */
+int oc_summary_starved(const oc_summary_figures *d);
 /* Fills out[] (room for max) with the hints that fit d, highest score
  * first. Returns how many (at most 3). */
 int oc_summary_hints(const oc_summary_figures *d, oc_advice_item *out, int max);
@@ -582,6 +599,9 @@ const oc_config *oc_config_get(void); /* loads once, emits warnings */
 void oc_warn(const char *msg);        /* one warning; never raises */
 /* Writes through sys.stderr only: nothing when it is None or closed. */
 void oc_stderr_write(const char *text);
+/* text with the rank label before each line starting in it (malloc'd), or
+ * NULL where there is no label; *at_start carries "at a line's start". */
+char *oc_labelled(const char *text, int *at_start);
 void oc_stderr_printf(const char *fmt, ...)
 #ifdef __GNUC__
     __attribute__((format(printf, 1, 2)))
@@ -737,6 +757,9 @@ int oc_api_clear_cache(long long *released);
  * visible GPU's, from NVML); NULL when auto cannot know it. reason: why, in
  * words. */
 const char *oc_amp_cuda_dtype(const oc_config *cfg, char *reason, size_t sz);
+/* The num_workers smart_dataloader picks (OUTOFCUDA_NUM_WORKERS capped at the
+ * usable cores); *cpus: those cores (affinity mask, cgroup quota). */
+long oc_loader_suggestion(long *cpus);
 
 /* facts.c */
 extern PyMethodDef oc_facts_methods[];
@@ -813,7 +836,9 @@ int oc_thread_join(pthread_t thread, int limit_s);
 double oc_thread_now(void); /* CLOCK_MONOTONIC, in seconds */
 
 /* summary.c: OUTOFCUDA_SUMMARY, what the GPU did, printed at exit */
-void oc_summary_prepare(void);      /* with torch imported: arms its step when it has work */
+/* With torch imported: starts the stack sampler when the summary is on, and
+ * arms its CUDA-init step where cuda_queue says CUDA's start can be queued. */
+void oc_summary_prepare(int cuda_queue);
 void oc_summary_at_cuda_init(void); /* a step of the CUDA-init callback */
 extern PyMethodDef oc_summary_methods[];
 

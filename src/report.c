@@ -3,6 +3,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static const char *const opt_names[] = {
@@ -481,6 +482,10 @@ static void write_value(PyObject *v)
 void oc_report_verbose(void)
 {
     char tv[64], reason[400];
+    /* torchrun's launcher imports torch but runs no model: its table would
+     * read as one more rank's. Each worker prints its own, labelled. */
+    if (oc_torchrun_launcher())
+        return;
     value_text(oc_g.torch_version, tv, sizeof tv);
     oc_stderr_printf("outofcuda %s: torch %s imported\n", OC_VERSION, tv);
     oc_stderr_printf("  %-20s %-8s %s\n", "optimisation", "applied", "value (reason below)");
@@ -559,7 +564,34 @@ static PyObject *py_wrap(PyObject *self, PyObject *args)
     return lines;
 }
 
+/* _labelled(text) -> str: text with the rank label (oc_rank_label) before
+ * each of its lines, for what the Python layer prints. */
+static PyObject *py_labelled(PyObject *self, PyObject *args)
+{
+    PyObject *str, *bytes, *res;
+    int at_start = 1;
+    char *out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "U", &str))
+        return NULL;
+    bytes = PyUnicode_AsEncodedString(str, "utf-8", "surrogatepass");
+    if (bytes == NULL)
+        return NULL;
+    /* A NUL would end the C string early: such text goes as it is. */
+    out = strlen(PyBytes_AsString(bytes)) == (size_t)PyBytes_Size(bytes)
+              ? oc_labelled(PyBytes_AsString(bytes), &at_start)
+              : NULL;
+    res = out ? PyUnicode_DecodeUTF8(out, (Py_ssize_t)strlen(out), "surrogatepass")
+              : (Py_INCREF(str), str);
+    free(out);
+    Py_DECREF(bytes);
+    return res;
+}
+
 PyMethodDef oc_report_methods[] = {
+    {"_labelled", py_labelled, METH_VARARGS,
+     "_labelled(text, /)\n--\n\nThe text with the rank label ([rank N] under torchrun) before "
+     "each line."},
     {"_wrap", py_wrap, METH_VARARGS,
      "_wrap(text, first, indent, /)\n--\n\nThe text in lines of the tables' width (the first at "
      "most first characters, the others indented)."},

@@ -8,6 +8,7 @@
 
 #include <errno.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -73,8 +74,8 @@ static const oc_setting settings[] = {
      OC_NO_FIELD, 0, 0, NULL, NULL},
     {"LOCAL_RANK", OC_SET_FOREIGN, NULL, "torchrun's rank on this node: this process's device",
      OC_NO_FIELD, 0, 0, NULL, NULL},
-    {"RANK", OC_SET_FOREIGN, NULL, "torchrun's global rank: the summary's [rank N]", OC_NO_FIELD, 0,
-     0, NULL, NULL},
+    {"RANK", OC_SET_FOREIGN, NULL, "torchrun's global rank: [rank N] on every line printed",
+     OC_NO_FIELD, 0, 0, NULL, NULL},
     {"CUDA_VISIBLE_DEVICES", OC_SET_FOREIGN, NULL, "the devices CUDA shows (NVML's map)",
      OC_NO_FIELD, 0, 0, NULL, NULL},
     {"PYTORCH_CUDA_ALLOC_CONF", OC_SET_FOREIGN, NULL, "torch's allocator string", OC_NO_FIELD, 0, 0,
@@ -125,4 +126,51 @@ long oc_env_rank(const char *name)
     errno = 0;
     r = strtol(s, &end, 10);
     return (errno == 0 && *end == '\0' && r >= 0 && r < 1000000) ? r : -1;
+}
+
+/* ---- which process of a torchrun job speaks ---- */
+
+/* 1 when argv (NUL-separated, len bytes) starts torchrun's launcher: the
+ * torchrun script, or `python -m torch.distributed.run` (or .launch). */
+static int launcher_argv(const char *argv, size_t len)
+{
+    const char *a = argv, *prev = "";
+    for (int i = 0; a < argv + len && i < 8; i++) {
+        const char *base = strrchr(a, '/');
+        base = base ? base + 1 : a;
+        if ((i <= 1 && strcmp(base, "torchrun") == 0) ||
+            (strcmp(prev, "-m") == 0 && (strcmp(a, "torch.distributed.run") == 0 ||
+                                         strcmp(a, "torch.distributed.launch") == 0)))
+            return 1;
+        prev = a;
+        a += strlen(a) + 1;
+    }
+    return 0;
+}
+
+int oc_torchrun_launcher(void)
+{
+    static int known = -1;
+    if (known < 0) {
+        char buf[4096];
+        FILE *f = fopen("/proc/self/cmdline", "rb");
+        size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+        if (f)
+            fclose(f);
+        buf[n] = '\0';
+        known = launcher_argv(buf, n);
+    }
+    return known && oc_env_rank("RANK") < 0 && oc_env_rank("LOCAL_RANK") < 0;
+}
+
+const char *oc_rank_label(void)
+{
+    static char label[32];
+    long rank = oc_env_rank("RANK");
+    rank = rank >= 0 ? rank : oc_env_rank("LOCAL_RANK");
+    if (rank >= 0)
+        snprintf(label, sizeof label, "[rank %ld] ", rank);
+    else
+        snprintf(label, sizeof label, "%s", oc_torchrun_launcher() ? "[launcher] " : "");
+    return label;
 }

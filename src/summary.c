@@ -1,14 +1,26 @@
-/* summary.c - OUTOFCUDA_SUMMARY: what the GPU did, printed at exit.
+/* summary.c - OUTOFCUDA_SUMMARY: what the GPU did, and how long the main
+ * thread waited for its data, printed at exit.
  *
- * When CUDA initialises (torch's lazy-init queue) a native thread starts
- * sampling each device's utilisation and memory from NVML into fixed-size
- * aggregates. It never takes the GIL and touches no Python object; like the
- * watchdog in monitor.c it blocks every signal, waits on a condition variable
- * with a CLOCK_MONOTONIC deadline, and is joined, never detached. At exit an
- * atexit callback (registered when CUDA initialised, so a process that never
- * uses CUDA does no work at all) joins it, adds torch's peak figures, the OOM
- * and micro-batch counts, ranks up to three hints and prints one block per
- * device used, or writes the JSON form. */
+ * With the summary on, `import torch` starts one native thread. Each tick
+ * (about every 200 ms, jittered so that a loop of a fixed period is not
+ * sampled at one phase of it) it takes the GIL for tens of microseconds and
+ * looks at the main thread's stack through sys._current_frames() (the
+ * Limited API has no way to another thread's frame): a stack holding code
+ * from torch/utils/data/ is a main thread waiting for its next batch. Once
+ * CUDA initialises (torch's lazy-init queue) the same tick also samples each
+ * device's utilisation and memory from NVML, without the GIL, so the two
+ * can be paired: how often the GPU was under 50 % busy while the main
+ * thread waited. Like the watchdog in monitor.c the thread blocks every
+ * signal, waits on a condition variable with a CLOCK_MONOTONIC deadline,
+ * takes the GIL only with its lock released and never once asked to stop
+ * (so never during finalisation), and is joined, never detached. A
+ * DataLoader worker that imports torch (spawn, forkserver) sees its own
+ * _worker_loop on the stack at the first sample: the thread stops sampling
+ * and the worker prints nothing. At exit an atexit callback joins the
+ * thread, adds torch's peak figures, the OOM and micro-batch counts, ranks
+ * up to three hints and prints one block per device used (a process that
+ * never started CUDA: one block without a GPU part, when it iterated data),
+ * or writes the JSON form. */
 #include "oc.h"
 
 #include <errno.h>
@@ -28,12 +40,14 @@
 #define HINTS_MAX 3
 #define LOW_UTIL OC_SUMMARY_LOW_UTIL
 #define JOIN_LIMIT_S 5
+#define MAX_STACK_DEPTH 256 /* frames looked at per sample, innermost first */
 
 typedef struct {
     int torch_index, nvml_index;
     char name[96];
     /* written by the sampler under S.lock */
     unsigned long long ticks, util_samples, under_low, mem_samples, mem_peak, mem_total;
+    unsigned long long paired_samples, paired_wait_low; /* with a stack sample; waiting and low */
     double util_sum;
     /* filled at exit, with the GIL */
     long long peak_allocated, peak_reserved; /* -1: unknown */
@@ -42,18 +56,27 @@ typedef struct {
 /* The sampler thread's state: outside oc_state (oc.h) because the thread
  * reads and writes it without the GIL, under th.lock. */
 static struct {
-    oc_thread th; /* th.lock guards the aggregates and stop_requested */
+    oc_thread th; /* th.lock guards the aggregates, n, frames_on and stop_requested */
     int started, running, stop_requested;
     long interval_ms;
-    double t0; /* oc_thread_now() when CUDA started */
+    double t0;     /* oc_thread_now() when the summary started (torch imported) */
+    double t_cuda; /* ... and when CUDA started (cuda set) */
+    int cuda;      /* CUDA started: dev[0..n) are this process's devices */
     int n;
     sum_device dev[SUMMARY_MAX_DEVICES];
-    char why[240]; /* why nothing is sampled, or "" */
+    char why[240]; /* why no utilisation is sampled, or "" */
+    /* The main thread's stack, sampled with the GIL. */
+    unsigned long main_ident; /* threading.main_thread().ident; 0: not sampled */
+    int frames_on, in_worker; /* in_worker: a DataLoader worker, says nothing */
+    unsigned long long frame_samples, frame_waits;
+    double gil_wait_s, gil_held_s; /* waiting for the GIL, holding it: the sampler's cost */
+    long waited_workers; /* num_workers of the DataLoader last seen waited in; -1 unknown */
+    unsigned rng;        /* the jitter's state, the thread's alone */
 } S;
 
 /* ---- the sampler thread: no Python object, no GIL ---- */
 
-static void sample_device(sum_device *d)
+static void sample_device(sum_device *d, int waited)
 {
     oc_gpu_info g;
     unsigned gpu = 0, mem_busy = 0;
@@ -73,8 +96,135 @@ static void sample_device(sum_device *d)
         d->util_samples++;
         d->util_sum += gpu;
         d->under_low += gpu < LOW_UTIL;
+        if (waited >= 0) {
+            d->paired_samples++;
+            d->paired_wait_low += waited && gpu < LOW_UTIL;
+        }
     }
     pthread_mutex_unlock(&S.th.lock);
+}
+
+/* ---- the main thread's stack (the sampler thread, with the GIL) ---- */
+
+/* The iterator's num_workers, from the `self` of torch's
+ * _BaseDataLoaderIter.__next__ frame; -1 when it cannot be read. */
+static long iterator_workers(PyObject *frame)
+{
+    PyObject *locals = PyObject_GetAttrString(frame, "f_locals");
+    PyObject *it = locals ? PyMapping_GetItemString(locals, "self") : NULL;
+    PyObject *nw = it ? PyObject_GetAttrString(it, "_num_workers") : NULL;
+    long n = nw && PyLong_Check(nw) ? PyLong_AsLong(nw) : -1;
+    Py_XDECREF(nw);
+    Py_XDECREF(it);
+    Py_XDECREF(locals);
+    oc_clear_absence(); /* absence: not torch's iterator, or no such attribute */
+    return n;
+}
+
+/* 1 when the code's file is under torch/utils/data/; *name: its co_name
+ * (new reference) then. */
+static int in_data_code(PyObject *code, PyObject *needle, PyObject **name)
+{
+    PyObject *file = PyObject_GetAttrString(code, "co_filename");
+    int in = file != NULL && PyUnicode_Check(file) &&
+             PyUnicode_Find(file, needle, 0, PY_SSIZE_T_MAX, 1) >= 0;
+    Py_XDECREF(file);
+    *name = in ? PyObject_GetAttrString(code, "co_name") : NULL;
+    return in;
+}
+
+static int name_is(PyObject *name, const char *s)
+{
+    return name != NULL && PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, s) == 0;
+}
+
+/* Where the main thread is: 1 inside a torch.utils.data iterator, 0
+ * elsewhere, -1 unknown (no frame). *workers: the waited iterator's
+ * num_workers where seen; *worker: this process is a DataLoader worker. */
+static int main_thread_in_data(long *workers, int *worker)
+{
+    PyObject *fn = PySys_GetObject("_current_frames"); /* borrowed */
+    PyObject *frames = fn ? PyObject_CallObject(fn, NULL) : NULL;
+    PyObject *key = PyLong_FromUnsignedLong(S.main_ident);
+    PyObject *needle = PyUnicode_FromString("/torch/utils/data/");
+    PyObject *frame = frames && key && needle && PyDict_Check(frames)
+                          ? PyDict_GetItem(frames, key) /* borrowed */
+                          : NULL;
+    int where = frame != NULL ? 0 : -1;
+    Py_XINCREF(frame);
+    for (int depth = 0; frame != NULL && frame != Py_None && depth < MAX_STACK_DEPTH; depth++) {
+        PyObject *code = PyObject_GetAttrString(frame, "f_code"), *name = NULL, *back;
+        int in = code != NULL && in_data_code(code, needle, &name);
+        Py_XDECREF(code);
+        if (in) {
+            where = 1;
+            *worker = name_is(name, "_worker_loop");
+            /* The iterator's entry: the frames further out are the program's. */
+            if (name_is(name, "__next__") || *worker) {
+                if (!*worker)
+                    *workers = iterator_workers(frame);
+                Py_XDECREF(name);
+                break;
+            }
+        }
+        Py_XDECREF(name);
+        back = PyObject_GetAttrString(frame, "f_back");
+        Py_DECREF(frame);
+        frame = back;
+    }
+    Py_XDECREF(frame);
+    Py_XDECREF(needle);
+    Py_XDECREF(key);
+    Py_XDECREF(frames);
+    OC_CLEAR();
+    return where;
+}
+
+/* One stack sample, unless the summary is stopping: takes the GIL with no
+ * lock held (monitor.c's order). Returns main_thread_in_data's answer, -1
+ * when nothing was sampled. */
+static int sample_main_thread(void)
+{
+    PyGILState_STATE gil;
+    long workers = -1;
+    int where, worker = 0, stop;
+    double asked, got, done;
+    pthread_mutex_lock(&S.th.lock);
+    stop = S.stop_requested || !S.frames_on;
+    pthread_mutex_unlock(&S.th.lock);
+    if (stop)
+        return -1;
+    asked = oc_thread_now();
+    gil = PyGILState_Ensure();
+    got = oc_thread_now();
+    where = main_thread_in_data(&workers, &worker);
+    done = oc_thread_now();
+    PyGILState_Release(gil);
+    pthread_mutex_lock(&S.th.lock);
+    S.gil_wait_s += got - asked;
+    S.gil_held_s += done - got;
+    if (worker) {
+        S.in_worker = 1;
+        S.frames_on = 0;
+        where = -1;
+    } else if (where >= 0) {
+        S.frame_samples++;
+        S.frame_waits += (unsigned long long)where;
+        if (where && workers >= 0)
+            S.waited_workers = workers;
+    }
+    pthread_mutex_unlock(&S.th.lock);
+    return where;
+}
+
+/* The next wait: the interval, 80 % to 120 % of it. */
+static struct timespec next_deadline(long interval_ms)
+{
+    long ms;
+    S.rng = S.rng * 1103515245u + 12345u;
+    ms = interval_ms * (80 + (long)((S.rng >> 16) % 41)) / 100;
+    ms = ms > 0 ? ms : 1;
+    return oc_thread_deadline(ms / 1000, (ms % 1000) * 1000000L);
 }
 
 static void *sampler(void *arg)
@@ -83,11 +233,15 @@ static void *sampler(void *arg)
     pthread_mutex_lock(&S.th.lock);
     while (!S.stop_requested) {
         struct timespec deadline;
+        int n = S.n, waited;
+        long interval_ms = S.interval_ms;
         pthread_mutex_unlock(&S.th.lock);
-        for (int i = 0; i < S.n; i++)
+        waited = sample_main_thread();
+        /* dev[0..n) were filled before n was published, under the lock. */
+        for (int i = 0; i < n; i++)
             if (S.dev[i].nvml_index >= 0)
-                sample_device(&S.dev[i]);
-        deadline = oc_thread_deadline(S.interval_ms / 1000, (S.interval_ms % 1000) * 1000000L);
+                sample_device(&S.dev[i], waited);
+        deadline = next_deadline(interval_ms);
         pthread_mutex_lock(&S.th.lock);
         oc_thread_wait(&S.th, &S.stop_requested, &deadline);
     }
@@ -171,38 +325,27 @@ static int register_at_exit(void)
     return 0;
 }
 
-/* Starts the clock and, where NVML knows the devices, the sampler for the
- * given torch device indices. Returns 0, or -1 with an exception set. */
-static int summary_begin(const int *torch_index, int n, long interval_ms)
+/* threading.main_thread().ident, or 0 when it cannot be read. */
+static unsigned long main_thread_ident(void)
 {
-    char why[200] = "";
-    int sampled = 0, rc;
-    if (S.started && !oc_thread_inherited(&S.th))
+    PyObject *threading = PyImport_ImportModule("threading");
+    PyObject *t = threading ? PyObject_CallMethod(threading, "main_thread", NULL) : NULL;
+    PyObject *ident = t ? PyObject_GetAttrString(t, "ident") : NULL;
+    unsigned long id = ident && PyLong_Check(ident) ? PyLong_AsUnsignedLong(ident) : 0;
+    Py_XDECREF(ident);
+    Py_XDECREF(t);
+    Py_XDECREF(threading);
+    OC_CLEAR();
+    return id;
+}
+
+/* Starts the sampling thread once. Returns 0 (a thread that cannot start
+ * is said in S.why). */
+static int start_thread(void)
+{
+    int rc;
+    if (S.running)
         return 0;
-    /* Fresh primitives: a forked child may inherit a lock the parent's thread held. */
-    memset(&S, 0, sizeof S);
-    oc_thread_init(&S.th);
-    S.interval_ms = interval_ms;
-    n = n < SUMMARY_MAX_DEVICES ? n : SUMMARY_MAX_DEVICES;
-    S.n = n;
-    for (int i = 0; i < n; i++) {
-        S.dev[i].torch_index = torch_index[i];
-        S.dev[i].nvml_index = oc_nvml_index(torch_index[i]);
-        S.dev[i].peak_allocated = S.dev[i].peak_reserved = -1;
-        sampled += S.dev[i].nvml_index >= 0;
-    }
-    S.t0 = oc_thread_now();
-    S.started = 1;
-    if (register_at_exit() < 0)
-        return -1;
-    if (!oc_nvml_available(why, sizeof why)) {
-        snprintf(S.why, sizeof S.why, "%s", why);
-        return 0;
-    }
-    if (sampled == 0) {
-        snprintf(S.why, sizeof S.why, "NVML shows none of this process's CUDA devices");
-        return 0;
-    }
     /* Named before start returns, so `top -H` and tests see it at once. */
     rc = oc_thread_start(&S.th, sampler, NULL, "oc-summary");
     if (rc != 0) {
@@ -211,6 +354,61 @@ static int summary_begin(const int *torch_index, int n, long interval_ms)
     }
     S.running = 1;
     return 0;
+}
+
+/* Starts the clock, the exit report and the thread sampling the main
+ * thread's stack. Returns 0, or -1 with an exception set. */
+static int summary_begin(long interval_ms)
+{
+    if (S.started && !oc_thread_inherited(&S.th))
+        return 0;
+    /* Fresh primitives: a forked child may inherit a lock the parent's thread held. */
+    memset(&S, 0, sizeof S);
+    oc_thread_init(&S.th);
+    S.interval_ms = interval_ms;
+    S.waited_workers = -1;
+    S.rng = (unsigned)getpid();
+    S.main_ident = main_thread_ident();
+    S.frames_on = S.main_ident != 0;
+    S.t0 = oc_thread_now();
+    S.started = 1;
+    if (register_at_exit() < 0)
+        return -1;
+    return S.frames_on ? start_thread() : 0;
+}
+
+/* CUDA started: the devices to sample join the running thread (started
+ * here when the stack is not sampled). Returns 0. */
+static int devices_begin(const int *torch_index, int n)
+{
+    sum_device dev[SUMMARY_MAX_DEVICES];
+    char why[200] = "";
+    int sampled = 0;
+    if (S.cuda)
+        return 0;
+    n = n < SUMMARY_MAX_DEVICES ? n : SUMMARY_MAX_DEVICES;
+    memset(dev, 0, sizeof dev);
+    for (int i = 0; i < n; i++) {
+        dev[i].torch_index = torch_index[i];
+        dev[i].nvml_index = oc_nvml_index(torch_index[i]);
+        dev[i].peak_allocated = dev[i].peak_reserved = -1;
+        sampled += dev[i].nvml_index >= 0;
+    }
+    pthread_mutex_lock(&S.th.lock);
+    memcpy(S.dev, dev, sizeof dev);
+    S.n = n;
+    S.cuda = 1;
+    S.t_cuda = oc_thread_now();
+    pthread_mutex_unlock(&S.th.lock);
+    if (!oc_nvml_available(why, sizeof why)) {
+        snprintf(S.why, sizeof S.why, "%s", why);
+        return 0;
+    }
+    if (sampled == 0) {
+        snprintf(S.why, sizeof S.why, "NVML shows none of this process's CUDA devices");
+        return 0;
+    }
+    return start_thread();
 }
 
 /* This process's devices: LOCAL_RANK's alone under torchrun (one GPU per
@@ -239,14 +437,19 @@ void oc_summary_at_cuda_init(void)
     int devices[SUMMARY_MAX_DEVICES] = {0};
     int n;
     n = choose_devices(devices);
-    if (summary_begin(devices, n, DEFAULT_INTERVAL_MS) < 0)
+    if (summary_begin(DEFAULT_INTERVAL_MS) < 0 || devices_begin(devices, n) < 0)
         oc_set_error("starting the exit summary");
     OC_CLEAR();
 }
 
-void oc_summary_prepare(void)
+void oc_summary_prepare(int cuda_queue)
 {
-    if (oc_config_get()->summary != OC_SUMMARY_OFF && resolve_output() != OC_SUMMARY_OFF)
+    if (oc_config_get()->summary == OC_SUMMARY_OFF || resolve_output() == OC_SUMMARY_OFF)
+        return;
+    if (summary_begin(DEFAULT_INTERVAL_MS) < 0)
+        oc_set_error("starting the exit summary");
+    OC_CLEAR();
+    if (cuda_queue)
         oc_cuda_step_arm(OC_STEP_SUMMARY);
 }
 
@@ -350,25 +553,6 @@ done:
 
 /* ---- hints: advice.c ranks them over the figures ---- */
 
-/* Up to HINTS_MAX hints for one device, highest score first. */
-static int make_hints(const sum_device *d, long workers, oc_advice_item *h)
-{
-    oc_summary_figures f;
-    memset(&f, 0, sizeof f);
-    f.util_samples = d->util_samples;
-    f.under_low = d->under_low;
-    f.util_sum = d->util_sum;
-    f.mem_samples = d->mem_samples;
-    f.mem_peak = d->mem_peak;
-    f.mem_total = d->mem_total;
-    f.peak_allocated = d->peak_allocated;
-    f.peak_reserved = d->peak_reserved;
-    f.workers = workers;
-    f.expandable = oc_alloc_expandable(oc_g.alloc_value);
-    f.no_expandable_here = oc_platform_no_expandable();
-    return oc_summary_hints(&f, h, HINTS_MAX + 1);
-}
-
 /* ---- at exit: the block and the JSON ---- */
 
 typedef struct {
@@ -390,50 +574,109 @@ static void appendf(text *t, const char *fmt, ...)
 }
 
 typedef struct {
-    double wall;
-    long rank, workers;
+    double wall, since_import; /* since CUDA started; since the summary started */
+    long rank, workers, cpus, suggested_workers;
     unsigned long ooms;
     long long splits;
+    unsigned long long frame_samples, frame_waits;
+    const char *no_gpu; /* why there is no GPU part, or NULL */
 } proc_figs;
 
+/* Up to HINTS_MAX hints for one device (NULL: no GPU part), highest score
+ * first; f gets the figures they rest on. */
+static int make_hints(const sum_device *d, const proc_figs *p, oc_summary_figures *f,
+                      oc_advice_item *h)
+{
+    memset(f, 0, sizeof *f);
+    f->peak_allocated = f->peak_reserved = -1;
+    if (d != NULL) {
+        f->util_samples = d->util_samples;
+        f->under_low = d->under_low;
+        f->util_sum = d->util_sum;
+        f->mem_samples = d->mem_samples;
+        f->mem_peak = d->mem_peak;
+        f->mem_total = d->mem_total;
+        f->peak_allocated = d->peak_allocated;
+        f->peak_reserved = d->peak_reserved;
+        f->paired_samples = d->paired_samples;
+        f->paired_wait_low = d->paired_wait_low;
+    }
+    f->workers = p->workers;
+    f->frame_samples = p->frame_samples;
+    f->frame_waits = p->frame_waits;
+    f->cpus = p->cpus;
+    f->suggested_workers = p->suggested_workers;
+    f->expandable = oc_alloc_expandable(oc_g.alloc_value);
+    f->no_expandable_here = oc_platform_no_expandable();
+    return oc_summary_hints(f, h, HINTS_MAX + 1);
+}
+
+/* The share of stack samples inside a torch.utils.data iterator. */
+static double wait_share(const proc_figs *p)
+{
+    return p->frame_samples ? (double)p->frame_waits / (double)p->frame_samples : 0.0;
+}
+
+static void format_wait(text *t, const proc_figs *p, const sum_device *d)
+{
+    if (p->frame_samples == 0) {
+        appendf(t, "  input wait     not measured (no sample of the main thread)\n");
+        return;
+    }
+    appendf(t, "  input wait     main thread in torch.utils.data in %.1f %% of %llu samples",
+            100.0 * wait_share(p), p->frame_samples);
+    if (d != NULL && d->paired_samples > 0)
+        appendf(t, "; GPU under %d %% while it waited in %.1f %% of %llu\n", LOW_UTIL,
+                100.0 * (double)d->paired_wait_low / (double)d->paired_samples, d->paired_samples);
+    else
+        appendf(t, " (every %ld ms)\n", S.interval_ms);
+}
+
+/* The block of a process without a GPU part: the input wait and its hints. */
+static void format_no_gpu(text *t, const proc_figs *p, const oc_advice_item *h, int nh)
+{
+    appendf(t, "outofcuda summary: no GPU part (%s), %.1f s since torch was imported\n", p->no_gpu,
+            p->since_import);
+    format_wait(t, p, NULL);
+    for (int i = 0; i < nh; i++)
+        appendf(t, "  hint %d         %s\n", i + 1, h[i].text);
+}
+
+/* The rank label is the writer's (oc_stderr_write), on every line. */
 static void format_block(text *t, const sum_device *d, const proc_figs *p, const oc_advice_item *h,
                          int nh)
 {
-    char pre[32] = "";
-    if (p->rank >= 0)
-        snprintf(pre, sizeof pre, "[rank %ld] ", p->rank);
-    appendf(t, "%soutofcuda summary: cuda:%d%s%s", pre, d->torch_index, d->name[0] ? " " : "",
-            d->name);
+    appendf(t, "outofcuda summary: cuda:%d%s%s", d->torch_index, d->name[0] ? " " : "", d->name);
     if (d->nvml_index >= 0)
         appendf(t, " (NVML %d)", d->nvml_index);
     appendf(t, ", %.1f s since CUDA started\n", p->wall);
     if (d->util_samples > 0)
         appendf(t,
-                "%s  utilisation    mean %.1f %%; under %d %% in %.1f %% of %llu samples "
+                "  utilisation    mean %.1f %%; under %d %% in %.1f %% of %llu samples "
                 "(every %ld ms, all processes)\n",
-                pre, d->util_sum / (double)d->util_samples, LOW_UTIL,
+                d->util_sum / (double)d->util_samples, LOW_UTIL,
                 100.0 * (double)d->under_low / (double)d->util_samples, d->util_samples,
                 S.interval_ms);
     else
-        appendf(t, "%s  utilisation    not sampled: %s\n", pre,
+        appendf(t, "  utilisation    not sampled: %s\n",
                 S.why[0]            ? S.why
                 : d->nvml_index < 0 ? "NVML does not show this device"
                 : d->ticks > 0      ? "NVML gave no utilisation for this device"
                                     : "no sample taken yet");
+    format_wait(t, p, d);
     if (d->mem_samples > 0)
-        appendf(t, "%s  device memory  peak %.2f of %.2f GiB (%.1f %%, all processes)\n", pre,
+        appendf(t, "  device memory  peak %.2f of %.2f GiB (%.1f %%, all processes)\n",
                 (double)d->mem_peak / OC_GIB, (double)d->mem_total / OC_GIB,
                 100.0 * (double)d->mem_peak / (double)d->mem_total);
     if (d->peak_allocated >= 0 && d->peak_reserved >= 0)
-        appendf(t, "%s  this process   peak allocated %.2f GiB, peak reserved %.2f GiB\n", pre,
+        appendf(t, "  this process   peak allocated %.2f GiB, peak reserved %.2f GiB\n",
                 (double)d->peak_allocated / OC_GIB, (double)d->peak_reserved / OC_GIB);
     else
-        appendf(t, "%s  this process   no allocator figures (torch's CUDA is not initialised)\n",
-                pre);
-    appendf(t, "%s  events         %lu CUDA OOM%s, %lld micro-batch split%s\n", pre, p->ooms,
+        appendf(t, "  this process   no allocator figures (torch's CUDA is not initialised)\n");
+    appendf(t, "  events         %lu CUDA OOM%s, %lld micro-batch split%s\n", p->ooms,
             p->ooms == 1 ? "" : "s", p->splits, p->splits == 1 ? "" : "s");
     for (int i = 0; i < nh; i++)
-        appendf(t, "%s  hint %d         %s\n", pre, i + 1, h[i].text);
+        appendf(t, "  hint %d         %s\n", i + 1, h[i].text);
 }
 
 static PyObject *none_or_ll(long long x)
@@ -473,6 +716,31 @@ static PyObject *device_dict(const sum_device *d, const oc_advice_item *h, int n
         "memory_total", m ? PyLong_FromUnsignedLongLong(d->mem_total) : none_or_ll(-1),
         "peak_allocated", none_or_ll(d->peak_allocated), "peak_reserved",
         none_or_ll(d->peak_reserved), "hints", hints);
+}
+
+/* The JSON's input_wait (new reference or NULL): the measured figures and
+ * the decision the hints rest on. */
+static PyObject *wait_dict(const proc_figs *p, const oc_summary_figures *f, const sum_device *dev,
+                           int n)
+{
+    PyObject *paired = PyList_New(0);
+    for (int i = 0; paired != NULL && i < n; i++) {
+        PyObject *x = none_or_double(dev[i].paired_samples > 0,
+                                     dev[i].paired_samples > 0 ? (double)dev[i].paired_wait_low /
+                                                                     (double)dev[i].paired_samples
+                                                               : 0.0);
+        if (x == NULL || PyList_Append(paired, x) < 0)
+            Py_CLEAR(paired);
+        Py_XDECREF(x);
+    }
+    if (paired == NULL)
+        return NULL;
+    return Py_BuildValue("{s:K,s:K,s:N,s:O,s:N,s:l,s:l,s:N}", "samples", p->frame_samples,
+                         "waiting", p->frame_waits, "share",
+                         none_or_double(p->frame_samples > 0, wait_share(p)), "starved",
+                         oc_summary_starved(f) ? Py_True : Py_False, "num_workers",
+                         none_or_ll(p->workers), "cpus", p->cpus, "suggested_workers",
+                         p->suggested_workers, "gpu_under_50_while_waiting_share", paired);
 }
 
 /* "x.json" -> "x.rank3.json" so that ranks do not overwrite each other. */
@@ -527,15 +795,51 @@ done:
     return rc;
 }
 
-/* Builds the per-device text blocks and, in JSON mode, the document. */
+/* Appends one hint text per item to list (0, or -1 with an exception set). */
+static int append_hints(PyObject *list, const oc_advice_item *h, int nh)
+{
+    for (int i = 0; i < nh; i++) {
+        PyObject *x = PyUnicode_FromString(h[i].text);
+        int rc = x ? PyList_Append(list, x) : -1;
+        Py_XDECREF(x);
+        if (rc < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* The JSON document (new reference or NULL). */
+static PyObject *json_doc(const proc_figs *p, PyObject *devices, PyObject *hints, PyObject *wait)
+{
+    return Py_BuildValue("{s:i,s:N,s:d,s:d,s:k,s:L,s:N,s:l,s:O,s:N,s:O,s:O}", "version", 1, "rank",
+                         none_or_ll(p->rank), "wall_s", p->wall, "since_import_s", p->since_import,
+                         "ooms", p->ooms, "microbatch_splits", p->splits, "dataloader_workers",
+                         none_or_ll(p->workers), "interval_ms", S.interval_ms, "devices", devices,
+                         "no_gpu", p->no_gpu ? PyUnicode_FromString(p->no_gpu) : none_or_ll(-1),
+                         "input_wait", wait, "hints", hints);
+}
+
+/* Builds the text blocks (one per device, or one without a GPU part) and,
+ * in JSON mode, the document. */
 static void emit(const proc_figs *p, const sum_device *dev, int n)
 {
     text t = {malloc(65536), 0, 65536};
-    PyObject *devices = oc_g.summary_out.mode == OC_SUMMARY_JSON ? PyList_New(0) : NULL;
+    int json = oc_g.summary_out.mode == OC_SUMMARY_JSON;
+    PyObject *devices = json ? PyList_New(0) : NULL, *hints = json ? PyList_New(0) : NULL;
+    PyObject *wait = NULL;
+    oc_summary_figures f;
+    oc_advice_item h[HINTS_MAX + 1];
     char err[PATH_MAX + 200];
+    int nh;
+    if (p->no_gpu != NULL) {
+        nh = make_hints(NULL, p, &f, h);
+        nh = nh < HINTS_MAX ? nh : HINTS_MAX;
+        format_no_gpu(&t, p, h, nh);
+        if (hints != NULL && append_hints(hints, h, nh) < 0)
+            Py_CLEAR(hints);
+    }
     for (int i = 0; i < n; i++) {
-        oc_advice_item h[HINTS_MAX + 1];
-        int nh = make_hints(&dev[i], p->workers, h);
+        nh = make_hints(&dev[i], p, &f, h);
         nh = nh < HINTS_MAX ? nh : HINTS_MAX;
         format_block(&t, &dev[i], p, h, nh);
         if (devices != NULL) {
@@ -545,13 +849,12 @@ static void emit(const proc_figs *p, const sum_device *dev, int n)
             Py_XDECREF(d);
         }
     }
-    if (oc_g.summary_out.mode == OC_SUMMARY_JSON) {
-        PyObject *doc = devices ? Py_BuildValue("{s:i,s:N,s:d,s:k,s:L,s:N,s:l,s:O}", "version", 1,
-                                                "rank", none_or_ll(p->rank), "wall_s", p->wall,
-                                                "ooms", p->ooms, "microbatch_splits", p->splits,
-                                                "dataloader_workers", none_or_ll(p->workers),
-                                                "interval_ms", S.interval_ms, "devices", devices)
-                                : NULL;
+    if (json) {
+        PyObject *doc = NULL;
+        if (n == 0)
+            make_hints(NULL, p, &f, h); /* the figures of the decision below */
+        wait = wait_dict(p, &f, dev, n);
+        doc = devices && hints && wait ? json_doc(p, devices, hints, wait) : NULL;
         if (doc != NULL && write_json(doc, p->rank, err, sizeof err) == 0) {
             Py_DECREF(doc);
             goto done;
@@ -561,14 +864,24 @@ static void emit(const proc_figs *p, const sum_device *dev, int n)
         /* Never lose the figures: print them where the file could not go. */
         oc_stderr_printf("outofcuda: OUTOFCUDA_SUMMARY: could not write the JSON (%s); the "
                          "summary follows\n",
-                         devices ? err : "the JSON could not be built");
+                         doc ? err : "the JSON could not be built");
     }
     if (t.buf != NULL)
         oc_stderr_write(t.buf);
 done:
     OC_CLEAR();
+    Py_XDECREF(wait);
+    Py_XDECREF(hints);
     Py_XDECREF(devices);
     free(t.buf);
+}
+
+/* Why a process has no GPU part. */
+static const char *no_gpu_reason(void)
+{
+    if (oc_g.build.hip_build)
+        return "torch is a ROCm build, whose GPU the summary does not sample";
+    return oc_g.build.cuda_build ? "CUDA was not initialised" : "torch is a CPU build";
 }
 
 /* atexit callback: join the sampler, gather, print or write. Never raises. */
@@ -576,8 +889,8 @@ static PyObject *at_exit(PyObject *self, PyObject *unused)
 {
     proc_figs p;
     sum_device dev[SUMMARY_MAX_DEVICES];
-    int n;
-    double wall;
+    int n, cuda, in_worker;
+    double now;
     PyObject *type, *value, *tb;
     (void)self;
     (void)unused;
@@ -587,22 +900,37 @@ static PyObject *at_exit(PyObject *self, PyObject *unused)
         Py_RETURN_NONE;
     S.started = 0;
     PyErr_Fetch(&type, &value, &tb);
-    wall = oc_thread_now() - S.t0;
+    now = oc_thread_now();
     sampler_stop();
-    /* A copy: a thread that could not be joined may still write S.dev. */
+    memset(&p, 0, sizeof p);
+    /* A copy: a thread that could not be joined may still write S. */
     pthread_mutex_lock(&S.th.lock);
     n = S.n;
+    cuda = S.cuda;
+    in_worker = S.in_worker;
     memcpy(dev, S.dev, sizeof dev);
+    p.frame_samples = S.frame_samples;
+    p.frame_waits = S.frame_waits;
+    p.workers = S.waited_workers;
     pthread_mutex_unlock(&S.th.lock);
-    memset(&p, 0, sizeof p);
-    p.wall = wall;
+    p.wall = now - (cuda ? S.t_cuda : S.t0);
+    p.since_import = now - S.t0;
     p.rank = env_rank();
     p.ooms = oc_g.oom_events;
     p.splits = oc_g.microbatch_splits;
-    torch_figures(dev, &n);
-    p.workers = dataloader_workers();
-    if (oc_g.summary_out.mode != OC_SUMMARY_OFF)
-        emit(&p, dev, n);
+    p.suggested_workers = oc_loader_suggestion(&p.cpus);
+    if (cuda)
+        torch_figures(dev, &n);
+    else
+        p.no_gpu = no_gpu_reason();
+    if (p.workers < 0)
+        p.workers = dataloader_workers();
+    /* Without CUDA, only a process that iterated data has something to say
+     * (not torchrun's launcher, not a program that only imports torch); a
+     * DataLoader worker never does. */
+    if (oc_g.summary_out.mode != OC_SUMMARY_OFF && !in_worker &&
+        (cuda || p.frame_waits > 0 || p.workers >= 0))
+        emit(&p, dev, cuda ? n : 0);
     OC_CLEAR();
     PyErr_Restore(type, value, tb);
     Py_RETURN_NONE;
@@ -611,8 +939,9 @@ static PyObject *at_exit(PyObject *self, PyObject *unused)
 /* ---- test-only entry points ---- */
 
 /* _testing.summary_start(devices, interval_ms=200) -> bool. Starts the
- * clock, the sampler for the given torch device indices and the exit report
- * as CUDA's initialisation would, without CUDA. Output as OUTOFCUDA_SUMMARY
+ * clock, the sampler for the given torch device indices (none: the stack
+ * alone) and the exit report as CUDA's initialisation would, without CUDA;
+ * a summary already started samples every interval_ms from now on. Output as OUTOFCUDA_SUMMARY
  * says (stderr when unset or off). False when a JSON path is unusable. */
 static PyObject *py_summary_start(PyObject *self, PyObject *args)
 {
@@ -653,7 +982,12 @@ static PyObject *py_summary_start(PyObject *self, PyObject *args)
         oc_g.summary_out.resolved = 1;
         oc_g.summary_out.mode = OC_SUMMARY_STDERR;
     }
-    if (summary_begin(devices, n, interval_ms) < 0)
+    if (summary_begin(interval_ms) < 0)
+        return NULL;
+    pthread_mutex_lock(&S.th.lock);
+    S.interval_ms = interval_ms; /* a summary started by `import torch` samples faster too */
+    pthread_mutex_unlock(&S.th.lock);
+    if (n > 0 && devices_begin(devices, n) < 0)
         return NULL;
     Py_RETURN_TRUE;
 }
@@ -663,7 +997,7 @@ static PyObject *py_summary_start(PyObject *self, PyObject *args)
 static PyObject *py_summary_stats(PyObject *self, PyObject *unused)
 {
     sum_device copy[SUMMARY_MAX_DEVICES];
-    PyObject *list, *d;
+    PyObject *list, *d, *frames;
     int n = 0, mine = S.started && !oc_thread_inherited(&S.th);
     (void)self;
     (void)unused;
@@ -675,20 +1009,38 @@ static PyObject *py_summary_stats(PyObject *self, PyObject *unused)
     }
     list = PyList_New(0);
     for (int i = 0; list != NULL && i < n; i++) {
-        d = Py_BuildValue("{s:i,s:i,s:K,s:K,s:d,s:K,s:K,s:K}", "device", copy[i].torch_index,
-                          "nvml_index", copy[i].nvml_index, "ticks", copy[i].ticks, "util_samples",
-                          copy[i].util_samples, "util_sum", copy[i].util_sum, "under_50",
-                          copy[i].under_low, "mem_peak", copy[i].mem_peak, "mem_total",
-                          copy[i].mem_total);
+        d = Py_BuildValue("{s:i,s:i,s:K,s:K,s:d,s:K,s:K,s:K,s:K,s:K}", "device",
+                          copy[i].torch_index, "nvml_index", copy[i].nvml_index, "ticks",
+                          copy[i].ticks, "util_samples", copy[i].util_samples, "util_sum",
+                          copy[i].util_sum, "under_50", copy[i].under_low, "mem_peak",
+                          copy[i].mem_peak, "mem_total", copy[i].mem_total, "paired",
+                          copy[i].paired_samples, "paired_wait_low", copy[i].paired_wait_low);
         if (d == NULL || PyList_Append(list, d) < 0)
             Py_CLEAR(list);
         Py_XDECREF(d);
     }
     if (list == NULL)
         return NULL;
-    return Py_BuildValue("{s:O,s:s,s:l,s:N}", "running", mine && S.running ? Py_True : Py_False,
+    if (mine) {
+        pthread_mutex_lock(&S.th.lock);
+        frames = Py_BuildValue("{s:K,s:K,s:l,s:O,s:O,s:d,s:d}", "samples", S.frame_samples,
+                               "waiting", S.frame_waits, "workers", S.waited_workers, "on",
+                               S.frames_on ? Py_True : Py_False, "in_worker",
+                               S.in_worker ? Py_True : Py_False, "gil_wait_s", S.gil_wait_s,
+                               "gil_held_s", S.gil_held_s);
+        pthread_mutex_unlock(&S.th.lock);
+    } else {
+        frames = Py_BuildValue("{s:i,s:i,s:i,s:O,s:O,s:d,s:d}", "samples", 0, "waiting", 0,
+                               "workers", -1, "on", Py_False, "in_worker", Py_False, "gil_wait_s",
+                               0.0, "gil_held_s", 0.0);
+    }
+    if (frames == NULL) {
+        Py_DECREF(list);
+        return NULL;
+    }
+    return Py_BuildValue("{s:O,s:s,s:l,s:N,s:N}", "running", mine && S.running ? Py_True : Py_False,
                          "why", mine ? S.why : "", "interval_ms", mine ? S.interval_ms : 0L,
-                         "devices", list);
+                         "devices", list, "frames", frames);
 }
 
 /* Behind the test door (_outofcuda._testing, module.c). */

@@ -35,9 +35,11 @@ def oom(request=0, total=0, limit=0, allocated=0, reserved=0, inactive_split=0, 
 
 
 def hints(util_samples=0, util_sum=0.0, under_low=0, mem_samples=0, mem_peak=0, mem_total=0,
-          peak_allocated=-1, peak_reserved=-1, workers=-1, expandable=0, wsl=False):
+          peak_allocated=-1, peak_reserved=-1, workers=-1, expandable=0, wsl=False,
+          frames=0, waits=0, paired=0, paired_low=0, cpus=8, suggested=8):
     return ("hints wsl" if wsl else "hints", util_samples, util_sum, under_low, mem_samples,
-            mem_peak, mem_total, peak_allocated, peak_reserved, workers, expandable)
+            mem_peak, mem_total, peak_allocated, peak_reserved, workers, expandable,
+            frames, waits, paired, paired_low, cpus, suggested)
 
 
 def heads(items):
@@ -118,32 +120,67 @@ def test_oom_exhausted_split_and_unknown_figures(advise):
 def test_summary_hints_ranked_by_how_far_past_the_threshold(advise):
     [items] = advise(hints(util_samples=10, util_sum=200, under_low=8, mem_samples=10,
                            mem_peak=1 * GiB, mem_total=80 * GiB, peak_allocated=1 * GiB,
-                           peak_reserved=2 * GiB, workers=1))
+                           peak_reserved=2 * GiB, workers=1, frames=10, waits=0))
     assert [(round(s, 4), o) for s, o, _ in items] == [(2.0, 1), (1.975, 2), (1.6, 0)]
     assert items[0][2] == ("fragmentation: torch reserved 2.00 GiB at peak for 1.00 GiB of "
                            "tensors (50 % cached but unused); set expandable_segments:True "
                            "(OUTOFCUDA_ALLOC_CONF)")
     assert items[1][2].startswith("bigger batch: device memory peaked at 1.00 of 80.00 GiB (1.2 %)")
-    assert items[2][2] == ("input pipeline: the GPU was under 50 % busy in 80 % of samples "
-                           "(mean 20 %); the DataLoader has num_workers=1: raise it "
-                           "(outofcuda.smart_dataloader picks a count) and pin memory")
+    # Low utilisation, but the main thread never waited on its data: not
+    # blamed on the DataLoader, whatever its num_workers.
+    assert items[2][2].startswith("low utilisation: the GPU was under 50 % busy in 80 % of "
+                                  "samples (mean 20 %); the main thread waited for data in only "
+                                  "0 % of the run")
+    assert "num_workers" not in items[2][2]
 
 
 def test_summary_hints_ties_and_thresholds(advise):
     # Same score 1.0 for utilisation (half the samples low) and fragmentation
     # (a quarter unused): utilisation first, by order.
-    [tie, quiet, few, many, on] = advise(
+    [tie, quiet, unmeasured, on] = advise(
         hints(util_samples=10, util_sum=600, under_low=5, peak_allocated=768 * MiB,
-              peak_reserved=1 * GiB, workers=8),
+              peak_reserved=1 * GiB, workers=8, frames=10, waits=0),
         hints(util_samples=4, util_sum=0, under_low=4, mem_samples=1, mem_peak=60,
               mem_total=100, peak_allocated=0, peak_reserved=255 * MiB),
-        hints(util_samples=5, util_sum=100, under_low=5, workers=2),
-        hints(util_samples=5, util_sum=100, under_low=5, workers=3),
+        hints(util_samples=5, util_sum=100, under_low=5, workers=0, frames=4, waits=4),
         hints(peak_allocated=0, peak_reserved=1 * GiB, expandable=1))
     assert [(s, o) for s, o, _ in tie] == [(1.0, 0), (1.0, 1)]
-    assert "with num_workers=8, profile the host side" in tie[0][2]
+    assert tie[0][2].startswith("low utilisation:")
     assert quiet == []
-    assert "num_workers=2: raise it" in few[0][2]
-    assert "with num_workers=3, profile" in many[0][2]
+    # Four stack samples measure nothing: no blame, and it says so.
+    assert "the wait for data was not measured" in unmeasured[0][2]
     assert on[0][2].endswith("expandable_segments is on: vary tensor shapes less (pad to "
                              "fixed sizes)")
+
+
+def test_summary_blames_the_input_pipeline_only_on_a_measured_wait(advise):
+    cases = [
+        # waited 40 % of 100 samples, GPU under 50 % in 30 of 50 paired samples
+        hints(util_samples=50, util_sum=1000, under_low=45, frames=100, waits=40, paired=50,
+              paired_low=30, workers=0, cpus=16, suggested=8),
+        # no GPU part: the wait alone
+        hints(frames=20, waits=18, workers=0, cpus=4, suggested=4),
+        hints(frames=20, waits=18, workers=2, cpus=16, suggested=8),
+        hints(frames=20, waits=18, workers=8, cpus=8, suggested=8),
+        hints(frames=20, waits=18, workers=-1, cpus=8, suggested=8),
+        hints(frames=20, waits=18, workers=0, cpus=1, suggested=0),
+        # just under the threshold (10 %), and too few samples
+        hints(frames=100, waits=9, workers=0),
+        hints(frames=4, waits=4, workers=0),
+    ]
+    gpu, cpu0, few, many, unknown, one_core, under, short = advise(*cases)
+    assert [(s, o) for s, o, _ in gpu[:1]] == [(2.0, 0)]
+    assert gpu[0][2] == ("input pipeline: the GPU was under 50 % busy in 60 % of the run while "
+                         "the main thread waited for the next batch (it waited 40 % of the run); "
+                         "this DataLoader has num_workers=0: num_workers=8 (16 cores here) or "
+                         "outofcuda.smart_dataloader")
+    # Starved: the low-utilisation hint is not given besides.
+    assert [t.split(":")[0] for _, _, t in gpu] == ["input pipeline"]
+    assert cpu0 == [(4.5, 0, "input pipeline: the main thread waited for the next batch 90 % of "
+                             "the run; this DataLoader has num_workers=0: num_workers=4 (4 cores "
+                             "here) or outofcuda.smart_dataloader")]
+    assert "num_workers=2: num_workers=8 (16 cores here) with pin_memory=True" in few[0][2]
+    assert "8 workers do not keep up on 8 cores" in many[0][2]
+    assert "raise the loader's num_workers (8 cores here)" in unknown[0][2]
+    assert "workers are off here" in one_core[0][2]
+    assert under == [] and short == []

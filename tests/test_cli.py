@@ -596,3 +596,24 @@ def test_report_without_a_driver_fits_80_columns(venv, workdir):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("no CUDA device (")
     assert max(len(ln) for ln in r.stdout.splitlines()) <= 80, r.stdout
+
+
+def test_report_bug_block_has_what_collect_env_does_not(venv, cuda_venv, workdir):
+    # The CUDA build (no GPU here): outofcuda sets the allocator through
+    # torch's setter at import, which only torch's getter shows.
+    env = {"OUTOFCUDA_ALLOC_CONF": "expandable_segments:True"}
+    d = json.loads(cli(cuda_venv, "report", "--bug", "--json", env=env, cwd=workdir).stdout)
+    assert d["hook"]["fired"] is True and d["version"] and d["error"] is None
+    assert d["allocator_getter"] is True and d["cuda_initialized"] is False
+    assert "expandable_segments:True" in d["settings"]["allocator_settings"]
+    assert d["optimizations"]["allocator"]["applied"] is True
+    assert isinstance(d["settings"]["cudnn.benchmark"], bool)
+    assert d["settings"]["autocast_dtype.cuda"].startswith("torch.")
+    assert d["environment"] == env
+    # What was skipped, each with its reason.
+    assert all(isinstance(why, str) and why for why in d["skipped"].values())
+    # The CPU build: torch's flags, the allocator skipped with its reason.
+    d = json.loads(cli(venv, "report", "--bug", "--json", cwd=workdir).stdout)
+    assert "allocator" in d["skipped"] and d["cuda"] is None
+    text = cli(venv, "report", "--bug", cwd=workdir).stdout
+    assert text.startswith("```\n") and text.rstrip().endswith("```")

@@ -116,13 +116,15 @@ cases = {
     "outofcuda.clear_cache": outofcuda.clear_cache,
     "outofcuda.last_oom": outofcuda.last_oom,
     "outofcuda.autocast_context": autocast_cycle,
-    # Starts the exit summary once (no NVML here: no thread), then no-ops.
+    # Starts the exit summary once (no NVML here: the thread samples the stack), then
+    # sets its interval.
     "_outofcuda._testing.summary_start": lambda: _outofcuda._testing.summary_start([0], 200),
     "_outofcuda._testing.summary_start(error)":
         lambda: error(_outofcuda._testing.summary_start, [0], 1),
     "_outofcuda._monitor_start": lambda: _outofcuda._monitor_stop(
         _outofcuda._monitor_start(0, 0.85, 1.0, 30.0, None, 16, False)),
     "_outofcuda._summary_stats": _outofcuda._summary_stats,
+    "_outofcuda._labelled": lambda: _outofcuda._labelled("a\n\nb\u00e9\n"),
     "_outofcuda._microbatch_split": _outofcuda._microbatch_split,
     "_outofcuda._settings": _outofcuda._settings,
     "_outofcuda._oom_report": lambda: (_outofcuda._oom_report(),
@@ -214,7 +216,7 @@ CASES = [
     "outofcuda.config", "outofcuda.memory_report", "outofcuda.clear_cache", "outofcuda.last_oom",
     "outofcuda.autocast_context", "_outofcuda._testing.summary_start",
     "_outofcuda._testing.summary_start(error)", "_outofcuda._monitor_start",
-    "_outofcuda._summary_stats",
+    "_outofcuda._summary_stats", "_outofcuda._labelled",
     "_outofcuda._microbatch_split", "_outofcuda._grad_set_aside", "_outofcuda._settings", "_outofcuda._oom_report",
     "_outofcuda._oom_report(error)",
     "_outofcuda._disabled_by_env", "_outofcuda._tf32_forced_off",

@@ -8,6 +8,7 @@ says it fired, and it holds the bridge's decision for cuDNN (on this CPU-only
 build: torch's default kept, as there is no CUDA), which only the torch
 callback writes."""
 import json
+import re
 import textwrap
 
 import pytest
@@ -107,13 +108,26 @@ def test_torchrun_ddp_on_gloo(venv, workdir):
         dist.barrier()
         os._exit(0)
     """)
+    # The verbose table and a warning (a word OUTOFCUDA_SUMMARY does not
+    # know) in every process, the launcher's included.
     r = venv.run(None, args=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(path)], cwd=workdir, timeout=240)
+                             str(path)], cwd=workdir, timeout=240,
+                 env={"OUTOFCUDA_VERBOSE": "1", "OUTOFCUDA_SUMMARY": "maybe"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = [json.loads((workdir / f"rank{i}.json").read_text()) for i in range(2)]
     _assert_hooked(res, 2)
     assert [x["local_rank"] for x in res] == ["0", "1"]
     assert all(x["in_sync"] for x in res), "DDP replicas diverged"
+    # Every line outofcuda printed says who printed it; the launcher runs no
+    # model and prints no table, only its own warning.
+    ours = [line for line in r.stderr.splitlines() if "outofcuda" in line]
+    labels = [re.search(r"\[(rank \d+|launcher)\] outofcuda", line) for line in ours]
+    tables = [line for line in ours if re.search(r"outofcuda \S+: torch \S+ imported", line)]
+    warned = [m.group(1) for m, line in zip(labels, ours) if m and "OUTOFCUDA_SUMMARY" in line]
+    assert sorted(line.split("]")[0] for line in tables) == ["[rank 0", "[rank 1"], r.stderr
+    assert sorted(warned) == ["launcher", "rank 0", "rank 1"], r.stderr
+    heads = [line for line in r.stderr.splitlines() if re.search(r"optimisation +applied", line)]
+    assert sorted(line.split("]")[0] for line in heads) == ["[rank 0", "[rank 1"], r.stderr
 
 
 def test_threads_import_torch_concurrently_fire_once(venv, workdir):

@@ -9,6 +9,7 @@ queue as torch does); the rest use the real torch 2.13 CPU build with the
 test door ``_outofcuda._testing.summary_start``. Every scenario is a fresh interpreter.
 """
 import json
+import os
 import re
 import textwrap
 
@@ -91,11 +92,8 @@ def test_mean_and_share_under_50_are_what_nvml_served(venv, workdir, stub_nvml):
     assert not any("hint" in line for line in b[1]), b[1]
 
 
-@pytest.mark.parametrize("workers,advice", [
-    (0, "the DataLoader has num_workers=0: raise it"),
-    (4, "with num_workers=4, profile the host side"),
-])
-def test_block_at_exit_ranks_number_backed_hints(venv, workdir, stub_nvml, workers, advice):
+@pytest.mark.parametrize("workers", [0, 4])
+def test_block_at_exit_ranks_number_backed_hints(venv, workdir, stub_nvml, workers):
     env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 20 +")
     r = run(venv, workdir, f"""
         import torch, outofcuda
@@ -124,10 +122,12 @@ def test_block_at_exit_ranks_number_backed_hints(venv, workdir, stub_nvml, worke
     hints = [line for line in b if line.startswith("  hint ")]
     assert len(hints) == 2, b
     # Every sample was under 50 % (score 2.0) ranks above 87.5 % of memory
-    # unused (score 1.75).
-    assert hints[0].startswith("  hint 1         input pipeline: the GPU was under 50 % busy in "
-                               "100 % of samples (mean 20 %); ")
-    assert advice in hints[0]
+    # unused (score 1.75). The loader was never iterated: the main thread
+    # never waited on it, so it is not blamed, whatever its num_workers.
+    assert hints[0].startswith("  hint 1         low utilisation: the GPU was under 50 % busy in "
+                               "100 % of samples (mean 20 %); the main thread waited for data in "
+                               "only 0 % of the run")
+    assert "num_workers" not in hints[0]
     assert hints[1].startswith("  hint 2         bigger batch: device memory peaked at 1.00 of "
                                "8.00 GiB (12.5 %)")
 
@@ -151,7 +151,10 @@ def test_json_path_form_resolved_at_start_and_rank_file(venv, workdir, stub_nvml
     assert d["utilization_under_50_share"] == pytest.approx((n - 1) / n)
     assert (d["memory_used_peak"], d["memory_total"]) == (2 * GIB, 8 * GIB)
     assert d["peak_allocated"] is None and d["peak_reserved"] is None
-    assert d["hints"][0].startswith("input pipeline:") and d["hints"][1].startswith("bigger batch:")
+    assert d["hints"][0].startswith("low utilisation:") and d["hints"][1].startswith("bigger batch:")
+    wait = doc["input_wait"]
+    assert doc["no_gpu"] is None and wait["starved"] is False and wait["waiting"] == 0
+    assert wait["samples"] >= 6 and wait["share"] == 0.0
     assert not list((workdir / "out").glob("*.tmp*"))
 
     # Under torchrun each rank writes its own file.
@@ -170,11 +173,14 @@ def test_every_line_carries_the_rank_under_torchrun(venv, workdir, stub_nvml):
     r = run(venv, workdir, """
         _outofcuda._testing.summary_start([0], 10)
         need(lambda: samples()["util_samples"] >= 5, "5 samples", **SAMPLED)
+        # What the Python layer prints (the OOM report) gets the same label.
+        print(json.dumps(_outofcuda._labelled("a\\n\\nb\\n")))
     """, env)
+    assert json.loads(r.stdout) == "[rank 5] a\n\n[rank 5] b\n"
     lines = r.stderr.strip().splitlines()
     assert lines[0].startswith("[rank 5] outofcuda summary: cuda:0 Stand-in GPU 0"), r.stderr
     assert len(lines) >= 6 and all(line.startswith("[rank 5] ") for line in lines), r.stderr
-    assert any(line.startswith("[rank 5]   hint 1         input pipeline") for line in lines)
+    assert any(line.startswith("[rank 5]   hint 1         low utilisation") for line in lines)
 
 
 FAKE_CUDA_INIT = """
@@ -209,7 +215,8 @@ def test_cuda_initialisation_starts_the_sampler_and_exit_reads_torch_peaks(
     """), env)
     queued, before, after, stats = json.loads(r.stdout)
     assert queued.count("outofcuda_at_cuda_init") == 1
-    assert "oc-summary" not in before and "oc-summary" in after
+    # The stack sampler runs from `import torch`; CUDA's start adds the devices.
+    assert "oc-summary" in before and "oc-summary" in after
     # No LOCAL_RANK: every visible device is sampled.
     assert [d["device"] for d in stats["devices"]] == [0, 1] and stats["interval_ms"] == 200
     (b,) = blocks(r.stderr)  # cuda:1 held nothing: no block; the child printed none
@@ -218,7 +225,7 @@ def test_cuda_initialisation_starts_the_sampler_and_exit_reads_torch_peaks(
     assert "  events         1 CUDA OOM, 0 micro-batch splits" in b
     hints = [line[17:] for line in b if line.startswith("  hint ")]
     # Scores: under 50 % every time 2.0, 98.8 % memory unused 1.98, 50 % cached 2.0.
-    assert [h.split(":")[0] for h in hints] == ["input pipeline", "fragmentation", "bigger batch"]
+    assert [h.split(":")[0] for h in hints] == ["low utilisation", "fragmentation", "bigger batch"]
     assert ("fragmentation: torch reserved 6.00 GiB at peak for 3.00 GiB of tensors (50 % cached "
             "but unused); expandable_segments is on") in hints[1]
 
@@ -259,25 +266,99 @@ def test_unset_or_off_queues_nothing_starts_nothing_prints_nothing(
     assert r.stderr == ""
 
 
-def test_real_cpu_torch_never_initialises_cuda_so_no_thread_and_no_block(venv, workdir, stub_nvml):
-    code = """
-        n = atexit._ncallbacks()
-        import torch
-        ds = torch.utils.data.TensorDataset(torch.randn(64, 8))
-        loader = torch.utils.data.DataLoader(ds, batch_size=16, num_workers=2)
-        total = sum(float((b[0] @ torch.randn(8, 8)).sum()) for b in loader)
-        print(json.dumps([thread_names(), atexit._ncallbacks() - n, torch.cuda.is_initialized()]))
-    """
-    results = {}
-    for value in ("1", None):
-        env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 30 +", OUTOFCUDA_SUMMARY=value)
-        r = run(venv, workdir, code, env)
-        results[value] = json.loads(r.stdout)
-        assert "outofcuda summary" not in r.stderr
-    names, new_callbacks, initialised = results["1"]
-    assert "oc-summary" not in names and not initialised
-    # No atexit work beyond what the same program registers without the variable.
-    assert new_callbacks == results[None][1]
+# ---- the input wait: the main thread's stack, sampled ----
+
+LOOPS = """
+import torch
+
+class Slow(torch.utils.data.Dataset):
+    # Each item takes 5 ms to make: a loop over it waits on its data.
+    def __len__(self):
+        return 10 ** 6
+
+    def __getitem__(self, i):
+        time.sleep(0.005)
+        return torch.zeros(4)
+
+def loop(loader, step_s, samples):
+    # Iterates until the sampler has taken `samples` stack samples.
+    while True:
+        for batch in loader:
+            if step_s:
+                time.sleep(step_s)  # the step's own work, outside the loader
+            if _outofcuda._summary_stats()["frames"]["samples"] >= samples:
+                return
+"""
+
+
+def test_cpu_build_names_a_slow_loop_starved_and_a_fast_one_not(venv, workdir):
+    # The real CPU torch: the summary starts at `import torch`; no GPU part.
+    r = run(venv, workdir, LOOPS + textwrap.dedent("""
+        _outofcuda._testing.summary_start([], 10)
+        loop(torch.utils.data.DataLoader(Slow(), batch_size=4), 0, 40)
+    """), {"OUTOFCUDA_SUMMARY": "run.json", "OUTOFCUDA_NUM_WORKERS": "3"})
+    assert "outofcuda summary" not in r.stderr
+    doc = json.loads((workdir / "run.json").read_text())
+    wait = doc["input_wait"]
+    assert doc["no_gpu"] == "torch is a CPU build" and doc["devices"] == []
+    assert wait["starved"] is True and wait["share"] > 0.5 and wait["num_workers"] == 0
+    cpus = len(os.sched_getaffinity(0))
+    assert (wait["cpus"], wait["suggested_workers"]) == (cpus, min(3, cpus))
+    assert wait["gpu_under_50_while_waiting_share"] == []
+    assert doc["hints"][0].startswith("input pipeline: the main thread waited for the next batch")
+
+    # A fast loader, a slow step: never blamed. Text form this time.
+    r = run(venv, workdir, LOOPS + textwrap.dedent("""
+        _outofcuda._testing.summary_start([], 10)
+        # Alive at exit: without CUDA, a block comes from a process that was
+        # seen waiting on its data or still holds a DataLoader.
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(64, 4)),
+                                             batch_size=4)
+        loop(loader, 0.01, 40)
+        print(json.dumps(_outofcuda._summary_stats()["frames"]))
+    """), {"OUTOFCUDA_SUMMARY": "1"})
+    frames = json.loads(r.stdout)
+    assert frames["samples"] >= 40 and frames["waiting"] < 0.1 * frames["samples"], frames
+    (b,) = blocks(r.stderr)
+    assert b[0].startswith("outofcuda summary: no GPU part (torch is a CPU build)"), b
+    assert not any(line.startswith("  hint") for line in b), b
+
+
+def test_stand_in_gpu_pairs_the_wait_with_utilisation(venv, workdir, stub_nvml):
+    env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 20 +", OUTOFCUDA_SUMMARY="run.json")
+    run(venv, workdir, LOOPS + textwrap.dedent("""
+        _outofcuda._testing.summary_start([0], 10)
+        loop(torch.utils.data.DataLoader(Slow(), batch_size=4), 0, 40)
+    """), env)
+    doc = json.loads((workdir / "run.json").read_text())
+    wait, (d,) = doc["input_wait"], doc["devices"]
+    assert doc["no_gpu"] is None and wait["starved"] is True and wait["num_workers"] == 0
+    # The GPU served 20 % at every sample: under 50 % whenever the main thread waited.
+    (paired,) = wait["gpu_under_50_while_waiting_share"]
+    assert paired == pytest.approx(wait["share"], abs=0.1) and paired > 0.5
+    assert d["hints"][0].startswith("input pipeline: the GPU was under 50 % busy in ")
+
+
+def test_a_spawned_worker_says_nothing_and_a_bare_import_prints_nothing(venv, workdir):
+    # A worker started by spawn imports torch (the sampler starts) and runs
+    # torch's _worker_loop: it stops at its first sample and prints no block.
+    # A worker finds the dataset's class by module: Slow from a file.
+    (workdir / "slowdata.py").write_text("import time\n" + LOOPS)
+    r = run(venv, workdir, LOOPS + textwrap.dedent("""
+        from slowdata import Slow
+        _outofcuda._testing.summary_start([], 10)
+        loader = torch.utils.data.DataLoader(Slow(), batch_size=4, num_workers=1,
+                                             multiprocessing_context="spawn")
+        loop(loader, 0, 30)
+        print(json.dumps(_outofcuda._summary_stats()["frames"]))
+    """), {"OUTOFCUDA_SUMMARY": "1"}, timeout=180)
+    frames = json.loads(r.stdout)
+    assert frames["workers"] == 1 and frames["waiting"] > 0.5 * frames["samples"], frames
+    (b,) = blocks(r.stderr)
+    assert any("this DataLoader has num_workers=1:" in line for line in b), b
+    # A program that only imports torch (torchrun's launcher does) says nothing.
+    r = run(venv, workdir, "import torch", {"OUTOFCUDA_SUMMARY": "1"})
+    assert r.stderr == ""
 
 
 def test_bad_values_warn_once_and_leave_the_summary_off(venv, workdir, stub_nvml, tmp_path):
@@ -328,11 +409,11 @@ def test_a_driver_call_that_never_returns_does_not_hang_the_exit(venv, workdir, 
 def test_without_nvml_the_block_says_why(venv, workdir):
     r = run(venv, workdir, """
         _outofcuda._testing.summary_start([0], 10)
-        assert "oc-summary" not in thread_names()
         print(json.dumps(_outofcuda._summary_stats()))
     """, {"LD_LIBRARY_PATH": str(workdir)})
     stats = json.loads(r.stdout)
-    assert not stats["running"] and "NVIDIA driver library not found" in stats["why"]
+    # The thread samples the main thread's stack only.
+    assert stats["devices"][0]["ticks"] == 0 and "NVIDIA driver library not found" in stats["why"]
     (b,) = blocks(r.stderr)
     assert b[1].startswith("  utilisation    not sampled: NVIDIA driver library not found")
 

@@ -3,7 +3,8 @@
  *   oom request total limit allocated reserved inactive_split fraction
  *       expandable autocast exhausted n_others [pid name used]...
  *   hints util_samples util_sum under_low mem_samples mem_peak mem_total
- *       peak_allocated peak_reserved workers expandable
+ *       peak_allocated peak_reserved workers expandable frame_samples
+ *       frame_waits paired_samples paired_wait_low cpus suggested_workers
  * (a name "-" stands for an unknown one; "oom wsl ..." and "hints wsl ..."
  * stand on a platform where expandable segments cannot work); per case, one
  * line per item in rank order, "<score> <order> <text>", then a line "--". */
@@ -43,9 +44,11 @@ static int read_hints(const char *p, int wsl, oc_advice_item *items)
     oc_summary_figures f;
     memset(&f, 0, sizeof f);
     f.no_expandable_here = wsl;
-    if (sscanf(p, "%llu %lf %llu %llu %llu %llu %lld %lld %ld %d", &f.util_samples, &f.util_sum,
-               &f.under_low, &f.mem_samples, &f.mem_peak, &f.mem_total, &f.peak_allocated,
-               &f.peak_reserved, &f.workers, &f.expandable) != 10)
+    if (sscanf(p, "%llu %lf %llu %llu %llu %llu %lld %lld %ld %d %llu %llu %llu %llu %ld %ld",
+               &f.util_samples, &f.util_sum, &f.under_low, &f.mem_samples, &f.mem_peak,
+               &f.mem_total, &f.peak_allocated, &f.peak_reserved, &f.workers, &f.expandable,
+               &f.frame_samples, &f.frame_waits, &f.paired_samples, &f.paired_wait_low, &f.cpus,
+               &f.suggested_workers) != 16)
         return -1;
     return oc_summary_hints(&f, items, MAX_ITEMS);
 }

@@ -1,6 +1,7 @@
 """GPU check for OUTOFCUDA_SUMMARY: a short CUDA matmul loop prints the exit
 block with a utilisation the real NVML measured, and the JSON form carries
-torch's peaks. Skips cleanly where there is no NVIDIA GPU."""
+torch's peaks; a loop starved by a slow dataset is named, with the GPU idle
+meanwhile. Skips cleanly where there is no NVIDIA GPU."""
 import json
 import re
 
@@ -45,3 +46,37 @@ def test_json_form_holds_utilisation_and_torch_peaks(gpu, workdir):
     # Three 64 MiB float32 matrices at most live at once.
     assert d["peak_allocated"] >= 64 << 20 and d["peak_reserved"] >= d["peak_allocated"]
     assert 0 < d["memory_used_peak"] <= d["memory_total"]
+
+
+STARVED = """
+import time, torch, _outofcuda
+
+class Stream(torch.utils.data.IterableDataset):
+    # 10 ms an item, 40 ms a batch: far longer than the step on the GPU.
+    def __iter__(self):
+        while True:
+            time.sleep(0.01)
+            yield torch.ones(8)
+
+a = torch.randn(N, N, device="cuda")
+deadline = time.monotonic() + WAIT
+for batch in torch.utils.data.DataLoader(Stream(), batch_size=4):
+    b = a @ a
+    torch.cuda.synchronize()
+    devs = _outofcuda._summary_stats()["devices"]
+    if (devs and devs[0]["paired"] >= 20) or time.monotonic() > deadline:
+        break
+""".replace("N", str(size(4096, 64))).replace("WAIT", str(size(60, 3)))
+
+
+def test_a_loop_waiting_on_its_data_is_named_with_the_gpu_idle_meanwhile(gpu, workdir):
+    gpu.check(STARVED, cwd=workdir, env={"OUTOFCUDA_SUMMARY": str(workdir / "summary.json")})
+    doc = json.loads((workdir / "summary.json").read_text())
+    wait = doc["input_wait"]
+    assert wait["starved"] is True and wait["num_workers"] == 0, wait
+    assert doc["no_gpu"] is None and len(doc["devices"]) == 1, doc
+    # The real NVML: the GPU sat under 50 % busy while the main thread waited.
+    paired = wait["gpu_under_50_while_waiting_share"][0]
+    assert paired is not None and paired > 0.5, wait
+    hint = doc["devices"][0]["hints"][0]
+    assert hint.startswith("input pipeline: the GPU was under 50 % busy in "), hint
