@@ -89,6 +89,7 @@ typedef struct {
     oc_summary_mode summary;                /* OUTOFCUDA_SUMMARY */
     char summary_path[OC_SUMMARY_PATH_MAX]; /* the JSON file, as given */
     int known_bugs;                         /* OUTOFCUDA_KNOWN_BUGS: step around known bugs */
+    int oom_keep_frames; /* OUTOFCUDA_OOM_KEEP_FRAMES: a failed cell keeps its frames */
 } oc_config;
 
 /* Returns the value of an environment variable or NULL; lets tests and the
