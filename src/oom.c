@@ -489,7 +489,7 @@ static void clear_frames(PyObject *tb)
         PyObject *r = frame ? PyObject_CallMethod(frame, "clear", NULL) : NULL;
         PyObject *locals = r ? PyObject_GetAttrString(frame, "f_locals") : NULL;
         if (r == NULL)
-            oc_clear_absence(); /* an executing frame: the handler's caller */
+            oc_clear_absence(); /* absence: the frame still runs (the handler's caller) */
         OC_CLEAR();
         Py_XDECREF(locals);
         Py_XDECREF(r);

@@ -50,9 +50,8 @@ def test_dry_run_runs_every_step(venv, tmp_path, notebook_dir):
     # (pytest) on PYTHONPATH. IPython comes from the folder
     # OUTOFCUDA_TEST_NOTEBOOK_DIR names, as it may on the GPU machine.
     runner = [p for p in sys.path if p.endswith("site-packages")]
-    r, out = _run(tmp_path, venv.python, "--dry-run", env={"PYTHONPATH": os.pathsep.join(runner),
-                                                           "OUTOFCUDA_TEST_NOTEBOOK_DIR": notebook_dir},
-                  timeout=1500)
+    env = {"PYTHONPATH": os.pathsep.join(runner), "OUTOFCUDA_TEST_NOTEBOOK_DIR": notebook_dir}
+    r, out = _run(tmp_path, venv.python, "--dry-run", env=env, timeout=1500)
     log = (out / "gpu_tests.log").read_text() if (out / "gpu_tests.log").exists() else ""
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr}\n--- gpu_tests.log ---\n{log[-6000:]}"
     summary = (out / "summary.txt").read_text()

@@ -21,7 +21,8 @@ def _jupyter_env(tmp_path, notebook_dir, **extra):
         (home / name).mkdir(parents=True, exist_ok=True)
     return dict({"PYTHONPATH": notebook_dir, "IPYTHONDIR": str(home / "ipython"),
                  "JUPYTER_CONFIG_DIR": str(home / "config"),
-                 "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "JUPYTER_DATA_DIR": str(home / "data"),
+                 "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+                 "JUPYTER_DATA_DIR": str(home / "data"),
                  "JUPYTER_PATH": str(home / "data"), "JUPYTER_PLATFORM_DIRS": "1",
                  "HOME": str(home)}, **extra)
 
