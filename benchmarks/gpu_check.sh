@@ -2,10 +2,15 @@
 # Everything that needs a GPU, in one go (< 8 minutes on an H200): installs this
 # checkout, runs every GPU test (tests/gpu) against the installed package, then
 # the gain benchmark. Exits 1 when there is no usable GPU, when a GPU test fails
-# or none passed (skips are listed in summary.txt with their reasons). Logs and results go to $OUT, flat, 9 files: summary.txt,
+# or none passed (skips are listed in summary.txt with their reasons). Logs and results go to $OUT, flat, 10 files: summary.txt,
 # install.log, status.txt, gpu_tests.log, fragment.json (reserved vs allocated
 # after a fragmenting pattern, with and without max_split_size_mb beside
-# expandable segments), gain.log, gain.json, gain.md, gain.png.
+# expandable segments), ipython_oom.json (allocated memory before and after a
+# cell that ran out of memory in an IPython shell, with and without
+# outofcuda), gain.log, gain.json, gain.md, gain.png.
+#
+# IPython comes from the interpreter, or from the folder OUTOFCUDA_TEST_NOTEBOOK_DIR
+# names (pip install --target DIR ipython); without either its check skips.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh
 #   OUT=/tmp/dry bash benchmarks/gpu_check.sh --dry-run
@@ -125,6 +130,10 @@ if [ -d "$TESTS" ]; then
     # memory per live peak after the fragmenting pattern (tests/gpu/test_hook.py).
     "$VPY" -c "import json, sys; d = json.load(open(sys.argv[1])); print('fragment reserved/peak:', ', '.join(f'{k} {v[\"reserved_per_peak\"]:.2f}' for k, v in d.items()))" \
         "$OUT/fragment.json" >> "$SUMMARY" 2>&1 || note "fragment.json missing (test_default_allocator_reuses_freed_blocks_inside_expandable_segments did not run)"
+    # A failed cell in an IPython shell: what its frames held, before and after
+    # (tests/gpu/test_oom.py).
+    "$VPY" -c "import json, sys; d = json.load(open(sys.argv[1])); m = lambda b: f'{b / 2**20:.2f} MiB'; print('ipython failed cell: allocated', ', '.join(f'{k} {m(d[k][\"before\"])} before, {m(d[k][\"after\"])} after' for k in ('outofcuda', 'without')), '(the cell held', m(d['held']) + ')')" \
+        "$OUT/ipython_oom.json" >> "$SUMMARY" 2>&1 || note "ipython_oom.json missing (test_ipython_failed_cell_gives_its_memory_back did not run)"
     [ "$t" -ne 0 ] && rc=1
     if [ "$DRY" = 0 ] && ! echo "$last" | grep -q " passed"; then
         note "FAIL: no GPU test passed"

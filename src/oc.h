@@ -98,6 +98,7 @@ typedef struct {
     /* Bit i: the setting at index i of the table was given an off word
      * (oc_config_off); its field then holds what leaves torch's default. */
     unsigned long long off;
+    int oom_keep_frames; /* OUTOFCUDA_OOM_KEEP_FRAMES: a failed cell keeps its frames */
 } oc_config;
 
 /* Returns the value of an environment variable or NULL; lets tests and the

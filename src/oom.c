@@ -1,11 +1,13 @@
 /* oom.c - what outofcuda does when CUDA runs out of memory: torch's OOM
  * observer records the figures at the moment of failure and optionally dumps
  * an allocator snapshot; the chained sys.excepthook / threading.excepthook
- * print the report for an uncaught OOM; oc_oom_advise (advice.c) ranks the
- * actions that fit the figures. The report itself is assembled and formatted by
- * outofcuda/oom.py. Observer and hooks are set when CUDA initialises (from
- * torch's lazy-init queue), never at import: until then, and for good on a
- * CPU-only build, the process looks as without outofcuda. */
+ * print the report for an uncaught OOM, and IPython's custom exception
+ * handler does for a cell, then releases the failed cell's frames;
+ * oc_oom_advise (advice.c) ranks the actions that fit the figures. The
+ * report itself is assembled and formatted by outofcuda/oom.py. Observer and
+ * hooks are set when CUDA initialises (from torch's lazy-init queue), never
+ * at import: until then, and for good on a CPU-only build, the process looks
+ * as without outofcuda. */
 #include "oc.h"
 
 #include <errno.h>
@@ -80,6 +82,8 @@ static void dump_snapshot(PyObject *torch)
     Py_XDECREF(mem);
 }
 
+static void ipython_install(void);
+
 /* torch's OOM observer: (device, alloc, device_limit, device_free). Runs in
  * the allocating thread after the allocator dropped its lock and before the
  * error is raised, so the figures are those of the failure. Raises no error
@@ -126,6 +130,9 @@ static PyObject *oom_observer(PyObject *self, PyObject *args)
     seen->autocast = autocast_enabled(torch);
     if (oc_g.oom.snapshot_path[0])
         dump_snapshot(torch);
+    /* A shell started after CUDA (IPython.embed()) gets the handler before
+     * the OOM reaches it. */
+    ipython_install();
 done:
     OC_CLEAR();
     Py_XDECREF(torch);
@@ -266,8 +273,9 @@ static int read_snapshot_env(void)
 
 /* ---- the uncaught-exception path ---- */
 
-/* After an uncaught OOM: give the cache back (a thread's OOM leaves the
- * process running) and collect garbage when configured. */
+/* After an uncaught OOM: collect garbage when configured, then give the
+ * cache back (a thread's OOM leaves the process running, and so does a
+ * notebook cell's), so the blocks the collection freed go back too. */
 static void oom_relief(void)
 {
     PyObject *cuda = PyImport_ImportModule("torch.cuda");
@@ -276,12 +284,6 @@ static void oom_relief(void)
         OC_CLEAR();
         return;
     }
-    init = PyObject_CallMethod(cuda, "is_initialized", NULL);
-    if (init != NULL && PyObject_IsTrue(init) == 1)
-        r = PyObject_CallMethod(cuda, "empty_cache", NULL);
-    Py_XDECREF(init);
-    Py_XDECREF(r);
-    OC_CLEAR();
     if (oc_config_get()->gc_collect) {
         PyObject *gc = PyImport_ImportModule("gc");
         r = gc ? PyObject_CallMethod(gc, "collect", NULL) : NULL;
@@ -289,6 +291,12 @@ static void oom_relief(void)
         Py_XDECREF(gc);
         OC_CLEAR();
     }
+    init = PyObject_CallMethod(cuda, "is_initialized", NULL);
+    r = init != NULL && PyObject_IsTrue(init) == 1 ? PyObject_CallMethod(cuda, "empty_cache", NULL)
+                                                   : NULL;
+    Py_XDECREF(init);
+    Py_XDECREF(r);
+    OC_CLEAR();
     Py_DECREF(cuda);
 }
 
@@ -448,15 +456,284 @@ static PyMethodDef sys_hook_def = {"outofcuda_excepthook", sys_excepthook, METH_
 static PyMethodDef thread_hook_def = {"outofcuda_threading_excepthook", thread_excepthook, METH_O,
                                       "outofcuda's OOM handler; chains to the previous hook."};
 
-/* status()'s entry for the handler; `hooks` says which hooks are set. */
+/* ---- IPython and Jupyter: a cell that runs out of memory ----
+ *
+ * IPython shows a cell's exception with its own showtraceback() and never
+ * calls sys.excepthook; its hook for that is one custom exception handler
+ * per shell (InteractiveShell.set_custom_exc). After a failed cell IPython
+ * keeps sys.last_type/last_value/last_traceback (and last_exc on 3.12+): the
+ * failed frames and every tensor they hold stay alive, and users restart the
+ * kernel (pytorch issues 27600, 37726; ipython issue 11572). The handler
+ * shows IPython's traceback as IPython would, then the report, then releases
+ * what the failed cell holds and empties the cache. */
+
+/* What was decided for IPython, a stable code in status(): "pending" (CUDA
+ * has not started), "no_shell", "set", "user_handler_kept" (the shell had
+ * a custom exception handler: it is left alone), "failed". */
+static const char *ipython_state = "pending";
+/* A weak reference to the shell last decided for: one decision per shell. */
+static PyObject *ipython_decided;
+/* The OOM the handler reported last, compared by identity only (never
+ * dereferenced): the at-exit report skips it. */
+static const PyObject *ipython_reported;
+
+static void record_status(const char *hooks);
+
+/* o.name (new ref, NULL when absent, no exception), releasing o: one step
+ * along a traceback or an exception chain. */
+static PyObject *follow(PyObject *o, const char *name)
+{
+    PyObject *next = PyObject_GetAttrString(o, name);
+    if (next == NULL)
+        OC_CLEAR();
+    Py_DECREF(o);
+    return next;
+}
+
+/* Clears the locals of every frame of tb that has finished, as
+ * traceback.clear_frames does (an executing frame refuses and is skipped).
+ * Before 3.13 a frame whose f_locals was read (IPython's verbose
+ * traceback, a debugger) keeps a snapshot dict of its locals that clear()
+ * leaves alone; reading f_locals again syncs it with the cleared frame. */
+static void clear_frames(PyObject *tb)
+{
+    PyObject *t = tb;
+    Py_XINCREF(t);
+    while (t != NULL && t != Py_None) {
+        PyObject *frame = PyObject_GetAttrString(t, "tb_frame");
+        PyObject *r = frame ? PyObject_CallMethod(frame, "clear", NULL) : NULL;
+        PyObject *locals = r ? PyObject_GetAttrString(frame, "f_locals") : NULL;
+        if (r == NULL)
+            oc_clear_absence(); /* absence: the frame still runs (the handler's caller) */
+        OC_CLEAR();
+        Py_XDECREF(locals);
+        Py_XDECREF(r);
+        Py_XDECREF(frame);
+        t = follow(t, "tb_next");
+    }
+    Py_XDECREF(t);
+}
+
+/* Drops sys.last_type, last_value, last_traceback and last_exc where they
+ * hold `value` (IPython sets them for %debug and %tb). */
+static void drop_last_exception(PyObject *value)
+{
+    static const char *const names[] = {"last_type", "last_value", "last_traceback", "last_exc"};
+    PyObject *last = PySys_GetObject("last_value"), *exc = PySys_GetObject("last_exc");
+    PyObject *sys;
+    if (last != value && exc != value)
+        return;
+    sys = PyImport_ImportModule("sys");
+    for (int i = 0; sys != NULL && i < 4; i++) {
+        if (PyObject_HasAttrString(sys, names[i]) && PyObject_DelAttrString(sys, names[i]) < 0)
+            OC_CLEAR();
+    }
+    Py_XDECREF(sys);
+    OC_CLEAR();
+}
+
+/* Releases what the failed cell holds: the locals of the frames of the
+ * OOM's traceback and of the exceptions chained to it (an OOM raised while
+ * handling another), and IPython's references to it. */
+static void release_cell(PyObject *value, PyObject *tb)
+{
+    PyObject *e = value;
+    clear_frames(tb);
+    Py_INCREF(e);
+    /* A chain is short; the bound stops a cycle of contexts. */
+    for (int depth = 0; depth < 32 && e != NULL && e != Py_None; depth++) {
+        PyObject *etb = PyObject_GetAttrString(e, "__traceback__");
+        PyObject *cause = etb ? PyObject_GetAttrString(e, "__cause__") : NULL;
+        OC_CLEAR();
+        if (etb != tb)
+            clear_frames(etb);
+        Py_XDECREF(etb);
+        if (cause != NULL && cause != Py_None) {
+            Py_DECREF(e);
+            e = cause;
+        } else {
+            Py_XDECREF(cause);
+            e = follow(e, "__context__");
+        }
+    }
+    Py_XDECREF(e);
+    drop_last_exception(value);
+}
+
+/* OUTOFCUDA_OOM_KEEP_FRAMES, read when a cell fails so that `%env
+ * OUTOFCUDA_OOM_KEEP_FRAMES=1` works without restarting the kernel; a value
+ * that is not a boolean word counts as the one read at start-up (which
+ * warned about it). */
+static int keep_frames(void)
+{
+    int b = oc_parse_bool(oc_env("OUTOFCUDA_OOM_KEEP_FRAMES"));
+    return b >= 0 ? b : oc_config_get()->oom_keep_frames;
+}
+
+/* The custom exception handler: (shell, etype, value, tb, tb_offset=None),
+ * called by IPython for torch's OOM type only. Returns None: IPython adds
+ * nothing of its own. A failing showtraceback is IPython's to report (its
+ * wrapper then shows the original traceback). */
+static PyObject *ipython_handler(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"shell", "etype", "value", "tb", "tb_offset", NULL};
+    PyObject *shell, *type, *value, *tb, *offset = Py_None;
+    PyObject *show, *call_args, *call_kw, *r;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|O:outofcuda_ipython_handler", kwlist, &shell,
+                                     &type, &value, &tb, &offset))
+        return NULL;
+    show = PyObject_GetAttrString(shell, "showtraceback");
+    call_args = show ? Py_BuildValue("((OOO))", type, value, tb) : NULL;
+    call_kw = call_args ? Py_BuildValue("{s:O}", "tb_offset", offset) : NULL;
+    r = call_kw ? PyObject_Call(show, call_args, call_kw) : NULL;
+    Py_XDECREF(call_kw);
+    Py_XDECREF(call_args);
+    Py_XDECREF(show);
+    if (r == NULL)
+        return NULL;
+    Py_DECREF(r);
+    if (is_oom(type)) {
+        ipython_reported = value;
+        if (!print_report(value))
+            print_summary();
+        if (!keep_frames())
+            release_cell(value, tb);
+        oom_relief();
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef ipython_handler_def = {
+    "outofcuda_ipython_handler", (PyCFunction)(void (*)(void))ipython_handler,
+    METH_VARARGS | METH_KEYWORDS,
+    "outofcuda's handler of a CUDA OOM in an IPython cell: IPython's traceback, the report, "
+    "then the failed cell's memory back."};
+
+/* atexit, registered with the handler. `ipython script.py` runs the file
+ * outside any cell (safe_execfile): IPython shows an uncaught exception with
+ * showtraceback and exits, and no custom handler sees it. An OOM shown that
+ * way and not reported by the handler gets its report here, after IPython's
+ * traceback as a cell's does. Never raises. */
+static PyObject *ipython_at_exit(PyObject *self, PyObject *unused)
+{
+    PyObject *value = PySys_GetObject("last_value"), *type;
+    (void)self;
+    (void)unused;
+    if (value == NULL || value == Py_None || value == ipython_reported)
+        Py_RETURN_NONE;
+    Py_INCREF(value);
+    type = PyObject_Type(value);
+    if (type != NULL && is_oom(type) && !print_report(value))
+        print_summary();
+    OC_CLEAR();
+    Py_XDECREF(type);
+    Py_DECREF(value);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef ipython_at_exit_def = {
+    "outofcuda_ipython_at_exit", ipython_at_exit, METH_NOARGS,
+    "outofcuda's report of an OOM IPython showed outside a cell (ipython script.py)."};
+
+/* atexit.register(ipython_at_exit), once per process. */
+static void register_at_exit(void)
+{
+    static int registered;
+    PyObject *atexit_mod, *fn, *r;
+    if (registered)
+        return;
+    atexit_mod = PyImport_ImportModule("atexit");
+    fn = atexit_mod ? oc_edge_function(&ipython_at_exit_def, NULL, NULL) : NULL;
+    r = fn ? PyObject_CallMethod(atexit_mod, "register", "O", fn) : NULL;
+    registered = r != NULL;
+    OC_CLEAR();
+    Py_XDECREF(r);
+    Py_XDECREF(fn);
+    Py_XDECREF(atexit_mod);
+}
+
+/* The running IPython shell (new ref), or NULL: IPython's own get_ipython,
+ * asked only where IPython is imported already. */
+static PyObject *ipython_shell(void)
+{
+    PyObject *mod = oc_sys_module("IPython.core.getipython");
+    PyObject *shell = mod ? PyObject_CallMethod(mod, "get_ipython", NULL) : NULL;
+    Py_XDECREF(mod);
+    if (shell == NULL || shell == Py_None) {
+        OC_CLEAR();
+        Py_XDECREF(shell);
+        return NULL;
+    }
+    return shell;
+}
+
+/* Sets the handler on the running IPython shell once per shell, unless the
+ * shell has a custom exception handler already (there is one per shell: the
+ * user's stays). Called when CUDA initialises and when the observer sees an
+ * OOM, for a shell started after CUDA (IPython.embed()). */
+static void ipython_install(void)
+{
+    PyObject *shell = ipython_shell(), *decided, *custom = NULL, *fn = NULL, *types = NULL;
+    PyObject *r = NULL;
+    Py_ssize_t n;
+    if (shell == NULL) {
+        if (ipython_decided == NULL && strcmp(ipython_state, "no_shell") != 0) {
+            ipython_state = "no_shell";
+            record_status(NULL);
+        }
+        return;
+    }
+    decided = ipython_decided ? PyObject_CallObject(ipython_decided, NULL) : NULL;
+    OC_CLEAR();
+    Py_XDECREF(decided);
+    if (decided == shell) {
+        Py_DECREF(shell);
+        return;
+    }
+    custom = PyObject_GetAttrString(shell, "custom_exceptions");
+    n = custom != NULL && PyTuple_Check(custom) ? PyTuple_Size(custom) : -1;
+    if (n > 0) {
+        ipython_state = "user_handler_kept";
+    } else if (n == 0 && oc_g.oom.type != NULL) {
+        fn = oc_edge_function(&ipython_handler_def, NULL, NULL);
+        types = fn ? PyTuple_Pack(1, oc_g.oom.type) : NULL;
+        r = types ? PyObject_CallMethod(shell, "set_custom_exc", "OO", types, fn) : NULL;
+        ipython_state = r != NULL ? "set" : "failed";
+        if (r != NULL)
+            register_at_exit();
+    } else {
+        ipython_state = "failed";
+    }
+    OC_CLEAR();
+    Py_XDECREF(r);
+    Py_XDECREF(types);
+    Py_XDECREF(fn);
+    Py_XDECREF(custom);
+    Py_XDECREF(ipython_decided);
+    ipython_decided = PyWeakref_NewRef(shell, NULL);
+    OC_CLEAR();
+    Py_DECREF(shell);
+    record_status(NULL);
+}
+
+/* Which exception hooks are set (static text), for status(). */
+static const char *hooks_state = "installed when CUDA initialises";
+
+/* status()'s entry for the handler; `hooks` (static text) says which hooks
+ * are set, NULL keeps what it said. */
 static void record_status(const char *hooks)
 {
     PyObject *state = oc_g.oom.observer_state ? PyUnicode_FromString(oc_g.oom.observer_state)
                       : oc_g.oom.observer_none
                           ? PyUnicode_FromFormat("none: %s", oc_g.oom.observer_none)
                           : PyUnicode_FromString("none");
-    PyObject *value = Py_BuildValue("{s:s,s:N,s:z}", "hooks", hooks, "observer", state, "snapshot",
-                                    oc_g.oom.snapshot_path[0] ? oc_g.oom.snapshot_path : NULL);
+    PyObject *value;
+    if (hooks != NULL)
+        hooks_state = hooks;
+    value = Py_BuildValue("{s:s,s:N,s:z,s:s}", "hooks", hooks_state, "observer", state, "snapshot",
+                          oc_g.oom.snapshot_path[0] ? oc_g.oom.snapshot_path : NULL, "ipython",
+                          ipython_state);
     oc_result_set("oom_handler", 1, value,
                   "once CUDA initialises, on a CUDA OOM: record the figures (observer), print a "
                   "report and ranked actions before the traceback of an uncaught one, then empty "
@@ -504,6 +781,7 @@ static void install_hooks(void)
     OC_CLEAR();
     Py_XDECREF(threading);
     Py_XDECREF(sys);
+    ipython_install();
     record_status(sys_set && thread_set ? "sys.excepthook + threading.excepthook"
                   : thread_set
                       ? (console ? "threading.excepthook (sys.excepthook left to the "

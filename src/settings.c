@@ -62,6 +62,8 @@ static const oc_setting settings[] = {
     {"OUTOFCUDA_OOM_SNAPSHOT", OC_SET_TEXT, NULL,
      "the path of a file in an existing directory (checked by oom.c)", OC_NO_FIELD, 0, 0, NULL,
      NULL},
+    {"OUTOFCUDA_OOM_KEEP_FRAMES", OC_SET_BOOL, "0", BOOL_WORDS, F(oom_keep_frames), 0, 0, NULL,
+     NULL},
     {"OUTOFCUDA_SUMMARY", OC_SET_SUMMARY, "0",
      "1/0 (the summary on stderr at exit, or none) or the path of a .json file to write it to "
      "(under 1024 characters)",

@@ -429,3 +429,33 @@ def pure_c_driver(out_dir, driver, *sources):
         return subprocess.run([str(exe)], input=text, capture_output=True, text=True,
                               check=True).stdout
     return run
+
+
+# ---- IPython and Jupyter, from the package index ----
+
+NOTEBOOK_SPECS = ("ipykernel==7.4.0", "ipython==9.18.0", "nbclient==0.11.0", "nbformat==5.11.1")
+
+
+@pytest.fixture(scope="session")
+def notebook_dir(tmp_path_factory):
+    """A folder holding ipykernel, nbclient, nbformat and IPython, installed
+    once per run for this interpreter's Python (the test environments'),
+    that a scenario puts on PYTHONPATH: the environments stay as they are.
+    OUTOFCUDA_TEST_NOTEBOOK_DIR reuses one across runs."""
+    def install(path):
+        try:
+            _pip(sys.executable, "install", "--target", str(path), *NOTEBOOK_SPECS)
+        except subprocess.CalledProcessError as e:
+            if os.environ.get("CI") == "1":
+                pytest.fail(f"pip install {' '.join(NOTEBOOK_SPECS)} failed in CI (exit "
+                            f"{e.returncode})")
+            pytest.skip(f"pip install {' '.join(NOTEBOOK_SPECS)} failed (exit {e.returncode})")
+
+    reuse = os.environ.get("OUTOFCUDA_TEST_NOTEBOOK_DIR")
+    if not reuse:
+        return str(build_once(tmp_path_factory, "notebook", install))
+    path = Path(reuse)
+    if not (path / ".ready").exists():
+        install(path)
+        (path / ".ready").write_text("ok")
+    return str(path)

@@ -31,7 +31,7 @@ def test_defaults_match_the_product_table(venv):
         "alloc_conf_no_expandable": "max_split_size_mb:128", "framework_override": False,
         "gc_collect": True, "flash_attn": True, "mem_eff_attn": True, "math_attn": True,
         "pin_memory": True, "num_workers": 4, "prefetch_factor": 2, "warnings": [],
-        "summary": "off", "known_bugs": True,
+        "summary": "off", "known_bugs": True, "oom_keep_frames": False,
     }
 
 

@@ -44,13 +44,14 @@ def _run(tmp_path, python, *args, env=None, timeout=120):
     return r, out
 
 
-def test_dry_run_runs_every_step(venv, tmp_path):
+def test_dry_run_runs_every_step(venv, tmp_path, notebook_dir):
     # The GPU machine's interpreter holds torch, pytest and setuptools: here
     # the test environment's (torch, setuptools) with this runner's packages
-    # (pytest) on PYTHONPATH.
+    # (pytest) on PYTHONPATH. IPython comes from the folder
+    # OUTOFCUDA_TEST_NOTEBOOK_DIR names, as it may on the GPU machine.
     runner = [p for p in sys.path if p.endswith("site-packages")]
-    r, out = _run(tmp_path, venv.python, "--dry-run", env={"PYTHONPATH": os.pathsep.join(runner)},
-                  timeout=1500)
+    env = {"PYTHONPATH": os.pathsep.join(runner), "OUTOFCUDA_TEST_NOTEBOOK_DIR": notebook_dir}
+    r, out = _run(tmp_path, venv.python, "--dry-run", env=env, timeout=1500)
     log = (out / "gpu_tests.log").read_text() if (out / "gpu_tests.log").exists() else ""
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr}\n--- gpu_tests.log ---\n{log[-6000:]}"
     summary = (out / "summary.txt").read_text()
@@ -69,7 +70,10 @@ def test_dry_run_runs_every_step(venv, tmp_path):
         outcomes.setdefault(m.group(1), set()).add(m.group(2))
     assert set(outcomes) == set(_gpu_tests()), (sorted(outcomes), log[-4000:])
     assert all(o <= {"PASSED", "SKIPPED", "XFAIL"} for o in outcomes.values()), outcomes
-    for name in ("status.txt", "install.log", "gain.log", "gain.json", "gain.md"):
+    # The IPython check ran its scenarios (a skip would have no figures).
+    assert "ipython failed cell:" in summary, summary
+    for name in ("status.txt", "install.log", "gain.log", "gain.json", "gain.md",
+                 "ipython_oom.json"):
         assert (out / name).exists(), name
     assert "cpu-smoke" in (out / "gain.json").read_text()
 

@@ -2,12 +2,17 @@
 survives a memory cap through auto_microbatch with the same losses as an
 uncapped run; a deliberate OOM's report agrees with torch.cuda.memory_stats(),
 NVML and a second process holding memory; the exception hooks are Python's
-own until CUDA initialises, and then print the report for an uncaught OOM.
+own until CUDA initialises, and then print the report for an uncaught OOM; a
+cell that ran out of memory in an IPython shell gives its memory back.
 
 The `gpu` fixture (tests/gpu/conftest.py) skips where there is no NVIDIA GPU
 or torch cannot use CUDA. Every scenario runs in a fresh interpreter (the hook
 and the OOM observer are process-wide)."""
+import json
+import os
 import textwrap
+
+import pytest
 
 from gpu import size
 from kit import last_json
@@ -124,3 +129,58 @@ def test_uncaught_oom_prints_gpu_figures(gpu, workdir):
     assert "outofcuda: CUDA out of memory on cuda:0 (" in head
     assert "(NVML)" in head and "what to try" in head
     assert "  requested          1048576.00 GiB" in head
+
+
+# A cell that runs out of memory in an IPython shell (InteractiveShell.run_cell,
+# what a Jupyter kernel runs for each cell; no kernel needed): the memory the
+# failed frames held, read from torch.cuda.memory_allocated() before and after
+# the cell, with outofcuda and without (then IPython's sys.last_traceback
+# keeps the frames and their tensor).
+IPYTHON_CELL = """
+import json, torch
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+torch.cuda.init()
+torch.empty(1, device="cuda")
+before = torch.cuda.memory_allocated()
+shell.run_cell('''
+import torch
+def step():
+    held = torch.empty(HELD, dtype=torch.uint8, device="cuda")
+    torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+step()
+''')
+print("CELL=" + json.dumps({"before": before, "after": torch.cuda.memory_allocated(),
+                            "reserved_after": torch.cuda.memory_reserved()}))
+""".replace("HELD", str(size(1 << 30, 1 << 20)))
+
+
+def test_ipython_failed_cell_gives_its_memory_back(gpu, workdir):
+    # IPython from the interpreter, else from the folder OUTOFCUDA_TEST_NOTEBOOK_DIR
+    # names (tests/conftest.py's notebook_dir, which the dry run passes on).
+    folder = os.environ.get("OUTOFCUDA_TEST_NOTEBOOK_DIR")
+    paths = [folder] if folder else []
+    if isinstance(getattr(gpu, "env", None), dict) and gpu.env.get("PYTHONPATH"):
+        paths.append(gpu.env["PYTHONPATH"])
+    env = {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
+    env["IPYTHONDIR"] = str(workdir / "ipython")
+    probe = gpu.run("import importlib.util; print(importlib.util.find_spec('IPython') is not None)",
+                    env=env)
+    if probe.stdout.strip() != "True":
+        pytest.skip("IPython is not importable here (set OUTOFCUDA_TEST_NOTEBOOK_DIR to a "
+                    "folder holding it)")
+    runs = {name: last_json(gpu.run(IPYTHON_CELL, cwd=workdir, timeout=300,
+                                    env=dict(env, OUTOFCUDA_DISABLE=disable)), "CELL=")
+            for name, disable in (("outofcuda", None), ("without", "1"))}
+    held = size(1 << 30, 1 << 20)
+    figures = os.environ.get("OUTOFCUDA_TEST_GPU_FIGURES")
+    if figures:  # benchmarks/gpu_check.sh keeps the figures
+        with open(os.path.join(figures, "ipython_oom.json"), "w") as f:
+            json.dump(dict(runs, held=held), f, indent=1)
+    mine, plain = runs["outofcuda"], runs["without"]
+    # Without outofcuda the failed cell's tensor stays allocated...
+    assert plain["after"] - plain["before"] == held, runs
+    # ...with it, allocated memory is back to what the live variables hold,
+    # and the cache was emptied.
+    assert mine["after"] == mine["before"], runs
+    assert mine["reserved_after"] < held, runs

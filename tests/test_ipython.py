@@ -1,0 +1,210 @@
+"""A CUDA OOM in IPython and Jupyter (src/oom.c, "IPython and Jupyter"): a
+real ipykernel driven by nbclient, terminal IPython running a file, and
+IPython's InteractiveShell in a plain interpreter, on the CUDA build of
+torch 2.14.1 with CUDA's start simulated (outofcuda's callback run from
+torch's lazy-init queue, the device calls answered by stand-ins, as in
+tests/test_cuda_build.py). The OOM is a stand-in: torch's own
+torch.cuda.OutOfMemoryError raised from a function whose frame holds a
+tensor, watched through a weak reference.
+
+ipykernel, nbclient and nbformat (IPython with them) come from the package
+index: tests/conftest.py's `notebook_dir` installs them once per session
+into a folder of their own that the scenarios put on PYTHONPATH, so the
+CUDA environment stays as it is (OUTOFCUDA_TEST_NOTEBOOK_DIR reuses one)."""
+import json
+from pathlib import Path
+
+def _jupyter_env(tmp_path, notebook_dir, **extra):
+    """Jupyter's and IPython's folders inside tmp_path, nothing read from home."""
+    home = tmp_path / "home"
+    for name in ("ipython", "config", "runtime", "data"):
+        (home / name).mkdir(parents=True, exist_ok=True)
+    return dict({"PYTHONPATH": notebook_dir, "IPYTHONDIR": str(home / "ipython"),
+                 "JUPYTER_CONFIG_DIR": str(home / "config"),
+                 "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+                 "JUPYTER_DATA_DIR": str(home / "data"),
+                 "JUPYTER_PATH": str(home / "data"), "JUPYTER_PLATFORM_DIRS": "1",
+                 "HOME": str(home)}, **extra)
+
+
+# CUDA's start, as torch's _lazy_init runs it: outofcuda's callback from the
+# queue, with the device calls it makes answered by stand-ins (no GPU here).
+FAKE_CUDA_START = """
+import json, os, sys, weakref, torch
+C = torch._C
+C._cuda_getDeviceCount = lambda: 1
+C._cuda_getDevice = lambda: 0
+C._cuda_setMemoryFraction = lambda fraction, device: None
+C._cuda_attach_out_of_memory_observer = lambda fn: None
+for fn, _stack in torch.cuda._queued_calls:
+    if getattr(fn, "__name__", "").startswith("outofcuda"):
+        fn()
+MESSAGE = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+           "79.10 GiB of which 1.02 GiB is free.")
+refs = []
+
+
+def fill(n):
+    held = torch.ones(n)  # what the failed frame holds
+    refs.append(weakref.ref(held))
+    raise torch.cuda.OutOfMemoryError(MESSAGE)
+
+
+def oc_status():
+    try:
+        import _outofcuda
+        return _outofcuda.status()["optimizations"]["oom_handler"]["value"]
+    except Exception as e:  # OUTOFCUDA_DISABLE=1: no status
+        return repr(e)
+"""
+
+STATE = """print("STATE=" + json.dumps({
+    "alive": [r() is not None for r in refs],
+    "last": [hasattr(sys, n) for n in ("last_type", "last_value", "last_traceback")],
+    "last_is_oom": isinstance(getattr(sys, "last_value", None), torch.cuda.OutOfMemoryError),
+    "kept": kept.tolist(), "status": oc_status()}))"""
+
+CELLS = [
+    FAKE_CUDA_START,
+    "raise ValueError('not an OOM')",
+    # A cell's own variable survives its failure; the frames' locals do not.
+    "kept = torch.zeros(2)\nfill(1000)",
+    STATE,
+    # Keeping the frames for %debug, switched on inside the running kernel.
+    "%env OUTOFCUDA_OOM_KEEP_FRAMES=1",
+    "fill(1000)",
+    STATE + """
+import outofcuda
+print("REPORT=" + json.dumps(outofcuda.oom.format_report(outofcuda.last_oom())))""",
+]
+
+# The notebook's driver, in the CUDA environment's interpreter: nbclient
+# starts the kernel named by the kernelspec written below.
+DRIVER = """
+import json, sys
+import nbformat
+from nbclient import NotebookClient
+nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in json.load(sys.stdin)])
+NotebookClient(nb, kernel_name="outofcuda-test", timeout=120, startup_timeout=120,
+               allow_errors=True).execute()
+print("NB=" + json.dumps([cell.outputs for cell in nb.cells]))
+"""
+
+
+def _run_notebook(venv, tmp_path, notebook_dir, cells, disable=False):
+    env = _jupyter_env(tmp_path, notebook_dir, OUTOFCUDA_DISABLE="1" if disable else None)
+    spec = Path(env["JUPYTER_DATA_DIR"]) / "kernels" / "outofcuda-test"
+    spec.mkdir(parents=True, exist_ok=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [str(venv.python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "outofcuda test (CUDA build)", "language": "python"}))
+    return venv.json(DRIVER, "NB=", env=env, cwd=tmp_path, input=json.dumps(cells), timeout=300)
+
+
+def _state(outputs):
+    (line,) = [o["text"] for o in outputs if o.get("name") == "stdout"]
+    return json.loads(line.split("STATE=", 1)[1].splitlines()[0])
+
+
+def test_notebook_oom_cell_reports_and_releases_its_frames(cuda_venv, notebook_dir, tmp_path):
+    mine = _run_notebook(cuda_venv, tmp_path / "mine", notebook_dir, CELLS)
+    plain = _run_notebook(cuda_venv, tmp_path / "plain", notebook_dir, CELLS, disable=True)
+    for outputs in (mine, plain):
+        assert not [o for o in outputs[0] if o["output_type"] == "error"], outputs[0]
+
+    # Every other exception is untouched: byte for byte as without outofcuda.
+    assert mine[1] == plain[1] and mine[1][0]["ename"] == "ValueError", mine[1]
+
+    # The OOM: IPython's traceback as without outofcuda, then the report in
+    # the cell's output (stderr), the one last_oom() holds.
+    errors = [o for o in mine[2] if o["output_type"] == "error"]
+    assert errors == [o for o in plain[2] if o["output_type"] == "error"]
+    assert errors[0]["ename"] == "OutOfMemoryError"
+    assert [o for o in plain[2] if o["output_type"] == "stream"] == []
+    report = json.loads(mine[6][-1]["text"].split("REPORT=", 1)[1])
+    assert [o["output_type"] for o in mine[2]] == ["error", "stream"], mine[2]
+    assert mine[2][1]["name"] == "stderr" and mine[2][1]["text"] == report + "\n\n"
+
+    # The failed frames' tensor is gone and so are IPython's references; the
+    # cell's own variable is kept. Without outofcuda both stay.
+    released, leaked = _state(mine[3]), _state(plain[3])
+    assert released["status"]["ipython"] == "set", released["status"]
+    assert released["alive"] == [False] and released["last"] == [False] * 3
+    assert released["kept"] == [0.0, 0.0]
+    assert leaked["alive"] == [True] and leaked["last"] == [True] * 3
+
+    # OUTOFCUDA_OOM_KEEP_FRAMES=1 (set with %env in the running kernel): the
+    # report still comes, the frames and sys.last_* stay for %debug.
+    assert [o["output_type"] for o in mine[5]] == ["error", "stream"], mine[5]
+    kept = _state(mine[6])
+    assert kept["alive"] == [False, True] and kept["last"] == [True] * 3 and kept["last_is_oom"]
+
+
+# Terminal IPython running a file: IPython runs it outside any cell
+# (safe_execfile), shows the uncaught OOM with its own traceback and exits
+# 1; the report follows at exit.
+SCRIPT = FAKE_CUDA_START + """
+print("STATUS=" + json.dumps(oc_status()), flush=True)
+fill(1000)
+"""
+
+
+def test_ipython_script_gets_the_report_after_its_traceback(cuda_venv, notebook_dir, tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    runs = {}
+    for name, disable in (("mine", None), ("plain", "1")):
+        env = _jupyter_env(tmp_path / name, notebook_dir, OUTOFCUDA_DISABLE=disable)
+        runs[name] = cuda_venv.run(None, args=("-m", "IPython", "--colors=nocolor", str(script)),
+                                   env=env, cwd=tmp_path, timeout=120)
+    mine, plain = runs["mine"], runs["plain"]
+    assert (mine.returncode, plain.returncode) == (1, 1), (mine.stderr, plain.stderr)
+    # IPython's traceback (on stdout) is the same; the report is outofcuda's only.
+    status, mine_tb = mine.stdout.split("\n", 1)
+    assert mine_tb == plain.stdout.split("\n", 1)[1] and "OutOfMemoryError" in mine_tb
+    assert "outofcuda" not in plain.stderr
+    status = json.loads(status.split("STATUS=", 1)[1])
+    assert status["ipython"] == "set", status
+    assert mine.stderr.count("outofcuda: CUDA out of memory on cuda:0\n") == 1, mine.stderr
+
+
+# IPython's InteractiveShell in a plain interpreter, the way a program embeds
+# it (IPython.embed()): CUDA starts before any shell exists, then a shell
+# appears and torch's OOM observer fires in its cell; then a shell that
+# already has a custom exception handler of the user's.
+EMBEDDED = FAKE_CUDA_START + """
+import _outofcuda, io, contextlib
+from IPython.core.interactiveshell import InteractiveShell
+out = {"before": oc_status()["ipython"]}
+sh = InteractiveShell.instance()
+sh.push({"fill": fill, "_outofcuda": _outofcuda})
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    sh.run_cell("_outofcuda._oom_observer(0, 2 << 30, 0, 1 << 30)\\nfill(10)")
+out.update(late=oc_status()["ipython"], late_alive=refs[-1]() is not None,
+           late_report=err.getvalue().count("outofcuda: CUDA out of memory on cuda:0"))
+
+InteractiveShell.clear_instance()
+sh = InteractiveShell.instance()
+sh.push({"fill": fill, "_outofcuda": _outofcuda})
+seen = []
+def mine(shell, etype, value, tb, tb_offset=None):
+    seen.append(etype.__name__)
+sh.set_custom_exc((torch.cuda.OutOfMemoryError,), mine)
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    sh.run_cell("_outofcuda._oom_observer(0, 2 << 30, 0, 1 << 30)\\nfill(10)")
+out.update(user=oc_status()["ipython"], seen=seen, user_report="outofcuda" in err.getvalue(),
+           custom=[t.__name__ for t in sh.custom_exceptions])
+print("EMB=" + json.dumps(out))
+"""
+
+
+def test_shell_started_after_cuda_and_a_users_handler(cuda_venv, notebook_dir, tmp_path):
+    out = cuda_venv.json(EMBEDDED, "EMB=", env=_jupyter_env(tmp_path, notebook_dir),
+                         cwd=tmp_path)
+    assert out["before"] == "no_shell"
+    assert out["late"] == "set" and out["late_report"] == 1 and out["late_alive"] is False
+    # The user's handler is the shell's one: kept, called, and no report.
+    assert out["user"] == "user_handler_kept" and out["seen"] == ["OutOfMemoryError"]
+    assert out["user_report"] is False and out["custom"] == ["OutOfMemoryError"]
