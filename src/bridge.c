@@ -1149,8 +1149,8 @@ void oc_bridge_after_torch(PyObject *torch)
     oc_known_bugs_at_import(torch, no_queue);
     apply_amp_dtype(cfg, torch);
     oc_oom_install(torch, no_queue);
-    if (oc_g.build.cuda_build && no_queue == NULL)
-        oc_summary_prepare();
+    if (!oc_g.build.cuda_build || no_queue == NULL)
+        oc_summary_prepare(); /* without CUDA: one line at exit (summary.c) */
     /* The framework step runs whenever the callback does: a framework
      * imported after torch counts too. */
     if (oc_g.cuda_init_steps)

@@ -348,32 +348,38 @@ static void value_text(PyObject *v, char *buf, size_t sz)
 
 /* Where the first line of text (len bytes of UTF-8) ends for a line of
  * `width` characters: the bytes it keeps (len when all fits), and in *skip
- * the bytes the break eats. A line breaks at its last space (eaten), else
- * after its last '/' or ',' (a path, an allocator string), else, for a word
- * longer than the line, at the width: never inside a character. */
+ * the bytes the break eats. A line breaks only at a space (eaten) after its
+ * first word, the last one that leaves at most `width` characters: never
+ * inside a word, so a path or an allocator string can be copied whole. A
+ * word longer than the line stands whole on its line, past the width. */
 static size_t wrap_cut(const char *text, size_t len, size_t width, size_t *skip)
 {
     size_t at = 0, cut = 0, chars = 0;
+    int word = 0; /* a character other than a space came before */
     *skip = 0;
-    if (width < 1)
-        width = 1;
-    while (at < len && chars <= width) {
-        if (chars > 0 && text[at] == ' ')
-            cut = at, *skip = 1;
-        else if (chars > 0 && (text[at - 1] == '/' || text[at - 1] == ','))
-            cut = at, *skip = 0;
-        if (chars == width)
-            break;
+    while (at < len) {
+        if (text[at] == ' ' && word) {
+            if (chars > width && cut)
+                break;
+            cut = at;
+            if (chars >= width)
+                break;
+        } else if (text[at] != ' ') {
+            word = 1;
+            if (chars >= width && cut)
+                break;
+        }
         do
             at++;
         while (at < len && ((unsigned char)text[at] & 0xc0) == 0x80);
         chars++;
     }
-    if (at >= len) {
+    if (at >= len && (chars <= width || !cut)) {
         *skip = 0;
         return len;
     }
-    return cut ? cut : at;
+    *skip = 1;
+    return cut;
 }
 
 /* Writes text to stderr in lines of at most `first` characters (the first
@@ -434,6 +440,47 @@ static void write_value(PyObject *v)
     }
 }
 
+/* The known-bugs row (the README's table has one): applied "yes" when a
+ * guard acted, "queued" while one waits for CUDA's start; the value names
+ * the entries, the reason lines give each entry's verdict (an entry's id
+ * before it when there are several). */
+static void write_known_bugs_row(void)
+{
+    char ids[400], reason[720], id[100];
+    size_t used = 0;
+    int done = 0;
+    PyObject *bugs = oc_known_bugs_status();
+    Py_ssize_t n = bugs ? PyList_Size(bugs) : -1;
+    if (n <= 0) {
+        Py_XDECREF(bugs);
+        OC_CLEAR();
+        return;
+    }
+    ids[0] = '\0';
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyList_GetItem(bugs, i);
+        value_text(PyDict_GetItemString(e, "id"), id, sizeof id);
+        done |= PyDict_GetItemString(e, "done") == Py_True;
+        if (used < sizeof ids)
+            used += (size_t)snprintf(ids + used, sizeof ids - used, "%s%s", i ? ", " : "", id);
+    }
+    oc_stderr_printf("  %-20s %-8s ", "known_bugs",
+                     done                                                ? "yes"
+                     : oc_g.cuda_init_steps & (1u << OC_STEP_KNOWN_BUGS) ? "queued"
+                                                                         : "no");
+    write_wrapped(ids, TABLE_WIDTH - VALUE_COL, VALUE_COL);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyList_GetItem(bugs, i);
+        char why[600];
+        value_text(PyDict_GetItemString(e, "id"), id, sizeof id);
+        value_text(PyDict_GetItemString(e, "reason"), why, sizeof why);
+        snprintf(reason, sizeof reason, "%s%s%s", n > 1 ? id : "", n > 1 ? ": " : "", why);
+        oc_stderr_printf("%*s", REASON_INDENT, "");
+        write_wrapped(reason, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
+    }
+    Py_DECREF(bugs);
+}
+
 void oc_report_verbose(void)
 {
     char tv[64], reason[400];
@@ -453,6 +500,7 @@ void oc_report_verbose(void)
         oc_stderr_printf("%*s", REASON_INDENT, "");
         write_wrapped(reason, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
     }
+    write_known_bugs_row();
     if (oc_g.error != NULL) {
         value_text(oc_g.error, reason, sizeof reason);
         oc_stderr_printf("  error: ");

@@ -244,10 +244,26 @@ void oc_summary_at_cuda_init(void)
     OC_CLEAR();
 }
 
+/* At import (bridge.c). A CUDA build arms the summary for CUDA's start. A
+ * build without CUDA never starts CUDA: the exit says in one line why there
+ * is nothing to report, rather than nothing at all. */
 void oc_summary_prepare(void)
 {
-    if (oc_config_get()->summary != OC_SUMMARY_OFF && resolve_output() != OC_SUMMARY_OFF)
+    if (oc_config_get()->summary == OC_SUMMARY_OFF || resolve_output() == OC_SUMMARY_OFF)
+        return;
+    if (oc_g.build.cuda_build) {
         oc_cuda_step_arm(OC_STEP_SUMMARY);
+        return;
+    }
+    /* The clock and the exit callback alone: no device, no NVML, no thread. */
+    memset(&S, 0, sizeof S);
+    oc_thread_init(&S.th);
+    S.t0 = oc_thread_now();
+    S.started = 1;
+    snprintf(S.why, sizeof S.why, "this torch build has no CUDA (CPU-only)");
+    if (register_at_exit() < 0)
+        oc_set_error("starting the exit summary");
+    OC_CLEAR();
 }
 
 /* ---- at exit: figures from torch and the Python layer (GIL held) ---- */
@@ -571,6 +587,18 @@ done:
     free(t.buf);
 }
 
+/* One line where no device was measured (a build of torch without CUDA),
+ * in either output mode: the JSON names devices, and there is none. */
+static void nothing_to_report(const proc_figs *p)
+{
+    char pre[32] = "";
+    if (p->rank >= 0)
+        snprintf(pre, sizeof pre, "[rank %ld] ", p->rank);
+    oc_stderr_printf("%soutofcuda summary: nothing to report: %s%s\n", pre,
+                     S.why[0] ? S.why : "no CUDA device was used",
+                     oc_g.summary_out.mode == OC_SUMMARY_JSON ? " (no JSON written)" : "");
+}
+
 /* atexit callback: join the sampler, gather, print or write. Never raises. */
 static PyObject *at_exit(PyObject *self, PyObject *unused)
 {
@@ -601,7 +629,9 @@ static PyObject *at_exit(PyObject *self, PyObject *unused)
     p.splits = oc_g.microbatch_splits;
     torch_figures(dev, &n);
     p.workers = dataloader_workers();
-    if (oc_g.summary_out.mode != OC_SUMMARY_OFF)
+    if (oc_g.summary_out.mode != OC_SUMMARY_OFF && n == 0)
+        nothing_to_report(&p);
+    else if (oc_g.summary_out.mode != OC_SUMMARY_OFF)
         emit(&p, dev, n);
     OC_CLEAR();
     PyErr_Restore(type, value, tb);

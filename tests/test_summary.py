@@ -259,25 +259,32 @@ def test_unset_or_off_queues_nothing_starts_nothing_prints_nothing(
     assert r.stderr == ""
 
 
-def test_real_cpu_torch_never_initialises_cuda_so_no_thread_and_no_block(venv, workdir, stub_nvml):
+def test_real_cpu_torch_never_initialises_cuda_so_no_thread_and_one_line(venv, workdir, stub_nvml):
+    """A build of torch without CUDA: no thread, no NVML, nothing sampled;
+    at exit one line says why there is nothing to report (not silence), and
+    the DataLoader's forked workers say nothing."""
     code = """
         n = atexit._ncallbacks()
-        import torch
+        import torch, _outofcuda
         ds = torch.utils.data.TensorDataset(torch.randn(64, 8))
         loader = torch.utils.data.DataLoader(ds, batch_size=16, num_workers=2)
         total = sum(float((b[0] @ torch.randn(8, 8)).sum()) for b in loader)
-        print(json.dumps([thread_names(), atexit._ncallbacks() - n, torch.cuda.is_initialized()]))
+        stats = _outofcuda._summary_stats()
+        print(json.dumps([thread_names(), atexit._ncallbacks() - n, torch.cuda.is_initialized(),
+                          stats["running"], stats["devices"]]))
     """
-    results = {}
+    results, lines = {}, {}
     for value in ("1", None):
         env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 30 +", OUTOFCUDA_SUMMARY=value)
         r = run(venv, workdir, code, env)
         results[value] = json.loads(r.stdout)
-        assert "outofcuda summary" not in r.stderr
-    names, new_callbacks, initialised = results["1"]
-    assert "oc-summary" not in names and not initialised
-    # No atexit work beyond what the same program registers without the variable.
-    assert new_callbacks == results[None][1]
+        lines[value] = [ln for ln in r.stderr.splitlines() if "outofcuda summary" in ln]
+    names, new_callbacks, initialised, running, devices = results["1"]
+    assert "oc-summary" not in names and not initialised and not running and devices == []
+    # One atexit callback beyond what the same program registers without the variable.
+    assert new_callbacks == results[None][1] + 1
+    assert lines == {"1": ["outofcuda summary: nothing to report: this torch build has no CUDA "
+                           "(CPU-only)"], None: []}
 
 
 def test_bad_values_warn_once_and_leave_the_summary_off(venv, workdir, stub_nvml, tmp_path):
