@@ -346,40 +346,59 @@ static void value_text(PyObject *v, char *buf, size_t sz)
     Py_DECREF(s);
 }
 
-/* Where the first line of text (len bytes of UTF-8) ends for a line of
- * `width` characters: the bytes it keeps (len when all fits), and in *skip
- * the bytes the break eats. A line breaks only at a space (eaten) after its
- * first word, the last one that leaves at most `width` characters: never
- * inside a word, so a path or an allocator string can be copied whole. A
- * word longer than the line stands whole on its line, past the width. */
-static size_t wrap_cut(const char *text, size_t len, size_t width, size_t *skip)
+/* The byte after the UTF-8 character at text[at]. */
+static size_t next_char(const char *text, size_t len, size_t at)
 {
-    size_t at = 0, cut = 0, chars = 0;
-    int word = 0; /* a character other than a space came before */
+    do
+        at++;
+    while (at < len && ((unsigned char)text[at] & 0xc0) == 0x80);
+    return at;
+}
+
+/* Where the first line of text (len bytes of UTF-8) ends for a line of
+ * `width` characters whose continuation lines start at column `indent`: the
+ * bytes it keeps (len when all fits), and in *skip the blanks the break eats.
+ * A line breaks only at blanks, never inside a word, so a path or an
+ * allocator string can be copied whole. A word longer than the line stands
+ * whole on its line, past the width; it stays on the first line when it
+ * starts there at or before `indent` (after a label: a continuation line
+ * would give it no more room). */
+static size_t wrap_cut(const char *text, size_t len, size_t width, size_t indent, size_t *skip)
+{
+    size_t lead = width < TABLE_WIDTH ? TABLE_WIDTH - width : 0; /* the line's first column */
+    size_t at = 0, chars = 0, kept = 0;
+    int first = 1;
     *skip = 0;
+    while (at < len && text[at] == ' ')
+        at = next_char(text, len, at), chars++;
     while (at < len) {
-        if (text[at] == ' ' && word) {
-            if (chars > width && cut)
-                break;
-            cut = at;
-            if (chars >= width)
-                break;
-        } else if (text[at] != ' ') {
-            word = 1;
-            if (chars >= width && cut)
-                break;
+        size_t word_at = at, word_col = chars, gap;
+        while (at < len && text[at] != ' ')
+            at = next_char(text, len, at), chars++;
+        if (!first && chars > width && lead + word_col > indent) {
+            at = word_at; /* breaks before this word */
+            break;
         }
-        do
-            at++;
-        while (at < len && ((unsigned char)text[at] & 0xc0) == 0x80);
-        chars++;
+        first = 0;
+        kept = at;
+        if (chars > width)
+            break; /* a word longer than the line, kept whole: break after it */
+        gap = at;
+        while (gap < len && text[gap] == ' ')
+            gap = next_char(text, len, gap), chars++;
+        if (gap >= len || chars > width) {
+            at = gap;
+            break;
+        }
+        at = gap;
     }
-    if (at >= len && (chars <= width || !cut)) {
-        *skip = 0;
+    /* Only blanks after what the line keeps: all of it is one line. */
+    for (at = kept; at < len && text[at] == ' '; at++)
+        ;
+    if (at >= len)
         return len;
-    }
-    *skip = 1;
-    return cut;
+    *skip = at - kept;
+    return kept;
 }
 
 /* Writes text to stderr in lines of at most `first` characters (the first
@@ -389,7 +408,7 @@ static void write_wrapped(const char *text, size_t first, size_t indent)
 {
     size_t width = first, len = strlen(text);
     for (;;) {
-        size_t skip, cut = wrap_cut(text, len, width, &skip);
+        size_t skip, cut = wrap_cut(text, len, width, indent, &skip);
         if (cut == len) {
             oc_stderr_printf("%s\n", text);
             return;
@@ -543,7 +562,7 @@ static PyObject *py_wrap(PyObject *self, PyObject *args)
     width = (size_t)first;
     lines = text ? PyList_New(0) : NULL;
     for (int i = 0; lines != NULL; i++) {
-        size_t skip, cut = wrap_cut(text, len, width, &skip);
+        size_t skip, cut = wrap_cut(text, len, width, (size_t)indent, &skip);
         PyObject *part = PyUnicode_DecodeUTF8(text, (Py_ssize_t)cut, "surrogatepass");
         PyObject *line = part && i > 0 ? PyUnicode_Concat(pad, part) : (Py_XINCREF(part), part);
         if (line == NULL || PyList_Append(lines, line) < 0)
