@@ -339,6 +339,20 @@ def test_advice_reinstalls_from_the_wheel_file(wheel, tmp_path):
     assert (d["reinstall"]["source"], d["reinstall"]["exists"], d["reinstall"]["command"]) == \
         ("file", False, None)
     assert str(whl) in d["reinstall"]["advice"]
+    # What pip records for a VCS URL (PEP 610), and no record at all (an index,
+    # another installer): the commit pinned; a sentence and no command.
+    (info,) = Path(site).glob("outofcuda-*.dist-info")
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    (info / "direct_url.json").write_text(json.dumps(
+        {"url": "https://example.org/outofcuda.git", "subdirectory": "pkg",
+         "vcs_info": {"vcs": "git", "commit_id": sha, "requested_revision": "main"}}))
+    _, d, _ = doctor(py, tmp_path)
+    assert (d["reinstall"]["source"], d["reinstall"]["command"]) == ("vcs", command[:-1] + [
+        f"git+https://example.org/outofcuda.git@{sha}#subdirectory=pkg"])
+    (info / "direct_url.json").unlink()
+    _, d, checks = doctor(py, tmp_path)
+    assert (d["reinstall"]["source"], d["reinstall"]["command"]) == ("unknown", None)
+    assert "checkout or the wheel" in d["reinstall"]["advice"]
 
 
 def test_start_kind_on_an_older_python_is_named_and_reinstalled_from_the_folder(tmp_path):
