@@ -372,25 +372,19 @@ static size_t wrap_cut(const char *text, size_t len, size_t width, size_t indent
     while (at < len && text[at] == ' ')
         at = next_char(text, len, at), chars++;
     while (at < len) {
-        size_t word_at = at, word_col = chars, gap;
+        size_t word_col = chars;
         while (at < len && text[at] != ' ')
             at = next_char(text, len, at), chars++;
-        if (!first && chars > width && lead + word_col > indent) {
-            at = word_at; /* breaks before this word */
-            break;
-        }
+        if (!first && chars > width && lead + word_col > indent)
+            break; /* before this word */
         first = 0;
         kept = at;
         if (chars > width)
             break; /* a word longer than the line, kept whole: break after it */
-        gap = at;
-        while (gap < len && text[gap] == ' ')
-            gap = next_char(text, len, gap), chars++;
-        if (gap >= len || chars > width) {
-            at = gap;
+        while (at < len && text[at] == ' ')
+            at = next_char(text, len, at), chars++;
+        if (chars > width)
             break;
-        }
-        at = gap;
     }
     /* Only blanks after what the line keeps: all of it is one line. */
     for (at = kept; at < len && text[at] == ' '; at++)

@@ -316,12 +316,13 @@ def parse_table(lines):
 def overflows(lines):
     """Lines past WIDTH other than those a word longer than any line holds
     makes: a path or an allocator string is never broken, so it stands whole
-    on its line (alone after the line's indentation or the table's columns)."""
+    on its line, the one word past a label, the table's columns or the
+    line's indentation (all at or before VALUE_COL)."""
     bad = []
     for ln in (ln for ln in lines if len(ln) > WIDTH):
         word = ln.rsplit(" ", 1)[-1]
         start = len(ln) - len(word)
-        if not (ln[:start].strip() == "" or start == VALUE_COL) or len(word) <= WIDTH - start:
+        if start > VALUE_COL or len(word) <= WIDTH - start:
             bad.append(ln)
     return bad
 
