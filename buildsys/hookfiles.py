@@ -21,6 +21,8 @@ PTH = BOOT + ".pth"
 START = BOOT + ".start"
 STUBS = "_outofcuda.pyi"
 START_FROM = (3, 18)
+# The first Python whose site runs a .start file at all (PEP 829).
+START_RUNS_FROM = (3, 15)
 START_TAG = "cp318"
 # The .pth template's placeholder for the size of the linked boot: the line
 # loads the boot only when the file has exactly that size, so a partly
@@ -34,11 +36,26 @@ def start_kind():
     start chooses; unset, the building Python decides."""
     word = os.environ.get("OUTOFCUDA_BUILD_HOOK_FILE", "").strip().lower()
     if word in ("pth", "start"):
+        if word == "start" and sys.version_info < START_RUNS_FROM:
+            # pip installs what it built from source whatever its tag; the
+            # wheel must still be built (a release builds both kinds on one
+            # Python), so this warns rather than refuses.
+            sys.stderr.write(start_warning(sys.version_info))
         return word == "start"
     if word:
         raise SystemExit(f"OUTOFCUDA_BUILD_HOOK_FILE={word!r}: use 'pth' (a wheel for Python "
                          "3.9-3.17) or 'start' (for 3.18 and later)")
     return sys.version_info >= START_FROM
+
+
+def start_warning(version):
+    """The build's warning where the .start kind is built by a Python that
+    never runs a .start file."""
+    return (f"warning: OUTOFCUDA_BUILD_HOOK_FILE=start builds the hook file for Python "
+            f"{START_FROM[0]}.{START_FROM[1]} and later (the cp318-abi3 wheel); Python "
+            f"{version[0]}.{version[1]}, which builds it, never runs a .start file (only "
+            f"{START_RUNS_FROM[0]}.{START_RUNS_FROM[1]} and later do), so installed here the hook "
+            "never loads: unset OUTOFCUDA_BUILD_HOOK_FILE (or set it to pth) for this Python\n")
 
 
 def pth_line(boot_size, boot_dir=None):

@@ -37,6 +37,16 @@ def _check(mod):
     return mod
 
 
+def _reinstall():
+    """How to reinstall this copy from where it came from (outofcuda._origin,
+    imported only on this error path: it reads files and imports json)."""
+    try:
+        from ._origin import advice
+    except Exception:  # an error message must not become another error
+        return "reinstall outofcuda from the checkout or the wheel you installed it from"
+    return advice()
+
+
 def _shadowed_by_checkout(root):
     """The message for a package imported from a source checkout that holds
     no built extension: the checkout's outofcuda/ came first on sys.path."""
@@ -66,10 +76,8 @@ def _load():
         if _path.isfile(_path.join(root, "setup.py")) and _path.isfile(
                 _path.join(root, "src", "oc.h")):
             raise ImportError(_shadowed_by_checkout(root))
-        raise ImportError(
-            f"outofcuda's C extension ({_NAME}) is missing from {root}; reinstall outofcuda: "
-            "pip install --force-reinstall --no-deps 'outofcuda>=0.2'"
-        )
+        raise ImportError(f"outofcuda's C extension ({_NAME}) is missing from {root}; "
+                          + _reinstall())
     # The boot's check (a partly written file would kill the process when
     # mapped), where the hook loaded the boot of this install.
     boot = sys.modules.get(_BOOT)
@@ -77,8 +85,7 @@ def _load():
     if boot_file and _path.dirname(_path.realpath(boot_file)) == root:
         why = getattr(boot, "_incomplete", lambda _: None)(path)
         if why is not None:
-            raise ImportError(f"outofcuda: {why} (pip install --force-reinstall --no-deps "
-                              "'outofcuda>=0.2')")
+            raise ImportError(f"outofcuda: {why} ({_reinstall()})")
     loader = _external.ExtensionFileLoader(_NAME, path)
     spec = _external.spec_from_file_location(_NAME, path, loader=loader)
     try:
@@ -89,8 +96,7 @@ def _load():
             f"outofcuda's C extension at {path} is present but cannot be loaded "
             f"in this interpreter ({exc}). outofcuda works only in the main "
             "interpreter, not in a subinterpreter; in the main interpreter this "
-            "means a damaged file or one built for another platform: reinstall outofcuda: "
-            "pip install --force-reinstall --no-deps 'outofcuda>=0.2'"
+            "means a damaged file or one built for another platform: " + _reinstall()
         ) from exc
     return _check(sys.modules.setdefault(_NAME, mod))
 

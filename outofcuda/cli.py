@@ -21,14 +21,16 @@ import sys
 import warnings
 from pathlib import Path
 
+from . import _origin
 from ._native import core
 
 HOOK_NAME = "outofcuda_hook.pth"
 START_NAME = "outofcuda_hook.start"
 MIN_TORCH = (2, 0)
 PROBE_TIMEOUT_S = 180
-# Versioned: the name `outofcuda` 0.1.0 on PyPI is an older, unrelated package.
-REINSTALL = "pip install --force-reinstall --no-deps 'outofcuda>=0.2'"
+# The hook file's fast path: the boot it loads and the size it loads it at
+# (buildsys/hookfiles.py writes both into the template's line).
+_BOOT_AT = re.compile(r"p=(sitedir\+)?'([^']*)'.*?st_size==(\d+)")
 
 # Runs in a fresh interpreter of the same Python. The working directory is
 # dropped from sys.path so a stray torch.py or _outofcuda.py there cannot
@@ -115,8 +117,28 @@ def hook_files():
             if p.is_file():
                 found.append({"path": str(p), "kind": name.rsplit(".", 1)[1],
                               "site_dir": os.path.realpath(d) in real,
-                              "loadable": _hook_line_ok(p)})
+                              "loadable": _hook_line_ok(p), "boot": _boot_of(p)})
     return found
+
+
+def _boot_of(path):
+    """The boot a .pth line loads: {"path", "expected_size" (the size the line
+    loads it at), "size" (what the file has now, None when it is missing)},
+    or None for a .start file or a line of another form."""
+    if path.suffix != ".pth":
+        return None
+    try:
+        m = _BOOT_AT.search(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return None
+    if m is None:
+        return None
+    boot = str(path.parent) + m.group(2) if m.group(1) else m.group(2)
+    try:
+        size = os.stat(boot).st_size
+    except OSError:
+        size = None
+    return {"path": boot, "expected_size": int(m.group(3)), "size": size}
 
 
 def _hook_line_ok(path):
@@ -205,6 +227,7 @@ def status_data():
     hook = st.get("hook") or {}
     optimizations = st.get("optimizations") or {}
     known_bugs = st.get("known_bugs") or []
+    state, ok, message, _fix = _hook_verdict(files, pr)
     if pr.get("torch") is None and pr.get("torch_error"):
         # The probe's import failed: "not imported yet", what the engine can
         # say from inside, would contradict the header's "not importable".
@@ -223,6 +246,10 @@ def status_data():
             "installed": bool(hook.get("installed")),
             "fired": bool(hook.get("fired")),
             "error": hook.get("error") or pr.get("extension_error") or pr.get("error"),
+            # doctor's hook_file verdict: "fires", "disabled_by_env" (installed
+            # and turned off), or what keeps the hook from loading
+            "state": state,
+            "problem": None if ok else message,
         },
         "torch": pr.get("torch"),
         "torch_error": pr.get("torch_error"),
@@ -319,11 +346,13 @@ def _render_status(d):
     for i, path in enumerate(files):
         lines += _row("hook file" if i == 0 else "", path)
     fires = "yes" if h["fired"] else "no"
-    if h["disabled_by_env"]:
-        fires += " (OUTOFCUDA_DISABLE is set)"
+    if h["state"] == "disabled_by_env":
+        fires += ": installed, turned off by OUTOFCUDA_DISABLE"
     lines += _row("hook fires", fires)
     if h["error"]:
         lines += _row("hook error", h["error"])
+    elif h["problem"]:
+        lines += _row("hook problem", h["problem"])
     lines += _row("torch", d["torch"] or f"not importable ({d['torch_error']})")
     lines += _row("CUDA (torch)", d["cuda"] or "none (CPU build)" if d["torch"] else "-")
     if d["cuda_initialized_by_import"] is not None:
@@ -336,7 +365,9 @@ def _render_status(d):
         lines.append("")
         lines += _wrap(f"  known bug {b['id']}: {state}"
                        + (" (avoided)" if b.get("done") else ""), WIDTH, REASON_INDENT)
-        lines += _wrap(" " * REASON_INDENT + b.get("reason", ""), WIDTH, REASON_INDENT)
+        # The verdict is on the line above: the reason without it.
+        reason = re.sub(r"^(affected|not affected|undecided): ", "", b.get("reason", ""))
+        lines += _wrap(" " * REASON_INDENT + reason, WIDTH, REASON_INDENT)
         lines += _wrap(" " * REASON_INDENT + "evidence: " + b.get("evidence", ""), WIDTH,
                        REASON_INDENT)
     for w in d["config_warnings"]:
@@ -349,43 +380,101 @@ def _render_status(d):
 # ---------------------------------------------------------------- doctor
 
 
-def _check(name, ok, message, fix=""):
-    return {"name": name, "ok": bool(ok), "message": message, "fix": "" if ok else fix}
+def _check(name, ok, message, fix="", code=None):
+    """One check: ``code`` is the verdict in a word, for machines (the
+    hook_file check always has one)."""
+    return {"name": name, "ok": bool(ok), "message": message, "fix": "" if ok else fix,
+            "code": code}
+
+
+def _hook_kinds():
+    """The hook files site runs on this Python: from 3.18 on it ignores a
+    .pth's import lines; 3.15 to 3.17 run either; before 3.15 site knows no
+    .start file."""
+    if sys.version_info >= (3, 18):
+        return ("start",)
+    return ("pth", "start") if sys.version_info >= (3, 15) else ("pth",)
+
+
+def _reinstall(build_env=""):
+    """How to reinstall this copy from where it came from (PEP 610), with
+    build_env (e.g. ``OUTOFCUDA_BUILD_HOOK_FILE=pth``) before the command where
+    it is built from source."""
+    o = _origin.origin()
+    if o["command"] and build_env:
+        if o["source"] in ("editable", "folder", "vcs") or str(o["path"] or "").endswith(
+                (".tar.gz", ".zip")):
+            return (f"reinstall outofcuda from {o['path'] or o['url']}: {build_env} "
+                    + _origin.join(o['command']))
+        return ("install the cp39-abi3 wheel (built without OUTOFCUDA_BUILD_HOOK_FILE=start) "
+                "instead of " + (o["path"] or o["url"]))
+    return o["advice"]
+
+
+def _hook_verdict(files, pr):
+    """(code, ok, message, fix) of the hook file: what site would run at the
+    next start of this Python and whether the hook would install."""
+    if sys.flags.no_site:
+        return ("site_disabled", False, "site is disabled (Python runs with -S): this "
+                "interpreter runs no hook file, whichever is installed",
+                "start Python without -S, or call `outofcuda.apply()` before importing torch")
+    kinds = _hook_kinds()
+    name = START_NAME if kinds == ("start",) else HOOK_NAME
+    runs = [f for f in files if f["kind"] in kinds and f["site_dir"]]
+    version = "%d.%d" % sys.version_info[:2]
+    if not runs:
+        unread = [f["path"] for f in files if f["site_dir"] and f["kind"] not in kinds]
+        if unread and unread[0].endswith(".start"):
+            return ("start_file_unread", False,
+                    f"{unread[0]} is installed, but Python {version} never runs a .start file "
+                    "(3.15 and later do): it was built with OUTOFCUDA_BUILD_HOOK_FILE=start, "
+                    "so the hook never loads",
+                    _reinstall("OUTOFCUDA_BUILD_HOOK_FILE=pth"))
+        if unread:
+            return ("pth_file_unread", False,
+                    f"{unread[0]} is installed, but Python {version} runs no import line of a "
+                    ".pth file: it needs the .start kind (the cp318-abi3 wheel)",
+                    _reinstall("OUTOFCUDA_BUILD_HOOK_FILE=start"))
+        elsewhere = [f["path"] for f in files if f["kind"] in kinds]
+        where = (f" (only in {elsewhere[0]}, where site does not run hook files)"
+                 if elsewhere else "")
+        return ("missing", False, f"{name} is not in any site-packages directory{where}",
+                _reinstall())
+    bad = [f for f in runs if not f["loadable"]]
+    if bad:
+        what = "one module:function entry" if bad[0]["kind"] == "start" else "one import line"
+        return ("damaged", False, f"{bad[0]['path']} is damaged (not {what})", _reinstall())
+    for f in runs:
+        boot = f.get("boot")
+        if boot and boot["size"] is None:
+            return ("boot_missing", False, f"the boot {boot['path']} that {f['path']} loads is "
+                    "missing, so the hook loads nothing", _reinstall())
+        if boot and boot["size"] != boot["expected_size"]:
+            return ("boot_size_changed", False,
+                    f"the boot's size changed: {boot['path']} is {boot['size']} bytes, and "
+                    f"{f['path']} loads it only at {boot['expected_size']} bytes (the C files "
+                    "were rebuilt or replaced after the install), so the hook loads nothing "
+                    "until outofcuda is installed again",
+                    _reinstall())
+    if core._disabled_by_env():
+        return ("disabled_by_env", True, f"{runs[0]['path']} is installed and turned off by "
+                "OUTOFCUDA_DISABLE: torch imports as without outofcuda", "")
+    st = pr.get("status") or {}
+    if not (st.get("hook") or {}).get("installed"):
+        return ("not_installed", False,
+                f"{runs[0]['path']} is present but the hook did not install in a fresh "
+                "interpreter", "run `outofcuda status` for the error; " + _reinstall())
+    return ("fires", True, f"{runs[0]['path']} loads and installs the watcher", "")
 
 
 def _check_hook(files, pr):
-    # The file site runs on this Python: from 3.18 on it ignores a .pth's
-    # import lines, and the wheel for it carries the .start file instead.
-    kind, name = ("start", START_NAME) if sys.version_info >= (3, 18) else ("pth", HOOK_NAME)
-    pth = [f for f in files if f["kind"] == kind and f["site_dir"]]
-    if not pth:
-        elsewhere = [f["path"] for f in files if f["kind"] == kind]
-        where = (f" (only in {elsewhere[0]}, where site does not run .{kind} files)"
-                 if elsewhere else "")
-        return _check("hook_file", False, f"{name} is not in any site-packages "
-                      f"directory{where}",
-                      "reinstall: " + REINSTALL)
-    bad = [f["path"] for f in pth if not f["loadable"]]
-    if bad:
-        what = "one module:function entry" if kind == "start" else "one import line"
-        return _check("hook_file", False, f"{bad[0]} is damaged (not {what})",
-                      "reinstall: " + REINSTALL)
-    if core._disabled_by_env():
-        return _check("hook_file", False, "OUTOFCUDA_DISABLE is set: the hook does nothing",
-                      "unset OUTOFCUDA_DISABLE")
-    st = pr.get("status") or {}
-    if not (st.get("hook") or {}).get("installed"):
-        return _check("hook_file", False,
-                      f"{pth[0]['path']} is present but the hook did not install in a fresh "
-                      "interpreter", "run `outofcuda status` for the error; reinstall outofcuda")
-    return _check("hook_file", True, f"{pth[0]['path']} loads and installs the watcher")
-
-
+    code, ok, message, fix = _hook_verdict(files, pr)
+    return _check("hook_file", ok, message, fix, code=code)
 def _check_extension(pr):
     if pr.get("extension_error") or pr.get("error"):
         return _check("extension", False, "the C extension does not load in a fresh "
                       f"interpreter: {pr.get('extension_error') or pr.get('error')}",
-                      "reinstall: " + REINSTALL)
+                      _reinstall())
     err = ((pr.get("status") or {}).get("hook") or {}).get("error")
     if err:
         return _check("extension", False, f"outofcuda recorded an error: {err}",
@@ -596,7 +685,7 @@ def _check_older_package():
                       "files of an older, unrelated `outofcuda` package (0.1.0, pure Python) "
                       f"are left beside this one: {', '.join(found)}",
                       "rm -r " + " ".join(shlex.quote(f) for f in found)
-                      + "; then " + REINSTALL)
+                      + "; then " + _reinstall())
     return _check("older_package", True, "no files of the older `outofcuda` package")
 
 
@@ -657,7 +746,10 @@ def doctor_data():
         _check_known_bugs(pr),
     ]
     return {"healthy": all(c["ok"] for c in checks), "checks": checks,
-            "scope": _scope(pr, devices)}
+            "scope": _scope(pr, devices),
+            # where this copy came from (PEP 610) and the command that
+            # reinstalls it from there: what every reinstall advice names
+            "reinstall": _origin.origin()}
 
 
 def _scope(pr, devices):

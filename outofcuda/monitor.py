@@ -215,14 +215,16 @@ class MemoryMonitor:
     def plot(self, path):
         """Draw the timeline (GiB over seconds) and the actions to a PNG at ``path``.
 
-        Needs matplotlib: ``pip install 'outofcuda[plot]'``.
+        Both axes start at 0; without samples they span 1 s and 1 GiB (the
+        device's total once a sample gave it). Needs matplotlib
+        (``python3 -m pip install matplotlib``).
         """
         try:
             import matplotlib
         except ImportError:
             raise ImportError(
-                "MemoryMonitor.plot() needs matplotlib, an optional extra: "
-                "pip install 'outofcuda[plot]' (or pip install matplotlib); "
+                "MemoryMonitor.plot() needs matplotlib, an optional dependency: "
+                f"{sys.executable or 'python3'} -m pip install matplotlib; "
                 "MemoryMonitor.to_csv() needs nothing extra"
             ) from None
         matplotlib.use("Agg", force=False)
@@ -243,6 +245,11 @@ class MemoryMonitor:
                            label=f"threshold {self.threshold:.0%}")
             for e in self.events:
                 ax.axvline(e["time"], color="red", alpha=0.4)
+            # Fixed floors: matplotlib would centre an empty or flat plot on
+            # 0 with a span of 0.08 (negative seconds and GiB).
+            xmax, ymax = _plot_limits(rows)
+            ax.set_xlim(0, xmax)
+            ax.set_ylim(0, ymax)
             ax.set_xlabel("seconds since start")
             ax.set_ylabel("GiB")
             ax.set_title(f"outofcuda MemoryMonitor, cuda:{self.device}")
@@ -256,3 +263,17 @@ class MemoryMonitor:
         state = "running" if self.running else "stopped"
         return (f"MemoryMonitor(threshold={self.threshold}, interval={self.interval}, "
                 f"device={self.device}, {state})")
+
+
+def _plot_limits(rows):
+    """(seconds, GiB): where MemoryMonitor.plot()'s axes end. At least 1 s
+    and 1 GiB; the last sample's time and the device's total memory (every
+    figure plotted, the threshold line included, lies under it) once a
+    sample gave them."""
+    gib = float(1 << 30)
+    seconds = max([1.0] + [s.time for s in rows])
+    top = max([1.0] + [s.total / gib for s in rows if s.total])
+    top = max([top] + [getattr(s, f) / gib for s in rows
+                       for f in ("used", "process", "reserved", "allocated")
+                       if getattr(s, f) is not None])
+    return seconds, top

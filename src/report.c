@@ -391,34 +391,53 @@ static void value_text(PyObject *v, char *buf, size_t sz)
     Py_DECREF(s);
 }
 
-/* Where the first line of text (len bytes of UTF-8) ends for a line of
- * `width` characters: the bytes it keeps (len when all fits), and in *skip
- * the bytes the break eats. A line breaks at its last space (eaten), else
- * after its last '/' or ',' (a path, an allocator string), else, for a word
- * longer than the line, at the width: never inside a character. */
-static size_t wrap_cut(const char *text, size_t len, size_t width, size_t *skip)
+/* The byte after the UTF-8 character at text[at]. */
+static size_t next_char(const char *text, size_t len, size_t at)
 {
-    size_t at = 0, cut = 0, chars = 0;
+    do
+        at++;
+    while (at < len && ((unsigned char)text[at] & 0xc0) == 0x80);
+    return at;
+}
+
+/* Where the first line of text (len bytes of UTF-8) ends for a line of
+ * `width` characters whose continuation lines start at column `indent`: the
+ * bytes it keeps (len when all fits), and in *skip the blanks the break eats.
+ * A line breaks only at blanks, never inside a word, so a path or an
+ * allocator string can be copied whole. A word longer than the line stands
+ * whole on its line, past the width; it stays on the first line when it
+ * starts there at or before `indent` (after a label: a continuation line
+ * would give it no more room). */
+static size_t wrap_cut(const char *text, size_t len, size_t width, size_t indent, size_t *skip)
+{
+    size_t lead = width < TABLE_WIDTH ? TABLE_WIDTH - width : 0; /* the line's first column */
+    size_t at = 0, chars = 0, kept = 0;
+    int first = 1;
     *skip = 0;
-    if (width < 1)
-        width = 1;
-    while (at < len && chars <= width) {
-        if (chars > 0 && text[at] == ' ')
-            cut = at, *skip = 1;
-        else if (chars > 0 && (text[at - 1] == '/' || text[at - 1] == ','))
-            cut = at, *skip = 0;
-        if (chars == width)
+    while (at < len && text[at] == ' ')
+        at = next_char(text, len, at), chars++;
+    while (at < len) {
+        size_t word_col = chars;
+        while (at < len && text[at] != ' ')
+            at = next_char(text, len, at), chars++;
+        if (!first && chars > width && lead + word_col > indent)
+            break; /* before this word */
+        first = 0;
+        kept = at;
+        if (chars > width)
+            break; /* a word longer than the line, kept whole: break after it */
+        while (at < len && text[at] == ' ')
+            at = next_char(text, len, at), chars++;
+        if (chars > width)
             break;
-        do
-            at++;
-        while (at < len && ((unsigned char)text[at] & 0xc0) == 0x80);
-        chars++;
     }
-    if (at >= len) {
-        *skip = 0;
+    /* Only blanks after what the line keeps: all of it is one line. */
+    for (at = kept; at < len && text[at] == ' '; at++)
+        ;
+    if (at >= len)
         return len;
-    }
-    return cut ? cut : at;
+    *skip = at - kept;
+    return kept;
 }
 
 /* Writes text to stderr in lines of at most `first` characters (the first
@@ -428,7 +447,7 @@ static void write_wrapped(const char *text, size_t first, size_t indent)
 {
     size_t width = first, len = strlen(text);
     for (;;) {
-        size_t skip, cut = wrap_cut(text, len, width, &skip);
+        size_t skip, cut = wrap_cut(text, len, width, indent, &skip);
         if (cut == len) {
             oc_stderr_printf("%s\n", text);
             return;
@@ -479,6 +498,47 @@ static void write_value(PyObject *v)
     }
 }
 
+/* The known-bugs row (the README's table has one): applied "yes" when a
+ * guard acted, "queued" while one waits for CUDA's start; the value names
+ * the entries, the reason lines give each entry's verdict (an entry's id
+ * before it when there are several). */
+static void write_known_bugs_row(void)
+{
+    char ids[400], reason[720], id[100];
+    size_t used = 0;
+    int done = 0;
+    PyObject *bugs = oc_known_bugs_status();
+    Py_ssize_t n = bugs ? PyList_Size(bugs) : -1;
+    if (n <= 0) {
+        Py_XDECREF(bugs);
+        OC_CLEAR();
+        return;
+    }
+    ids[0] = '\0';
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyList_GetItem(bugs, i);
+        value_text(PyDict_GetItemString(e, "id"), id, sizeof id);
+        done |= PyDict_GetItemString(e, "done") == Py_True;
+        if (used < sizeof ids)
+            used += (size_t)snprintf(ids + used, sizeof ids - used, "%s%s", i ? ", " : "", id);
+    }
+    oc_stderr_printf("  %-20s %-8s ", "known_bugs",
+                     done                                                ? "yes"
+                     : oc_g.cuda_init_steps & (1u << OC_STEP_KNOWN_BUGS) ? "queued"
+                                                                         : "no");
+    write_wrapped(ids, TABLE_WIDTH - VALUE_COL, VALUE_COL);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyList_GetItem(bugs, i);
+        char why[600];
+        value_text(PyDict_GetItemString(e, "id"), id, sizeof id);
+        value_text(PyDict_GetItemString(e, "reason"), why, sizeof why);
+        snprintf(reason, sizeof reason, "%s%s%s", n > 1 ? id : "", n > 1 ? ": " : "", why);
+        oc_stderr_printf("%*s", REASON_INDENT, "");
+        write_wrapped(reason, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
+    }
+    Py_DECREF(bugs);
+}
+
 void oc_report_verbose(void)
 {
     char tv[64], reason[400];
@@ -504,6 +564,7 @@ void oc_report_verbose(void)
         oc_stderr_printf("%*s", REASON_INDENT, "");
         write_wrapped(reason, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
     }
+    write_known_bugs_row();
     if (oc_g.error != NULL) {
         value_text(oc_g.error, reason, sizeof reason);
         oc_stderr_printf("  error: ");
@@ -546,7 +607,7 @@ static PyObject *py_wrap(PyObject *self, PyObject *args)
     width = (size_t)first;
     lines = text ? PyList_New(0) : NULL;
     for (int i = 0; lines != NULL; i++) {
-        size_t skip, cut = wrap_cut(text, len, width, &skip);
+        size_t skip, cut = wrap_cut(text, len, width, (size_t)indent, &skip);
         PyObject *part = PyUnicode_DecodeUTF8(text, (Py_ssize_t)cut, "surrogatepass");
         PyObject *line = part && i > 0 ? PyUnicode_Concat(pad, part) : (Py_XINCREF(part), part);
         if (line == NULL || PyList_Append(lines, line) < 0)

@@ -884,6 +884,15 @@ static const char *no_gpu_reason(void)
     return oc_g.build.cuda_build ? "CUDA was not initialised" : "torch is a CPU build";
 }
 
+/* One line where the process has nothing to say (a program that only
+ * imported torch, with no CUDA and no data loop): why, rather than silence. */
+static void nothing_to_report(const proc_figs *p)
+{
+    oc_stderr_printf("outofcuda summary: nothing to report: %s%s\n",
+                     p->no_gpu != NULL ? p->no_gpu : "no CUDA device was used",
+                     oc_g.summary_out.mode == OC_SUMMARY_JSON ? " (no JSON written)" : "");
+}
+
 /* atexit callback: join the sampler, gather, print or write. Never raises. */
 static PyObject *at_exit(PyObject *self, PyObject *unused)
 {
@@ -931,6 +940,8 @@ static PyObject *at_exit(PyObject *self, PyObject *unused)
     if (oc_g.summary_out.mode != OC_SUMMARY_OFF && !in_worker &&
         (cuda || p.frame_waits > 0 || p.workers >= 0))
         emit(&p, dev, cuda ? n : 0);
+    else if (oc_g.summary_out.mode != OC_SUMMARY_OFF && !in_worker && !oc_torchrun_launcher())
+        nothing_to_report(&p);
     OC_CLEAR();
     PyErr_Restore(type, value, tb);
     Py_RETURN_NONE;

@@ -294,6 +294,23 @@ def venv(request):
     return Venv(base_venv)
 
 
+def pip_target(python, spec, reuse_var, tmp_path_factory):
+    """A package from the index installed once into a folder of its own that
+    a scenario puts on PYTHONPATH (the shared environment stays as it is);
+    the variable reuse_var names one to reuse. Skips where pip fails, except
+    in CI (CI=1), where that fails."""
+    reuse = os.environ.get(reuse_var)
+    path = Path(reuse) if reuse else tmp_path_factory.mktemp(spec.split("=")[0]) / "site"
+    if not (path / ".ready").exists():
+        try:
+            _pip(python, "install", "--target", str(path), spec)
+        except subprocess.CalledProcessError as e:
+            (pytest.fail if os.environ.get("CI") == "1" else pytest.skip)(
+                f"pip install {spec} failed (exit {e.returncode})")
+        (path / ".ready").write_text("ok")
+    return str(path)
+
+
 @pytest.fixture
 def workdir(tmp_path):
     """An empty working directory for a scenario."""

@@ -51,6 +51,23 @@ def test_status_when_disabled_says_so(venv, workdir):
     r = cli(venv, "status", "--json", env={"OUTOFCUDA_DISABLE": "1"}, cwd=workdir)
     d = json.loads(r.stdout)
     assert d["hook"]["disabled_by_env"] is True and d["hook"]["fired"] is False
+    # Installed and turned off: neither missing nor a problem.
+    assert d["hook"]["state"] == "disabled_by_env" and d["hook"]["problem"] is None
+    r = cli(venv, "doctor", "--json", env={"OUTOFCUDA_DISABLE": "1"}, cwd=workdir)
+    hook = {c["name"]: c for c in json.loads(r.stdout)["checks"]}["hook_file"]
+    assert (r.returncode, hook["ok"], hook["code"]) == (0, True, "disabled_by_env"), hook
+
+
+def test_doctor_under_python_minus_s_says_site_is_disabled(venv, workdir):
+    """`python -S` runs no hook file: doctor says so (site disabled), not
+    that the hook file is missing, and advises no reinstall."""
+    r = venv.run(None, args=("-S", "-m", "outofcuda", "doctor", "--json"),
+                 env={"PYTHONPATH": str(venv.site)}, cwd=workdir, timeout=300)
+    checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert r.returncode == 1
+    assert (checks["hook_file"]["ok"], checks["hook_file"]["code"]) == (False, "site_disabled")
+    assert "reinstall" not in checks["hook_file"]["fix"]
+    assert not checks["python_no_site"]["ok"]
 
 
 def test_doctor_healthy_environment(venv, workdir):
@@ -297,11 +314,31 @@ def parse_table(lines):
     return rows
 
 
-def check_table(lines, optimizations):
-    """Every line fits, columns line up, and nothing of status() is lost."""
-    long_lines = [ln for ln in lines if len(ln) > WIDTH]
-    assert not long_lines, long_lines
+def overflows(lines):
+    """Lines past WIDTH other than those a word longer than any line holds
+    makes: a path or an allocator string is never broken, so it stands whole
+    on its line, the one word past a label, the table's columns or the
+    line's indentation (all at or before VALUE_COL)."""
+    bad = []
+    for ln in (ln for ln in lines if len(ln) > WIDTH):
+        word = ln.rsplit(" ", 1)[-1]
+        start = len(ln) - len(word)
+        if start > VALUE_COL or len(word) <= WIDTH - start:
+            bad.append(ln)
+    return bad
+
+
+def check_table(lines, optimizations, known_bugs=None):
+    """Every line fits (but for a word longer than a line), columns line up,
+    and nothing of status() is lost."""
+    assert not overflows(lines), overflows(lines)
     rows = parse_table(lines)
+    if known_bugs is not None:
+        # The verbose table's known-bugs row, as the README's table has one.
+        row = rows.pop("known_bugs")
+        assert row["value"] == [", ".join(b["id"] for b in known_bugs)]
+        assert row["applied"] is any(b["done"] for b in known_bugs)
+        assert _squash("".join(row["reason"])) == _squash("".join(b["reason"] for b in known_bugs))
     assert sorted(rows) == sorted(optimizations)
     for name, e in optimizations.items():
         row = rows[name]
@@ -331,7 +368,9 @@ def test_verbose_table_fits_80_columns(venv, workdir):
     st = json.loads(r.stdout)
     lines = r.stderr.splitlines()
     table = lines[next(i for i, ln in enumerate(lines) if ln.startswith("outofcuda ")):]
-    rows = check_table(table, st["optimizations"])
+    rows = check_table(table, st["optimizations"], st["known_bugs"])
+    # The allocator string stands whole on one line, never broken.
+    assert rows["allocator"]["value"] == [st["optimizations"]["allocator"]["value"]]
     # The dict values are shown as key=value, never as a Python repr.
     starts = [ln.split("=")[0] for ln in rows["oom_handler"]["value"] if "=" in ln]
     assert starts == list(st["optimizations"]["oom_handler"]["value"]), rows["oom_handler"]
@@ -345,7 +384,10 @@ import json, _outofcuda
 from outofcuda import cli
 cases = [("/usr/lib/python3/site-packages/" * 3, 40, 6), ("a " * 50, 80, 16),
          ("expandable_segments:True,garbage_collection_threshold:0.8", 20, 32),
-         ("\u00e9" * 100, 48, 32), ("short", 10, 0)]
+         ("\u00e9" * 100, 48, 32), ("short", 10, 0),
+         ("hook file /venv/lib/python3.11/site-packages/outofcuda_hook.pth is present", 40, 40),
+         ("      " + "\u00e9" * 40 + " b", 36, 6),
+         ("hook file       /" + "a" * 70, 80, 16), ("hook file       /" + "a" * 70, 80, 6)]
 print(json.dumps([_outofcuda._text_layout(), [cli._wrap(*c) for c in cases],
                   [_outofcuda._wrap(*c) for c in cases], cli.WIDTH, cli.VALUE_COL,
                   cli.REASON_INDENT]))
@@ -354,15 +396,24 @@ print(json.dumps([_outofcuda._text_layout(), [cli._wrap(*c) for c in cases],
     assert layout == {"width": WIDTH, "value_col": VALUE_COL, "reason_indent": REASON_COL}
     assert (width, value_col, reason_indent) == (WIDTH, VALUE_COL, REASON_COL)
     assert mine == engine
-    path, blanks, alloc, accents, short = engine
-    # After its last '/' or ',' when a line has no blank; a blank is eaten.
-    assert path == ["/usr/lib/python3/site-packages//usr/lib/",
-                    "      python3/site-packages//usr/lib/python3/site-packages/"]
+    path, blanks, alloc, accents, short, sentence, indented, label, early = engine
+    # Only at a blank, which is eaten; a word longer than the line (a path,
+    # an allocator string) stands whole on its line, past the width.
+    assert path == ["/usr/lib/python3/site-packages/" * 3]
     assert blanks == ["a " * 39 + "a", " " * 16 + "a " * 10]
-    assert alloc == ["expandable_segments:", " " * 32 + "True,garbage_collection_threshold:0.8"]
-    # Characters, not bytes, count: 48 then 48 (80 - 32) to a line.
-    assert accents == ["\u00e9" * 48, " " * 32 + "\u00e9" * 48, " " * 32 + "\u00e9" * 4]
+    assert alloc == ["expandable_segments:True,garbage_collection_threshold:0.8"]
+    assert accents == ["\u00e9" * 100]
     assert short == ["short"]
+    assert sentence == ["hook file", " " * 40 + "/venv/lib/python3.11/site-packages/outofcuda_hook.pth",
+                        " " * 40 + "is present"]
+    # The leading blanks are no place to break: the word too long for the
+    # line stays after them.
+    assert indented == ["      " + "\u00e9" * 40, "      b"]
+    # A long word right after a label (at or before the continuation
+    # column) stays on the label's line: the next line would give it no more
+    # room; and the label's padding never ends a line.
+    assert label == ["hook file       /" + "a" * 70]
+    assert early == ["hook file", "      /" + "a" * 70]
 
 
 def test_status_text_fits_80_columns(venv, workdir):
@@ -372,11 +423,16 @@ def test_status_text_fits_80_columns(venv, workdir):
     lines = r.stdout.splitlines()
     check_table(lines, st["optimizations"])
     assert "..." not in r.stdout
-    # Hook file paths and the NVML reason wrap; nothing is cut.
-    flat = _squash(r.stdout)
+    # Hook file paths stand whole on a line (never broken), the NVML reason
+    # wraps; nothing is cut.
     for f in st["hook"]["files"]:
-        assert _squash(f["path"]) in flat
-    assert _squash(st["nvml_error"]) in flat
+        assert any(f["path"] in ln.split() for ln in lines), f["path"]
+    assert _squash(st["nvml_error"]) in _squash(r.stdout)
+    # A known bug's verdict is said once, in its heading.
+    for b in st["known_bugs"]:
+        state = {True: "applies", False: "not affected", None: "undecided"}[b["applies"]]
+        block = r.stdout[r.stdout.index(f"known bug {b['id']}: {state}"):]
+        assert block.count(state) == 1, block
 
 
 @pytest.mark.parametrize("args", [[], ["status"], ["doctor"], ["report"], ["bench"]])
@@ -510,7 +566,7 @@ def test_disable_switch_is_read_as_the_boot_reads_it(venv, workdir, value, disab
     assert d["hook"]["fired"] is not disabled
     assert d["hook"]["disabled_by_env"] is disabled
     check = _checks(cli(venv, "doctor", "--json", env=env, cwd=workdir))["hook_file"]
-    assert ("OUTOFCUDA_DISABLE is set" in check["message"]) is disabled, check
+    assert check["code"] == ("disabled_by_env" if disabled else "fires"), check
 
 
 # ---- what a new user ran into ----

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import SANITIZE, _clean_env, _sanitizer_env
+from conftest import SANITIZE, _clean_env, _sanitizer_env, pip_target
 from kit import CHILD, last_json
 
 PRELUDE = CHILD + """
@@ -483,8 +483,46 @@ def test_plot_without_matplotlib_says_how_to_get_it(venv, workdir):
         print(json.dumps([err, os.path.exists("out.png")]))
     """)
     err, exists = res
-    assert "outofcuda[plot]" in err and "matplotlib" in err
+    # The command names this Python's pip and matplotlib, never the name
+    # `outofcuda` on the package index (another project).
+    assert f"{venv.python} -m pip install matplotlib" in err and "outofcuda[" not in err
     assert exists is False
+
+
+@pytest.fixture(scope="session")
+def matplotlib_dir(venv, tmp_path_factory):
+    """The real matplotlib, in a folder of its own (the shared environment
+    stays without it, as test_plot_without_matplotlib_says_how_to_get_it
+    needs). OUTOFCUDA_TEST_MATPLOTLIB_DIR reuses one."""
+    return pip_target(venv.python, "matplotlib", "OUTOFCUDA_TEST_MATPLOTLIB_DIR", tmp_path_factory)
+
+
+def test_plot_axes_start_at_zero_and_have_a_span(venv, workdir, matplotlib_dir):
+    """An empty timeline gets 0..1 s by 0..1 GiB (matplotlib alone would
+    centre it on 0, -0.04 to 0.04); a timeline with samples gets 0 to its
+    last second by 0 to the device's total. Real matplotlib (Agg)."""
+    _, res = _run(venv, workdir, """
+        import matplotlib.pyplot as plt
+        axes, subplots = [], plt.subplots
+        def spy(*a, **k):
+            fig, ax = subplots(*a, **k)
+            axes.append(ax)
+            return fig, ax
+        plt.subplots = spy
+        empty = MemoryMonitor(_source=SRC)
+        empty.plot("empty.png")
+        feed(300, total=2 << 30)
+        m = MemoryMonitor(interval=0.01, _source=SRC)
+        with m:
+            need(lambda: len(m.samples()) > 1, "len(m.samples()) > 1")
+        m.plot("full.png")
+        last = m.samples()[-1].time
+        print(json.dumps([[list(ax.get_xlim()), list(ax.get_ylim())] for ax in axes]
+                         + [last, os.path.getsize("empty.png") > 0]))
+    """, env={"PYTHONPATH": matplotlib_dir, "MPLBACKEND": "Agg"})
+    (empty_x, empty_y), (x, y), last, png = res
+    assert empty_x == [0, 1] and empty_y == [0, 1] and png
+    assert x == [0, max(1, last)] and y == [0, 2.0]
 
 
 def test_allocator_stats_do_not_initialise_cuda(venv, workdir):

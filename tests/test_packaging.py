@@ -3,8 +3,10 @@ cp318-abi3 twin with the .start hook, which pip picks on 3.18 and later),
 clean install and uninstall (regular and editable), and the same binary on
 Python 3.9 to 3.13; the source distribution builds and installs; sanitizer
 builds never reuse a plain build's objects; a user's build has no -Werror."""
+import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -293,9 +295,33 @@ except ImportError as exc:
 """
 
 
-def test_missing_extension_is_called_missing(wheel, tmp_path):
+# ---- advice that reinstalls from where this copy came from (PEP 610) ----
+
+
+def doctor(py, cwd, *args):
+    """`outofcuda doctor --json` (or another sub-command) in the venv:
+    (exit code, JSON, {check name: check})."""
+    r = subprocess.run([str(py), "-m", "outofcuda", *(args or ("doctor",)), "--json"],
+                       capture_output=True, text=True, env=_clean_env(), cwd=cwd, timeout=300)
+    d = json.loads(r.stdout)
+    return r.returncode, d, {c["name"]: c for c in d.get("checks", [])}
+
+
+def test_advice_reinstalls_from_the_wheel_file(wheel, tmp_path):
+    """Installed from a wheel file, every reinstall advice (doctor's, the
+    import error of a damaged install) names that file and this Python's pip,
+    never the name on the package index, and the command repairs the install
+    (a missing engine is called missing); once the file is gone the advice
+    says so and gives no command."""
+    whl = tmp_path / "dist" / wheel.name
+    whl.parent.mkdir()
+    shutil.copy2(wheel, whl)
     py = make_venv(sys.executable, tmp_path / "v")
-    pip(py, "install", "--no-deps", str(wheel))
+    pip(py, "install", "--no-deps", str(whl))
+    command = [str(py), "-m", "pip", "install", "--force-reinstall", "--no-deps", str(whl)]
+    _, d, _ = doctor(py, tmp_path)
+    assert {k: d["reinstall"][k] for k in ("source", "path", "exists", "command")} == \
+        {"source": "file", "path": str(whl), "exists": True, "command": command}
     site = subprocess.run([str(py), "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
     (so,) = Path(site).glob("_outofcuda*.so")
@@ -304,6 +330,87 @@ def test_missing_extension_is_called_missing(wheel, tmp_path):
                        env=_clean_env(), cwd=tmp_path)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert "is missing from" in r.stdout and "cannot be loaded" not in r.stdout, r.stdout
+    assert shlex.join(command) in r.stdout and "outofcuda>=" not in r.stdout, r.stdout
+    subprocess.run(command, check=True, capture_output=True, env=_clean_env(), cwd=tmp_path)
+    r = subprocess.run([str(py), "-c", WATCHING], capture_output=True, text=True, env=_clean_env())
+    assert r.stdout.split() == ["1", "True"], r.stderr
+    whl.unlink()
+    _, d, _ = doctor(py, tmp_path)
+    assert (d["reinstall"]["source"], d["reinstall"]["exists"], d["reinstall"]["command"]) == \
+        ("file", False, None)
+    assert str(whl) in d["reinstall"]["advice"]
+    # What pip records for a VCS URL (PEP 610), and no record at all (an index,
+    # another installer): the commit pinned; a sentence and no command.
+    (info,) = Path(site).glob("outofcuda-*.dist-info")
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    (info / "direct_url.json").write_text(json.dumps(
+        {"url": "https://example.org/outofcuda.git", "subdirectory": "pkg",
+         "vcs_info": {"vcs": "git", "commit_id": sha, "requested_revision": "main"}}))
+    _, d, _ = doctor(py, tmp_path)
+    assert (d["reinstall"]["source"], d["reinstall"]["command"]) == ("vcs", command[:-1] + [
+        f"git+https://example.org/outofcuda.git@{sha}#subdirectory=pkg"])
+    (info / "direct_url.json").unlink()
+    _, d, checks = doctor(py, tmp_path)
+    assert (d["reinstall"]["source"], d["reinstall"]["command"]) == ("unknown", None)
+    assert "checkout or the wheel" in d["reinstall"]["advice"]
+
+
+def test_start_kind_on_an_older_python_is_named_and_reinstalled_from_the_folder(tmp_path):
+    """`OUTOFCUDA_BUILD_HOOK_FILE=start pip install <folder>` on a Python
+    before 3.15 warns at build time, and doctor names the .start file that
+    Python never runs; its fix, run by a shell, reinstalls from that folder
+    with the .pth kind, and the hook fires."""
+    src = clean_copy(tmp_path / "src")
+    py = make_venv(sys.executable, tmp_path / "v")
+    start = _clean_env(dict(WERROR, OUTOFCUDA_BUILD_HOOK_FILE="start"))
+    r = subprocess.run([str(py), "-m", "pip", "install", "-v", "--no-deps", str(src)], env=start,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"Python {sys.version_info[0]}.{sys.version_info[1]}, which builds it, never runs a " \
+        ".start file" in r.stdout + r.stderr
+    assert START in site_files(py) and "outofcuda_hook.pth" not in site_files(py)
+    rc, d, checks = doctor(py, tmp_path)
+    command = [str(py), "-m", "pip", "install", "--force-reinstall", "--no-deps", str(src)]
+    assert rc == 1 and checks["hook_file"]["code"] == "start_file_unread", checks["hook_file"]
+    assert (d["reinstall"]["source"], d["reinstall"]["command"]) == ("folder", command)
+    fix = checks["hook_file"]["fix"]
+    assert fix.endswith(": OUTOFCUDA_BUILD_HOOK_FILE=pth " + shlex.join(command)), fix
+    # The shell the fix is pasted into may still have =start exported.
+    subprocess.run(["sh", "-c", fix.split(": ", 1)[1]], env=start, check=True,
+                   capture_output=True, cwd=tmp_path, timeout=600)
+    assert "outofcuda_hook.pth" in site_files(py) and START not in site_files(py)
+    _, _, checks = doctor(py, tmp_path)
+    assert checks["hook_file"]["code"] == "fires", checks["hook_file"]
+
+
+# Appended to the boot's source to rebuild it at another size.
+BOOT_CHANGE = '\nconst char oc_rebuilt_in_place[] = "' + "x" * 5000 + '";\n'
+
+
+def test_editable_boot_rebuilt_in_place_is_named_and_reinstalled(tmp_path):
+    """An editable install whose C files are rebuilt in place: the .pth loads
+    the boot only at the size it was built at, so the hook stays off; doctor
+    and status say the boot's size changed (not "see status for the error"),
+    and the fix is `pip install -e` of that checkout, which brings it back."""
+    src = clean_copy(tmp_path / "src")
+    py = make_venv(sys.executable, tmp_path / "v")
+    pip(py, "install", "-e", str(src))
+    command = [str(py), "-m", "pip", "install", "--no-deps", "-e", str(src)]
+    _, d, checks = doctor(py, tmp_path)
+    assert (d["reinstall"]["source"], d["reinstall"]["command"]) == ("editable", command)
+    assert checks["hook_file"]["code"] == "fires", checks["hook_file"]
+    boot_c = src / "src" / "boot.c"
+    boot_c.write_text(boot_c.read_text() + BOOT_CHANGE)
+    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=src,
+                   check=True, capture_output=True, env=_clean_env(WERROR), timeout=600)
+    rc, d, checks = doctor(py, tmp_path)
+    assert rc == 1 and checks["hook_file"]["code"] == "boot_size_changed", checks["hook_file"]
+    assert checks["hook_file"]["fix"].endswith(shlex.join(command))
+    _, st, _ = doctor(py, tmp_path, "status")
+    assert st["hook"]["state"] == "boot_size_changed" and st["hook"]["problem"]
+    subprocess.run(command, check=True, capture_output=True, env=_clean_env(WERROR), timeout=600)
+    _, _, checks = doctor(py, tmp_path)
+    assert checks["hook_file"]["code"] == "fires", checks["hook_file"]
 
 
 def readme_commands():

@@ -124,9 +124,12 @@ def test_hook_and_torch_import(san, tmp_path):
         json.dumps(st); json.dumps(_outofcuda.config())
         outofcuda.memory_report(); outofcuda.clear_cache(); _outofcuda.nvml_devices()
         print("ok")
-    """, env={"OUTOFCUDA_VERBOSE": "1"}, cwd=tmp_path)
+    """, env={"OUTOFCUDA_VERBOSE": "1", "OUTOFCUDA_SUMMARY": "1"}, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-4000:]
     assert "outofcuda 0.3.0: torch" in r.stderr
+    # The table's known-bugs row, and the exit summary's line without CUDA.
+    assert re.search(r"^  known_bugs +no ", r.stderr, re.M), r.stderr[-4000:]
+    assert "outofcuda summary: nothing to report" in r.stderr, r.stderr[-4000:]
 
 
 def test_config_parse_with_bad_values(san, tmp_path):

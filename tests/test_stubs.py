@@ -16,7 +16,7 @@ def test_stubtest_is_clean(wheel, venv, tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                     "--target", str(site), str(wheel)], check=True, env=_clean_env())
     cfg = tmp_path / "mypy.ini"
-    # matplotlib is optional (outofcuda[plot]) and not installed here.
+    # matplotlib is optional (the `plot` extra) and not installed here.
     cfg.write_text("[mypy]\n[mypy-matplotlib.*]\nignore_missing_imports = True\n")
     r = subprocess.run(
         [sys.executable, "-m", "mypy.stubtest", "--mypy-config-file", str(cfg),

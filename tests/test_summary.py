@@ -356,9 +356,18 @@ def test_a_spawned_worker_says_nothing_and_a_bare_import_prints_nothing(venv, wo
     assert frames["workers"] == 1 and frames["waiting"] > 0.5 * frames["samples"], frames
     (b,) = blocks(r.stderr)
     assert any("this DataLoader has num_workers=1:" in line for line in b), b
-    # A program that only imports torch (torchrun's launcher does) says nothing.
-    r = run(venv, workdir, "import torch", {"OUTOFCUDA_SUMMARY": "1"})
-    assert r.stderr == ""
+
+
+def test_a_cpu_build_that_only_imports_torch_says_why_in_one_line(venv, workdir):
+    """No CUDA and no data loop: one line says why there is nothing to
+    report (not silence), in either output mode, and no JSON is written."""
+    lines = {}
+    for value in ("1", "run.json", None):
+        r = run(venv, workdir, "import torch", {"OUTOFCUDA_SUMMARY": value})
+        lines[value] = [ln for ln in r.stderr.splitlines() if "outofcuda summary" in ln]
+    why = "outofcuda summary: nothing to report: torch is a CPU build"
+    assert lines == {"1": [why], "run.json": [why + " (no JSON written)"], None: []}
+    assert not (workdir / "run.json").exists()
 
 
 def test_bad_values_warn_once_and_leave_the_summary_off(venv, workdir, stub_nvml, tmp_path):

@@ -140,7 +140,7 @@ def test_monitor_plot_of_a_gpu_timeline_is_a_png(gpu, workdir):
     if gpu.run("import importlib.util, sys; "
                "sys.exit(importlib.util.find_spec('matplotlib') is None)").returncode != 0:
         pytest.skip("matplotlib is not installed: the PNG check did not run "
-                    "(pip install 'outofcuda[plot]' in the test environment)")
+                    "(pip install matplotlib in the test environment)")
     r = gpu.check("""
         import json, time, torch
         from outofcuda import MemoryMonitor
