@@ -1,5 +1,6 @@
-"""Build outofcuda: one abi3 C extension (Limited API, Python 3.9 floor) plus
-the start-up hook file placed at the root of site-packages."""
+"""Build outofcuda: two abi3 C extensions (Limited API, Python 3.9 floor), the
+start-up boot and the engine, plus the start-up hook file placed at the root
+of site-packages."""
 import os
 import re
 import sys

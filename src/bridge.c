@@ -350,7 +350,8 @@ static PyObject *bool_obj(int b)
     return b ? Py_True : Py_False;
 }
 
-/* Calls oc_g.framework.left_to(value) when it exists. Records errors as the step's reason. */
+/* Calls torch._C.<fn>(value) when it exists; a failure is recorded as the
+ * engine's error, naming the step. */
 static int set_flag(PyObject *c_mod, const char *fn, int value, const char *step)
 {
     int rc = oc_call_bool(c_mod, fn, value);

@@ -292,7 +292,7 @@ static int module_exec(PyObject *m)
         oc_edge_add_functions(m, oc_platform_methods) < 0 ||
         oc_edge_add_functions(m, oc_watcher_methods) < 0 || oc_watcher_init(m) < 0)
         return -1;
-    if (oc_monitor_add_type(m) < 0 || add_test_door(m) < 0)
+    if (oc_monitor_add_functions(m) < 0 || add_test_door(m) < 0)
         return -1;
     return PyModule_AddStringConstant(m, "__version__", OC_VERSION);
 }

@@ -758,7 +758,7 @@ static PyMethodDef monitor_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-int oc_monitor_add_type(PyObject *module)
+int oc_monitor_add_functions(PyObject *module)
 {
     return oc_edge_add_functions(module, monitor_methods);
 }

@@ -766,7 +766,7 @@ long oc_loader_suggestion(long *cpus);
 extern PyMethodDef oc_facts_methods[];
 
 /* monitor.c */
-int oc_monitor_add_type(PyObject *module);
+int oc_monitor_add_functions(PyObject *module);
 /* Behind the test door, _outofcuda._testing (module.c). */
 extern PyMethodDef oc_monitor_testing_methods[];
 

@@ -865,11 +865,6 @@ static int kw_tristate(PyObject *kw, const char *key)
     return r < 0 ? -2 : r;
 }
 
-/* _oom_advice(**figures) -> list of str, most useful first. Keys (all
- * optional; None or missing = unknown): request, total, limit, allocated,
- * reserved, inactive_split (bytes), fraction (float), expandable,
- * no_expandable_here, autocast, exhausted (bool), others (list of (pid, name,
- * bytes)). */
 /* The ranked actions for f, as a list of str (new ref), or NULL. */
 static PyObject *advice_list(const oc_oom_figures *f)
 {
@@ -885,6 +880,11 @@ static PyObject *advice_list(const oc_oom_figures *f)
     return list;
 }
 
+/* _oom_advice(**figures) -> list of str, most useful first. Keys (all
+ * optional; None or missing = unknown): request, total, limit, allocated,
+ * reserved, inactive_split (bytes), fraction (float), expandable,
+ * no_expandable_here, autocast, exhausted (bool), others (list of (pid, name,
+ * bytes)). */
 static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
 {
     oc_oom_figures f;
