@@ -231,6 +231,20 @@ static int parse_summary(oc_config *cfg, const oc_setting *s, const char *v)
     return 0;
 }
 
+/* OUTOFCUDA_KNOWN_BUGS: a boolean word (every row on or off), or the ids of
+ * the rows to turn off, separated by commas (src/knownbugs.c's table). */
+static int parse_known_bugs(oc_config *cfg, const oc_setting *s, const char *v)
+{
+    unsigned long off = 0;
+    int b = oc_parse_bool(v);
+    (void)s;
+    if (b < 0 && oc_known_bugs_parse_off(v, &off) != 0)
+        return -1;
+    cfg->known_bugs = b < 0 ? 1 : b;
+    cfg->known_bugs_off = off;
+    return 0;
+}
+
 static int parse(oc_config *cfg, const oc_setting *s, const char *v)
 {
     switch (s->kind) {
@@ -245,6 +259,8 @@ static int parse(oc_config *cfg, const oc_setting *s, const char *v)
         return parse_alloc(cfg, s, v);
     case OC_SET_SUMMARY:
         return parse_summary(cfg, s, v);
+    case OC_SET_KNOWN_BUGS:
+        return parse_known_bugs(cfg, s, v);
     case OC_SET_TEXT:
     case OC_SET_FOREIGN:
         break;

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ---- the table (pure C) ---- */
 
@@ -35,6 +36,156 @@ static const oc_known_bug table[] = {
         "cuDNN attention turned off (torch._C._set_sdp_use_cudnn(False), what "
         "enable_cudnn_sdp(False) does); sdpa_kernel() blocks still choose for themselves",
         "https://github.com/pytorch/pytorch/issues/196678",
+        {0, 0},
+        0,
+        "torch 2.15.0 (cuDNN 9.26)",
+        "call torch.backends.cuda.enable_cudnn_sdp(False), or set TORCH_CUDNN_SDPA_DEPRIORITIZED=1",
+    },
+    {
+        "alloc-conf-generic-ignored",
+        "the CUDA allocator ignores PYTORCH_ALLOC_CONF (expandable_segments:True and every other "
+        "key set there do nothing; only PYTORCH_CUDA_ALLOC_CONF is read)",
+        /* Reported on 2.9.1, verified fixed in 2.11.0; 2.9.0 introduced the
+         * name and 2.10 reads as 2.9 does (allocconf.c). */
+        {20900, 21100},
+        {0, 0},
+        {0, 0},
+        NULL,
+        "PYTORCH_ALLOC_CONF is set and PYTORCH_CUDA_ALLOC_CONF is not",
+        OC_KB_ALLOC_GENERIC,
+        "the user's PYTORCH_ALLOC_CONF keys are merged into outofcuda's allocator string, which "
+        "torch's runtime setter (or PYTORCH_CUDA_ALLOC_CONF while torch loads) hands to the CUDA "
+        "allocator",
+        "https://github.com/pytorch/pytorch/issues/183387",
+        {0, 0},
+        OC_KB_NEEDS_ALLOC_GENERIC,
+        "torch 2.11.0",
+        "set PYTORCH_CUDA_ALLOC_CONF instead of PYTORCH_ALLOC_CONF, or upgrade to torch 2.11",
+    },
+    {
+        "torchrun-gpu0-context",
+        "a torchrun rank other than 0 holds a CUDA context (0.5 to 1 GiB) on a device that is "
+        "not LOCAL_RANK's, usually cuda:0, when it used CUDA before torch.cuda.set_device",
+        {0, 0},
+        {0, 0},
+        {0, 0},
+        NULL,
+        "LOCAL_RANK is set above 0 and NVML lists this process on another visible device",
+        OC_KB_REPORT,
+        "named in status(), `outofcuda doctor` and the exit summary; outofcuda itself touches "
+        "only LOCAL_RANK's device when CUDA starts",
+        "https://github.com/pytorch/pytorch/issues/135279",
+        {0, 0},
+        OC_KB_NEEDS_FOREIGN_CTX,
+        NULL,
+        "call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before the first CUDA use, or "
+        "pass device_id to init_process_group",
+    },
+    {
+        "cudnn-sublibrary-mismatch",
+        "the cuDNN 9.20 wheel of CUDA 13 builds lacks libcudnn_engines_tensor_ir: with another "
+        "cuDNN 9 on the loader path the first convolution fails with "
+        "CUDNN_STATUS_SUBLIBRARY_VERSION_MISMATCH",
+        /* torch 2.12.1+cu130 pins nvidia-cudnn-cu13 9.20.0.48 (reported);
+         * the sub-library ships from cuDNN 9.23 on. */
+        {0, 0},
+        {92000, 92300},
+        {0, 0},
+        NULL,
+        "another cuDNN 9 (a system install, LD_LIBRARY_PATH) is on the loader path",
+        OC_KB_REPORT,
+        "named in `outofcuda doctor` and the exit summary",
+        "https://github.com/pytorch/pytorch/issues/188892",
+        {1300, 1400},
+        0,
+        "cuDNN 9.23 (nvidia-cudnn-cu13 9.23 or newer)",
+        "take the other cuDNN off the loader path (LD_LIBRARY_PATH, ldconfig), or install "
+        "nvidia-cudnn-cu13 9.23 or newer into the environment",
+    },
+    {
+        "fsdp2-bf16-premul-sum",
+        "NCCL PREMUL_SUM over bfloat16 reads the factor as zero for powers of two: FSDP2 with a "
+        "custom gradient_divide_factor (2, 4, 8, ...) and bf16 reduce_dtype gives zero gradients",
+        /* Fixed on main by pytorch PR 190747 (2026-07); the first release
+         * holding it is not confirmed, so no upper bound. */
+        {0, 0},
+        {0, 0},
+        {0, 0},
+        NULL,
+        "FSDP2 (fully_shard) with set_gradient_divide_factor/set_reduce_scatter_divide_factor of a "
+        "power of two and a bfloat16 reduce_dtype, over NCCL",
+        OC_KB_REPORT,
+        "named in `outofcuda doctor`",
+        "https://github.com/pytorch/pytorch/issues/190745",
+        {0, 0},
+        0,
+        NULL,
+        "use a reduce_dtype of float32 in MixedPrecisionPolicy, or a divide factor that is not a "
+        "power of two; fixed upstream by pytorch PR 190747",
+    },
+    {
+        "avg-pool2d-channels-last-grad",
+        "avg_pool2d backward on CUDA gives wrong input gradients for channels_last inputs with "
+        "padding > 0 (silently)",
+        /* Fixed on main by pytorch PR 188345 (2026-07); the first release
+         * holding it is not confirmed, so no upper bound. */
+        {0, 0},
+        {0, 0},
+        {0, 0},
+        NULL,
+        "a channels_last input (compile_model converts 4-D models) to AvgPool2d with padding > 0, "
+        "in training",
+        OC_KB_REPORT,
+        "named in `outofcuda doctor`",
+        "https://github.com/pytorch/pytorch/issues/188344",
+        {0, 0},
+        0,
+        NULL,
+        "OUTOFCUDA_CHANNELS_LAST=0 (or compile_model(channels_last=False)) for models with padded "
+        "AvgPool2d; fixed upstream by pytorch PR 188345",
+    },
+    {
+        "tf32-mixed-api",
+        "after only the new TF32 API (torch.backends.cuda.matmul.fp32_precision) is set, a read "
+        "of the legacy one (allow_tf32, get_float32_matmul_precision) raises \"mix of the legacy "
+        "and new APIs\"",
+        /* 2.9 added the fp32_precision API (pytorch PR 125888). */
+        {20900, 0},
+        {0, 0},
+        {0, 0},
+        NULL,
+        "a program, or a library it uses, sets only the new API and something reads the legacy "
+        "one (Inductor's cache key, transformers)",
+        OC_KB_TF32_LEGACY,
+        "outofcuda sets TF32 only through torch._C._set_cublas_allow_tf32, which writes the "
+        "legacy and the new state alike, and leaves TF32 alone where the program chose a "
+        "precision: nothing it sets makes a later read of either API raise",
+        "https://github.com/pytorch/pytorch/issues/179445",
+        {0, 0},
+        0,
+        NULL,
+        "set TF32 through one API only: torch.set_float32_matmul_precision or allow_tf32 (both "
+        "keep the states in sync), or the new fp32_precision attributes everywhere",
+    },
+    {
+        "cudnn-sdpa-nan-dkdv-sq1",
+        "cuDNN attention backward gives NaN dK/dV on H200 for a single query row (Sq=1) with a "
+        "strongly negative logsumexp",
+        /* cuDNN is torch's first SDPA backend on sm90 from 2.11. */
+        {21100, 0},
+        /* Reported with 9.25.1 and 9.26.0.51; open, no fixed cuDNN. */
+        {92501, 92700},
+        {90, 100},
+        "TORCH_CUDNN_SDPA_DEPRIORITIZED",
+        "a backward pass with one query row (decoding-style training shapes), no mask needed",
+        OC_KB_REPORT,
+        "named in `outofcuda doctor` and the exit summary (outofcuda does not turn cuDNN "
+        "attention off for it: the shape is rare and no fixed version bounds it)",
+        "https://github.com/NVIDIA/cudnn-frontend/issues/1072",
+        {0, 0},
+        0,
+        NULL,
+        "call torch.backends.cuda.enable_cudnn_sdp(False), or set TORCH_CUDNN_SDPA_DEPRIORITIZED=1",
     },
 };
 
@@ -46,6 +197,70 @@ size_t oc_known_bug_count(void)
 const oc_known_bug *oc_known_bug_at(size_t i)
 {
     return i < oc_known_bug_count() ? &table[i] : NULL;
+}
+
+int oc_known_bug_index(const char *id, size_t len)
+{
+    if (id == NULL)
+        return -1;
+    if (len == 0)
+        len = strlen(id);
+    for (size_t i = 0; i < oc_known_bug_count(); i++) {
+        if (strlen(table[i].id) == len && strncmp(table[i].id, id, len) == 0)
+            return (int)i;
+    }
+    return -1;
+}
+
+int oc_known_bugs_parse_off(const char *value, unsigned long *off)
+{
+    unsigned long bits = 0;
+    const char *p = value;
+    int n = 0;
+    if (value == NULL)
+        return -1;
+    while (*p) {
+        const char *start, *end;
+        int i;
+        while (*p == ' ' || *p == '\t')
+            p++;
+        start = p;
+        while (*p && *p != ',')
+            p++;
+        end = p;
+        while (end > start && (end[-1] == ' ' || end[-1] == '\t'))
+            end--;
+        if (end == start || (i = oc_known_bug_index(start, (size_t)(end - start))) < 0)
+            return -1;
+        bits |= 1ul << i;
+        n++;
+        if (*p == ',')
+            p++;
+        if (*p == '\0' && p[-1] == ',')
+            return -1; /* a trailing comma: an empty id */
+    }
+    if (n == 0)
+        return -1;
+    *off = bits;
+    return 0;
+}
+
+int oc_kb_foreign_device(long local_rank, int n_visible, const int *ctx, int n)
+{
+    /* Only when LOCAL_RANK names one of several visible devices is there a
+     * "wrong" device to see. */
+    if (local_rank <= 0 || n_visible <= 1 || local_rank >= n_visible || ctx == NULL)
+        return -1;
+    for (int i = 0; i < n; i++) {
+        if (ctx[i] >= 0 && ctx[i] < n_visible && ctx[i] != local_rank)
+            return ctx[i];
+    }
+    return -1;
+}
+
+static int oc_range_any(oc_range r)
+{
+    return r.lo == 0 && r.hi == 0;
 }
 
 static int oc_range_has(oc_range r, long v)
@@ -81,6 +296,17 @@ static void cc_text(char *why, size_t sz, oc_range r)
         add_why(why, sz, r.hi ? " to below %ld.%ld" : " or newer", r.hi / 10, r.hi % 10);
 }
 
+static const char *env_of(const oc_kb_facts *f, const char *name)
+{
+    return f->getenv_fn ? f->getenv_fn(name, f->ctx) : NULL;
+}
+
+#define SAY(...)                                                                                   \
+    do {                                                                                           \
+        if (why && whysz)                                                                          \
+            snprintf(why, whysz, __VA_ARGS__);                                                     \
+    } while (0)
+
 int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, size_t whysz)
 {
     char text[32];
@@ -93,40 +319,64 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
     /* Every "no" the facts can prove wins over what is still unknown. */
     if (f->torch > 0 && !oc_range_has(b->torch, f->torch)) {
         version_text(text, sizeof text, f->torch);
-        if (why && whysz)
-            snprintf(why, whysz, "not affected: torch %s is outside the affected releases", text);
+        SAY("not affected: torch %s is outside the affected releases", text);
         return OC_KB_NO;
     }
     if (f->cuda_build == 0) {
-        if (why && whysz)
-            snprintf(why, whysz, "not affected: this torch build has no CUDA");
+        SAY("not affected: this torch build has no CUDA");
         return OC_KB_NO;
     }
-    env = b->unless_env && f->getenv_fn ? f->getenv_fn(b->unless_env, f->ctx) : NULL;
+    if (!oc_range_any(b->cuda) && f->cuda > 0 && !oc_range_has(b->cuda, f->cuda)) {
+        SAY("not affected: torch is built for CUDA %ld.%ld, outside the affected builds",
+            f->cuda / 100, f->cuda % 100);
+        return OC_KB_NO;
+    }
+    env = b->unless_env ? env_of(f, b->unless_env) : NULL;
     /* c10::utils::check_env: exactly "1" is true. */
     if (env != NULL && strcmp(env, "1") == 0) {
-        if (why && whysz)
-            snprintf(why, whysz, "not affected: %s=1 keeps torch off the kernel", b->unless_env);
+        SAY("not affected: %s=1 keeps torch off the kernel", b->unless_env);
         return OC_KB_NO;
     }
-    for (int i = 0; f->n_cc > 0 && i < f->n_cc && i < OC_KB_MAX_DEVICES; i++)
-        cc_hit |= oc_range_has(b->cc, f->cc[i]);
-    if (f->n_cc >= 0 && !cc_hit) {
-        if (why && whysz)
-            snprintf(why, whysz, "not affected: no visible GPU of compute capability ");
-        cc_text(why, whysz, b->cc);
+    if (b->needs & OC_KB_NEEDS_ALLOC_GENERIC) {
+        if (env_of(f, "PYTORCH_CUDA_ALLOC_CONF") != NULL) {
+            SAY("not affected: PYTORCH_CUDA_ALLOC_CONF is set, and this release reads it");
+            return OC_KB_NO;
+        }
+        if (env_of(f, "PYTORCH_ALLOC_CONF") == NULL) {
+            SAY("not affected: PYTORCH_ALLOC_CONF is not set");
+            return OC_KB_NO;
+        }
+    }
+    if (b->needs & OC_KB_NEEDS_FOREIGN_CTX) {
+        if (f->local_rank <= 0) {
+            SAY("not affected: %s", f->local_rank < 0 ? "LOCAL_RANK is not set (no torchrun rank)"
+                                                      : "LOCAL_RANK 0 owns cuda:0");
+            return OC_KB_NO;
+        }
+        if (f->foreign_dev == -1) {
+            SAY("not affected: NVML lists this process on no visible device but LOCAL_RANK %ld's",
+                f->local_rank);
+            return OC_KB_NO;
+        }
+    }
+    if (!oc_range_any(b->cc)) {
+        for (int i = 0; f->n_cc > 0 && i < f->n_cc && i < OC_KB_MAX_DEVICES; i++)
+            cc_hit |= oc_range_has(b->cc, f->cc[i]);
+        if (f->n_cc >= 0 && !cc_hit) {
+            SAY("not affected: no visible GPU of compute capability ");
+            cc_text(why, whysz, b->cc);
+            return OC_KB_NO;
+        }
+    }
+    if (!oc_range_any(b->cudnn) &&
+        (f->cudnn == 0 || (f->cudnn > 0 && !oc_range_has(b->cudnn, f->cudnn)))) {
+        if (f->cudnn == 0)
+            SAY("not affected: torch loads no cuDNN");
+        else
+            SAY("not affected: cuDNN %ld is outside the affected versions", f->cudnn);
         return OC_KB_NO;
     }
-    if (f->cudnn == 0 || (f->cudnn > 0 && !oc_range_has(b->cudnn, f->cudnn))) {
-        if (why && whysz && f->cudnn == 0)
-            snprintf(why, whysz, "not affected: torch loads no cuDNN");
-        else if (why && whysz)
-            snprintf(why, whysz, "not affected: cuDNN %ld is outside the affected versions",
-                     f->cudnn);
-        return OC_KB_NO;
-    }
-    if (why && whysz)
-        snprintf(why, whysz, "undecided:");
+    SAY("undecided:");
     if (f->torch <= 0) {
         add_why(why, whysz, " torch's version unknown;", 0, 0);
         unknown = 1;
@@ -135,11 +385,20 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
         add_why(why, whysz, " whether torch has CUDA unknown;", 0, 0);
         unknown = 1;
     }
-    if (f->n_cc < 0) {
+    if (!oc_range_any(b->cuda) && f->cuda <= 0) {
+        add_why(why, whysz, " torch's CUDA version unknown;", 0, 0);
+        unknown = 1;
+    }
+    if ((b->needs & OC_KB_NEEDS_FOREIGN_CTX) && f->foreign_dev < -1) {
+        add_why(why, whysz, " NVML's process list is read by status(), doctor and the summary;", 0,
+                0);
+        unknown = 1;
+    }
+    if (!oc_range_any(b->cc) && f->n_cc < 0) {
         add_why(why, whysz, " no compute capability read (NVML);", 0, 0);
         unknown = 1;
     }
-    if (f->cudnn < 0) {
+    if (!oc_range_any(b->cudnn) && f->cudnn < 0) {
         add_why(why, whysz, " cuDNN's version is read when CUDA starts;", 0, 0);
         unknown = 1;
     }
@@ -150,10 +409,20 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
         return OC_KB_UNDECIDED;
     }
     version_text(text, sizeof text, f->torch);
-    if (why && whysz)
-        snprintf(why, whysz, "affected: torch %s, cuDNN %ld, a visible GPU of compute capability ",
-                 text, f->cudnn);
-    cc_text(why, whysz, b->cc);
+    SAY("affected: torch %s", text);
+    if (!oc_range_any(b->cuda))
+        add_why(why, whysz, ", built for CUDA %ld.%ld", f->cuda / 100, f->cuda % 100);
+    if (!oc_range_any(b->cudnn))
+        add_why(why, whysz, ", cuDNN %ld", f->cudnn, 0);
+    if (!oc_range_any(b->cc)) {
+        add_why(why, whysz, ", a visible GPU of compute capability ", 0, 0);
+        cc_text(why, whysz, b->cc);
+    }
+    if (b->needs & OC_KB_NEEDS_ALLOC_GENERIC)
+        add_why(why, whysz, ", PYTORCH_ALLOC_CONF set without PYTORCH_CUDA_ALLOC_CONF", 0, 0);
+    if (b->needs & OC_KB_NEEDS_FOREIGN_CTX)
+        add_why(why, whysz, ", NVML lists this process on cuda:%ld, not LOCAL_RANK %ld's",
+                f->foreign_dev, f->local_rank);
     return OC_KB_YES;
 }
 
@@ -166,6 +435,26 @@ static const char *proc_getenv(const char *name, void *ctx)
     return oc_env(name);
 }
 
+/* "12.1" -> 1201; 0 when it cannot be read. */
+static long cuda_number(const char *v)
+{
+    long major = 0, minor = 0;
+    if (v == NULL || sscanf(v, "%ld.%ld", &major, &minor) < 1 || major <= 0 || major > 99 ||
+        minor < 0 || minor > 99)
+        return 0;
+    return major * 100 + minor;
+}
+
+/* Fills the facts nothing has read yet: unknown, no device, no process list. */
+static void facts_init(oc_kb_facts *f)
+{
+    memset(f, 0, sizeof *f);
+    f->n_cc = -1;
+    f->cudnn = -1;
+    f->local_rank = -1;
+    f->foreign_dev = -2;
+}
+
 /* torch's version and build, read from the module (never imports). */
 static void torch_facts(PyObject *torch, oc_kb_facts *f)
 {
@@ -173,8 +462,52 @@ static void torch_facts(PyObject *torch, oc_kb_facts *f)
     f->torch = oc_torch_version(torch);
     cuda = oc_getattr_chain(torch, "version.cuda");
     f->cuda_build = cuda == NULL ? -1 : cuda != Py_None;
+    if (cuda != NULL && PyUnicode_Check(cuda)) {
+        char buf[32];
+        f->cuda = cuda_number(oc_utf8(cuda, buf, sizeof buf));
+    }
     Py_XDECREF(cuda);
     OC_CLEAR();
+    f->local_rank = oc_env_rank("LOCAL_RANK");
+}
+
+/* A device NVML lists this process on that is not LOCAL_RANK's (what
+ * oc_kb_foreign_device says), or -2 when NVML cannot tell. No CUDA call. */
+static int live_foreign_device(long local_rank)
+{
+    int map[OC_NVML_MAX_DEVICES], ctx[OC_NVML_MAX_DEVICES], n, nctx = 0;
+    unsigned int self = (unsigned int)getpid();
+    if (local_rank <= 0)
+        return -1;
+    if (!oc_nvml_available(NULL, 0) || (n = oc_nvml_visible_map(map, OC_NVML_MAX_DEVICES)) < 0)
+        return -2;
+    for (int i = 0; i < n; i++) {
+        oc_gpu_proc *procs = NULL;
+        int k = oc_nvml_process_list(map[i], &procs);
+        for (int j = 0; j < k; j++) {
+            if (procs[j].pid == self) {
+                ctx[nctx++] = i;
+                break;
+            }
+        }
+        free(procs);
+        if (k < 0)
+            return -2;
+    }
+    return oc_kb_foreign_device(local_rank, n, ctx, nctx);
+}
+
+/* 1 when OUTOFCUDA_KNOWN_BUGS turns row i off (all of them with 0). */
+static int row_off(size_t i)
+{
+    const oc_config *cfg = oc_config_get();
+    return !cfg->known_bugs || (i < 8 * sizeof cfg->known_bugs_off && (cfg->known_bugs_off >> i) & 1);
+}
+
+int oc_known_bug_on(const char *id)
+{
+    int i = oc_known_bug_index(id, 0);
+    return i >= 0 && !row_off((size_t)i);
 }
 
 /* Compute capabilities of the devices CUDA shows this process, from NVML
@@ -207,26 +540,43 @@ static void device_facts(oc_kb_facts *f)
 static void decide_all(PyObject *torch, size_t n)
 {
     oc_kb_facts f;
-    int undecided = 0;
-    memset(&f, 0, sizeof f);
+    int need_devices = 0;
+    facts_init(&f);
     torch_facts(torch, &f);
-    f.n_cc = -1;
     f.cudnn = oc_g.kb.cudnn;
     f.getenv_fn = proc_getenv;
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1) {
-            if (!undecided)
+            if (!need_devices)
                 break;
             device_facts(&f);
         }
-        undecided = 0;
+        need_devices = 0;
         for (size_t i = 0; i < n; i++) {
-            if (oc_g.kb.state[i] != OC_KB_UNDECIDED)
+            const oc_known_bug *b = oc_known_bug_at(i);
+            if (oc_g.kb.state[i] != OC_KB_UNDECIDED || row_off(i))
                 continue;
-            oc_g.kb.state[i] = oc_known_bug_decide(oc_known_bug_at(i), &f, oc_g.kb.reason[i],
-                                                   sizeof oc_g.kb.reason[i]);
-            undecided |= oc_g.kb.state[i] == OC_KB_UNDECIDED;
+            oc_g.kb.state[i] =
+                oc_known_bug_decide(b, &f, oc_g.kb.reason[i], sizeof oc_g.kb.reason[i]);
+            need_devices |= oc_g.kb.state[i] == OC_KB_UNDECIDED && !oc_range_any(b->cc);
         }
+    }
+}
+
+/* Steers decided at import (the allocator one was taken before torch
+ * loaded, the TF32 one is how outofcuda sets TF32): whether they hold. */
+static void act_at_import(const oc_known_bug *b, size_t i)
+{
+    size_t len = strlen(oc_g.kb.reason[i]);
+    char *tail = oc_g.kb.reason[i] + len;
+    size_t room = sizeof oc_g.kb.reason[i] - len;
+    if (b->action == OC_KB_ALLOC_GENERIC) {
+        oc_g.kb.done[i] = oc_g.alloc_generic && oc_g.alloc_applied;
+        snprintf(tail, room, oc_g.kb.done[i] ? "; avoided: %s" : "; not avoided: %s",
+                 oc_g.kb.done[i] ? b->action_text : oc_g.alloc_reason);
+    } else if (b->action == OC_KB_TF32_LEGACY) {
+        oc_g.kb.done[i] = 1;
+        snprintf(tail, room, "; avoided: %s", b->action_text);
     }
 }
 
@@ -240,24 +590,33 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     oc_g.kb.decided = 1;
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
-    if (!cfg->known_bugs) {
-        for (size_t i = 0; i < n; i++) {
-            oc_g.kb.state[i] = OC_KB_UNDECIDED;
+    for (size_t i = 0; i < n; i++) {
+        oc_g.kb.state[i] = OC_KB_UNDECIDED;
+        if (!cfg->known_bugs)
             snprintf(oc_g.kb.reason[i], sizeof oc_g.kb.reason[i],
                      "OUTOFCUDA_KNOWN_BUGS=0: torch's own choice kept, nothing checked");
-        }
-        return;
+        else if (row_off(i))
+            snprintf(oc_g.kb.reason[i], sizeof oc_g.kb.reason[i],
+                     "OUTOFCUDA_KNOWN_BUGS lists %s: turned off, nothing checked",
+                     oc_known_bug_at(i)->id);
     }
-    for (size_t i = 0; i < n; i++)
-        oc_g.kb.state[i] = OC_KB_UNDECIDED;
+    if (!cfg->known_bugs)
+        return;
     decide_all(torch, n);
-    for (size_t i = 0; i < n; i++)
-        pending |= oc_g.kb.state[i] == OC_KB_UNDECIDED;
+    for (size_t i = 0; i < n; i++) {
+        const oc_known_bug *b = oc_known_bug_at(i);
+        if (oc_g.kb.state[i] == OC_KB_YES)
+            act_at_import(b, i);
+        /* Only cuDNN's version is read at CUDA's start: a row that waits for
+         * anything else (NVML) would load cuDNN for nothing. */
+        pending |= oc_g.kb.state[i] == OC_KB_UNDECIDED && !row_off(i) && !oc_range_any(b->cudnn);
+    }
     if (pending && no_queue != NULL) {
         /* Nothing will run when CUDA starts: it stays undecided, and says why. */
         for (size_t i = 0; i < n; i++) {
             size_t len = strlen(oc_g.kb.reason[i]);
-            if (oc_g.kb.state[i] == OC_KB_UNDECIDED)
+            if (oc_g.kb.state[i] == OC_KB_UNDECIDED && !row_off(i) &&
+                !oc_range_any(oc_known_bug_at(i)->cudnn))
                 snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len, " (never: %s)",
                          no_queue);
         }
@@ -547,10 +906,11 @@ static const char *guard_now(const oc_known_bug *b, char *text, size_t sz)
 static PyObject *entry_dict(const oc_known_bug *b, int state, int done, const char *reason,
                             const char *now)
 {
-    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:O,s:s,s:s,s:s,s:z}", "id", b->id, "title", b->title,
-                         "evidence", b->evidence, "applies", state_obj(state), "done",
+    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:O,s:s,s:s,s:s,s:z,s:z,s:s,s:O}", "id", b->id, "title",
+                         b->title, "evidence", b->evidence, "applies", state_obj(state), "done",
                          done ? Py_True : Py_False, "action", b->action_text, "condition",
-                         b->condition, "reason", reason, "now", now);
+                         b->condition, "reason", reason, "now", now, "fixed_in", b->fixed_in,
+                         "fix", b->fix, "steers", b->action == OC_KB_REPORT ? Py_False : Py_True);
 }
 
 /* Appends one entry to list; on failure drops the list and returns NULL. */
@@ -567,6 +927,28 @@ static PyObject *append_entry(PyObject *list, const oc_known_bug *b, int state, 
     return list;
 }
 
+/* Row i decided again from what NVML lists now (a row that needs this
+ * process's contexts): its state, reason into text. */
+static int decide_live(size_t i, char *text, size_t sz)
+{
+    const oc_known_bug *b = oc_known_bug_at(i);
+    PyObject *torch;
+    oc_kb_facts f;
+    int state;
+    if (!(b->needs & OC_KB_NEEDS_FOREIGN_CTX) || oc_g.kb.state[i] != OC_KB_UNDECIDED || row_off(i))
+        return oc_g.kb.state[i];
+    torch = oc_sys_module("torch");
+    if (torch == NULL)
+        return oc_g.kb.state[i];
+    facts_init(&f);
+    torch_facts(torch, &f);
+    Py_DECREF(torch);
+    f.getenv_fn = proc_getenv;
+    f.foreign_dev = live_foreign_device(f.local_rank);
+    state = oc_known_bug_decide(b, &f, text, sz);
+    return state;
+}
+
 PyObject *oc_known_bugs_status(void)
 {
     PyObject *list = PyList_New(0);
@@ -574,17 +956,45 @@ PyObject *oc_known_bugs_status(void)
     for (size_t i = 0; list != NULL && i < n && i < OC_KB_MAX_ENTRIES; i++) {
         char reason[sizeof oc_g.kb.reason[i] + 200];
         const char *now = NULL;
+        int state = oc_g.kb.decided ? oc_g.kb.state[i] : OC_KB_UNDECIDED;
         snprintf(reason, sizeof reason, "%s",
                  oc_g.kb.decided
                      ? oc_g.kb.reason[i]
                      : "undecided: torch has not been imported by the hook in this process");
-        if (oc_g.kb.decided && oc_g.kb.done[i])
-            now = guard_now(oc_known_bug_at(i), reason, sizeof reason);
-        list = append_entry(list, oc_known_bug_at(i),
-                            oc_g.kb.decided ? oc_g.kb.state[i] : OC_KB_UNDECIDED, oc_g.kb.done[i],
-                            reason, now);
+        if (oc_g.kb.decided) {
+            state = decide_live(i, reason, sizeof reason);
+            if (oc_g.kb.done[i])
+                now = guard_now(oc_known_bug_at(i), reason, sizeof reason);
+        }
+        list = append_entry(list, oc_known_bug_at(i), state, oc_g.kb.done[i], reason, now);
     }
     return list;
+}
+
+size_t oc_known_bugs_summary(char *buf, size_t sz, const char *prefix)
+{
+    size_t len = 0, n = oc_known_bug_count();
+    if (buf == NULL || sz == 0)
+        return 0;
+    buf[0] = '\0';
+    for (size_t i = 0; oc_g.kb.decided && i < n && i < OC_KB_MAX_ENTRIES && len + 1 < sz; i++) {
+        const oc_known_bug *b = oc_known_bug_at(i);
+        char why[sizeof oc_g.kb.reason[i] + 200];
+        int state;
+        snprintf(why, sizeof why, "%s", oc_g.kb.reason[i]);
+        state = decide_live(i, why, sizeof why);
+        /* Named where it applies and outofcuda does not avoid it; the
+         * report-only rows that depend on how the program trains (FSDP2,
+         * pooling) stay in doctor, where they are one line each. */
+        if (state != OC_KB_YES || oc_g.kb.done[i] ||
+            (b->action == OC_KB_REPORT && oc_range_any(b->cudnn) && !b->needs))
+            continue;
+        snprintf(buf + len, sz - len, "%s  known bug      %s: %s (%s); fix: %s%s%s\n", prefix,
+                 b->id, why, b->evidence, b->fix, b->fixed_in ? "; fixed in " : "",
+                 b->fixed_in ? b->fixed_in : "");
+        len += strlen(buf + len);
+    }
+    return len;
 }
 
 /* getenv over a Python mapping (ctx); the value lives in a static buffer
@@ -606,15 +1016,22 @@ static const char *mapping_getenv(const char *name, void *ctx)
  * (doctor, tests). None for a fact means unknown; ccs are major*10+minor. */
 static PyObject *known_bugs_check_py(PyObject *self, PyObject *args)
 {
-    const char *tver;
+    const char *tver, *lr;
     PyObject *cuda, *cudnn, *ccs, *env, *list;
     oc_kb_facts f;
     (void)self;
     if (!PyArg_ParseTuple(args, "zOOOO", &tver, &cuda, &cudnn, &ccs, &env))
         return NULL;
-    memset(&f, 0, sizeof f);
+    facts_init(&f);
     f.torch = tver ? oc_torch_version_number(tver) : 0;
-    f.cuda_build = cuda == Py_None ? -1 : PyObject_IsTrue(cuda);
+    /* cuda: torch.version.cuda ("13.0"), or a bool, or None (unknown). */
+    if (PyUnicode_Check(cuda)) {
+        char buf[32];
+        f.cuda_build = 1;
+        f.cuda = cuda_number(oc_utf8(cuda, buf, sizeof buf));
+    } else {
+        f.cuda_build = cuda == Py_None ? -1 : PyObject_IsTrue(cuda);
+    }
     f.cudnn = cudnn == Py_None ? -1 : PyLong_AsLong(cudnn);
     f.n_cc = -1;
     if (ccs != Py_None) {
@@ -630,6 +1047,12 @@ static PyObject *known_bugs_check_py(PyObject *self, PyObject *args)
         return NULL;
     f.getenv_fn = mapping_getenv;
     f.ctx = env;
+    lr = mapping_getenv("LOCAL_RANK", env);
+    if (lr != NULL) {
+        char *end;
+        long r = strtol(lr, &end, 10);
+        f.local_rank = *lr && *end == '\0' && r >= 0 && r < 1000000 ? r : -1;
+    }
     list = PyList_New(0);
     for (size_t i = 0; list != NULL && i < oc_known_bug_count(); i++) {
         char why[400];

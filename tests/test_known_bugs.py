@@ -31,71 +31,156 @@ def nvml(stub_nvml, tmp_path):
 last_json = partial(last_json, quiet=True)
 
 
-# ---- the lookup in pure C ----
+# ---- the table in pure C ----
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
     build = pure_c_driver(tmp_path_factory.mktemp("kb"), "known_bugs/driver.c", "knownbugs.c")
 
     def run(cases):
-        rows = [ln.split(" ", 2) for ln in build(cases).splitlines()]
-        return [(i, int(d), why) for i, d, why in rows]
+        """cases: facts tuples (case()); returns {row id: [(decision, why)]}."""
+        out = {}
+        for ln in build([("facts",) + c for c in cases]).splitlines():
+            i, d, why = ln.split(" ", 2)
+            out.setdefault(i, []).append((int(d), why))
+        return out
+    run.raw = build
     return run
 
 
-def expected(torch, cuda, cudnn, ccs, env):
-    """The entry as the issue states it, decided independently of the C code."""
-    if torch > 0 and not 21100 <= torch < 21500:
+# Each row as its source states it (docs/known-bugs.md), decided here
+# independently of the C code: torch, torch's CUDA, cuDNN and compute
+# capability ranges (lo <= v < hi; None: any), the variable with which torch
+# avoids it itself, and the extra fact the row needs.
+ROWS = {
+    BUG: dict(torch=(21100, 21500), cudnn=(91501, 92600), cc=(90, 100),
+              unless="TORCH_CUDNN_SDPA_DEPRIORITIZED"),
+    "alloc-conf-generic-ignored": dict(torch=(20900, 21100), needs="alloc"),
+    "torchrun-gpu0-context": dict(needs="ctx"),
+    "cudnn-sublibrary-mismatch": dict(cuda=(1300, 1400), cudnn=(92000, 92300)),
+    "fsdp2-bf16-premul-sum": dict(),
+    "avg-pool2d-channels-last-grad": dict(),
+    "tf32-mixed-api": dict(torch=(20900, None)),
+    "cudnn-sdpa-nan-dkdv-sq1": dict(torch=(21100, None), cudnn=(92501, 92700), cc=(90, 100),
+                                    unless="TORCH_CUDNN_SDPA_DEPRIORITIZED"),
+}
+
+
+def inside(r, v):
+    return v >= r[0] and (r[1] is None or v < r[1])
+
+
+def expected(row, torch, cuda_build, cuda, cudnn, local_rank, foreign, ccs, env):
+    spec = ROWS[row]
+    if torch > 0 and "torch" in spec and not inside(spec["torch"], torch):
         return 0
-    if cuda == 0 or env == "1":
+    if cuda_build == 0:
         return 0
-    if ccs is not None and not any(90 <= c < 100 for c in ccs):
+    if "cuda" in spec and cuda > 0 and not inside(spec["cuda"], cuda):
         return 0
-    if cudnn == 0 or (cudnn > 0 and not 91501 <= cudnn < 92600):
+    if "unless" in spec and env.get(spec["unless"]) == "1":
         return 0
-    if torch <= 0 or cuda < 0 or ccs is None or cudnn < 0:
+    if spec.get("needs") == "alloc" and ("PYTORCH_CUDA_ALLOC_CONF" in env
+                                         or "PYTORCH_ALLOC_CONF" not in env):
+        return 0
+    if spec.get("needs") == "ctx" and (local_rank <= 0 or foreign == -1):
+        return 0
+    if "cc" in spec and ccs is not None and not any(inside(spec["cc"], c) for c in ccs):
+        return 0
+    if "cudnn" in spec and (cudnn == 0 or (cudnn > 0 and not inside(spec["cudnn"], cudnn))):
+        return 0
+    if (torch <= 0 or cuda_build < 0 or ("cuda" in spec and cuda <= 0)
+            or (spec.get("needs") == "ctx" and foreign < -1)
+            or ("cc" in spec and ccs is None) or ("cudnn" in spec and cudnn < 0)):
         return -1
     return 1
 
 
-def case(torch, cuda, cudnn, ccs, env="-"):
-    return (torch, cuda, cudnn, -1 if ccs is None else len(ccs), *(ccs or ()), env)
+def case(torch, cuda_build, cuda, cudnn, local_rank, foreign, ccs, env):
+    env_text = ";".join(f"{k}={v}" for k, v in env.items()) or "-"
+    return (torch, cuda_build, cuda, cudnn, local_rank, foreign,
+            -1 if ccs is None else len(ccs), *(ccs or ()), env_text)
 
 
-GRID = [(t, cu, cd, ccs, env)
-        for t in (0, 21000, 21100, 21401, 21499, 21500, 30000)
-        for cu in (-1, 0, 1)
-        for cd in (-1, 0, 91500, 91501, 92400, 92599, 92600)
-        for ccs in (None, [], [80], [90], [100], [80, 90], [86, 120])
-        for env in ("-", "0", "1", "true")]
+def edges(lo_hi):
+    lo, hi = lo_hi
+    return [v for v in (lo - 1, lo, hi - 1 if hi else None, hi) if v is not None and v > 0]
 
 
-def test_lookup_matches_the_issue_on_every_boundary(driver):
-    rows = driver([case(*g) for g in GRID])
-    assert len(rows) == len(GRID)
-    for g, (bug, d, why) in zip(GRID, rows):
-        assert bug == BUG
-        assert d == expected(*g), (g, d, why)
-        assert why.startswith({0: "not affected", 1: "affected", -1: "undecided"}[d]), (g, why)
+# Every range's edges (just outside, first inside, last inside, first outside),
+# crossed with the other facts' cases.
+TORCHES = sorted({0, 20000, 30000} | {v for s in ROWS.values() if "torch" in s
+                                      for v in edges(s["torch"])})
+CUDNNS = sorted({-1, 0} | {v for s in ROWS.values() if "cudnn" in s for v in edges(s["cudnn"])})
+CUDAS = sorted({0, 1201} | {v for s in ROWS.values() if "cuda" in s for v in edges(s["cuda"])})
+ENVS = [{}, {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"}, {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "true"},
+        {"PYTORCH_ALLOC_CONF": "expandable_segments:True"},
+        {"PYTORCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}]
+GRID = [(t, cb, cu, cd, lr, fd, ccs, env)
+        for t in TORCHES for cb in (-1, 0, 1) for cu in CUDAS for cd in CUDNNS
+        for lr, fd in ((-1, -2), (0, -2), (1, -2), (1, -1), (2, 0))
+        for ccs in (None, [], [89], [90], [99], [100], [80, 90])
+        for env in ENVS
+        if cb == 1 or (cu == 0 and lr == -1 and ccs in (None, [90]))]
 
 
-def test_lookup_fuzz_stays_within_bounds(driver):
+def test_every_row_matches_its_source_on_every_edge(driver):
+    out = driver([case(*g) for g in GRID])
+    assert sorted(out) == sorted(ROWS), "the table's rows are the documented ones"
+    for row, decisions in out.items():
+        assert len(decisions) == len(GRID)
+        for g, (d, why) in zip(GRID, decisions):
+            assert d == expected(row, *g), (row, g, d, why)
+            assert why.startswith({0: "not affected", 1: "affected", -1: "undecided"}[d]), why
+
+
+def test_table_fuzz_stays_within_bounds(driver):
     """Random facts, far-out values and device lists longer than the table
-    reads (the driver runs under ASan/UBSan): decisions still follow the rule."""
-    rnd = random.Random(18)
-    cases, facts = [], []
-    for _ in range(3000):
+    reads (the driver runs under ASan/UBSan): decisions still follow the rules."""
+    rnd = random.Random(30)
+    facts = []
+    for _ in range(2500):
         ccs = None if rnd.random() < 0.1 else [rnd.choice([-5, 0, 75, 80, 90, 93, 99, 100, 10**6])
                                                 for _ in range(rnd.choice([0, 1, 3, 70]))]
-        g = (rnd.choice([-1, 0, 1, 20000, 21100, 21450, 21500, 2**40]), rnd.choice([-1, 0, 1, 7]),
-             rnd.choice([-2, -1, 0, 91501, 92000, 92600, 2**40]), ccs,
-             rnd.choice(["-", "1", "0", "01", "x" * 200]))
-        facts.append(g)
-        cases.append(case(*g))
-    for g, (_, d, why) in zip(facts, driver(cases)):
-        t, cu, cd, ccs, env = g
-        exp = expected(t, 1 if cu > 1 else cu, cd, None if ccs is None else ccs[:64], env)
-        assert d == exp, (g, why)
+        env = rnd.choice(ENVS + [{"TORCH_CUDNN_SDPA_DEPRIORITIZED": "x" * 200}])
+        facts.append((rnd.choice([-1, 0, 1, 20000, 20900, 21100, 21450, 21500, 2**40]),
+                      rnd.choice([-1, 0, 1]), rnd.choice([-1, 0, 1300, 1399, 1400, 2**40]),
+                      rnd.choice([-2, -1, 0, 91501, 92000, 92600, 92699, 2**40]),
+                      rnd.choice([-1, 0, 1, 7, 2**40]), rnd.choice([-2, -1, 0, 5]), ccs, env))
+    out = driver([case(*g) for g in facts])
+    for row, decisions in out.items():
+        for g, (d, why) in zip(facts, decisions):
+            t, cb, cu, cd, lr, fd, ccs, env = g
+            assert d == expected(row, t, cb, cu, cd, lr, fd,
+                                 None if ccs is None else ccs[:64], env), (row, g, why)
+
+
+@pytest.mark.parametrize("value,rc,rows", [
+    ("tf32-mixed-api", 0, ["tf32-mixed-api"]),
+    (" cudnn-sdpa-nan-grad-sm90 ,\ttorchrun-gpu0-context", 0,
+     [BUG, "torchrun-gpu0-context"]),
+    ("tf32-mixed-api,tf32-mixed-api", 0, ["tf32-mixed-api"]),
+    ("tf32-mixed", -1, None), ("tf32-mixed-api,", -1, None), (",tf32-mixed-api", -1, None),
+    ("", -1, None), (" ", -1, None), ("TF32-MIXED-API", -1, None), ("1", -1, None),
+    ("x" * 3000, -1, None)])
+def test_the_off_list_names_rows_exactly(driver, value, rc, rows):
+    ids = [ln.split()[0] for ln in driver.raw([("rows",)]).splitlines()]
+    got_rc, bits = map(int, driver.raw([("off", value)]).split())
+    assert got_rc == rc
+    if rows is None:
+        assert bits == 7  # untouched
+    else:
+        assert bits == sum(1 << ids.index(r) for r in rows)
+
+
+@pytest.mark.parametrize("rank,visible,ctx,device", [
+    (1, 4, [0], 0), (1, 4, [1], -1), (1, 4, [1, 0], 0), (3, 4, [3, 2], 2), (0, 4, [1], -1),
+    (-1, 4, [0], -1), (1, 1, [0], -1), (4, 4, [0], -1), (1, 4, [], -1), (1, 4, [7], -1)])
+def test_which_device_is_another_ranks(driver, rank, visible, ctx, device):
+    """Only a rank above 0 that names one of several visible devices can be on
+    the wrong one."""
+    line = ("foreign", rank, visible, len(ctx), *ctx)
+    assert int(driver.raw([line]).strip()) == device
 
 
 # ---- the guard on the stand-in releases, stand-in NVML ----
@@ -255,16 +340,18 @@ def test_a_cpu_build_is_not_affected(venv, workdir, nvml):
     assert st[0]["applies"] is False and "no CUDA" in st[0]["reason"]
 
 
-@pytest.mark.parametrize("release", [None, "2.9.1", "2.15.0"])
+@pytest.mark.parametrize("release,version", [(None, None), ("2.9.1", None),
+                                             ("2.9.1", "2.10.9")])
 def test_no_driver_library_is_loaded_where_no_entry_can_apply(venv, workdir, nvml, tmp_path,
-                                                               release):
-    """A CPU-only build (the real 2.13.0), or a CUDA build outside every
-    entry's releases with the autocast dtype given (so nothing else asks
-    NVML): `import torch` loads no libnvidia-ml, the table is decided from
-    torch's facts alone."""
+                                                               release, version):
+    """A CPU-only build (the real 2.13.0), or a CUDA build outside the
+    releases of every row that needs a device's capability (the cuDNN
+    attention rows start at 2.11), with the autocast dtype given (so nothing
+    else asks NVML): `import torch` loads no libnvidia-ml, the table is
+    decided from torch's facts alone."""
     env = nvml("9.0", OUTOFCUDA_AMP_DTYPE="bfloat16")
     if release is not None:
-        env["PYTHONPATH"] = str(make_fake_torch(tmp_path / "fake", release))
+        env["PYTHONPATH"] = str(make_fake_torch(tmp_path / "fake", release, version=version))
     st = last_json(venv.run("""
 import json, torch, _outofcuda
 maps = open("/proc/self/maps").read()
