@@ -374,6 +374,270 @@ print(json.dumps([c("2.14.1+cu130", True, 92400, [90], {})[0]["applies"],
     assert r == [True, False, None, False, None]
 
 
+# ---- the allocator variable 2.9 and 2.10 ignore (pytorch issue 183387) ----
+
+ALLOC = """
+import json, os, torch, _outofcuda
+st = _outofcuda.status()
+(e,) = [b for b in st["known_bugs"] if b["id"] == "alloc-conf-generic-ignored"]
+setters = [c[1] for c in torch._C.calls
+           if c[0] in ("_accelerator_setAllocatorSettings",
+                       "_cuda_cudaCachingAllocator_set_allocator_settings")]
+print(json.dumps({"parsed": torch._alloc_conf(), "setters": setters,
+                  "merged": st["optimizations"]["allocator"]["value"],
+                  "row": [e["applies"], e["done"], e["reason"]],
+                  "env": {k: os.environ.get(k) for k in
+                          ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")},
+                  "error": st["hook"]["error"]}))
+"""
+USER = "max_split_size_mb:256,expandable_segments:False"
+
+
+def keys(conf):
+    return dict(item.split(":", 1) for item in conf.split(",") if item)
+
+
+def alloc(venv, tmp_path, release, version=None, **env):
+    root = make_fake_torch(tmp_path / f"fake-{release}-{version}", release, version=version)
+    return last_json(venv.run(ALLOC, env=dict(env, PYTHONPATH=str(root)), cwd=tmp_path))
+
+
+@pytest.mark.parametrize("release,version", [("2.9.0", None), ("2.9.1", None),
+                                             ("2.9.1", "2.10.9")])
+def test_the_users_generic_variable_reaches_the_allocator_where_torch_ignores_it(
+        venv, tmp_path, release, version):
+    """2.9.0 to 2.10: what the CUDA allocator parses holds the user's keys from
+    PYTORCH_ALLOC_CONF (the user's expandable_segments:False wins over
+    outofcuda's default), in the one string given to torch's setter."""
+    d = alloc(venv, tmp_path, release, version, PYTORCH_ALLOC_CONF=USER)
+    parsed = keys(d["parsed"])
+    assert parsed["max_split_size_mb"] == "256" and parsed["expandable_segments"] == "False", d
+    assert parsed["garbage_collection_threshold"] == "0.8"
+    assert d["setters"] == [d["merged"]] and d["parsed"] == d["merged"]
+    assert d["row"][:2] == [True, True], d["row"]
+    assert "affected: torch" in d["row"][2] and d["error"] is None
+    # The user's environment is left as it was.
+    assert d["env"] == {"PYTORCH_ALLOC_CONF": USER, "PYTORCH_CUDA_ALLOC_CONF": None}
+
+
+def test_a_generic_variable_outofcuda_adds_nothing_to_still_reaches_torch(venv, tmp_path):
+    user = "garbage_collection_threshold:0.8,expandable_segments:True,max_split_size_mb:64"
+    d = alloc(venv, tmp_path, "2.9.1", PYTORCH_ALLOC_CONF=user)
+    assert keys(d["parsed"]) == keys(user) and d["row"][:2] == [True, True], d
+
+
+@pytest.mark.parametrize("release,env,why", [
+    ("2.11.0", {"PYTORCH_ALLOC_CONF": USER}, "torch 2.11.0 is outside"),
+    ("2.9.1", {"PYTORCH_ALLOC_CONF": USER, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"},
+     "PYTORCH_CUDA_ALLOC_CONF is set"),
+    ("2.9.1", {}, "PYTORCH_ALLOC_CONF is not set")])
+def test_the_allocator_row_outside_its_range(venv, tmp_path, release, env, why):
+    d = alloc(venv, tmp_path, release, **env)
+    assert d["row"][0] is False and why in d["row"][2], d["row"]
+    if release == "2.11.0":  # torch reads the user's variable itself
+        assert keys(d["parsed"])["max_split_size_mb"] == "256"
+
+
+def test_the_allocator_row_turned_off_leaves_torch_as_it_is(venv, tmp_path):
+    d = alloc(venv, tmp_path, "2.9.1", PYTORCH_ALLOC_CONF=USER,
+              OUTOFCUDA_KNOWN_BUGS="alloc-conf-generic-ignored")
+    assert d["row"][:2] == [None, False] and "turned off" in d["row"][2]
+    # As before the row existed: the user's keys never reach the allocator.
+    assert "max_split_size_mb" not in keys(d["parsed"])
+    assert keys(d["parsed"])["expandable_segments"] == "True"
+
+
+@pytest.mark.parametrize("release", ["2.9.1", "2.11.0", "2.14.1"])
+@pytest.mark.parametrize("user", ["", "max_split_size_mb:512", "roundup_power2_divisions:4",
+                                  "garbage_collection_threshold:0.6,max_split_size_mb:128"])
+def test_the_string_given_to_the_setter_is_whole(venv, tmp_path, release, user):
+    """torch's runtime parser resets max_split_size, roundup_power2_divisions
+    and garbage_collection_threshold when a string leaves them out: the one
+    string outofcuda hands over holds every key of the user's and every
+    default the user did not set."""
+    env = {"PYTORCH_ALLOC_CONF" if release != "2.9.1" else "PYTORCH_CUDA_ALLOC_CONF": user}
+    d = alloc(venv, tmp_path, release, **env)
+    if d["merged"] is None:
+        # Nothing to add: no setter call, torch parses the user's own string.
+        assert d["setters"] == [] and d["parsed"] == user, d
+        return
+    assert d["setters"] == [d["merged"]], d
+    handed = keys(d["setters"][0])
+    assert keys(user).items() <= handed.items(), (user, handed)
+    # outofcuda's own keys are there too (expandable segments only where no
+    # max_split_size_mb of the user's stands beside them).
+    assert handed["garbage_collection_threshold"] == keys(user).get(
+        "garbage_collection_threshold", "0.8")
+    assert ("expandable_segments" in handed) == ("max_split_size_mb" not in keys(user))
+    assert d["parsed"] == d["setters"][0]
+
+
+# ---- the TF32 mixed-API trap ----
+
+# Per program choice (a forked child each): the program sets TF32 through
+# one API before CUDA starts, CUDA starts (outofcuda's TF32 step), then every
+# reader of either API is tried; what raised is recorded.
+TF32 = """
+import json, os, warnings, torch
+warnings.simplefilter("ignore")  # 2.9.0's own deprecation warnings on the legacy API
+C = torch._C
+CHOICES = {
+    "none": lambda: None,
+    "legacy-on": lambda: C._set_cublas_allow_tf32(True),
+    "legacy-off": lambda: C._set_cublas_allow_tf32(False),
+    "precision-high": lambda: C._set_float32_matmul_precision("high"),
+    "new-tf32": lambda: C._set_fp32_precision_setter("cuda", "matmul", "tf32"),
+    "new-ieee": lambda: C._set_fp32_precision_setter("cuda", "matmul", "ieee"),
+    "new-generic": lambda: C._set_fp32_precision_setter("generic", "all", "tf32"),
+}
+READS = {
+    "allow_tf32": lambda: C._get_cublas_allow_tf32(),
+    "matmul_precision": lambda: C._get_float32_matmul_precision(),
+    "cudnn_allow_tf32": lambda: C._get_cudnn_allow_tf32(),
+    "fp32_precision": lambda: C._get_fp32_precision_getter("cuda", "matmul"),
+}
+out = {}
+for name, choose in CHOICES.items():
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        raised = []
+        try:
+            choose()
+        except Exception:
+            raised.append("choice")
+        torch.cuda._fake_cuda_init()
+        for read, fn in READS.items():
+            try:
+                fn()
+            except RuntimeError:
+                raised.append(read)
+        os.write(w, json.dumps(raised).encode())
+        os._exit(0)
+    os.close(w)
+    out[name] = json.loads(os.read(r, 65536).decode())
+    os.waitpid(pid, 0)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("release,version", [("2.9.0", None), ("2.9.1", None),
+                                             ("2.9.1", "2.10.0"), ("2.11.0", None),
+                                             ("2.11.0", "2.12.0"), ("2.11.0", "2.13.0"),
+                                             ("2.14.1", None), ("2.15.0", None)])
+def test_nothing_outofcuda_sets_makes_a_tf32_read_raise(venv, tmp_path, release, version):
+    """2.9 to 2.15, whichever API the program uses: the reads that raise with
+    outofcuda are exactly those that raise without it (torch's own trap for a
+    program that mixes the APIs), never one more."""
+    root = make_fake_torch(tmp_path / "fake", release, version=version)
+    env = {"PYTHONPATH": str(root)}
+    with_oc = last_json(venv.run(TF32, env=env, cwd=tmp_path))
+    bare = last_json(venv.run(TF32, env=dict(env, OUTOFCUDA_DISABLE="1"), cwd=tmp_path))
+    # 2.9.0's fake setters and getters warn (filtered in the scenario); a
+    # scenario that says nothing else on stderr passes last_json's quiet check.
+    assert with_oc == bare, (with_oc, bare)
+    # Where the program chose nothing or used one API only, nothing raises.
+    for choice in ("none", "legacy-on", "legacy-off", "precision-high", "new-ieee"):
+        assert with_oc[choice] == [], (choice, with_oc[choice])
+
+
+def test_the_tf32_row_says_outofcuda_avoids_the_trap(venv, tmp_path):
+    rows = {}
+    for release in ("2.4.0", "2.9.0", "2.15.0"):
+        root = make_fake_torch(tmp_path / release, release)
+        st = last_json(venv.run("import json, torch, _outofcuda; print(json.dumps("
+                                "_outofcuda.status()['known_bugs']))",
+                                env={"PYTHONPATH": str(root)}, cwd=tmp_path))
+        (rows[release],) = [b for b in st if b["id"] == "tf32-mixed-api"]
+    assert rows["2.4.0"]["applies"] is False
+    for release in ("2.9.0", "2.15.0"):
+        assert rows[release]["applies"] is True and rows[release]["done"] is True
+        assert "_set_cublas_allow_tf32" in rows[release]["reason"]
+
+
+# ---- GPU-0 contexts under torchrun (pytorch issue 135279) ----
+
+GPU0 = """
+import json, torch, _outofcuda
+torch.cuda._fake_cuda_init()
+(e,) = [b for b in _outofcuda.status()["known_bugs"] if b["id"] == "torchrun-gpu0-context"]
+print(json.dumps({"row": [e["applies"], e["done"], e["reason"]],
+                  "calls": [[a for a in c if not callable(a)] for c in torch._C.calls
+                            if c[0].startswith("_cuda_")],
+                  "fraction": _outofcuda.status()["optimizations"]["memory_fraction"]["value"]}))
+"""
+
+
+@pytest.fixture
+def two_gpus(stub_nvml, venv, tmp_path):
+    def run(procs, **env):
+        cfg = config(tmp_path / "nvml-2.cfg", [device(cc="9.0"), device(cc="9.0")], procs=procs)
+        root = make_fake_torch(tmp_path / "fake", "2.14.1")
+        full = dict({"LD_LIBRARY_PATH": str(stub_nvml), "STUB_NVML_CONFIG": str(cfg),
+                     "PYTHONPATH": str(root), "OUTOFCUDA_AMP_DTYPE": "bfloat16"}, **env)
+        return venv.run(GPU0, env=full, cwd=tmp_path)
+    return run
+
+
+def test_a_rank_with_a_context_on_device_0_is_named(two_gpus):
+    r = two_gpus([(0, "self", 600 << 20), (1, "self", 900 << 20)], LOCAL_RANK="1",
+                 OUTOFCUDA_SUMMARY="1")
+    d = last_json.func(r)  # the summary is on stderr
+    assert d["row"][0] is True and d["row"][1] is False, d["row"]
+    assert "NVML lists this process on cuda:0, not LOCAL_RANK 1's" in d["row"][2]
+    # The exit summary names it, with the fix.
+    line = [ln for ln in r.stderr.splitlines() if "known bug" in ln]
+    assert len(line) == 1 and "torchrun-gpu0-context" in line[0], r.stderr
+    assert "torch.cuda.set_device" in line[0] and "issues/135279" in line[0]
+
+
+def test_outofcuda_never_touches_device_0_on_another_rank(two_gpus):
+    """LOCAL_RANK=1: every device call outofcuda makes at CUDA's start names
+    device 1 (the memory fraction), none device 0 or the current device."""
+    d = last_json(two_gpus([(1, "self", 900 << 20)], LOCAL_RANK="1"))
+    assert d["calls"] == [["_cuda_getDeviceCount"], ["_cuda_setMemoryFraction", 0.95, 1],
+                          ["_cuda_attach_out_of_memory_observer"]], d["calls"]
+    assert d["fraction"]["device"] == 1
+    assert d["row"][0] is False and "no visible device but LOCAL_RANK 1's" in d["row"][2]
+
+
+@pytest.mark.parametrize("rank,procs,why", [
+    (None, [(0, "self", 1 << 20)], "LOCAL_RANK is not set"),
+    ("0", [(0, "self", 1 << 20), (1, "self", 1 << 20)], "LOCAL_RANK 0 owns cuda:0"),
+    ("1", [], "no visible device but LOCAL_RANK 1's"),
+    ("5", [(0, "self", 1 << 20)], "no visible device but LOCAL_RANK 5's")])
+def test_no_context_elsewhere_is_not_named(two_gpus, rank, procs, why):
+    env = {"OUTOFCUDA_SUMMARY": "1"}
+    if rank is not None:
+        env["LOCAL_RANK"] = rank
+    r = two_gpus(procs, **env)
+    d = last_json.func(r)  # the summary is on stderr
+    assert d["row"][0] is False and why in d["row"][2], d["row"]
+    assert "known bug" not in r.stderr
+
+
+def test_doctor_names_another_process_on_another_ranks_device(cuda_venv, workdir, stub_nvml,
+                                                             tmp_path):
+    """A process of this user with LOCAL_RANK=1 that NVML lists on device 0 of
+    two (a rank that used CUDA before set_device)."""
+    import subprocess, sys
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                            env={"LOCAL_RANK": "1", "PATH": "/usr/bin:/bin"})
+    try:
+        cfg = config(tmp_path / "nvml.cfg", [device(cc="8.0"), device(cc="8.0")],
+                     procs=[(0, rank.pid, 700 << 20), (1, rank.pid, 900 << 20)])
+        r = cuda_venv.run(None, args=("-m", "outofcuda", "doctor", "--json"), cwd=workdir,
+                          env={"LD_LIBRARY_PATH": str(stub_nvml), "STUB_NVML_CONFIG": str(cfg)},
+                          timeout=300)
+    finally:
+        rank.kill()
+        rank.wait()
+    (check,) = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "known_bugs"]
+    assert (f"torchrun-gpu0-context: process {rank.pid} (LOCAL_RANK 1) holds a context on "
+            "cuda:0, not cuda:1") in check["message"], check
+
+
 # ---- the real CUDA build of torch 2.14.1 (no GPU) ----
 
 REAL = """
