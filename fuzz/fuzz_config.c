@@ -49,7 +49,8 @@ static void check_config(const oc_config *c)
     if (!(c->memory_fraction > 0.0 && c->memory_fraction <= 1.0))
         abort();
     /* Only rows of the known-bugs table can be turned off. */
-    if (c->known_bugs_off >> oc_known_bug_count() != 0 || (c->known_bugs != 0 && c->known_bugs != 1))
+    if (c->known_bugs_off >> oc_known_bug_count() != 0 ||
+        (c->known_bugs != 0 && c->known_bugs != 1))
         abort();
     if (c->amp_dtype < OC_AMP_AUTO || c->amp_dtype > OC_AMP_BFLOAT16)
         abort();

@@ -328,8 +328,8 @@ static void prepare_allocator(const oc_config *cfg)
     oc_g.alloc_saved.written = 1;
     oc_g.alloc_applied = 1;
     snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "%s set while torch loaded%s%s%.200s%s%s",
-             write_name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async), dropped,
-             held_back ? HELD_BACK_NOTE : "", fw_note);
+             write_name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async),
+             dropped, held_back ? HELD_BACK_NOTE : "", fw_note);
 }
 
 void oc_bridge_before_torch(PyObject *spec)

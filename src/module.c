@@ -97,8 +97,8 @@ static PyObject *dict_from_config(const oc_config *c)
     /* The rows OUTOFCUDA_KNOWN_BUGS turned off, by id. */
     {
         PyObject *off = PyList_New(0);
-        for (size_t i = 0; off != NULL && i < oc_known_bug_count() && i < 8 * sizeof c->known_bugs_off;
-             i++) {
+        for (size_t i = 0;
+             off != NULL && i < oc_known_bug_count() && i < 8 * sizeof c->known_bugs_off; i++) {
             PyObject *id;
             if (!((c->known_bugs_off >> i) & 1))
                 continue;
@@ -145,9 +145,8 @@ static PyObject *setting_words(const oc_setting *s)
  * and the Python API's own checks. */
 static PyObject *oc_settings_py(PyObject *self, PyObject *unused)
 {
-    static const char *const kinds[] = {"boolean",   "number",  "fraction", "word",
-                                        "allocator", "summary", "text",     "foreign",
-                                        "known_bugs"};
+    static const char *const kinds[] = {"boolean", "number", "fraction", "word",      "allocator",
+                                        "summary", "text",   "foreign",  "known_bugs"};
     PyObject *list = PyList_New(0);
     (void)self;
     (void)unused;

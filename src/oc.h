@@ -15,8 +15,8 @@
  *   facts.c    verdicts the Python layer asks for instead of parsing again
  *   summary.c  OUTOFCUDA_SUMMARY: utilisation sampler and the at-exit block
  *   api.c      decisions behind the Python API
- *   knownbugs.c the known-bugs table and its lookup (pure C part first),
- *              then the guards applied at import and at CUDA's start
+ *   knownbugs.c the known-bugs table applied: decided at import, at CUDA's
+ *              start and from NVML; the steers, status, the summary's lines
  *   frameworks.c packages that own GPU memory (vLLM, SGLang, ...): table, detection
  *   platform.c machines where a default cannot work (expandable segments on WSL)
  *   thread.c   native threads: spawned with signals blocked, monotonic waits,
@@ -24,6 +24,7 @@
  *   common.c   the shared ground: process state, warnings, small helpers
  *   advice.c   ranked advice: OOM actions and summary hints (pure C, no Python)
  *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python)
+ *   kbtable.c  the known-bugs table and its lookup (pure C, no Python)
  *   allocconf.c allocator-string parse and merge (pure C, no Python)
  *   nvml.c     NVML loaded with dlopen at run time
  *   settings.c the table of every environment variable read, and oc_env()
@@ -89,7 +90,7 @@ typedef struct {
     oc_summary_mode summary;                /* OUTOFCUDA_SUMMARY */
     char summary_path[OC_SUMMARY_PATH_MAX]; /* the JSON file, as given */
     int known_bugs;                         /* OUTOFCUDA_KNOWN_BUGS: step around known bugs */
-    unsigned long known_bugs_off;           /* rows (bit i: row i) OUTOFCUDA_KNOWN_BUGS turned off */
+    unsigned long known_bugs_off; /* rows (bit i: row i) OUTOFCUDA_KNOWN_BUGS turned off */
 } oc_config;
 
 /* Returns the value of an environment variable or NULL; lets tests and the
@@ -101,14 +102,14 @@ typedef const char *(*oc_getenv_fn)(const char *name, void *ctx);
  * it acts on, read where they act through oc_env(). The loader, config(),
  * the warnings, the fuzz target and a docs test all come from it. */
 typedef enum {
-    OC_SET_BOOL,     /* int field: 1/0, true/false, yes/no, on/off */
-    OC_SET_LONG,     /* long field in [lo, hi] */
-    OC_SET_FRACTION, /* double field, 0 < f <= 1 */
-    OC_SET_WORD,     /* one of words: values[i] into an int field, or the word itself */
-    OC_SET_ALLOC,    /* an allocator string */
-    OC_SET_SUMMARY,  /* OUTOFCUDA_SUMMARY: a boolean or a .json path */
-    OC_SET_TEXT,     /* read where it acts, through oc_env() (no field) */
-    OC_SET_FOREIGN,  /* another program's variable, read through oc_env() */
+    OC_SET_BOOL,       /* int field: 1/0, true/false, yes/no, on/off */
+    OC_SET_LONG,       /* long field in [lo, hi] */
+    OC_SET_FRACTION,   /* double field, 0 < f <= 1 */
+    OC_SET_WORD,       /* one of words: values[i] into an int field, or the word itself */
+    OC_SET_ALLOC,      /* an allocator string */
+    OC_SET_SUMMARY,    /* OUTOFCUDA_SUMMARY: a boolean or a .json path */
+    OC_SET_TEXT,       /* read where it acts, through oc_env() (no field) */
+    OC_SET_FOREIGN,    /* another program's variable, read through oc_env() */
     OC_SET_KNOWN_BUGS, /* OUTOFCUDA_KNOWN_BUGS: a boolean, or the ids of rows turned off */
 } oc_setting_kind;
 
@@ -236,6 +237,12 @@ typedef struct {
     long lo, hi;
 } oc_range;
 
+/* {0, 0}: the row holds whatever the fact is (it needs no such fact). */
+static inline int oc_range_any(oc_range r)
+{
+    return r.lo == 0 && r.hi == 0;
+}
+
 /* What outofcuda does about a row: a steer that costs nothing, or a line in
  * status(), `outofcuda doctor` and the exit summary (OC_KB_REPORT). */
 typedef enum {
@@ -258,10 +265,10 @@ typedef struct {
     const char *unless_env; /* torch itself avoids the bug when this is "1", or NULL */
     const char *condition;  /* what else must hold, in words */
     oc_kb_action action;
+    unsigned needs; /* OC_KB_NEEDS_* */
     const char *action_text;
     const char *evidence; /* a link */
     oc_range cuda;        /* torch.version.cuda as major*100+minor; {0, 0}: any */
-    unsigned needs;       /* OC_KB_NEEDS_* */
     const char *fixed_in; /* the first torch/cuDNN release with the fix, or NULL (none yet) */
     const char *fix;      /* what the user can do, in words */
 } oc_known_bug;
@@ -526,7 +533,7 @@ typedef struct {
     char alloc_reason[1000];
     int alloc_applied;
     int alloc_by_setter; /* the merge went to torch's runtime setter alone */
-    int alloc_generic;   /* the user's PYTORCH_ALLOC_CONF, which 2.9 and 2.10 ignore, went to torch */
+    int alloc_generic; /* the user's PYTORCH_ALLOC_CONF, which 2.9 and 2.10 ignore, went to torch */
     /* The variable as the user left it, given back once torch has read
      * outofcuda's value: children inherit the user's environment. */
     struct {

@@ -274,7 +274,7 @@ def test_known_bugs_bad_value_warns_and_keeps_the_guard(venv):
 
 
 def test_known_bugs_takes_the_ids_of_rows_to_turn_off(venv):
-    """A list of row ids (src/knownbugs.c) turns those rows off, the others
+    """A list of row ids (src/kbtable.c) turns those rows off, the others
     stay on; an id that is no row rejects the whole value (a warning naming
     it, every row on)."""
     good, spaced, typo, empty = parse_many(venv, [

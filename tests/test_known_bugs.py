@@ -1,4 +1,4 @@
-"""Known bugs of the installed stack (src/knownbugs.c): the table's lookup in
+"""Known bugs of the installed stack (src/kbtable.c, src/knownbugs.c): the table in
 pure C (no Python), the guard on the stand-in releases (tests/fake_torch.py)
 with the stand-in NVML (tests/stub_nvml) at compute capabilities 8.0, 9.0 and
 10.0 and cuDNN on both sides of the fix, OUTOFCUDA_KNOWN_BUGS=0, and the real
@@ -35,7 +35,7 @@ last_json = partial(last_json, quiet=True)
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    build = pure_c_driver(tmp_path_factory.mktemp("kb"), "known_bugs/driver.c", "knownbugs.c")
+    build = pure_c_driver(tmp_path_factory.mktemp("kb"), "known_bugs/driver.c", "kbtable.c")
 
     def run(cases):
         """cases: facts tuples (case()); returns {row id: [(decision, why)]}."""

@@ -1,4 +1,4 @@
-/* Drives the pure-C known-bugs table (src/knownbugs.c built with OC_PURE_C,
+/* Drives the pure-C known-bugs table (src/kbtable.c built with OC_PURE_C,
  * no Python) from stdin, one case a line:
  *   facts TORCH CUDA_BUILD CUDA CUDNN LOCAL_RANK FOREIGN N_CC CC... ENV
  * where ENV is "-" (nothing set) or NAME=VALUE pairs joined by ';'; one line
