@@ -148,6 +148,13 @@ static void decide_all(PyObject *torch, size_t n)
     }
 }
 
+/* Row i is still undecided for want of cuDNN's version alone. */
+static int waits_for_cudnn(size_t i)
+{
+    return oc_g.kb.state[i] == OC_KB_UNDECIDED && !row_off(i) &&
+           !oc_range_any(oc_known_bug_at(i)->cudnn);
+}
+
 /* Steers decided at import (the allocator one was taken before torch
  * loaded, the TF32 one is how outofcuda sets TF32): whether they hold. */
 static void act_at_import(const oc_known_bug *b, size_t i)
@@ -192,21 +199,24 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
         const oc_known_bug *b = oc_known_bug_at(i);
         if (oc_g.kb.state[i] == OC_KB_YES)
             act_at_import(b, i);
-        /* Only cuDNN's version is read at CUDA's start: a row that waits for
-         * anything else (NVML) would load cuDNN for nothing. */
-        pending |= oc_g.kb.state[i] == OC_KB_UNDECIDED && !row_off(i) && !oc_range_any(b->cudnn);
+        /* Only cuDNN's version is read at CUDA's start, and only for a steer:
+         * a row that waits for anything else (NVML), or one that is only
+         * named, would load cuDNN (+51 MiB of RSS) for nothing. */
+        pending |= waits_for_cudnn(i) && b->action != OC_KB_REPORT;
     }
-    if (pending && no_queue != NULL) {
-        /* Nothing will run when CUDA starts: it stays undecided, and says why. */
-        for (size_t i = 0; i < n; i++) {
-            size_t len = strlen(oc_g.kb.reason[i]);
-            if (oc_g.kb.state[i] == OC_KB_UNDECIDED && !row_off(i) &&
-                !oc_range_any(oc_known_bug_at(i)->cudnn))
-                snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len, " (never: %s)",
-                         no_queue);
-        }
+    for (size_t i = 0; i < n; i++) {
+        size_t len = strlen(oc_g.kb.reason[i]);
+        if (!waits_for_cudnn(i))
+            continue;
+        if (pending && no_queue != NULL) /* nothing will run when CUDA starts */
+            snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len, " (never: %s)",
+                     no_queue);
+        else if (!pending)
+            snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len,
+                     " (only where a guard needs it; `outofcuda doctor` reads it)");
+    }
+    if (no_queue != NULL)
         pending = 0;
-    }
     if (pending)
         oc_cuda_step_arm(OC_STEP_KNOWN_BUGS);
 }

@@ -638,6 +638,72 @@ def test_doctor_names_another_process_on_another_ranks_device(cuda_venv, workdir
             "cuda:0, not cuda:1") in check["message"], check
 
 
+# ---- rows that are only named: cuDNN is read for a guard alone ----
+
+SUBLIB = """
+import json, torch, _outofcuda
+def row():
+    (e,) = [b for b in _outofcuda.status()["known_bugs"] if b["id"] == "cudnn-sublibrary-mismatch"]
+    return [e["applies"], e["reason"]]
+at_import = row()
+torch.cuda._fake_cuda_init()
+print(json.dumps({"import": at_import, "cuda": row(),
+                  "cudnn_read": [c for c in torch._C.calls if c[0] == "cudnn.version"] != []}))
+"""
+
+
+@pytest.mark.parametrize("cc,read", [("8.0", False), ("9.0", True)])
+def test_a_named_row_never_loads_cudnn_by_itself(venv, tmp_path, nvml, cc, read):
+    """A CUDA 13 build with cuDNN 9.20: on an sm80 no guard needs cuDNN's
+    version, so it is not read for the sub-library row (doctor decides it);
+    on an sm90 the cuDNN attention guard reads it, and the row is decided too,
+    and named in the exit summary."""
+    root = make_fake_torch(tmp_path / "fake", "2.14.1", cudnn=92000, cuda_version="13.0")
+    r = venv.run(SUBLIB, env=dict(nvml(cc, OUTOFCUDA_SUMMARY="1"), PYTHONPATH=str(root)),
+                 cwd=tmp_path)
+    d = last_json.func(r)
+    assert d["cudnn_read"] is read
+    assert d["import"][0] is None
+    if read:
+        assert d["cuda"][0] is True and "built for CUDA 13.0, cuDNN 92000" in d["cuda"][1]
+        assert "known bug      cudnn-sublibrary-mismatch" in r.stderr, r.stderr
+    else:
+        assert d["cuda"][0] is None and "`outofcuda doctor` reads it" in d["cuda"][1], d
+        assert "cudnn-sublibrary-mismatch" not in r.stderr
+
+
+def test_named_rows_on_given_facts(venv):
+    """What doctor's probe decides, at the named rows' edges."""
+    r = last_json(venv.run("""
+import json, _outofcuda
+def row(id, *facts):
+    (e,) = [b for b in _outofcuda._known_bugs_check(*facts) if b["id"] == id]
+    return e["applies"]
+S, D = "cudnn-sublibrary-mismatch", "cudnn-sdpa-nan-dkdv-sq1"
+print(json.dumps({
+    "sublib": [row(S, "2.12.1+cu130", "13.0", 92000, [80], {}),
+               row(S, "2.13.0", "13.2", 92299, [80], {}),
+               row(S, "2.13.0", "13.0", 92300, [80], {}),
+               row(S, "2.13.0", "12.8", 92000, [80], {}),
+               row(S, "2.13.0", "13.0", 91999, [80], {}),
+               row(S, "2.13.0", True, 92000, [80], {})],
+    "dkdv": [row(D, "2.11.0", "12.8", 92501, [90], {}),
+             row(D, "2.15.0", "13.2", 92699, [90], {}),
+             row(D, "2.15.0", "13.2", 92500, [90], {}),
+             row(D, "2.15.0", "13.2", 92700, [90], {}),
+             row(D, "2.10.9", "12.8", 92600, [90], {}),
+             row(D, "2.15.0", "13.2", 92600, [100], {}),
+             row(D, "2.15.0", "13.2", 92600, [90], {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"})],
+    "cpu": [row(i, "2.13.0", False, None, None, {})
+            for i in ("fsdp2-bf16-premul-sum", "avg-pool2d-channels-last-grad", "tf32-mixed-api")],
+    "fields": sorted(_outofcuda._known_bugs_check("2.13.0", "13.0", 92000, [90], {})[3])}))
+"""))
+    assert r["sublib"] == [True, True, False, False, False, None]
+    assert r["dkdv"] == [True, True, False, False, False, False, False]
+    assert r["cpu"] == [False, False, False]
+    assert {"fixed_in", "fix", "steers"} <= set(r["fields"])
+
+
 # ---- the real CUDA build of torch 2.14.1 (no GPU) ----
 
 REAL = """
