@@ -670,8 +670,12 @@ def _check_known_bugs(pr):
             continue
         head = f"{b['id']} applies ({b['title']}; {b['reason']}; {b['evidence']}): "
         fixed = f"; fixed in {b['fixed_in']}" if b.get("fixed_in") else ""
-        if not b.get("steers", True):
+        kind = b.get("kind", "guard")
+        if kind == "named":
             parts.append(head + f"fix: {b['fix']}{fixed}")
+        elif kind == "own":
+            parts.append(head + "outofcuda's own settings avoid it: " + b["action"]
+                         + (" (OUTOFCUDA_DISABLE: outofcuda sets nothing)" if disabled else ""))
         elif disabled:
             parts.append(head + "outofcuda is disabled (OUTOFCUDA_DISABLE), so nothing avoids it")
             unavoided.append(b)

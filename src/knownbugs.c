@@ -498,14 +498,22 @@ static const char *guard_now(const oc_known_bug *b, char *text, size_t sz)
     return NULL;
 }
 
+/* What outofcuda does about a row, in one word: "guard" (a steer the off
+ * switch turns off), "own" (how outofcuda itself sets torch avoids it:
+ * nothing to turn off), "named" (a line in doctor and the summary). */
+static const char *kind_word(const oc_known_bug *b)
+{
+    return b->action == OC_KB_REPORT ? "named" : b->action == OC_KB_TF32_LEGACY ? "own" : "guard";
+}
+
 static PyObject *entry_dict(const oc_known_bug *b, int state, int done, const char *reason,
                             const char *now)
 {
-    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:O,s:s,s:s,s:s,s:z,s:z,s:s,s:O}", "id", b->id, "title",
+    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:O,s:s,s:s,s:s,s:z,s:z,s:s,s:s}", "id", b->id, "title",
                          b->title, "evidence", b->evidence, "applies", state_obj(state), "done",
                          done ? Py_True : Py_False, "action", b->action_text, "condition",
                          b->condition, "reason", reason, "now", now, "fixed_in", b->fixed_in, "fix",
-                         b->fix, "steers", b->action == OC_KB_REPORT ? Py_False : Py_True);
+                         b->fix, "kind", kind_word(b));
 }
 
 /* Appends one entry to list; on failure drops the list and returns NULL. */

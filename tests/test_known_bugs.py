@@ -696,12 +696,14 @@ print(json.dumps({
              row(D, "2.15.0", "13.2", 92600, [90], {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"})],
     "cpu": [row(i, "2.13.0", False, None, None, {})
             for i in ("fsdp2-bf16-premul-sum", "avg-pool2d-channels-last-grad", "tf32-mixed-api")],
-    "fields": sorted(_outofcuda._known_bugs_check("2.13.0", "13.0", 92000, [90], {})[3])}))
+    "fields": sorted(_outofcuda._known_bugs_check("2.13.0", "13.0", 92000, [90], {})[3]),
+    "kinds": [b["kind"] for b in _outofcuda._known_bugs_check("2.13.0", "13.0", 92000, [90], {})]}))
 """))
     assert r["sublib"] == [True, True, False, False, False, None]
     assert r["dkdv"] == [True, True, False, False, False, False, False]
     assert r["cpu"] == [False, False, False]
-    assert {"fixed_in", "fix", "steers"} <= set(r["fields"])
+    assert {"fixed_in", "fix", "kind"} <= set(r["fields"])
+    assert r["kinds"] == ["guard", "guard", "named", "named", "named", "named", "own", "named"]
 
 
 # ---- the real CUDA build of torch 2.14.1 (no GPU) ----
@@ -790,3 +792,28 @@ def test_doctor_and_status_name_the_bug(cuda_venv, workdir, nvml):
     r = cuda_venv.run(None, args=("-m", "outofcuda", "status"), env=nvml("8.0"), cwd=workdir,
                       timeout=300)
     assert f"known bug {BUG}: not affected" in r.stdout, r.stdout
+
+
+def test_doctor_lines_per_kind_and_the_off_list(cuda_venv, workdir, nvml):
+    """The real CUDA build of 2.14.1 beside an sm90: a guard turned off by
+    the list makes doctor unhealthy (naming that row's fix); a row outofcuda's
+    own settings avoid, or one only named, keeps it healthy, with its fix."""
+    r = cuda_venv.run(None, args=("-m", "outofcuda", "doctor", "--json"),
+                      env=nvml("9.0", OUTOFCUDA_KNOWN_BUGS=f"{BUG},tf32-mixed-api"), cwd=workdir,
+                      timeout=300)
+    (check,) = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "known_bugs"]
+    msg = check["message"]
+    assert check["ok"] is False and check["fix"].startswith(f"{BUG}: unset OUTOFCUDA_KNOWN_BUGS")
+    assert "tf32-mixed-api" not in check["fix"]
+    assert f"{BUG} applies" in msg and "OUTOFCUDA_KNOWN_BUGS keeps torch's choice; fixed in " \
+        "torch 2.15.0" in msg
+    assert "tf32-mixed-api applies" in msg and "outofcuda's own settings avoid it" in msg
+    for named in ("fsdp2-bf16-premul-sum", "avg-pool2d-channels-last-grad"):
+        assert f"{named} applies" in msg
+    assert "fix: use a reduce_dtype of float32" in msg and "issues/190745" in msg
+    # Only the tf32 row off: healthy.
+    r = cuda_venv.run(None, args=("-m", "outofcuda", "doctor", "--json"),
+                      env=nvml("9.0", OUTOFCUDA_KNOWN_BUGS="tf32-mixed-api"), cwd=workdir,
+                      timeout=300)
+    (check,) = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "known_bugs"]
+    assert check["ok"] is True and "outofcuda avoids it" in check["message"], check
