@@ -232,7 +232,7 @@ static int parse_summary(oc_config *cfg, const oc_setting *s, const char *v)
 }
 
 /* OUTOFCUDA_KNOWN_BUGS: a boolean word (every row on or off), or the ids of
- * the rows to turn off, separated by commas (src/knownbugs.c's table). */
+ * the rows to turn off, separated by commas (src/kbtable.c's table). */
 static int parse_known_bugs(oc_config *cfg, const oc_setting *s, const char *v)
 {
     unsigned long off = 0;
