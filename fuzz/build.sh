@@ -16,7 +16,7 @@ flags="-std=c11 -g -O1 -DOC_PURE_C= -D_GNU_SOURCE -Wall -Wextra -Werror
        -fno-omit-frame-pointer -ftrivial-auto-var-init=pattern"
 # shellcheck disable=SC2086
 $cc $flags -o "$out/fuzz_config" "$here/fuzz_config.c" "$here/../src/config.c" \
-    "$here/../src/allocconf.c" "$here/../src/settings.c" -lm
+    "$here/../src/allocconf.c" "$here/../src/settings.c" "$here/../src/kbtable.c" -lm
 # shellcheck disable=SC2086
 $cc $flags -o "$out/fuzz_allocconf" "$here/fuzz_allocconf.c" "$here/../src/allocconf.c" \
     "$here/../src/settings.c"

@@ -52,6 +52,10 @@ static void check_config(const oc_config *c)
             ? c->memory_fraction != 0.0
             : !(c->memory_fraction > 0.0 && c->memory_fraction <= 1.0))
         abort();
+    /* Only rows of the known-bugs table can be turned off. */
+    if (c->known_bugs_off >> oc_known_bug_count() != 0 ||
+        (c->known_bugs != 0 && c->known_bugs != 1))
+        abort();
     if (oc_config_off(c, "OUTOFCUDA_AMP_DTYPE")
             ? c->amp_dtype != OC_AMP_OFF
             : c->amp_dtype < OC_AMP_AUTO || c->amp_dtype > OC_AMP_BFLOAT16)

@@ -66,7 +66,7 @@ try:
     if torch is not None and getattr(torch.version, "cuda", None):
         cudnn = torch._C._cudnn.getVersionInt()
     out["known_bugs_check"] = _outofcuda._known_bugs_check(
-        out["torch"], None if torch is None else out["cuda"] is not None, cudnn,
+        out["torch"], None if torch is None else (out["cuda"] or False), cudnn,
         _outofcuda._visible_ccs(), dict(os.environ))
 except Exception:
     pass
@@ -705,26 +705,86 @@ def _check_config(pr):
     return _check("outofcuda_env", True, "OUTOFCUDA_* settings are valid")
 
 
+def _foreign_contexts():
+    """Processes NVML lists on a GPU that is not their LOCAL_RANK's (a
+    torchrun rank that used CUDA before torch.cuda.set_device): [(pid,
+    local_rank, device)], read from NVML and /proc/PID/environ (this user's
+    processes only; no CUDA context)."""
+    found = []
+    try:
+        devices, _ = gpus()
+        n = len(devices)
+        for d in devices:
+            for pid, _bytes in core.nvml_processes(d["index"]):
+                try:
+                    env = dict(item.split("=", 1) for item in
+                               Path(f"/proc/{pid}/environ").read_bytes().decode(
+                                   "utf-8", "replace").split("\0") if "=" in item)
+                except OSError:
+                    continue
+                rank = env.get("LOCAL_RANK", "")
+                if not rank.isdigit() or int(rank) == 0:
+                    continue
+                visible = env.get("CUDA_VISIBLE_DEVICES")
+                if visible is None:
+                    order = list(range(n))
+                elif all(v.strip().isdigit() for v in visible.split(",")):
+                    order = [int(v) for v in visible.split(",")]
+                else:
+                    continue  # UUIDs or MIG names: which device is the rank's is not told
+                if d["index"] in order and len(order) > 1 and int(rank) < len(order) \
+                        and order.index(d["index"]) != int(rank):
+                    found.append((pid, int(rank), order.index(d["index"])))
+    except Exception:
+        return []
+    return found
+
+
 def _check_known_bugs(pr):
     """The known-bugs table decided in full by the probe (which reads the
-    cuDNN version); what applies, what could not be decided."""
+    cuDNN version); what applies, what outofcuda does about it, what could not
+    be decided; processes with a context on another rank's GPU."""
     entries = pr.get("known_bugs_check")
     if entries is None:
         return _check("known_bugs", True, "not checked (no torch or no outofcuda engine)")
     disabled = core._disabled_by_env()
-    off = disabled or not _config().get("known_bugs", True)
-    applies = [b for b in entries if b["applies"] is True]
-    undecided = [b for b in entries if b["applies"] is None]
-    parts = [f"{b['id']} applies ({b['title']}; {b['evidence']}): "
-             + ("outofcuda is disabled (OUTOFCUDA_DISABLE), so nothing avoids it" if disabled
-                else "OUTOFCUDA_KNOWN_BUGS=0 keeps torch's choice" if off
-                else "outofcuda avoids it when CUDA starts: " + b["action"]) for b in applies]
-    parts += [f"could not decide {b['id']}: {b['reason']}" for b in undecided]
+    cfg = _config()
+    off_all = not cfg.get("known_bugs", True)
+    off_ids = set(cfg.get("known_bugs_off") or ())
+    parts, unavoided = [], []
+    for b in entries:
+        if b["applies"] is None:
+            parts.append(f"could not decide {b['id']}: {b['reason']}")
+            continue
+        if b["applies"] is not True:
+            continue
+        head = f"{b['id']} applies ({b['title']}; {b['reason']}; {b['evidence']}): "
+        fixed = f"; fixed in {b['fixed_in']}" if b.get("fixed_in") else ""
+        kind = b.get("kind", "guard")
+        if kind == "named":
+            parts.append(head + f"fix: {b['fix']}{fixed}")
+        elif kind == "own":
+            parts.append(head + "outofcuda's own settings avoid it: " + b["action"]
+                         + (" (OUTOFCUDA_DISABLE: outofcuda sets nothing)" if disabled else ""))
+        elif disabled:
+            parts.append(head + "outofcuda is disabled (OUTOFCUDA_DISABLE), so nothing avoids it")
+            unavoided.append(b)
+        elif off_all or b["id"] in off_ids:
+            parts.append(head + "OUTOFCUDA_KNOWN_BUGS keeps torch's choice" + fixed)
+            unavoided.append(b)
+        else:
+            parts.append(head + "outofcuda avoids it: " + b["action"] + fixed)
+    for pid, rank, device in _foreign_contexts():
+        parts.append(f"torchrun-gpu0-context: process {pid} (LOCAL_RANK {rank}) holds a context "
+                     f"on cuda:{device}, not cuda:{rank} "
+                     "(https://github.com/pytorch/pytorch/issues/135279): call "
+                     "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before its first CUDA "
+                     "use")
     if not parts:
         parts = [f"none of the {len(entries)} known bug(s) applies here"]
-    return _check("known_bugs", not (off and applies), "; ".join(parts),
-                  "unset OUTOFCUDA_KNOWN_BUGS, or call "
-                  "torch.backends.cuda.enable_cudnn_sdp(False) yourself")
+    return _check("known_bugs", not unavoided, "; ".join(parts),
+                  "; ".join(f"{b['id']}: unset OUTOFCUDA_KNOWN_BUGS, or {b['fix']}"
+                            for b in unavoided))
 
 
 def doctor_data():

@@ -369,6 +369,18 @@ const char *oc_alloc_env_name(long ver)
     return ver >= 21100 ? "PYTORCH_ALLOC_CONF" : "PYTORCH_CUDA_ALLOC_CONF";
 }
 
+int oc_alloc_generic_ignored(long ver, const char **value)
+{
+    /* 2.9 introduced PYTORCH_ALLOC_CONF and warns that PYTORCH_CUDA_ALLOC_CONF
+     * is deprecated, but its CUDA allocator (and 2.10's) reads only the old
+     * name; 2.11.0 reads both (reported fixed there). */
+    *value = NULL;
+    if (ver < 20900 || ver >= 21100 || oc_env("PYTORCH_CUDA_ALLOC_CONF") != NULL)
+        return 0;
+    *value = oc_env("PYTORCH_ALLOC_CONF");
+    return *value != NULL;
+}
+
 /* The allocator variables in the order torch 2.11+ reads them. */
 static const char *const alloc_vars[] = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF",
                                          "PYTORCH_ALLOC_CONF"};

@@ -123,6 +123,11 @@ static int async_backend(const char *conf)
 static const char *user_alloc_var(const char **value)
 {
     const char *name = oc_alloc_user_var(oc_g.build.ver, value);
+    /* Known bug alloc-conf-generic-ignored: the user's keys are read where
+     * the user put them, and reach torch in outofcuda's string. */
+    if (*value == NULL && oc_known_bug_on("alloc-conf-generic-ignored") &&
+        oc_alloc_generic_ignored(oc_g.build.ver, value))
+        name = "PYTORCH_ALLOC_CONF";
     if (*value == NULL)
         *value = "";
     return name;
@@ -227,9 +232,10 @@ static int setter_configures(const char *user)
 static void prepare_allocator(const oc_config *cfg)
 {
     char dropped[256], err[160], fw_note[120], platform_defaults[OC_ALLOC_CONF_MAX];
-    const char *name, *user, *defaults;
-    int async, held_back, owned;
+    const char *name, *user, *defaults, *write_name;
+    int async, held_back, owned, generic;
     oc_g.alloc_applied = 0;
+    oc_g.alloc_generic = 0;
     oc_g.alloc_env_name[0] = '\0';
     oc_g.alloc_value[0] = '\0';
     /* The framework's own import is in progress (vllm/__init__.py imports
@@ -271,6 +277,7 @@ static void prepare_allocator(const oc_config *cfg)
         return;
     }
     name = user_alloc_var(&user);
+    generic = strcmp(name, "PYTORCH_ALLOC_CONF") == 0 && oc_g.build.ver < 21100;
     /* OUTOFCUDA_ALLOC_CONF unset (config.c keeps the conditional defaults
      * then): the defaults may lose a key this machine cannot use. */
     defaults = oc_platform_alloc_defaults(cfg->alloc_conf, cfg->alloc_conf_no_expandable[0] != '\0',
@@ -289,13 +296,16 @@ static void prepare_allocator(const oc_config *cfg)
     if (owned)
         return;
     snprintf(oc_g.alloc_env_name, sizeof oc_g.alloc_env_name, "%s", name);
-    if (strcmp(oc_g.alloc_value, user) == 0) {
+    /* Where torch ignores the user's variable, the user's string still has
+     * to reach it, even with nothing added. */
+    if (strcmp(oc_g.alloc_value, user) == 0 && !generic) {
         /* Nothing to add: the variable stays exactly as the user set it. */
         snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "nothing added to %s%s%.200s%s%s",
                  name, dropped_note(dropped, async), dropped, held_back ? HELD_BACK_NOTE : "",
                  fw_note);
         return;
     }
+    oc_g.alloc_generic = generic;
     if (setter_configures(user)) {
         oc_g.alloc_by_setter = 1;
         oc_g.alloc_applied = 1;
@@ -306,21 +316,24 @@ static void prepare_allocator(const oc_config *cfg)
                  dropped, held_back ? HELD_BACK_NOTE : "", fw_note);
         return;
     }
+    /* The variable this release reads (not the ignored one the user set). */
+    write_name = generic ? oc_alloc_env_name(oc_g.build.ver) : name;
     {
-        const char *had = oc_env(name);
+        const char *had = oc_env(write_name);
         oc_g.alloc_saved.had = had != NULL;
         snprintf(oc_g.alloc_saved.value, sizeof oc_g.alloc_saved.value, "%s", had ? had : "");
-        snprintf(oc_g.alloc_saved.name, sizeof oc_g.alloc_saved.name, "%s", name);
+        snprintf(oc_g.alloc_saved.name, sizeof oc_g.alloc_saved.name, "%s", write_name);
     }
-    if (set_environ(name, oc_g.alloc_value) < 0) {
+    if (set_environ(write_name, oc_g.alloc_value) < 0) {
+        oc_g.alloc_generic = 0;
         oc_set_error("setting the allocator variable failed");
         return;
     }
     oc_g.alloc_saved.written = 1;
     oc_g.alloc_applied = 1;
     snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "%s set while torch loaded%s%s%.200s%s%s",
-             name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async), dropped,
-             held_back ? HELD_BACK_NOTE : "", fw_note);
+             write_name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async),
+             dropped, held_back ? HELD_BACK_NOTE : "", fw_note);
 }
 
 void oc_bridge_before_torch(PyObject *spec)

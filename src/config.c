@@ -275,12 +275,29 @@ static int parse_off(oc_config *cfg, const oc_setting *s, const char *v)
     case OC_SET_ALLOC:
         FIELD(cfg, s)[0] = '\0';
         break;
+    case OC_SET_KNOWN_BUGS:
+        cfg->known_bugs = 0;
+        break;
     case OC_SET_BOOL:
     case OC_SET_SUMMARY:
     case OC_SET_TEXT:
     case OC_SET_FOREIGN:
         return -1;
     }
+    return 0;
+}
+
+/* OUTOFCUDA_KNOWN_BUGS: a boolean word (every row on or off), or the ids of
+ * the rows to turn off, separated by commas (src/kbtable.c's table). */
+static int parse_known_bugs(oc_config *cfg, const oc_setting *s, const char *v)
+{
+    unsigned long off = 0;
+    int b = oc_parse_bool(v);
+    (void)s;
+    if (b < 0 && oc_known_bugs_parse_off(v, &off) != 0)
+        return -1;
+    cfg->known_bugs = b < 0 ? 1 : b;
+    cfg->known_bugs_off = off;
     return 0;
 }
 
@@ -298,6 +315,8 @@ static int parse(oc_config *cfg, const oc_setting *s, const char *v)
         return parse_alloc(cfg, s, v);
     case OC_SET_SUMMARY:
         return parse_summary(cfg, s, v);
+    case OC_SET_KNOWN_BUGS:
+        return parse_known_bugs(cfg, s, v);
     case OC_SET_TEXT:
     case OC_SET_FOREIGN:
         break;
@@ -396,7 +415,9 @@ void oc_config_load(oc_config *cfg, oc_getenv_fn get, void *ctx)
         /* The setting's own values first (OUTOFCUDA_NUM_WORKERS=0 is the
          * number 0), then the off words every setting takes. */
         if (parse(cfg, s, v) == 0) {
-            if ((s->kind == OC_SET_BOOL || s->kind == OC_SET_SUMMARY) && oc_parse_off(v) && i < 64)
+            if ((s->kind == OC_SET_BOOL || s->kind == OC_SET_SUMMARY ||
+                 s->kind == OC_SET_KNOWN_BUGS) &&
+                oc_parse_off(v) && i < 64)
                 cfg->off |= 1ull << i;
         } else if (parse_off(cfg, s, v) == 0) {
             if (i < 64)

@@ -1,169 +1,42 @@
-/* knownbugs.c - bugs of the installed stack that outofcuda steps around.
- *
- * The first part is pure C (the table and its lookup, testable and fuzzable
- * without Python, like config.c); the second applies it to the running torch:
- * what can be decided at import is decided then, the rest (the cuDNN version,
- * whose read loads libcudnn_graph: about 51 MiB of RSS and 6 ms measured on the CUDA
- * build of torch 2.14.1) when CUDA starts, from the one lazy-init callback. */
+/* knownbugs.c - the known-bugs table (kbtable.c) applied to the running
+ * torch: what can be decided at import is decided then, the rest (the cuDNN
+ * version, whose read loads libcudnn_graph: about 51 MiB of RSS and 6 ms
+ * measured on the CUDA build of torch 2.14.1) when CUDA starts, from the one
+ * lazy-init callback; a row that needs this process's contexts is decided
+ * from NVML whenever status() or the exit summary asks. */
 #include "oc.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
-/* ---- the table (pure C) ---- */
-
-static const oc_known_bug table[] = {
-    {
-        "cudnn-sdpa-nan-grad-sm90",
-        "cuDNN attention backward gives NaN grad_q on sm90 (attn_mask, seq_len % 128 == 64, "
-        "a row's logsumexp below -88.7)",
-        /* 2.11 puts cuDNN first in the SDPA order on sm90/sm100 (regression
-         * since 2.11); 2.15 bundles cuDNN 9.26 and guards older cuDNN
-         * itself (pytorch PR 196861). */
-        {21100, 21500},
-        /* cuDNN goes first only above 9.15.0 (check_prefer_cudnn_attention);
-         * the backend fix is in 9.26 (cudnn-frontend PR 628). */
-        {91501, 92600},
-        /* The failing kernel is sm90's (..._sdpa_sm90_flash_bprop_wgmma_...);
-         * sm100 is not reported. */
-        {90, 100},
-        "TORCH_CUDNN_SDPA_DEPRIORITIZED",
-        "cuDNN attention is torch's default SDPA backend there; the NaN needs an explicit "
-        "attn_mask in a backward pass",
-        OC_KB_SDPA_NO_CUDNN,
-        "cuDNN attention turned off (torch._C._set_sdp_use_cudnn(False), what "
-        "enable_cudnn_sdp(False) does); sdpa_kernel() blocks still choose for themselves",
-        "https://github.com/pytorch/pytorch/issues/196678",
-    },
-};
-
-size_t oc_known_bug_count(void)
-{
-    return sizeof table / sizeof table[0];
-}
-
-const oc_known_bug *oc_known_bug_at(size_t i)
-{
-    return i < oc_known_bug_count() ? &table[i] : NULL;
-}
-
-static int oc_range_has(oc_range r, long v)
-{
-    return v >= r.lo && (r.hi == 0 || v < r.hi);
-}
-
-/* Appends text to why (cut to fit, always terminated). */
-static void add_why(char *why, size_t sz, const char *fmt, long a, long b)
-{
-    size_t n;
-    if (why == NULL || sz == 0)
-        return;
-    n = strlen(why);
-    if (n + 1 >= sz)
-        return;
-    snprintf(why + n, sz - n, fmt, a, b);
-}
-
-static void version_text(char *buf, size_t sz, long v)
-{
-    snprintf(buf, sz, "%ld.%ld.%ld", v / 10000, v / 100 % 100, v % 100);
-}
-
-/* "9.x" for a whole major, else "8.6 to below 9.0". */
-static void cc_text(char *why, size_t sz, oc_range r)
-{
-    if (r.lo % 10 == 0 && r.hi == r.lo + 10)
-        add_why(why, sz, "%ld.x", r.lo / 10, 0);
-    else
-        add_why(why, sz, "%ld.%ld", r.lo / 10, r.lo % 10);
-    if (!(r.lo % 10 == 0 && r.hi == r.lo + 10))
-        add_why(why, sz, r.hi ? " to below %ld.%ld" : " or newer", r.hi / 10, r.hi % 10);
-}
-
-int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, size_t whysz)
-{
-    char text[32];
-    int unknown = 0, cc_hit = 0;
-    const char *env;
-    if (why && whysz)
-        why[0] = '\0';
-    if (b == NULL || f == NULL)
-        return OC_KB_UNDECIDED;
-    /* Every "no" the facts can prove wins over what is still unknown. */
-    if (f->torch > 0 && !oc_range_has(b->torch, f->torch)) {
-        version_text(text, sizeof text, f->torch);
-        if (why && whysz)
-            snprintf(why, whysz, "not affected: torch %s is outside the affected releases", text);
-        return OC_KB_NO;
-    }
-    if (f->cuda_build == 0) {
-        if (why && whysz)
-            snprintf(why, whysz, "not affected: this torch build has no CUDA");
-        return OC_KB_NO;
-    }
-    env = b->unless_env && f->getenv_fn ? f->getenv_fn(b->unless_env, f->ctx) : NULL;
-    /* c10::utils::check_env: exactly "1" is true. */
-    if (env != NULL && strcmp(env, "1") == 0) {
-        if (why && whysz)
-            snprintf(why, whysz, "not affected: %s=1 keeps torch off the kernel", b->unless_env);
-        return OC_KB_NO;
-    }
-    for (int i = 0; f->n_cc > 0 && i < f->n_cc && i < OC_KB_MAX_DEVICES; i++)
-        cc_hit |= oc_range_has(b->cc, f->cc[i]);
-    if (f->n_cc >= 0 && !cc_hit) {
-        if (why && whysz)
-            snprintf(why, whysz, "not affected: no visible GPU of compute capability ");
-        cc_text(why, whysz, b->cc);
-        return OC_KB_NO;
-    }
-    if (f->cudnn == 0 || (f->cudnn > 0 && !oc_range_has(b->cudnn, f->cudnn))) {
-        if (why && whysz && f->cudnn == 0)
-            snprintf(why, whysz, "not affected: torch loads no cuDNN");
-        else if (why && whysz)
-            snprintf(why, whysz, "not affected: cuDNN %ld is outside the affected versions",
-                     f->cudnn);
-        return OC_KB_NO;
-    }
-    if (why && whysz)
-        snprintf(why, whysz, "undecided:");
-    if (f->torch <= 0) {
-        add_why(why, whysz, " torch's version unknown;", 0, 0);
-        unknown = 1;
-    }
-    if (f->cuda_build < 0) {
-        add_why(why, whysz, " whether torch has CUDA unknown;", 0, 0);
-        unknown = 1;
-    }
-    if (f->n_cc < 0) {
-        add_why(why, whysz, " no compute capability read (NVML);", 0, 0);
-        unknown = 1;
-    }
-    if (f->cudnn < 0) {
-        add_why(why, whysz, " cuDNN's version is read when CUDA starts;", 0, 0);
-        unknown = 1;
-    }
-    if (unknown) {
-        size_t n = why ? strlen(why) : 0;
-        if (n > 0 && why[n - 1] == ';')
-            why[n - 1] = '\0';
-        return OC_KB_UNDECIDED;
-    }
-    version_text(text, sizeof text, f->torch);
-    if (why && whysz)
-        snprintf(why, whysz, "affected: torch %s, cuDNN %ld, a visible GPU of compute capability ",
-                 text, f->cudnn);
-    cc_text(why, whysz, b->cc);
-    return OC_KB_YES;
-}
-
-#ifndef OC_PURE_C
 /* ---- applying the table to the running torch ---- */
 
 static const char *proc_getenv(const char *name, void *ctx)
 {
     (void)ctx;
     return oc_env(name);
+}
+
+/* "12.1" -> 1201; 0 when it cannot be read. */
+static long cuda_number(const char *v)
+{
+    long major = 0, minor = 0;
+    if (v == NULL || sscanf(v, "%ld.%ld", &major, &minor) < 1 || major <= 0 || major > 99 ||
+        minor < 0 || minor > 99)
+        return 0;
+    return major * 100 + minor;
+}
+
+/* Fills the facts nothing has read yet: unknown, no device, no process list. */
+static void facts_init(oc_kb_facts *f)
+{
+    memset(f, 0, sizeof *f);
+    f->n_cc = -1;
+    f->cudnn = -1;
+    f->local_rank = -1;
+    f->foreign_dev = -2;
 }
 
 /* torch's version and build, read from the module (never imports). */
@@ -173,8 +46,53 @@ static void torch_facts(PyObject *torch, oc_kb_facts *f)
     f->torch = oc_torch_version(torch);
     cuda = oc_getattr_chain(torch, "version.cuda");
     f->cuda_build = cuda == NULL ? -1 : cuda != Py_None;
+    if (cuda != NULL && PyUnicode_Check(cuda)) {
+        char buf[32];
+        f->cuda = cuda_number(oc_utf8(cuda, buf, sizeof buf));
+    }
     Py_XDECREF(cuda);
     OC_CLEAR();
+    f->local_rank = oc_env_rank("LOCAL_RANK");
+}
+
+/* A device NVML lists this process on that is not LOCAL_RANK's (what
+ * oc_kb_foreign_device says), or -2 when NVML cannot tell. No CUDA call. */
+static int live_foreign_device(long local_rank)
+{
+    int map[OC_NVML_MAX_DEVICES], ctx[OC_NVML_MAX_DEVICES], n, nctx = 0;
+    unsigned int self = (unsigned int)getpid();
+    if (local_rank <= 0)
+        return -1;
+    if (!oc_nvml_available(NULL, 0) || (n = oc_nvml_visible_map(map, OC_NVML_MAX_DEVICES)) < 0)
+        return -2;
+    for (int i = 0; i < n; i++) {
+        oc_gpu_proc *procs = NULL;
+        int k = oc_nvml_process_list(map[i], &procs);
+        for (int j = 0; j < k; j++) {
+            if (procs[j].pid == self) {
+                ctx[nctx++] = i;
+                break;
+            }
+        }
+        free(procs);
+        if (k < 0)
+            return -2;
+    }
+    return oc_kb_foreign_device(local_rank, n, ctx, nctx);
+}
+
+/* 1 when OUTOFCUDA_KNOWN_BUGS turns row i off (all of them with 0). */
+static int row_off(size_t i)
+{
+    const oc_config *cfg = oc_config_get();
+    return !cfg->known_bugs ||
+           (i < 8 * sizeof cfg->known_bugs_off && (cfg->known_bugs_off >> i) & 1);
+}
+
+int oc_known_bug_on(const char *id)
+{
+    int i = oc_known_bug_index(id, 0);
+    return i >= 0 && !row_off((size_t)i);
 }
 
 /* Compute capabilities of the devices CUDA shows this process, from NVML
@@ -207,26 +125,50 @@ static void device_facts(oc_kb_facts *f)
 static void decide_all(PyObject *torch, size_t n)
 {
     oc_kb_facts f;
-    int undecided = 0;
-    memset(&f, 0, sizeof f);
+    int need_devices = 0;
+    facts_init(&f);
     torch_facts(torch, &f);
-    f.n_cc = -1;
     f.cudnn = oc_g.kb.cudnn;
     f.getenv_fn = proc_getenv;
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1) {
-            if (!undecided)
+            if (!need_devices)
                 break;
             device_facts(&f);
         }
-        undecided = 0;
+        need_devices = 0;
         for (size_t i = 0; i < n; i++) {
-            if (oc_g.kb.state[i] != OC_KB_UNDECIDED)
+            const oc_known_bug *b = oc_known_bug_at(i);
+            if (oc_g.kb.state[i] != OC_KB_UNDECIDED || row_off(i))
                 continue;
-            oc_g.kb.state[i] = oc_known_bug_decide(oc_known_bug_at(i), &f, oc_g.kb.reason[i],
-                                                   sizeof oc_g.kb.reason[i]);
-            undecided |= oc_g.kb.state[i] == OC_KB_UNDECIDED;
+            oc_g.kb.state[i] =
+                oc_known_bug_decide(b, &f, oc_g.kb.reason[i], sizeof oc_g.kb.reason[i]);
+            need_devices |= oc_g.kb.state[i] == OC_KB_UNDECIDED && !oc_range_any(b->cc);
         }
+    }
+}
+
+/* Row i is still undecided for want of cuDNN's version alone. */
+static int waits_for_cudnn(size_t i)
+{
+    return oc_g.kb.state[i] == OC_KB_UNDECIDED && !row_off(i) &&
+           !oc_range_any(oc_known_bug_at(i)->cudnn);
+}
+
+/* Steers decided at import (the allocator one was taken before torch
+ * loaded, the TF32 one is how outofcuda sets TF32): whether they hold. */
+static void act_at_import(const oc_known_bug *b, size_t i)
+{
+    size_t len = strlen(oc_g.kb.reason[i]);
+    char *tail = oc_g.kb.reason[i] + len;
+    size_t room = sizeof oc_g.kb.reason[i] - len;
+    if (b->action == OC_KB_ALLOC_GENERIC) {
+        oc_g.kb.done[i] = oc_g.alloc_generic && oc_g.alloc_applied;
+        snprintf(tail, room, oc_g.kb.done[i] ? "; avoided: %s" : "; not avoided: %s",
+                 oc_g.kb.done[i] ? b->action_text : oc_g.alloc_reason);
+    } else if (b->action == OC_KB_TF32_LEGACY) {
+        oc_g.kb.done[i] = 1;
+        snprintf(tail, room, "; avoided: %s", b->action_text);
     }
 }
 
@@ -240,29 +182,41 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     oc_g.kb.decided = 1;
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
-    if (!cfg->known_bugs) {
-        for (size_t i = 0; i < n; i++) {
-            oc_g.kb.state[i] = OC_KB_UNDECIDED;
+    for (size_t i = 0; i < n; i++) {
+        oc_g.kb.state[i] = OC_KB_UNDECIDED;
+        if (!cfg->known_bugs)
             snprintf(oc_g.kb.reason[i], sizeof oc_g.kb.reason[i],
                      "OUTOFCUDA_KNOWN_BUGS=0: torch's own choice kept, nothing checked");
-        }
+        else if (row_off(i))
+            snprintf(oc_g.kb.reason[i], sizeof oc_g.kb.reason[i],
+                     "OUTOFCUDA_KNOWN_BUGS lists %s: turned off, nothing checked",
+                     oc_known_bug_at(i)->id);
+    }
+    if (!cfg->known_bugs)
         return;
-    }
-    for (size_t i = 0; i < n; i++)
-        oc_g.kb.state[i] = OC_KB_UNDECIDED;
     decide_all(torch, n);
-    for (size_t i = 0; i < n; i++)
-        pending |= oc_g.kb.state[i] == OC_KB_UNDECIDED;
-    if (pending && no_queue != NULL) {
-        /* Nothing will run when CUDA starts: it stays undecided, and says why. */
-        for (size_t i = 0; i < n; i++) {
-            size_t len = strlen(oc_g.kb.reason[i]);
-            if (oc_g.kb.state[i] == OC_KB_UNDECIDED)
-                snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len, " (never: %s)",
-                         no_queue);
-        }
-        pending = 0;
+    for (size_t i = 0; i < n; i++) {
+        const oc_known_bug *b = oc_known_bug_at(i);
+        if (oc_g.kb.state[i] == OC_KB_YES)
+            act_at_import(b, i);
+        /* Only cuDNN's version is read at CUDA's start, and only for a steer:
+         * a row that waits for anything else (NVML), or one that is only
+         * named, would load cuDNN (+51 MiB of RSS) for nothing. */
+        pending |= waits_for_cudnn(i) && b->action != OC_KB_REPORT;
     }
+    for (size_t i = 0; i < n; i++) {
+        size_t len = strlen(oc_g.kb.reason[i]);
+        if (!waits_for_cudnn(i))
+            continue;
+        if (pending && no_queue != NULL) /* nothing will run when CUDA starts */
+            snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len, " (never: %s)",
+                     no_queue);
+        else if (!pending)
+            snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len,
+                     " (only where a guard needs it; `outofcuda doctor` reads it)");
+    }
+    if (no_queue != NULL)
+        pending = 0;
     if (pending)
         oc_cuda_step_arm(OC_STEP_KNOWN_BUGS);
 }
@@ -544,13 +498,22 @@ static const char *guard_now(const oc_known_bug *b, char *text, size_t sz)
     return NULL;
 }
 
+/* What outofcuda does about a row, in one word: "guard" (a steer the off
+ * switch turns off), "own" (how outofcuda itself sets torch avoids it:
+ * nothing to turn off), "named" (a line in doctor and the summary). */
+static const char *kind_word(const oc_known_bug *b)
+{
+    return b->action == OC_KB_REPORT ? "named" : b->action == OC_KB_TF32_LEGACY ? "own" : "guard";
+}
+
 static PyObject *entry_dict(const oc_known_bug *b, int state, int done, const char *reason,
                             const char *now)
 {
-    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:O,s:s,s:s,s:s,s:z}", "id", b->id, "title", b->title,
-                         "evidence", b->evidence, "applies", state_obj(state), "done",
+    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:O,s:s,s:s,s:s,s:z,s:z,s:s,s:s}", "id", b->id, "title",
+                         b->title, "evidence", b->evidence, "applies", state_obj(state), "done",
                          done ? Py_True : Py_False, "action", b->action_text, "condition",
-                         b->condition, "reason", reason, "now", now);
+                         b->condition, "reason", reason, "now", now, "fixed_in", b->fixed_in, "fix",
+                         b->fix, "kind", kind_word(b));
 }
 
 /* Appends one entry to list; on failure drops the list and returns NULL. */
@@ -567,6 +530,28 @@ static PyObject *append_entry(PyObject *list, const oc_known_bug *b, int state, 
     return list;
 }
 
+/* Row i decided again from what NVML lists now (a row that needs this
+ * process's contexts): its state, reason into text. */
+static int decide_live(size_t i, char *text, size_t sz)
+{
+    const oc_known_bug *b = oc_known_bug_at(i);
+    PyObject *torch;
+    oc_kb_facts f;
+    int state;
+    if (!(b->needs & OC_KB_NEEDS_FOREIGN_CTX) || oc_g.kb.state[i] != OC_KB_UNDECIDED || row_off(i))
+        return oc_g.kb.state[i];
+    torch = oc_sys_module("torch");
+    if (torch == NULL)
+        return oc_g.kb.state[i];
+    facts_init(&f);
+    torch_facts(torch, &f);
+    Py_DECREF(torch);
+    f.getenv_fn = proc_getenv;
+    f.foreign_dev = live_foreign_device(f.local_rank);
+    state = oc_known_bug_decide(b, &f, text, sz);
+    return state;
+}
+
 PyObject *oc_known_bugs_status(void)
 {
     PyObject *list = PyList_New(0);
@@ -574,17 +559,45 @@ PyObject *oc_known_bugs_status(void)
     for (size_t i = 0; list != NULL && i < n && i < OC_KB_MAX_ENTRIES; i++) {
         char reason[sizeof oc_g.kb.reason[i] + 200];
         const char *now = NULL;
+        int state = oc_g.kb.decided ? oc_g.kb.state[i] : OC_KB_UNDECIDED;
         snprintf(reason, sizeof reason, "%s",
                  oc_g.kb.decided
                      ? oc_g.kb.reason[i]
                      : "undecided: torch has not been imported by the hook in this process");
-        if (oc_g.kb.decided && oc_g.kb.done[i])
-            now = guard_now(oc_known_bug_at(i), reason, sizeof reason);
-        list = append_entry(list, oc_known_bug_at(i),
-                            oc_g.kb.decided ? oc_g.kb.state[i] : OC_KB_UNDECIDED, oc_g.kb.done[i],
-                            reason, now);
+        if (oc_g.kb.decided) {
+            state = decide_live(i, reason, sizeof reason);
+            if (oc_g.kb.done[i])
+                now = guard_now(oc_known_bug_at(i), reason, sizeof reason);
+        }
+        list = append_entry(list, oc_known_bug_at(i), state, oc_g.kb.done[i], reason, now);
     }
     return list;
+}
+
+size_t oc_known_bugs_summary(char *buf, size_t sz, const char *prefix)
+{
+    size_t len = 0, n = oc_known_bug_count();
+    if (buf == NULL || sz == 0)
+        return 0;
+    buf[0] = '\0';
+    for (size_t i = 0; oc_g.kb.decided && i < n && i < OC_KB_MAX_ENTRIES && len + 1 < sz; i++) {
+        const oc_known_bug *b = oc_known_bug_at(i);
+        char why[sizeof oc_g.kb.reason[i] + 200];
+        int state;
+        snprintf(why, sizeof why, "%s", oc_g.kb.reason[i]);
+        state = decide_live(i, why, sizeof why);
+        /* Named where it applies and outofcuda does not avoid it; the
+         * report-only rows that depend on how the program trains (FSDP2,
+         * pooling) stay in doctor, where they are one line each. */
+        if (state != OC_KB_YES || oc_g.kb.done[i] ||
+            (b->action == OC_KB_REPORT && oc_range_any(b->cudnn) && !b->needs))
+            continue;
+        snprintf(buf + len, sz - len, "%s  known bug      %s: %s (%s); fix: %s%s%s\n", prefix,
+                 b->id, why, b->evidence, b->fix, b->fixed_in ? "; fixed in " : "",
+                 b->fixed_in ? b->fixed_in : "");
+        len += strlen(buf + len);
+    }
+    return len;
 }
 
 /* getenv over a Python mapping (ctx); the value lives in a static buffer
@@ -603,18 +616,27 @@ static const char *mapping_getenv(const char *name, void *ctx)
 
 /* _known_bugs_check(torch_version, cuda_build, cudnn_version, ccs, env) ->
  * list of entries: the table evaluated on given facts, nothing acted on
- * (doctor, tests). None for a fact means unknown; ccs are major*10+minor. */
+ * (doctor, tests). None for a fact means unknown; cuda_build is a bool or
+ * torch.version.cuda ("13.0"); ccs are major*10+minor; env's LOCAL_RANK is
+ * the rank (no process list is read: a row that needs one stays undecided). */
 static PyObject *known_bugs_check_py(PyObject *self, PyObject *args)
 {
-    const char *tver;
+    const char *tver, *lr;
     PyObject *cuda, *cudnn, *ccs, *env, *list;
     oc_kb_facts f;
     (void)self;
     if (!PyArg_ParseTuple(args, "zOOOO", &tver, &cuda, &cudnn, &ccs, &env))
         return NULL;
-    memset(&f, 0, sizeof f);
+    facts_init(&f);
     f.torch = tver ? oc_torch_version_number(tver) : 0;
-    f.cuda_build = cuda == Py_None ? -1 : PyObject_IsTrue(cuda);
+    /* cuda: torch.version.cuda ("13.0"), or a bool, or None (unknown). */
+    if (PyUnicode_Check(cuda)) {
+        char buf[32];
+        f.cuda_build = 1;
+        f.cuda = cuda_number(oc_utf8(cuda, buf, sizeof buf));
+    } else {
+        f.cuda_build = cuda == Py_None ? -1 : PyObject_IsTrue(cuda);
+    }
     f.cudnn = cudnn == Py_None ? -1 : PyLong_AsLong(cudnn);
     f.n_cc = -1;
     if (ccs != Py_None) {
@@ -630,6 +652,12 @@ static PyObject *known_bugs_check_py(PyObject *self, PyObject *args)
         return NULL;
     f.getenv_fn = mapping_getenv;
     f.ctx = env;
+    lr = mapping_getenv("LOCAL_RANK", env);
+    if (lr != NULL) {
+        char *end;
+        long r = strtol(lr, &end, 10);
+        f.local_rank = *lr && *end == '\0' && r >= 0 && r < 1000000 ? r : -1;
+    }
     list = PyList_New(0);
     for (size_t i = 0; list != NULL && i < oc_known_bug_count(); i++) {
         char why[400];
@@ -672,4 +700,3 @@ PyMethodDef oc_known_bugs_methods[] = {
      "Evaluate the known-bugs table on given facts (nothing is changed)."},
     {NULL, NULL, 0, NULL},
 };
-#endif /* OC_PURE_C */

@@ -65,6 +65,9 @@ static PyObject *setting_value(const oc_config *c, const oc_setting *s)
         const char *text = c->summary == OC_SUMMARY_JSON ? c->summary_path : modes[c->summary];
         return PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
     }
+    case OC_SET_KNOWN_BUGS:
+        memcpy(&i_val, base, sizeof i_val);
+        return PyBool_FromLong(i_val);
     case OC_SET_TEXT:
     case OC_SET_FOREIGN:
         break;
@@ -96,6 +99,23 @@ static PyObject *dict_from_config(const oc_config *c)
         if (w == NULL || PyList_Append(warnings, w) < 0)
             Py_CLEAR(warnings);
         Py_XDECREF(w);
+    }
+    /* The rows OUTOFCUDA_KNOWN_BUGS turned off, by id. */
+    {
+        PyObject *off = PyList_New(0);
+        for (size_t i = 0;
+             off != NULL && i < oc_known_bug_count() && i < 8 * sizeof c->known_bugs_off; i++) {
+            PyObject *id;
+            if (!((c->known_bugs_off >> i) & 1))
+                continue;
+            id = PyUnicode_FromString(oc_known_bug_at(i)->id);
+            if (id == NULL || PyList_Append(off, id) < 0)
+                Py_CLEAR(off);
+            Py_XDECREF(id);
+        }
+        if (off == NULL || d == NULL || PyDict_SetItemString(d, "known_bugs_off", off) < 0)
+            Py_CLEAR(d);
+        Py_XDECREF(off);
     }
     v = PyUnicode_FromString(c->alloc_conf_no_expandable);
     if (d == NULL || warnings == NULL || v == NULL ||
@@ -131,8 +151,8 @@ static PyObject *setting_words(const oc_setting *s)
  * and the Python API's own checks. */
 static PyObject *oc_settings_py(PyObject *self, PyObject *unused)
 {
-    static const char *const kinds[] = {"boolean",   "number",  "fraction", "word",
-                                        "allocator", "summary", "text",     "foreign"};
+    static const char *const kinds[] = {"boolean", "number", "fraction", "word",      "allocator",
+                                        "summary", "text",   "foreign",  "known_bugs"};
     PyObject *list = PyList_New(0);
     (void)self;
     (void)unused;

@@ -15,8 +15,8 @@
  *   facts.c    verdicts the Python layer asks for instead of parsing again
  *   summary.c  OUTOFCUDA_SUMMARY: input-wait and utilisation sampler, at-exit block
  *   api.c      decisions behind the Python API
- *   knownbugs.c the known-bugs table and its lookup (pure C part first),
- *              then the guards applied at import and at CUDA's start
+ *   knownbugs.c the known-bugs table applied: decided at import, at CUDA's
+ *              start and from NVML; the steers, status, the summary's lines
  *   frameworks.c packages that own GPU memory (vLLM, SGLang, ...): table, detection
  *   platform.c machines where a default cannot work (expandable segments on WSL)
  *   thread.c   native threads: spawned with signals blocked, monotonic waits,
@@ -24,6 +24,7 @@
  *   common.c   the shared ground: process state, warnings, small helpers
  *   advice.c   ranked advice: OOM actions and summary hints (pure C, no Python)
  *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python)
+ *   kbtable.c  the known-bugs table and its lookup (pure C, no Python)
  *   allocconf.c allocator-string parse and merge (pure C, no Python)
  *   nvml.c     NVML loaded with dlopen at run time
  *   settings.c the table of every environment variable read, and oc_env()
@@ -99,6 +100,7 @@ typedef struct {
      * (oc_config_off); its field then holds what leaves torch's default. */
     unsigned long long off;
     int oom_keep_frames; /* OUTOFCUDA_OOM_KEEP_FRAMES: a failed cell keeps its frames */
+    unsigned long known_bugs_off; /* rows (bit i: row i) OUTOFCUDA_KNOWN_BUGS turned off */
 } oc_config;
 
 /* Returns the value of an environment variable or NULL; lets tests and the
@@ -110,14 +112,15 @@ typedef const char *(*oc_getenv_fn)(const char *name, void *ctx);
  * it acts on, read where they act through oc_env(). The loader, config(),
  * the warnings, the fuzz target and a docs test all come from it. */
 typedef enum {
-    OC_SET_BOOL,     /* int field: 1/0, true/false, yes/no, on/off */
-    OC_SET_LONG,     /* long field in [lo, hi] */
-    OC_SET_FRACTION, /* double field, 0 < f <= 1 */
-    OC_SET_WORD,     /* one of words: values[i] into an int field, or the word itself */
-    OC_SET_ALLOC,    /* an allocator string */
-    OC_SET_SUMMARY,  /* OUTOFCUDA_SUMMARY: a boolean or a .json path */
-    OC_SET_TEXT,     /* read where it acts, through oc_env() (no field) */
-    OC_SET_FOREIGN,  /* another program's variable, read through oc_env() */
+    OC_SET_BOOL,       /* int field: 1/0, true/false, yes/no, on/off */
+    OC_SET_LONG,       /* long field in [lo, hi] */
+    OC_SET_FRACTION,   /* double field, 0 < f <= 1 */
+    OC_SET_WORD,       /* one of words: values[i] into an int field, or the word itself */
+    OC_SET_ALLOC,      /* an allocator string */
+    OC_SET_SUMMARY,    /* OUTOFCUDA_SUMMARY: a boolean or a .json path */
+    OC_SET_TEXT,       /* read where it acts, through oc_env() (no field) */
+    OC_SET_FOREIGN,    /* another program's variable, read through oc_env() */
+    OC_SET_KNOWN_BUGS, /* OUTOFCUDA_KNOWN_BUGS: a boolean, or the ids of rows turned off */
 } oc_setting_kind;
 
 #define OC_NO_FIELD ((size_t)-1)
@@ -245,6 +248,10 @@ int oc_alloc_key_known(const char *key, long ver);
 
 /* Returns the name of the environment variable the release reads first. */
 const char *oc_alloc_env_name(long ver);
+/* 1 when release ver's CUDA allocator ignores the PYTORCH_ALLOC_CONF the
+ * user set (2.9 and 2.10 read PYTORCH_CUDA_ALLOC_CONF alone, pytorch issue
+ * 183387) and PYTORCH_CUDA_ALLOC_CONF is unset; its value through *value. */
+int oc_alloc_generic_ignored(long ver, const char **value);
 
 /* knownbugs.c: bugs of the installed stack and what outofcuda does about
  * them. A range holds lo <= v < hi (hi 0: no upper bound). */
@@ -252,26 +259,53 @@ typedef struct {
     long lo, hi;
 } oc_range;
 
-typedef enum { OC_KB_SDPA_NO_CUDNN = 1 } oc_kb_action;
+/* {0, 0}: the row holds whatever the fact is (it needs no such fact). */
+static inline int oc_range_any(oc_range r)
+{
+    return r.lo == 0 && r.hi == 0;
+}
+
+/* What outofcuda does about a row: a steer that costs nothing, or a line in
+ * status(), `outofcuda doctor` and the exit summary (OC_KB_REPORT). */
+typedef enum {
+    OC_KB_SDPA_NO_CUDNN = 1, /* cuDNN attention off when CUDA starts */
+    OC_KB_ALLOC_GENERIC,     /* the user's PYTORCH_ALLOC_CONF handed to torch's setter */
+    OC_KB_TF32_LEGACY,       /* TF32 set only through the legacy setter (both APIs agree) */
+    OC_KB_REPORT,            /* named, with the versions and the fix */
+} oc_kb_action;
+
+/* Facts a row needs beside torch's version and build. */
+#define OC_KB_NEEDS_ALLOC_GENERIC 1u /* PYTORCH_ALLOC_CONF set, PYTORCH_CUDA_ALLOC_CONF not */
+#define OC_KB_NEEDS_FOREIGN_CTX 2u   /* NVML lists this process on another rank's device */
 
 typedef struct {
     const char *id;
     const char *title;
     oc_range torch;         /* oc_torch_version_number */
-    oc_range cudnn;         /* torch.backends.cudnn.version() (runtime) */
-    oc_range cc;            /* compute capability major*10+minor, any visible GPU */
+    oc_range cudnn;         /* torch.backends.cudnn.version() (runtime); {0, 0}: any, none needed */
+    oc_range cc;            /* compute capability major*10+minor, any visible GPU; {0, 0}: any */
     const char *unless_env; /* torch itself avoids the bug when this is "1", or NULL */
     const char *condition;  /* what else must hold, in words */
     oc_kb_action action;
+    unsigned needs; /* OC_KB_NEEDS_* */
     const char *action_text;
     const char *evidence; /* a link */
+    oc_range cuda;        /* torch.version.cuda as major*100+minor; {0, 0}: any */
+    const char *fixed_in; /* the first torch/cuDNN release with the fix, or NULL (none yet) */
+    const char *fix;      /* what the user can do, in words */
 } oc_known_bug;
 
 size_t oc_known_bug_count(void);
 const oc_known_bug *oc_known_bug_at(size_t i); /* NULL past the end */
+/* The row called id (exactly, or up to len characters when len > 0), or -1. */
+int oc_known_bug_index(const char *id, size_t len);
+/* OUTOFCUDA_KNOWN_BUGS as a list of row ids separated by commas (blanks
+ * around each allowed): the rows it turns off as bits in *off. Returns 0, or
+ * -1 (nothing stored) when an id is not a row or the list is empty. */
+int oc_known_bugs_parse_off(const char *value, unsigned long *off);
 
 #define OC_KB_MAX_DEVICES 64
-#define OC_KB_MAX_ENTRIES 8
+#define OC_KB_MAX_ENTRIES 16
 /* What outofcuda knows of the stack; unknown facts are negative. */
 typedef struct {
     long torch;     /* oc_torch_version_number; 0 unknown */
@@ -281,7 +315,17 @@ typedef struct {
     int cc[OC_KB_MAX_DEVICES];
     oc_getenv_fn getenv_fn; /* NULL: no variable is set */
     void *ctx;
+    long cuda;       /* torch.version.cuda as major*100+minor; 0 unknown */
+    long local_rank; /* LOCAL_RANK; -1 unset */
+    int foreign_dev; /* a device NVML lists this process on that is not LOCAL_RANK's;
+                        -1 none, -2 not read */
 } oc_kb_facts;
+
+/* The device index NVML lists this process on that is not LOCAL_RANK's:
+ * ctx holds the CUDA-visible indices it is listed on (n of them) out of
+ * n_visible. -1 when none is (or when which device is LOCAL_RANK's cannot
+ * be told: one visible device, or LOCAL_RANK beyond the visible ones). */
+int oc_kb_foreign_device(long local_rank, int n_visible, const int *ctx, int n);
 
 #define OC_KB_NO 0
 #define OC_KB_YES 1
@@ -518,6 +562,7 @@ typedef struct {
     char alloc_reason[1000];
     int alloc_applied;
     int alloc_by_setter; /* the merge went to torch's runtime setter alone */
+    int alloc_generic; /* the user's PYTORCH_ALLOC_CONF, which 2.9 and 2.10 ignore, went to torch */
     /* The variable as the user left it, given back once torch has read
      * outofcuda's value: children inherit the user's environment. */
     struct {
@@ -805,6 +850,11 @@ int oc_resolve_file_path(const char *path, char *dir, size_t dirsz, char *out, s
 void oc_known_bugs_at_import(PyObject *torch, const char *no_queue);
 void oc_known_bugs_at_cuda_init(PyObject *torch);
 PyObject *oc_known_bugs_status(void); /* new list, or NULL with an exception */
+/* 1 when OUTOFCUDA_KNOWN_BUGS leaves row `id` on (the steer may act). */
+int oc_known_bug_on(const char *id);
+/* The exit summary's lines naming the rows that apply and that outofcuda
+ * does not avoid, each line starting with prefix; returns the length. */
+size_t oc_known_bugs_summary(char *buf, size_t sz, const char *prefix);
 extern PyMethodDef oc_known_bugs_methods[];
 
 /* thread.c: one native thread, its lock and its condition variable, owned

@@ -70,7 +70,9 @@ static const oc_setting settings[] = {
      F(summary), 0, 0, NULL, NULL},
     {"OUTOFCUDA_FRAMEWORK_OVERRIDE", OC_SET_BOOL, "0", BOOL_WORDS, F(framework_override), 0, 0,
      NULL, NULL},
-    {"OUTOFCUDA_KNOWN_BUGS", OC_SET_BOOL, "1", BOOL_WORDS, F(known_bugs), 0, 0, NULL, NULL},
+    {"OUTOFCUDA_KNOWN_BUGS", OC_SET_KNOWN_BUGS, "1",
+     BOOL_WORDS " (every row), or the ids of the rows to turn off, separated by commas",
+     F(known_bugs), 0, 0, NULL, NULL},
     /* Foreign: read where they act. */
     {"NVIDIA_TF32_OVERRIDE", OC_SET_FOREIGN, NULL, "0 turns TF32 off in NVIDIA's libraries",
      OC_NO_FIELD, 0, 0, NULL, NULL},

@@ -679,6 +679,17 @@ static void format_block(text *t, const sum_device *d, const proc_figs *p, const
         appendf(t, "  hint %d         %s\n", i + 1, h[i].text);
 }
 
+/* The known bugs that apply here and that outofcuda does not avoid
+ * (knownbugs.c), once per process, after the device blocks. */
+static void append_known_bugs(text *t, const proc_figs *p)
+{
+    char pre[32] = "", lines[4096];
+    if (p->rank >= 0)
+        snprintf(pre, sizeof pre, "[rank %ld] ", p->rank);
+    if (oc_known_bugs_summary(lines, sizeof lines, pre) > 0)
+        appendf(t, "%s", lines);
+}
+
 static PyObject *none_or_ll(long long x)
 {
     if (x < 0)
@@ -842,6 +853,8 @@ static void emit(const proc_figs *p, const sum_device *dev, int n)
         nh = make_hints(&dev[i], p, &f, h);
         nh = nh < HINTS_MAX ? nh : HINTS_MAX;
         format_block(&t, &dev[i], p, h, nh);
+        if (i == n - 1)
+            append_known_bugs(&t, p);
         if (devices != NULL) {
             PyObject *d = device_dict(&dev[i], h, nh);
             if (d == NULL || PyList_Append(devices, d) < 0)

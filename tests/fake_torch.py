@@ -310,22 +310,27 @@ def sdpa_kernel(backends):
 '''
 
 
-def make_fake_torch(root: Path, release: str, cuda: bool = True, cudnn=None) -> Path:
+def make_fake_torch(root: Path, release: str, cuda: bool = True, cudnn=None,
+                    version: str = None, cuda_version: str = "12.1") -> Path:
     """Writes a fake torch `release` under root and returns the directory to
     put first on PYTHONPATH. cudnn: the version torch.backends.cudnn.version()
-    reports (default: the release's)."""
+    reports (default: the release's). version: the __version__ it reports
+    (default: release), for a release between two of RELEASES that behaves as
+    `release` does (a range's edge); cuda_version: torch.version.cuda of a
+    CUDA build."""
     spec = RELEASES[release]
+    version = version or release
     cudnn = (cudnn if cudnn is not None else spec["cudnn"]) if cuda else None
     pkg = root / "torch"
     (pkg / "backends").mkdir(parents=True)
     (pkg / "cuda").mkdir()
-    cuda_value = "'12.1'" if cuda else "None"
+    cuda_value = repr(cuda_version) if cuda else "None"
     if spec["annotated_version"]:
-        version = (f"from typing import Optional\n__version__ = '{release}'\n"
-                   f"cuda: Optional[str] = {cuda_value}\nhip: Optional[str] = None\n")
+        text = (f"from typing import Optional\n__version__ = '{version}'\n"
+                f"cuda: Optional[str] = {cuda_value}\nhip: Optional[str] = None\n")
     else:
-        version = f"__version__ = '{release}'\ncuda = {cuda_value}\nhip = None\n"
-    (pkg / "version.py").write_text(version)
+        text = f"__version__ = '{version}'\ncuda = {cuda_value}\nhip = None\n"
+    (pkg / "version.py").write_text(text)
     (pkg / "__init__.py").write_text(_INIT.format(
         env=spec["env"], keys=sorted(spec["keys"]),
         autocast=_AUTOCAST_NEW if spec["autocast_new"] else _AUTOCAST_OLD))

@@ -32,6 +32,7 @@ def test_defaults_match_the_product_table(venv):
         "gc_collect": True, "flash_attn": True, "mem_eff_attn": True, "math_attn": True,
         "pin_memory": True, "num_workers": 4, "prefetch_factor": 2, "warnings": [],
         "summary": "off", "known_bugs": True, "oom_keep_frames": False,
+        "known_bugs_off": [],
     }
 
 
@@ -304,8 +305,25 @@ def test_known_bugs_switch(venv, word, value):
 
 def test_known_bugs_bad_value_warns_and_keeps_the_guard(venv):
     (c,) = parse_many(venv, [{"OUTOFCUDA_KNOWN_BUGS": "maybe"}])
-    assert c["known_bugs"] is True
+    assert c["known_bugs"] is True and c["known_bugs_off"] == []
     assert len(c["warnings"]) == 1 and "OUTOFCUDA_KNOWN_BUGS='maybe'" in c["warnings"][0]
+
+
+def test_known_bugs_takes_the_ids_of_rows_to_turn_off(venv):
+    """A list of row ids (src/kbtable.c) turns those rows off, the others
+    stay on; an id that is no row rejects the whole value (a warning naming
+    it, every row on)."""
+    good, spaced, typo, empty = parse_many(venv, [
+        {"OUTOFCUDA_KNOWN_BUGS": "tf32-mixed-api"},
+        {"OUTOFCUDA_KNOWN_BUGS": " cudnn-sdpa-nan-grad-sm90 , alloc-conf-generic-ignored"},
+        {"OUTOFCUDA_KNOWN_BUGS": "tf32-mixed-api,cudnn-sdpa-nan-grad"},
+        {"OUTOFCUDA_KNOWN_BUGS": ","}])
+    assert good["known_bugs"] is True and good["known_bugs_off"] == ["tf32-mixed-api"]
+    assert spaced["known_bugs_off"] == ["cudnn-sdpa-nan-grad-sm90", "alloc-conf-generic-ignored"]
+    assert good["warnings"] == spaced["warnings"] == []
+    for bad in (typo, empty):
+        assert bad["known_bugs"] is True and bad["known_bugs_off"] == []
+        assert len(bad["warnings"]) == 1 and "ids of the rows to turn off" in bad["warnings"][0]
 
 
 # ---- the one table of variables (src/settings.c) ----
@@ -346,7 +364,8 @@ def test_docs_list_exactly_the_variables_of_the_table(venv, workdir):
     # config() shows every setting the loader parses, from the same table.
     cfg = json.loads(venv.check("import json, _outofcuda; print(json.dumps(_outofcuda.config()))",
                                 cwd=workdir).stdout)
-    loaded = {k for k in cfg if k not in ("warnings", "alloc_conf_no_expandable")}
+    loaded = {k for k in cfg if k not in ("warnings", "alloc_conf_no_expandable",
+                                          "known_bugs_off")}
     assert {f"OUTOFCUDA_{k.upper()}" for k in loaded} <= set(own)
 
 

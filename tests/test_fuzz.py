@@ -106,7 +106,8 @@ def test_fuzzer_detects_a_broken_invariant(fuzzers, tmp_path):
     b = subprocess.run(["clang", "-std=c11", "-O1", "-DOC_PURE_C=", "-D_GNU_SOURCE",
                         "-fsanitize=fuzzer,address", "-o", str(exe), str(src),
                         str(ROOT / "src" / "config.c"), str(ROOT / "src" / "allocconf.c"),
-                        str(ROOT / "src" / "settings.c"), "-lm"],
+                        str(ROOT / "src" / "settings.c"), str(ROOT / "src" / "kbtable.c"),
+                        "-lm"],
                        capture_output=True, text=True, timeout=120)
     assert b.returncode == 0, b.stderr
     seed = FUZZ / "corpus" / "config" / "defaults"

@@ -1,4 +1,4 @@
-"""Known bugs of the installed stack (src/knownbugs.c): the table's lookup in
+"""Known bugs of the installed stack (src/kbtable.c, src/knownbugs.c): the table in
 pure C (no Python), the guard on the stand-in releases (tests/fake_torch.py)
 with the stand-in NVML (tests/stub_nvml) at compute capabilities 8.0, 9.0 and
 10.0 and cuDNN on both sides of the fix, OUTOFCUDA_KNOWN_BUGS=0, and the real
@@ -31,71 +31,156 @@ def nvml(stub_nvml, tmp_path):
 last_json = partial(last_json, quiet=True)
 
 
-# ---- the lookup in pure C ----
+# ---- the table in pure C ----
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    build = pure_c_driver(tmp_path_factory.mktemp("kb"), "known_bugs/driver.c", "knownbugs.c")
+    build = pure_c_driver(tmp_path_factory.mktemp("kb"), "known_bugs/driver.c", "kbtable.c")
 
     def run(cases):
-        rows = [ln.split(" ", 2) for ln in build(cases).splitlines()]
-        return [(i, int(d), why) for i, d, why in rows]
+        """cases: facts tuples (case()); returns {row id: [(decision, why)]}."""
+        out = {}
+        for ln in build([("facts",) + c for c in cases]).splitlines():
+            i, d, why = ln.split(" ", 2)
+            out.setdefault(i, []).append((int(d), why))
+        return out
+    run.raw = build
     return run
 
 
-def expected(torch, cuda, cudnn, ccs, env):
-    """The entry as the issue states it, decided independently of the C code."""
-    if torch > 0 and not 21100 <= torch < 21500:
+# Each row as its source states it (docs/known-bugs.md), decided here
+# independently of the C code: torch, torch's CUDA, cuDNN and compute
+# capability ranges (lo <= v < hi; None: any), the variable with which torch
+# avoids it itself, and the extra fact the row needs.
+ROWS = {
+    BUG: dict(torch=(21100, 21500), cudnn=(91501, 92600), cc=(90, 100),
+              unless="TORCH_CUDNN_SDPA_DEPRIORITIZED"),
+    "alloc-conf-generic-ignored": dict(torch=(20900, 21100), needs="alloc"),
+    "torchrun-gpu0-context": dict(needs="ctx"),
+    "cudnn-sublibrary-mismatch": dict(cuda=(1300, 1400), cudnn=(92000, 92300)),
+    "fsdp2-bf16-premul-sum": dict(),
+    "avg-pool2d-channels-last-grad": dict(),
+    "tf32-mixed-api": dict(torch=(20900, None)),
+    "cudnn-sdpa-nan-dkdv-sq1": dict(torch=(21100, None), cudnn=(92501, 92700), cc=(90, 100),
+                                    unless="TORCH_CUDNN_SDPA_DEPRIORITIZED"),
+}
+
+
+def inside(r, v):
+    return v >= r[0] and (r[1] is None or v < r[1])
+
+
+def expected(row, torch, cuda_build, cuda, cudnn, local_rank, foreign, ccs, env):
+    spec = ROWS[row]
+    if torch > 0 and "torch" in spec and not inside(spec["torch"], torch):
         return 0
-    if cuda == 0 or env == "1":
+    if cuda_build == 0:
         return 0
-    if ccs is not None and not any(90 <= c < 100 for c in ccs):
+    if "cuda" in spec and cuda > 0 and not inside(spec["cuda"], cuda):
         return 0
-    if cudnn == 0 or (cudnn > 0 and not 91501 <= cudnn < 92600):
+    if "unless" in spec and env.get(spec["unless"]) == "1":
         return 0
-    if torch <= 0 or cuda < 0 or ccs is None or cudnn < 0:
+    if spec.get("needs") == "alloc" and ("PYTORCH_CUDA_ALLOC_CONF" in env
+                                         or "PYTORCH_ALLOC_CONF" not in env):
+        return 0
+    if spec.get("needs") == "ctx" and (local_rank <= 0 or foreign == -1):
+        return 0
+    if "cc" in spec and ccs is not None and not any(inside(spec["cc"], c) for c in ccs):
+        return 0
+    if "cudnn" in spec and (cudnn == 0 or (cudnn > 0 and not inside(spec["cudnn"], cudnn))):
+        return 0
+    if (torch <= 0 or cuda_build < 0 or ("cuda" in spec and cuda <= 0)
+            or (spec.get("needs") == "ctx" and foreign < -1)
+            or ("cc" in spec and ccs is None) or ("cudnn" in spec and cudnn < 0)):
         return -1
     return 1
 
 
-def case(torch, cuda, cudnn, ccs, env="-"):
-    return (torch, cuda, cudnn, -1 if ccs is None else len(ccs), *(ccs or ()), env)
+def case(torch, cuda_build, cuda, cudnn, local_rank, foreign, ccs, env):
+    env_text = ";".join(f"{k}={v}" for k, v in env.items()) or "-"
+    return (torch, cuda_build, cuda, cudnn, local_rank, foreign,
+            -1 if ccs is None else len(ccs), *(ccs or ()), env_text)
 
 
-GRID = [(t, cu, cd, ccs, env)
-        for t in (0, 21000, 21100, 21401, 21499, 21500, 30000)
-        for cu in (-1, 0, 1)
-        for cd in (-1, 0, 91500, 91501, 92400, 92599, 92600)
-        for ccs in (None, [], [80], [90], [100], [80, 90], [86, 120])
-        for env in ("-", "0", "1", "true")]
+def edges(lo_hi):
+    lo, hi = lo_hi
+    return [v for v in (lo - 1, lo, hi - 1 if hi else None, hi) if v is not None and v > 0]
 
 
-def test_lookup_matches_the_issue_on_every_boundary(driver):
-    rows = driver([case(*g) for g in GRID])
-    assert len(rows) == len(GRID)
-    for g, (bug, d, why) in zip(GRID, rows):
-        assert bug == BUG
-        assert d == expected(*g), (g, d, why)
-        assert why.startswith({0: "not affected", 1: "affected", -1: "undecided"}[d]), (g, why)
+# Every range's edges (just outside, first inside, last inside, first outside),
+# crossed with the other facts' cases.
+TORCHES = sorted({0, 20000, 30000} | {v for s in ROWS.values() if "torch" in s
+                                      for v in edges(s["torch"])})
+CUDNNS = sorted({-1, 0} | {v for s in ROWS.values() if "cudnn" in s for v in edges(s["cudnn"])})
+CUDAS = sorted({0, 1201} | {v for s in ROWS.values() if "cuda" in s for v in edges(s["cuda"])})
+ENVS = [{}, {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"}, {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "true"},
+        {"PYTORCH_ALLOC_CONF": "expandable_segments:True"},
+        {"PYTORCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}]
+GRID = [(t, cb, cu, cd, lr, fd, ccs, env)
+        for t in TORCHES for cb in (-1, 0, 1) for cu in CUDAS for cd in CUDNNS
+        for lr, fd in ((-1, -2), (0, -2), (1, -2), (1, -1), (2, 0))
+        for ccs in (None, [], [89], [90], [99], [100], [80, 90])
+        for env in ENVS
+        if cb == 1 or (cu == 0 and lr == -1 and ccs in (None, [90]))]
 
 
-def test_lookup_fuzz_stays_within_bounds(driver):
+def test_every_row_matches_its_source_on_every_edge(driver):
+    out = driver([case(*g) for g in GRID])
+    assert sorted(out) == sorted(ROWS), "the table's rows are the documented ones"
+    for row, decisions in out.items():
+        assert len(decisions) == len(GRID)
+        for g, (d, why) in zip(GRID, decisions):
+            assert d == expected(row, *g), (row, g, d, why)
+            assert why.startswith({0: "not affected", 1: "affected", -1: "undecided"}[d]), why
+
+
+def test_table_fuzz_stays_within_bounds(driver):
     """Random facts, far-out values and device lists longer than the table
-    reads (the driver runs under ASan/UBSan): decisions still follow the rule."""
-    rnd = random.Random(18)
-    cases, facts = [], []
-    for _ in range(3000):
+    reads (the driver runs under ASan/UBSan): decisions still follow the rules."""
+    rnd = random.Random(30)
+    facts = []
+    for _ in range(2500):
         ccs = None if rnd.random() < 0.1 else [rnd.choice([-5, 0, 75, 80, 90, 93, 99, 100, 10**6])
                                                 for _ in range(rnd.choice([0, 1, 3, 70]))]
-        g = (rnd.choice([-1, 0, 1, 20000, 21100, 21450, 21500, 2**40]), rnd.choice([-1, 0, 1, 7]),
-             rnd.choice([-2, -1, 0, 91501, 92000, 92600, 2**40]), ccs,
-             rnd.choice(["-", "1", "0", "01", "x" * 200]))
-        facts.append(g)
-        cases.append(case(*g))
-    for g, (_, d, why) in zip(facts, driver(cases)):
-        t, cu, cd, ccs, env = g
-        exp = expected(t, 1 if cu > 1 else cu, cd, None if ccs is None else ccs[:64], env)
-        assert d == exp, (g, why)
+        env = rnd.choice(ENVS + [{"TORCH_CUDNN_SDPA_DEPRIORITIZED": "x" * 200}])
+        facts.append((rnd.choice([-1, 0, 1, 20000, 20900, 21100, 21450, 21500, 2**40]),
+                      rnd.choice([-1, 0, 1]), rnd.choice([-1, 0, 1300, 1399, 1400, 2**40]),
+                      rnd.choice([-2, -1, 0, 91501, 92000, 92600, 92699, 2**40]),
+                      rnd.choice([-1, 0, 1, 7, 2**40]), rnd.choice([-2, -1, 0, 5]), ccs, env))
+    out = driver([case(*g) for g in facts])
+    for row, decisions in out.items():
+        for g, (d, why) in zip(facts, decisions):
+            t, cb, cu, cd, lr, fd, ccs, env = g
+            assert d == expected(row, t, cb, cu, cd, lr, fd,
+                                 None if ccs is None else ccs[:64], env), (row, g, why)
+
+
+@pytest.mark.parametrize("value,rc,rows", [
+    ("tf32-mixed-api", 0, ["tf32-mixed-api"]),
+    (" cudnn-sdpa-nan-grad-sm90 ,\ttorchrun-gpu0-context", 0,
+     [BUG, "torchrun-gpu0-context"]),
+    ("tf32-mixed-api,tf32-mixed-api", 0, ["tf32-mixed-api"]),
+    ("tf32-mixed", -1, None), ("tf32-mixed-api,", -1, None), (",tf32-mixed-api", -1, None),
+    ("", -1, None), (" ", -1, None), ("TF32-MIXED-API", -1, None), ("1", -1, None),
+    ("x" * 3000, -1, None)])
+def test_the_off_list_names_rows_exactly(driver, value, rc, rows):
+    ids = [ln.split()[0] for ln in driver.raw([("rows",)]).splitlines()]
+    got_rc, bits = map(int, driver.raw([("off", value)]).split())
+    assert got_rc == rc
+    if rows is None:
+        assert bits == 7  # untouched
+    else:
+        assert bits == sum(1 << ids.index(r) for r in rows)
+
+
+@pytest.mark.parametrize("rank,visible,ctx,device", [
+    (1, 4, [0], 0), (1, 4, [1], -1), (1, 4, [1, 0], 0), (3, 4, [3, 2], 2), (0, 4, [1], -1),
+    (-1, 4, [0], -1), (1, 1, [0], -1), (4, 4, [0], -1), (1, 4, [], -1), (1, 4, [7], -1)])
+def test_which_device_is_another_ranks(driver, rank, visible, ctx, device):
+    """Only a rank above 0 that names one of several visible devices can be on
+    the wrong one."""
+    line = ("foreign", rank, visible, len(ctx), *ctx)
+    assert int(driver.raw([line]).strip()) == device
 
 
 # ---- the guard on the stand-in releases, stand-in NVML ----
@@ -255,16 +340,18 @@ def test_a_cpu_build_is_not_affected(venv, workdir, nvml):
     assert st[0]["applies"] is False and "no CUDA" in st[0]["reason"]
 
 
-@pytest.mark.parametrize("release", [None, "2.9.1", "2.15.0"])
+@pytest.mark.parametrize("release,version", [(None, None), ("2.9.1", None),
+                                             ("2.9.1", "2.10.9")])
 def test_no_driver_library_is_loaded_where_no_entry_can_apply(venv, workdir, nvml, tmp_path,
-                                                               release):
-    """A CPU-only build (the real 2.13.0), or a CUDA build outside every
-    entry's releases with the autocast dtype given (so nothing else asks
-    NVML): `import torch` loads no libnvidia-ml, the table is decided from
-    torch's facts alone."""
+                                                               release, version):
+    """A CPU-only build (the real 2.13.0), or a CUDA build outside the
+    releases of every row that needs a device's capability (the cuDNN
+    attention rows start at 2.11), with the autocast dtype given (so nothing
+    else asks NVML): `import torch` loads no libnvidia-ml, the table is
+    decided from torch's facts alone."""
     env = nvml("9.0", OUTOFCUDA_AMP_DTYPE="bfloat16")
     if release is not None:
-        env["PYTHONPATH"] = str(make_fake_torch(tmp_path / "fake", release))
+        env["PYTHONPATH"] = str(make_fake_torch(tmp_path / "fake", release, version=version))
     st = last_json(venv.run("""
 import json, torch, _outofcuda
 maps = open("/proc/self/maps").read()
@@ -285,6 +372,338 @@ print(json.dumps([c("2.14.1+cu130", True, 92400, [90], {})[0]["applies"],
                   c(None, None, None, None, {})[0]["applies"]]))
 """))
     assert r == [True, False, None, False, None]
+
+
+# ---- the allocator variable 2.9 and 2.10 ignore (pytorch issue 183387) ----
+
+ALLOC = """
+import json, os, torch, _outofcuda
+st = _outofcuda.status()
+(e,) = [b for b in st["known_bugs"] if b["id"] == "alloc-conf-generic-ignored"]
+setters = [c[1] for c in torch._C.calls
+           if c[0] in ("_accelerator_setAllocatorSettings",
+                       "_cuda_cudaCachingAllocator_set_allocator_settings")]
+print(json.dumps({"parsed": torch._alloc_conf(), "setters": setters,
+                  "merged": st["optimizations"]["allocator"]["value"],
+                  "row": [e["applies"], e["done"], e["reason"]],
+                  "env": {k: os.environ.get(k) for k in
+                          ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")},
+                  "error": st["hook"]["error"]}))
+"""
+USER = "max_split_size_mb:256,expandable_segments:False"
+
+
+def keys(conf):
+    return dict(item.split(":", 1) for item in conf.split(",") if item)
+
+
+def alloc(venv, tmp_path, release, version=None, **env):
+    root = make_fake_torch(tmp_path / f"fake-{release}-{version}", release, version=version)
+    return last_json(venv.run(ALLOC, env=dict(env, PYTHONPATH=str(root)), cwd=tmp_path))
+
+
+@pytest.mark.parametrize("release,version", [("2.9.0", None), ("2.9.1", None),
+                                             ("2.9.1", "2.10.9")])
+def test_the_users_generic_variable_reaches_the_allocator_where_torch_ignores_it(
+        venv, tmp_path, release, version):
+    """2.9.0 to 2.10: what the CUDA allocator parses holds the user's keys from
+    PYTORCH_ALLOC_CONF (the user's expandable_segments:False wins over
+    outofcuda's default), in the one string given to torch's setter."""
+    d = alloc(venv, tmp_path, release, version, PYTORCH_ALLOC_CONF=USER)
+    parsed = keys(d["parsed"])
+    assert parsed["max_split_size_mb"] == "256" and parsed["expandable_segments"] == "False", d
+    assert parsed["garbage_collection_threshold"] == "0.8"
+    assert d["setters"] == [d["merged"]] and d["parsed"] == d["merged"]
+    assert d["row"][:2] == [True, True], d["row"]
+    assert "affected: torch" in d["row"][2] and d["error"] is None
+    # The user's environment is left as it was.
+    assert d["env"] == {"PYTORCH_ALLOC_CONF": USER, "PYTORCH_CUDA_ALLOC_CONF": None}
+
+
+def test_a_generic_variable_outofcuda_adds_nothing_to_still_reaches_torch(venv, tmp_path):
+    user = "garbage_collection_threshold:0.8,expandable_segments:True,max_split_size_mb:64"
+    d = alloc(venv, tmp_path, "2.9.1", PYTORCH_ALLOC_CONF=user)
+    assert keys(d["parsed"]) == keys(user) and d["row"][:2] == [True, True], d
+
+
+@pytest.mark.parametrize("release,env,why", [
+    ("2.11.0", {"PYTORCH_ALLOC_CONF": USER}, "torch 2.11.0 is outside"),
+    ("2.9.1", {"PYTORCH_ALLOC_CONF": USER, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"},
+     "PYTORCH_CUDA_ALLOC_CONF is set"),
+    ("2.9.1", {}, "PYTORCH_ALLOC_CONF is not set")])
+def test_the_allocator_row_outside_its_range(venv, tmp_path, release, env, why):
+    d = alloc(venv, tmp_path, release, **env)
+    assert d["row"][0] is False and why in d["row"][2], d["row"]
+    if release == "2.11.0":  # torch reads the user's variable itself
+        assert keys(d["parsed"])["max_split_size_mb"] == "256"
+
+
+def test_the_allocator_row_turned_off_leaves_torch_as_it_is(venv, tmp_path):
+    d = alloc(venv, tmp_path, "2.9.1", PYTORCH_ALLOC_CONF=USER,
+              OUTOFCUDA_KNOWN_BUGS="alloc-conf-generic-ignored")
+    assert d["row"][:2] == [None, False] and "turned off" in d["row"][2]
+    # As before the row existed: the user's keys never reach the allocator.
+    assert "max_split_size_mb" not in keys(d["parsed"])
+    assert keys(d["parsed"])["expandable_segments"] == "True"
+
+
+@pytest.mark.parametrize("release", ["2.9.1", "2.11.0", "2.14.1"])
+@pytest.mark.parametrize("user", ["", "max_split_size_mb:512", "roundup_power2_divisions:4",
+                                  "garbage_collection_threshold:0.6,max_split_size_mb:128"])
+def test_the_string_given_to_the_setter_is_whole(venv, tmp_path, release, user):
+    """torch's runtime parser resets max_split_size, roundup_power2_divisions
+    and garbage_collection_threshold when a string leaves them out: the one
+    string outofcuda hands over holds every key of the user's and every
+    default the user did not set."""
+    env = {"PYTORCH_ALLOC_CONF" if release != "2.9.1" else "PYTORCH_CUDA_ALLOC_CONF": user}
+    d = alloc(venv, tmp_path, release, **env)
+    if d["merged"] is None:
+        # Nothing to add: no setter call, torch parses the user's own string.
+        assert d["setters"] == [] and d["parsed"] == user, d
+        return
+    assert d["setters"] == [d["merged"]], d
+    handed = keys(d["setters"][0])
+    assert keys(user).items() <= handed.items(), (user, handed)
+    # outofcuda's own keys are there too (expandable segments only where no
+    # max_split_size_mb of the user's stands beside them).
+    assert handed["garbage_collection_threshold"] == keys(user).get(
+        "garbage_collection_threshold", "0.8")
+    assert ("expandable_segments" in handed) == ("max_split_size_mb" not in keys(user))
+    assert d["parsed"] == d["setters"][0]
+
+
+# ---- the TF32 mixed-API trap ----
+
+# Per program choice (a forked child each): the program sets TF32 through
+# one API before CUDA starts, CUDA starts (outofcuda's TF32 step), then every
+# reader of either API is tried; what raised is recorded.
+TF32 = """
+import json, os, warnings, torch
+warnings.simplefilter("ignore")  # 2.9.0's own deprecation warnings on the legacy API
+C = torch._C
+CHOICES = {
+    "none": lambda: None,
+    "legacy-on": lambda: C._set_cublas_allow_tf32(True),
+    "legacy-off": lambda: C._set_cublas_allow_tf32(False),
+    "precision-high": lambda: C._set_float32_matmul_precision("high"),
+    "new-tf32": lambda: C._set_fp32_precision_setter("cuda", "matmul", "tf32"),
+    "new-ieee": lambda: C._set_fp32_precision_setter("cuda", "matmul", "ieee"),
+    "new-generic": lambda: C._set_fp32_precision_setter("generic", "all", "tf32"),
+}
+READS = {
+    "allow_tf32": lambda: C._get_cublas_allow_tf32(),
+    "matmul_precision": lambda: C._get_float32_matmul_precision(),
+    "cudnn_allow_tf32": lambda: C._get_cudnn_allow_tf32(),
+    "fp32_precision": lambda: C._get_fp32_precision_getter("cuda", "matmul"),
+}
+out = {}
+for name, choose in CHOICES.items():
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        raised = []
+        try:
+            choose()
+        except Exception:
+            raised.append("choice")
+        torch.cuda._fake_cuda_init()
+        for read, fn in READS.items():
+            try:
+                fn()
+            except RuntimeError:
+                raised.append(read)
+        os.write(w, json.dumps(raised).encode())
+        os._exit(0)
+    os.close(w)
+    out[name] = json.loads(os.read(r, 65536).decode())
+    os.waitpid(pid, 0)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("release,version", [("2.9.0", None), ("2.9.1", None),
+                                             ("2.9.1", "2.10.0"), ("2.11.0", None),
+                                             ("2.11.0", "2.12.0"), ("2.11.0", "2.13.0"),
+                                             ("2.14.1", None), ("2.15.0", None)])
+def test_nothing_outofcuda_sets_makes_a_tf32_read_raise(venv, tmp_path, release, version):
+    """2.9 to 2.15, whichever API the program uses: the reads that raise with
+    outofcuda are exactly those that raise without it (torch's own trap for a
+    program that mixes the APIs), never one more."""
+    root = make_fake_torch(tmp_path / "fake", release, version=version)
+    env = {"PYTHONPATH": str(root)}
+    with_oc = last_json(venv.run(TF32, env=env, cwd=tmp_path))
+    bare = last_json(venv.run(TF32, env=dict(env, OUTOFCUDA_DISABLE="1"), cwd=tmp_path))
+    # 2.9.0's fake setters and getters warn (filtered in the scenario); a
+    # scenario that says nothing else on stderr passes last_json's quiet check.
+    assert with_oc == bare, (with_oc, bare)
+    # Where the program chose nothing or used one API only, nothing raises.
+    for choice in ("none", "legacy-on", "legacy-off", "precision-high", "new-ieee"):
+        assert with_oc[choice] == [], (choice, with_oc[choice])
+
+
+def test_the_tf32_row_says_outofcuda_avoids_the_trap(venv, tmp_path):
+    rows = {}
+    for release in ("2.4.0", "2.9.0", "2.15.0"):
+        root = make_fake_torch(tmp_path / release, release)
+        st = last_json(venv.run("import json, torch, _outofcuda; print(json.dumps("
+                                "_outofcuda.status()['known_bugs']))",
+                                env={"PYTHONPATH": str(root)}, cwd=tmp_path))
+        (rows[release],) = [b for b in st if b["id"] == "tf32-mixed-api"]
+    assert rows["2.4.0"]["applies"] is False
+    for release in ("2.9.0", "2.15.0"):
+        assert rows[release]["applies"] is True and rows[release]["done"] is True
+        assert "_set_cublas_allow_tf32" in rows[release]["reason"]
+
+
+# ---- GPU-0 contexts under torchrun (pytorch issue 135279) ----
+
+GPU0 = """
+import json, torch, _outofcuda
+torch.cuda._fake_cuda_init()
+(e,) = [b for b in _outofcuda.status()["known_bugs"] if b["id"] == "torchrun-gpu0-context"]
+print(json.dumps({"row": [e["applies"], e["done"], e["reason"]],
+                  "calls": [[a for a in c if not callable(a)] for c in torch._C.calls
+                            if c[0].startswith("_cuda_")],
+                  "fraction": _outofcuda.status()["optimizations"]["memory_fraction"]["value"]}))
+"""
+
+
+@pytest.fixture
+def two_gpus(stub_nvml, venv, tmp_path):
+    def run(procs, **env):
+        cfg = config(tmp_path / "nvml-2.cfg", [device(cc="9.0"), device(cc="9.0")], procs=procs)
+        root = make_fake_torch(tmp_path / "fake", "2.14.1")
+        full = dict({"LD_LIBRARY_PATH": str(stub_nvml), "STUB_NVML_CONFIG": str(cfg),
+                     "PYTHONPATH": str(root), "OUTOFCUDA_AMP_DTYPE": "bfloat16"}, **env)
+        return venv.run(GPU0, env=full, cwd=tmp_path)
+    return run
+
+
+def test_a_rank_with_a_context_on_device_0_is_named(two_gpus):
+    r = two_gpus([(0, "self", 600 << 20), (1, "self", 900 << 20)], LOCAL_RANK="1",
+                 OUTOFCUDA_SUMMARY="1")
+    d = last_json.func(r)  # the summary is on stderr
+    assert d["row"][0] is True and d["row"][1] is False, d["row"]
+    assert "NVML lists this process on cuda:0, not LOCAL_RANK 1's" in d["row"][2]
+    # The exit summary names it, with the fix.
+    line = [ln for ln in r.stderr.splitlines() if "known bug" in ln]
+    assert len(line) == 1 and "torchrun-gpu0-context" in line[0], r.stderr
+    assert "torch.cuda.set_device" in line[0] and "issues/135279" in line[0]
+
+
+def test_outofcuda_never_touches_device_0_on_another_rank(two_gpus):
+    """LOCAL_RANK=1: every device call outofcuda makes at CUDA's start names
+    device 1 (the memory fraction), none device 0 or the current device."""
+    d = last_json(two_gpus([(1, "self", 900 << 20)], LOCAL_RANK="1"))
+    assert d["calls"] == [["_cuda_getDeviceCount"], ["_cuda_setMemoryFraction", 0.95, 1],
+                          ["_cuda_attach_out_of_memory_observer"]], d["calls"]
+    assert d["fraction"]["device"] == 1
+    assert d["row"][0] is False and "no visible device but LOCAL_RANK 1's" in d["row"][2]
+
+
+@pytest.mark.parametrize("rank,procs,why", [
+    (None, [(0, "self", 1 << 20)], "LOCAL_RANK is not set"),
+    ("0", [(0, "self", 1 << 20), (1, "self", 1 << 20)], "LOCAL_RANK 0 owns cuda:0"),
+    ("1", [], "no visible device but LOCAL_RANK 1's"),
+    ("5", [(0, "self", 1 << 20)], "no visible device but LOCAL_RANK 5's")])
+def test_no_context_elsewhere_is_not_named(two_gpus, rank, procs, why):
+    env = {"OUTOFCUDA_SUMMARY": "1"}
+    if rank is not None:
+        env["LOCAL_RANK"] = rank
+    r = two_gpus(procs, **env)
+    d = last_json.func(r)  # the summary is on stderr
+    assert d["row"][0] is False and why in d["row"][2], d["row"]
+    assert "known bug" not in r.stderr
+
+
+def test_doctor_names_another_process_on_another_ranks_device(cuda_venv, workdir, stub_nvml,
+                                                             tmp_path):
+    """A process of this user with LOCAL_RANK=1 that NVML lists on device 0 of
+    two (a rank that used CUDA before set_device)."""
+    import subprocess, sys
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                            env={"LOCAL_RANK": "1", "PATH": "/usr/bin:/bin"})
+    try:
+        cfg = config(tmp_path / "nvml.cfg", [device(cc="8.0"), device(cc="8.0")],
+                     procs=[(0, rank.pid, 700 << 20), (1, rank.pid, 900 << 20)])
+        r = cuda_venv.run(None, args=("-m", "outofcuda", "doctor", "--json"), cwd=workdir,
+                          env={"LD_LIBRARY_PATH": str(stub_nvml), "STUB_NVML_CONFIG": str(cfg)},
+                          timeout=300)
+    finally:
+        rank.kill()
+        rank.wait()
+    (check,) = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "known_bugs"]
+    assert (f"torchrun-gpu0-context: process {rank.pid} (LOCAL_RANK 1) holds a context on "
+            "cuda:0, not cuda:1") in check["message"], check
+
+
+# ---- rows that are only named: cuDNN is read for a guard alone ----
+
+SUBLIB = """
+import json, torch, _outofcuda
+def row():
+    (e,) = [b for b in _outofcuda.status()["known_bugs"] if b["id"] == "cudnn-sublibrary-mismatch"]
+    return [e["applies"], e["reason"]]
+at_import = row()
+torch.cuda._fake_cuda_init()
+print(json.dumps({"import": at_import, "cuda": row(),
+                  "cudnn_read": [c for c in torch._C.calls if c[0] == "cudnn.version"] != []}))
+"""
+
+
+@pytest.mark.parametrize("cc,read", [("8.0", False), ("9.0", True)])
+def test_a_named_row_never_loads_cudnn_by_itself(venv, tmp_path, nvml, cc, read):
+    """A CUDA 13 build with cuDNN 9.20: on an sm80 no guard needs cuDNN's
+    version, so it is not read for the sub-library row (doctor decides it);
+    on an sm90 the cuDNN attention guard reads it, and the row is decided too,
+    and named in the exit summary."""
+    root = make_fake_torch(tmp_path / "fake", "2.14.1", cudnn=92000, cuda_version="13.0")
+    r = venv.run(SUBLIB, env=dict(nvml(cc, OUTOFCUDA_SUMMARY="1"), PYTHONPATH=str(root)),
+                 cwd=tmp_path)
+    d = last_json.func(r)
+    assert d["cudnn_read"] is read
+    assert d["import"][0] is None
+    if read:
+        assert d["cuda"][0] is True and "built for CUDA 13.0, cuDNN 92000" in d["cuda"][1]
+        assert "known bug      cudnn-sublibrary-mismatch" in r.stderr, r.stderr
+    else:
+        assert d["cuda"][0] is None and "`outofcuda doctor` reads it" in d["cuda"][1], d
+        assert "cudnn-sublibrary-mismatch" not in r.stderr
+
+
+def test_named_rows_on_given_facts(venv):
+    """What doctor's probe decides, at the named rows' edges."""
+    r = last_json(venv.run("""
+import json, _outofcuda
+def row(id, *facts):
+    (e,) = [b for b in _outofcuda._known_bugs_check(*facts) if b["id"] == id]
+    return e["applies"]
+S, D = "cudnn-sublibrary-mismatch", "cudnn-sdpa-nan-dkdv-sq1"
+print(json.dumps({
+    "sublib": [row(S, "2.12.1+cu130", "13.0", 92000, [80], {}),
+               row(S, "2.13.0", "13.2", 92299, [80], {}),
+               row(S, "2.13.0", "13.0", 92300, [80], {}),
+               row(S, "2.13.0", "12.8", 92000, [80], {}),
+               row(S, "2.13.0", "13.0", 91999, [80], {}),
+               row(S, "2.13.0", True, 92000, [80], {})],
+    "dkdv": [row(D, "2.11.0", "12.8", 92501, [90], {}),
+             row(D, "2.15.0", "13.2", 92699, [90], {}),
+             row(D, "2.15.0", "13.2", 92500, [90], {}),
+             row(D, "2.15.0", "13.2", 92700, [90], {}),
+             row(D, "2.10.9", "12.8", 92600, [90], {}),
+             row(D, "2.15.0", "13.2", 92600, [100], {}),
+             row(D, "2.15.0", "13.2", 92600, [90], {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"})],
+    "cpu": [row(i, "2.13.0", False, None, None, {})
+            for i in ("fsdp2-bf16-premul-sum", "avg-pool2d-channels-last-grad", "tf32-mixed-api")],
+    "fields": sorted(_outofcuda._known_bugs_check("2.13.0", "13.0", 92000, [90], {})[3]),
+    "kinds": [b["kind"] for b in _outofcuda._known_bugs_check("2.13.0", "13.0", 92000, [90], {})]}))
+"""))
+    assert r["sublib"] == [True, True, False, False, False, None]
+    assert r["dkdv"] == [True, True, False, False, False, False, False]
+    assert r["cpu"] == [False, False, False]
+    assert {"fixed_in", "fix", "kind"} <= set(r["fields"])
+    assert r["kinds"] == ["guard", "guard", "named", "named", "named", "named", "own", "named"]
 
 
 # ---- the real CUDA build of torch 2.14.1 (no GPU) ----
@@ -373,3 +792,28 @@ def test_doctor_and_status_name_the_bug(cuda_venv, workdir, nvml):
     r = cuda_venv.run(None, args=("-m", "outofcuda", "status"), env=nvml("8.0"), cwd=workdir,
                       timeout=300)
     assert f"known bug {BUG}: not affected" in r.stdout, r.stdout
+
+
+def test_doctor_lines_per_kind_and_the_off_list(cuda_venv, workdir, nvml):
+    """The real CUDA build of 2.14.1 beside an sm90: a guard turned off by
+    the list makes doctor unhealthy (naming that row's fix); a row outofcuda's
+    own settings avoid, or one only named, keeps it healthy, with its fix."""
+    r = cuda_venv.run(None, args=("-m", "outofcuda", "doctor", "--json"),
+                      env=nvml("9.0", OUTOFCUDA_KNOWN_BUGS=f"{BUG},tf32-mixed-api"), cwd=workdir,
+                      timeout=300)
+    (check,) = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "known_bugs"]
+    msg = check["message"]
+    assert check["ok"] is False and check["fix"].startswith(f"{BUG}: unset OUTOFCUDA_KNOWN_BUGS")
+    assert "tf32-mixed-api" not in check["fix"]
+    assert f"{BUG} applies" in msg and "OUTOFCUDA_KNOWN_BUGS keeps torch's choice; fixed in " \
+        "torch 2.15.0" in msg
+    assert "tf32-mixed-api applies" in msg and "outofcuda's own settings avoid it" in msg
+    for named in ("fsdp2-bf16-premul-sum", "avg-pool2d-channels-last-grad"):
+        assert f"{named} applies" in msg
+    assert "fix: use a reduce_dtype of float32" in msg and "issues/190745" in msg
+    # Only the tf32 row off: healthy.
+    r = cuda_venv.run(None, args=("-m", "outofcuda", "doctor", "--json"),
+                      env=nvml("9.0", OUTOFCUDA_KNOWN_BUGS="tf32-mixed-api"), cwd=workdir,
+                      timeout=300)
+    (check,) = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "known_bugs"]
+    assert check["ok"] is True and "outofcuda avoids it" in check["message"], check

@@ -1,8 +1,11 @@
-"""Issue-18 checks on real CUDA (benchmarks/gpu_check.sh runs tests/gpu): the
+"""Known-bug checks on real CUDA (benchmarks/gpu_check.sh runs tests/gpu): the
 reproduction of pytorch issue 196678 (TRL issue 7181's 12 lines) with and
 without outofcuda's guard, each in a fresh process, and the attention speed of
 the cuDNN and memory-efficient backends on the shapes of `outofcuda bench`
-(gpt: batch 16, 16 heads of 64, sequence 1024, bfloat16), forward and backward.
+(gpt: batch 16, 16 heads of 64, sequence 1024, bfloat16), forward and backward;
+the TF32 reads after CUDA starts with and without outofcuda (tf32-mixed-api),
+a LOCAL_RANK=1 process's context on cuda:0 (torchrun-gpu0-context, two GPUs)
+and a cuDNN convolution against the sub-library row.
 What the GPU prints is in the test log (-rs lists the skips with their reason)."""
 import json
 
@@ -92,3 +95,94 @@ def test_attention_speed_of_both_backends(gpu, workdir):
     print("sdpa fwd+bwd ms/step:", json.dumps(res))
     assert isinstance(res["efficient/mask"], float), res
     assert isinstance(res["cudnn/causal"], float) or res["cudnn/causal"].startswith("unavail")
+
+
+# The TF32 mixed-API trap (row tf32-mixed-api) on the real build and device:
+# the program sets TF32 through one API before CUDA starts (CHOICE), CUDA
+# starts (outofcuda's TF32 step runs), then each reader of either API is
+# tried; what raised is printed. Run with and without outofcuda.
+TF32 = """
+import json, os, torch
+C = torch.backends.cuda.matmul
+choice = os.environ["CHOICE"]
+if choice == "legacy":
+    C.allow_tf32 = False
+elif choice == "new":
+    C.fp32_precision = "tf32"
+elif choice == "precision":
+    torch.set_float32_matmul_precision("high")
+torch.zeros(1, device="cuda")  # CUDA starts
+raised = []
+for name, read in (("allow_tf32", lambda: C.allow_tf32),
+                   ("fp32_precision", lambda: C.fp32_precision),
+                   ("matmul_precision", torch.get_float32_matmul_precision),
+                   ("cudnn_allow_tf32", lambda: torch.backends.cudnn.allow_tf32)):
+    try:
+        read()
+    except RuntimeError:
+        raised.append(name)
+print(json.dumps(raised))
+"""
+
+
+def test_no_tf32_read_raises_because_of_outofcuda(gpu, workdir):
+    """Whichever API the program uses, the reads that raise after CUDA starts
+    are the same with outofcuda as without it."""
+    for choice in ("none", "legacy", "new", "precision"):
+        with_oc = last_json(gpu.run(TF32, env={"CHOICE": choice}, cwd=workdir, timeout=120))
+        bare = last_json(gpu.run(TF32, env={"CHOICE": choice, "OUTOFCUDA_DISABLE": "1"},
+                                 cwd=workdir, timeout=120))
+        print(f"tf32 reads that raised, program chose {choice}: with outofcuda {with_oc}, "
+              f"without {bare}")
+        assert with_oc == bare, (choice, with_oc, bare)
+
+
+# Row torchrun-gpu0-context: a LOCAL_RANK=1 process that touches cuda:0 before
+# set_device holds a context there, and status() names it.
+GPU0 = """
+import json, torch, _outofcuda
+n = torch.cuda.device_count()
+if n >= 2:
+    torch.zeros(1, device="cuda:0")  # the rank's mistake: device 0 before set_device
+    torch.cuda.set_device(1)
+    torch.zeros(1, device="cuda")
+(e,) = [b for b in _outofcuda.status()["known_bugs"] if b["id"] == "torchrun-gpu0-context"]
+print(json.dumps({"devices": n, "applies": e["applies"], "reason": e["reason"]}))
+"""
+
+
+def test_a_rank_on_device_0_is_named(gpu, workdir):
+    d = last_json(gpu.run(GPU0, env={"LOCAL_RANK": "1"}, cwd=workdir, timeout=120))
+    print("torchrun-gpu0-context:", json.dumps(d))
+    if d["devices"] < 2:
+        pytest.skip(f"one GPU here ({d['reason']}): a second device is needed to see a context "
+                    "on another rank's")
+    assert d["applies"] is True and "cuda:0" in d["reason"], d
+
+
+# Row cudnn-sublibrary-mismatch: where the table says the stack is not
+# affected, a cuDNN convolution runs; where it says affected, the failure (if
+# another cuDNN is on the loader path) is the one the row names.
+CONV = """
+import json, torch, _outofcuda
+(e,) = [b for b in _outofcuda.status()["known_bugs"] if b["id"] == "cudnn-sublibrary-mismatch"]
+x = torch.randn(2, 3, 16, 16, device="cuda")
+w = torch.randn(4, 3, 3, 3, device="cuda")
+try:
+    torch.nn.functional.conv2d(x, w)
+    torch.cuda.synchronize()
+    error = None
+except RuntimeError as exc:
+    error = str(exc)[:200]
+print(json.dumps({"applies": e["applies"], "reason": e["reason"], "error": error,
+                  "cudnn": torch.backends.cudnn.version(), "cuda": torch.version.cuda}))
+"""
+
+
+def test_a_convolution_runs_where_the_sublibrary_row_does_not_apply(gpu, workdir):
+    d = last_json(gpu.run(CONV, cwd=workdir, timeout=120))
+    print("cudnn-sublibrary-mismatch:", json.dumps(d))
+    if d["applies"] is not True:
+        assert d["error"] is None, d
+    elif d["error"] is not None:
+        assert "SUBLIBRARY_VERSION_MISMATCH" in d["error"], d

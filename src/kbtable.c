@@ -1,0 +1,422 @@
+/* kbtable.c - the known-bugs table and its lookup. Pure C: no Python here,
+ * so the table can be tested at every range's edge and fuzzed on its own
+ * (tests/known_bugs/driver.c, the configuration's fuzz target, which reads
+ * OUTOFCUDA_KNOWN_BUGS's row ids through it); knownbugs.c applies it to the
+ * running torch. */
+#ifndef OC_PURE_C /* the test drivers define it too */
+#define OC_PURE_C
+#endif
+#include "oc.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- the table (pure C) ---- */
+
+static const oc_known_bug table[] = {
+    {
+        "cudnn-sdpa-nan-grad-sm90",
+        "cuDNN attention backward gives NaN grad_q on sm90 (attn_mask, seq_len % 128 == 64, "
+        "a row's logsumexp below -88.7)",
+        /* 2.11 puts cuDNN first in the SDPA order on sm90/sm100 (regression
+         * since 2.11); 2.15 bundles cuDNN 9.26 and guards older cuDNN
+         * itself (pytorch PR 196861). */
+        {21100, 21500},
+        /* cuDNN goes first only above 9.15.0 (check_prefer_cudnn_attention);
+         * the backend fix is in 9.26 (cudnn-frontend PR 628). */
+        {91501, 92600},
+        /* The failing kernel is sm90's (..._sdpa_sm90_flash_bprop_wgmma_...);
+         * sm100 is not reported. */
+        {90, 100},
+        "TORCH_CUDNN_SDPA_DEPRIORITIZED",
+        "cuDNN attention is torch's default SDPA backend there; the NaN needs an explicit "
+        "attn_mask in a backward pass",
+        OC_KB_SDPA_NO_CUDNN,
+        0,
+        "cuDNN attention turned off (torch._C._set_sdp_use_cudnn(False), what "
+        "enable_cudnn_sdp(False) does); sdpa_kernel() blocks still choose for themselves",
+        "https://github.com/pytorch/pytorch/issues/196678",
+        {0, 0},
+        "torch 2.15.0 (cuDNN 9.26)",
+        "call torch.backends.cuda.enable_cudnn_sdp(False), or set TORCH_CUDNN_SDPA_DEPRIORITIZED=1",
+    },
+    {
+        "alloc-conf-generic-ignored",
+        "the CUDA allocator ignores PYTORCH_ALLOC_CONF (expandable_segments:True and every other "
+        "key set there do nothing; only PYTORCH_CUDA_ALLOC_CONF is read)",
+        /* Reported on 2.9.1, verified fixed in 2.11.0; 2.9.0 introduced the
+         * name and 2.10 reads as 2.9 does (allocconf.c). */
+        {20900, 21100},
+        {0, 0},
+        {0, 0},
+        NULL,
+        "PYTORCH_ALLOC_CONF is set and PYTORCH_CUDA_ALLOC_CONF is not",
+        OC_KB_ALLOC_GENERIC,
+        OC_KB_NEEDS_ALLOC_GENERIC,
+        "the user's PYTORCH_ALLOC_CONF keys are merged into outofcuda's allocator string, which "
+        "torch's runtime setter (or PYTORCH_CUDA_ALLOC_CONF while torch loads) hands to the CUDA "
+        "allocator",
+        "https://github.com/pytorch/pytorch/issues/183387",
+        {0, 0},
+        "torch 2.11.0",
+        "set PYTORCH_CUDA_ALLOC_CONF instead of PYTORCH_ALLOC_CONF, or upgrade to torch 2.11",
+    },
+    {
+        "torchrun-gpu0-context",
+        "a torchrun rank other than 0 holds a CUDA context (0.5 to 1 GiB) on a device that is "
+        "not LOCAL_RANK's, usually cuda:0, when it used CUDA before torch.cuda.set_device",
+        {0, 0},
+        {0, 0},
+        {0, 0},
+        NULL,
+        "LOCAL_RANK is set above 0 and NVML lists this process on another visible device",
+        OC_KB_REPORT,
+        OC_KB_NEEDS_FOREIGN_CTX,
+        "named in status(), `outofcuda doctor` and the exit summary; outofcuda itself touches "
+        "only LOCAL_RANK's device when CUDA starts",
+        "https://github.com/pytorch/pytorch/issues/135279",
+        {0, 0},
+        NULL,
+        "call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before the first CUDA use, or "
+        "pass device_id to init_process_group",
+    },
+    {
+        "cudnn-sublibrary-mismatch",
+        "the cuDNN 9.20 wheel of CUDA 13 builds lacks libcudnn_engines_tensor_ir: with another "
+        "cuDNN 9 on the loader path the first convolution fails (status "
+        "CUDNN_STATUS_SUBLIBRARY_VERSION_MISMATCH)",
+        /* torch 2.12.1+cu130 pins nvidia-cudnn-cu13 9.20.0.48 (reported);
+         * the sub-library ships from cuDNN 9.23 on. */
+        {0, 0},
+        {92000, 92300},
+        {0, 0},
+        NULL,
+        "another cuDNN 9 (a system install, LD_LIBRARY_PATH) is on the loader path",
+        OC_KB_REPORT,
+        0,
+        "named in `outofcuda doctor` and the exit summary",
+        "https://github.com/pytorch/pytorch/issues/188892",
+        {1300, 1400},
+        "cuDNN 9.23 (nvidia-cudnn-cu13 9.23 or newer)",
+        "take the other cuDNN off the loader path (LD_LIBRARY_PATH, ldconfig), or install "
+        "nvidia-cudnn-cu13 9.23 or newer into the environment",
+    },
+    {
+        "fsdp2-bf16-premul-sum",
+        "NCCL PREMUL_SUM over bfloat16 reads the factor as zero for powers of two: FSDP2 with a "
+        "custom gradient_divide_factor (2, 4, 8, ...) and bf16 reduce_dtype gives zero gradients",
+        /* Fixed on main by pytorch PR 190747 (2026-07); the first release
+         * holding it is not confirmed, so no upper bound. */
+        {0, 0},
+        {0, 0},
+        {0, 0},
+        NULL,
+        "FSDP2 (fully_shard) with set_gradient_divide_factor/set_reduce_scatter_divide_factor of a "
+        "power of two and a bfloat16 reduce_dtype, over NCCL",
+        OC_KB_REPORT,
+        0,
+        "named in `outofcuda doctor`",
+        "https://github.com/pytorch/pytorch/issues/190745",
+        {0, 0},
+        NULL,
+        "use a reduce_dtype of float32 in MixedPrecisionPolicy, or a divide factor that is not a "
+        "power of two; fixed upstream by pytorch PR 190747",
+    },
+    {
+        "avg-pool2d-channels-last-grad",
+        "avg_pool2d backward on CUDA gives wrong input gradients for channels_last inputs with "
+        "padding > 0 (silently)",
+        /* Fixed on main by pytorch PR 188345 (2026-07); the first release
+         * holding it is not confirmed, so no upper bound. */
+        {0, 0},
+        {0, 0},
+        {0, 0},
+        NULL,
+        "a channels_last input (compile_model converts 4-D models) to AvgPool2d with padding > 0, "
+        "in training",
+        OC_KB_REPORT,
+        0,
+        "named in `outofcuda doctor`",
+        "https://github.com/pytorch/pytorch/issues/188344",
+        {0, 0},
+        NULL,
+        "OUTOFCUDA_CHANNELS_LAST=0 (or compile_model(channels_last=False)) for models with padded "
+        "AvgPool2d; fixed upstream by pytorch PR 188345",
+    },
+    {
+        "tf32-mixed-api",
+        "after only the new TF32 API (torch.backends.cuda.matmul.fp32_precision) is set, a read "
+        "of the legacy one (allow_tf32, get_float32_matmul_precision) raises \"mix of the legacy "
+        "and new APIs\"",
+        /* 2.9 added the fp32_precision API (pytorch PR 125888). */
+        {20900, 0},
+        {0, 0},
+        {0, 0},
+        NULL,
+        "a program, or a library it uses, sets only the new API and something reads the legacy "
+        "one (Inductor's cache key, transformers)",
+        OC_KB_TF32_LEGACY,
+        0,
+        "outofcuda sets TF32 only through torch._C._set_cublas_allow_tf32, which writes the "
+        "legacy and the new state alike, and leaves TF32 alone where the program chose a "
+        "precision: nothing it sets makes a later read of either API raise",
+        "https://github.com/pytorch/pytorch/issues/179445",
+        {0, 0},
+        NULL,
+        "set TF32 through one API only: torch.set_float32_matmul_precision or allow_tf32 (both "
+        "keep the states in sync), or the new fp32_precision attributes everywhere",
+    },
+    {
+        "cudnn-sdpa-nan-dkdv-sq1",
+        "cuDNN attention backward gives NaN dK/dV on H200 for a single query row (Sq=1) with a "
+        "strongly negative logsumexp",
+        /* cuDNN is torch's first SDPA backend on sm90 from 2.11. */
+        {21100, 0},
+        /* Reported with 9.25.1 and 9.26.0.51; open, no fixed cuDNN. */
+        {92501, 92700},
+        {90, 100},
+        "TORCH_CUDNN_SDPA_DEPRIORITIZED",
+        "a backward pass with one query row (decoding-style training shapes), no mask needed",
+        OC_KB_REPORT,
+        0,
+        "named in `outofcuda doctor` and the exit summary (outofcuda does not turn cuDNN "
+        "attention off for it: the shape is rare and no fixed version bounds it)",
+        "https://github.com/NVIDIA/cudnn-frontend/issues/1072",
+        {0, 0},
+        NULL,
+        "call torch.backends.cuda.enable_cudnn_sdp(False), or set TORCH_CUDNN_SDPA_DEPRIORITIZED=1",
+    },
+};
+
+size_t oc_known_bug_count(void)
+{
+    return sizeof table / sizeof table[0];
+}
+
+const oc_known_bug *oc_known_bug_at(size_t i)
+{
+    return i < oc_known_bug_count() ? &table[i] : NULL;
+}
+
+int oc_known_bug_index(const char *id, size_t len)
+{
+    if (id == NULL)
+        return -1;
+    if (len == 0)
+        len = strlen(id);
+    for (size_t i = 0; i < oc_known_bug_count(); i++) {
+        if (strlen(table[i].id) == len && strncmp(table[i].id, id, len) == 0)
+            return (int)i;
+    }
+    return -1;
+}
+
+int oc_known_bugs_parse_off(const char *value, unsigned long *off)
+{
+    unsigned long bits = 0;
+    const char *p = value;
+    int n = 0;
+    if (value == NULL)
+        return -1;
+    while (*p) {
+        const char *start, *end;
+        int i;
+        while (*p == ' ' || *p == '\t')
+            p++;
+        start = p;
+        while (*p && *p != ',')
+            p++;
+        end = p;
+        while (end > start && (end[-1] == ' ' || end[-1] == '\t'))
+            end--;
+        if (end == start || (i = oc_known_bug_index(start, (size_t)(end - start))) < 0)
+            return -1;
+        bits |= 1ul << i;
+        n++;
+        if (*p == ',')
+            p++;
+        if (*p == '\0' && p[-1] == ',')
+            return -1; /* a trailing comma: an empty id */
+    }
+    if (n == 0)
+        return -1;
+    *off = bits;
+    return 0;
+}
+
+int oc_kb_foreign_device(long local_rank, int n_visible, const int *ctx, int n)
+{
+    /* Only when LOCAL_RANK names one of several visible devices is there a
+     * "wrong" device to see. */
+    if (local_rank <= 0 || n_visible <= 1 || local_rank >= n_visible || ctx == NULL)
+        return -1;
+    for (int i = 0; i < n; i++) {
+        if (ctx[i] >= 0 && ctx[i] < n_visible && ctx[i] != local_rank)
+            return ctx[i];
+    }
+    return -1;
+}
+
+static int oc_range_has(oc_range r, long v)
+{
+    return v >= r.lo && (r.hi == 0 || v < r.hi);
+}
+
+/* Appends text to why (cut to fit, always terminated). */
+static void add_why(char *why, size_t sz, const char *fmt, long a, long b)
+{
+    size_t n;
+    if (why == NULL || sz == 0)
+        return;
+    n = strlen(why);
+    if (n + 1 >= sz)
+        return;
+    snprintf(why + n, sz - n, fmt, a, b);
+}
+
+static void version_text(char *buf, size_t sz, long v)
+{
+    snprintf(buf, sz, "%ld.%ld.%ld", v / 10000, v / 100 % 100, v % 100);
+}
+
+/* "9.x" for a whole major, else "8.6 to below 9.0". */
+static void cc_text(char *why, size_t sz, oc_range r)
+{
+    if (r.lo % 10 == 0 && r.hi == r.lo + 10)
+        add_why(why, sz, "%ld.x", r.lo / 10, 0);
+    else
+        add_why(why, sz, "%ld.%ld", r.lo / 10, r.lo % 10);
+    if (!(r.lo % 10 == 0 && r.hi == r.lo + 10))
+        add_why(why, sz, r.hi ? " to below %ld.%ld" : " or newer", r.hi / 10, r.hi % 10);
+}
+
+static const char *env_of(const oc_kb_facts *f, const char *name)
+{
+    return f->getenv_fn ? f->getenv_fn(name, f->ctx) : NULL;
+}
+
+#define SAY(...)                                                                                   \
+    do {                                                                                           \
+        if (why && whysz)                                                                          \
+            snprintf(why, whysz, __VA_ARGS__);                                                     \
+    } while (0)
+
+int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, size_t whysz)
+{
+    char text[32];
+    int unknown = 0, cc_hit = 0;
+    const char *env;
+    if (why && whysz)
+        why[0] = '\0';
+    if (b == NULL || f == NULL)
+        return OC_KB_UNDECIDED;
+    /* Every "no" the facts can prove wins over what is still unknown. */
+    if (f->torch > 0 && !oc_range_has(b->torch, f->torch)) {
+        version_text(text, sizeof text, f->torch);
+        SAY("not affected: torch %s is outside the affected releases", text);
+        return OC_KB_NO;
+    }
+    if (f->cuda_build == 0) {
+        SAY("not affected: this torch build has no CUDA");
+        return OC_KB_NO;
+    }
+    if (!oc_range_any(b->cuda) && f->cuda > 0 && !oc_range_has(b->cuda, f->cuda)) {
+        SAY("not affected: torch is built for CUDA %ld.%ld, outside the affected builds",
+            f->cuda / 100, f->cuda % 100);
+        return OC_KB_NO;
+    }
+    env = b->unless_env ? env_of(f, b->unless_env) : NULL;
+    /* c10::utils::check_env: exactly "1" is true. */
+    if (env != NULL && strcmp(env, "1") == 0) {
+        SAY("not affected: %s=1 keeps torch off the kernel", b->unless_env);
+        return OC_KB_NO;
+    }
+    if (b->needs & OC_KB_NEEDS_ALLOC_GENERIC) {
+        if (env_of(f, "PYTORCH_CUDA_ALLOC_CONF") != NULL) {
+            SAY("not affected: PYTORCH_CUDA_ALLOC_CONF is set, and this release reads it");
+            return OC_KB_NO;
+        }
+        if (env_of(f, "PYTORCH_ALLOC_CONF") == NULL) {
+            SAY("not affected: PYTORCH_ALLOC_CONF is not set");
+            return OC_KB_NO;
+        }
+    }
+    if (b->needs & OC_KB_NEEDS_FOREIGN_CTX) {
+        if (f->local_rank <= 0) {
+            SAY("not affected: %s", f->local_rank < 0 ? "LOCAL_RANK is not set (no torchrun rank)"
+                                                      : "LOCAL_RANK 0 owns cuda:0");
+            return OC_KB_NO;
+        }
+        if (f->foreign_dev == -1) {
+            SAY("not affected: NVML lists this process on no visible device but LOCAL_RANK %ld's",
+                f->local_rank);
+            return OC_KB_NO;
+        }
+    }
+    if (!oc_range_any(b->cc)) {
+        for (int i = 0; f->n_cc > 0 && i < f->n_cc && i < OC_KB_MAX_DEVICES; i++)
+            cc_hit |= oc_range_has(b->cc, f->cc[i]);
+        if (f->n_cc >= 0 && !cc_hit) {
+            SAY("not affected: no visible GPU of compute capability ");
+            cc_text(why, whysz, b->cc);
+            return OC_KB_NO;
+        }
+    }
+    if (!oc_range_any(b->cudnn) &&
+        (f->cudnn == 0 || (f->cudnn > 0 && !oc_range_has(b->cudnn, f->cudnn)))) {
+        if (f->cudnn == 0)
+            SAY("not affected: torch loads no cuDNN");
+        else
+            SAY("not affected: cuDNN %ld is outside the affected versions", f->cudnn);
+        return OC_KB_NO;
+    }
+    SAY("undecided:");
+    if (f->torch <= 0) {
+        add_why(why, whysz, " torch's version unknown;", 0, 0);
+        unknown = 1;
+    }
+    if (f->cuda_build < 0) {
+        add_why(why, whysz, " whether torch has CUDA unknown;", 0, 0);
+        unknown = 1;
+    }
+    if (!oc_range_any(b->cuda) && f->cuda <= 0) {
+        add_why(why, whysz, " torch's CUDA version unknown;", 0, 0);
+        unknown = 1;
+    }
+    if ((b->needs & OC_KB_NEEDS_FOREIGN_CTX) && f->foreign_dev < -1) {
+        add_why(why, whysz, " NVML's process list is read by status(), doctor and the summary;", 0,
+                0);
+        unknown = 1;
+    }
+    if (!oc_range_any(b->cc) && f->n_cc < 0) {
+        add_why(why, whysz, " no compute capability read (NVML);", 0, 0);
+        unknown = 1;
+    }
+    if (!oc_range_any(b->cudnn) && f->cudnn < 0) {
+        add_why(why, whysz, " cuDNN's version is read when CUDA starts;", 0, 0);
+        unknown = 1;
+    }
+    if (unknown) {
+        size_t n = why ? strlen(why) : 0;
+        if (n > 0 && why[n - 1] == ';')
+            why[n - 1] = '\0';
+        return OC_KB_UNDECIDED;
+    }
+    version_text(text, sizeof text, f->torch);
+    SAY("affected: torch %s", text);
+    if (!oc_range_any(b->cuda))
+        add_why(why, whysz, ", built for CUDA %ld.%ld", f->cuda / 100, f->cuda % 100);
+    if (!oc_range_any(b->cudnn))
+        add_why(why, whysz, ", cuDNN %ld", f->cudnn, 0);
+    if (!oc_range_any(b->cc)) {
+        add_why(why, whysz, ", a visible GPU of compute capability ", 0, 0);
+        cc_text(why, whysz, b->cc);
+    }
+    if (b->needs & OC_KB_NEEDS_ALLOC_GENERIC)
+        add_why(why, whysz, ", PYTORCH_ALLOC_CONF set without PYTORCH_CUDA_ALLOC_CONF", 0, 0);
+    if (b->needs & OC_KB_NEEDS_FOREIGN_CTX)
+        add_why(why, whysz, ", NVML lists this process on cuda:%ld, not LOCAL_RANK %ld's",
+                f->foreign_dev, f->local_rank);
+    return OC_KB_YES;
+}
