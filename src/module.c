@@ -36,10 +36,10 @@ static PyObject *setting_value(const oc_config *c, const oc_setting *s)
     long l_val = 0;
     double d_val = 0.0;
     /* A setting turned off by an off word reads None (torch's own default),
-     * but for a boolean (False) and a count whose 0 is torch's default
-     * (OUTOFCUDA_NUM_WORKERS: 0). */
+     * but for a boolean (False: the known-bugs switch is one) and a count
+     * whose 0 is torch's default (OUTOFCUDA_NUM_WORKERS: 0). */
     if (oc_config_off(c, s->name) && s->kind != OC_SET_BOOL && s->kind != OC_SET_SUMMARY &&
-        !(s->kind == OC_SET_LONG && s->lo == 0))
+        s->kind != OC_SET_KNOWN_BUGS && !(s->kind == OC_SET_LONG && s->lo == 0))
         Py_RETURN_NONE;
     switch (s->kind) {
     case OC_SET_BOOL:

@@ -99,7 +99,7 @@ typedef struct {
     /* Bit i: the setting at index i of the table was given an off word
      * (oc_config_off); its field then holds what leaves torch's default. */
     unsigned long long off;
-    int oom_keep_frames; /* OUTOFCUDA_OOM_KEEP_FRAMES: a failed cell keeps its frames */
+    int oom_keep_frames;          /* OUTOFCUDA_OOM_KEEP_FRAMES: a failed cell keeps its frames */
     unsigned long known_bugs_off; /* rows (bit i: row i) OUTOFCUDA_KNOWN_BUGS turned off */
 } oc_config;
 
