@@ -87,7 +87,7 @@ def origin(python=None):
       Python's pip, or None where there is none to give;
     - ``advice``: one sentence saying the same, for people.
 
-    >>> origin()["source"]  # doctest: +SKIP
+    >>> origin()["source"]  # how this copy was installed decides  # doctest: +SKIP
     'editable'
     """
     python = python or sys.executable or "python3"

@@ -897,6 +897,20 @@ static const char *no_gpu_reason(void)
     return oc_g.build.cuda_build ? "CUDA was not initialised" : "torch is a CPU build";
 }
 
+/* 1 in a process that multiprocessing started (a DataLoader worker by spawn
+ * or forkserver that ended before the sampler saw it): it has nothing of its
+ * own to report. Never imports. */
+static int multiprocessing_child(void)
+{
+    PyObject *mp = oc_sys_module("multiprocessing.process");
+    PyObject *parent = mp != NULL ? PyObject_CallMethod(mp, "parent_process", NULL) : NULL;
+    int child = parent != NULL && parent != Py_None;
+    Py_XDECREF(parent);
+    Py_XDECREF(mp);
+    OC_CLEAR();
+    return child;
+}
+
 /* One line where the process has nothing to say (a program that only
  * imported torch, with no CUDA and no data loop): why, rather than silence. */
 static void nothing_to_report(const proc_figs *p)
@@ -953,7 +967,8 @@ static PyObject *at_exit(PyObject *self, PyObject *unused)
     if (oc_g.summary_out.mode != OC_SUMMARY_OFF && !in_worker &&
         (cuda || p.frame_waits > 0 || p.workers >= 0))
         emit(&p, dev, cuda ? n : 0);
-    else if (oc_g.summary_out.mode != OC_SUMMARY_OFF && !in_worker && !oc_torchrun_launcher())
+    else if (oc_g.summary_out.mode != OC_SUMMARY_OFF && !in_worker && !oc_torchrun_launcher() &&
+             !multiprocessing_child())
         nothing_to_report(&p);
     OC_CLEAR();
     PyErr_Restore(type, value, tb);

@@ -157,12 +157,22 @@ BAD_STDERR = ("Traceback", "Error processing line", "Fatal Python error", "Segme
               "AddressSanitizer", "core dumped")
 
 
+OFF_WORDS = {"0", "off", "false", "no", "none"}
+
+
 def _check_config(cfg, env):
-    assert 0 < cfg["memory_fraction"] <= 1
-    assert 0 <= cfg["num_workers"] <= 1024 and 1 <= cfg["prefetch_factor"] <= 1024
-    assert cfg["amp_dtype"] in ("auto", "float16", "bfloat16")
-    assert cfg["compile_mode"] in ("default", "reduce-overhead", "max-autotune",
-                                   "max-autotune-no-cudagraphs")
+    # None: the setting was turned off by an off word (torch's own default).
+    def off(key):
+        if cfg[key] is not None:
+            return False
+        assert env.get(f"OUTOFCUDA_{key.upper()}", "").strip().lower() in OFF_WORDS, (key, env)
+        return True
+    assert off("memory_fraction") or 0 < cfg["memory_fraction"] <= 1
+    assert 0 <= cfg["num_workers"] <= 1024
+    assert off("prefetch_factor") or 1 <= cfg["prefetch_factor"] <= 1024
+    assert off("amp_dtype") or cfg["amp_dtype"] in ("auto", "float16", "bfloat16")
+    assert off("compile_mode") or cfg["compile_mode"] in (
+        "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
     assert len(cfg["warnings"]) <= len(env)
     for w in cfg["warnings"]:
         assert len(w) < 320 and re.match(r"outofcuda: ignoring OUTOFCUDA_[A-Z0-9_]+=", w), w
