@@ -166,7 +166,8 @@ def worker_copy(tmp_path_factory, master, name):
 
 def pytest_sessionfinish(session):
     """The environments (gigabytes: the CUDA build alone is 5.5 GB) go when
-    the run ends, whatever its outcome; an environment named by
+    the run ends, whatever its outcome (a run that passes leaves nothing:
+    pyproject.toml's tmp_path_retention_policy); an environment named by
     OUTOFCUDA_TEST_VENV or OUTOFCUDA_TEST_CUDA_VENV is the developer's and
     stays. The workers' sessions end first; the run's own removes them."""
     if WORKER:
@@ -174,8 +175,12 @@ def pytest_sessionfinish(session):
     factory = getattr(session.config, "_tmp_path_factory", None)
     if factory is None or factory._basetemp is None:
         return
-    for path in factory.getbasetemp().glob("*venv-*"):
-        shutil.rmtree(path, ignore_errors=True)
+    # Also the packages installed beside them (vllm alone is 880 MB); a failed
+    # test's own folder stays to be looked at.
+    for pattern in ("*venv-*", "notebook", "ddtrace*", "vllm*", "popen-gw*/ddtrace*",
+                    "popen-gw*/vllm*", "popen-gw*/matplotlib*"):
+        for path in factory.getbasetemp().glob(pattern):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

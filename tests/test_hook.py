@@ -573,21 +573,9 @@ def ddtrace_dir(venv, tmp_path_factory):
     """The real ddtrace 4.16.0 from the package index, installed once into a
     folder of its own that a scenario puts on PYTHONPATH (the shared
     environment stays as it is). OUTOFCUDA_TEST_DDTRACE_DIR reuses one."""
-    import os
-    import subprocess
-    from pathlib import Path
-    from conftest import _pip
-    reuse = os.environ.get("OUTOFCUDA_TEST_DDTRACE_DIR")
-    path = Path(reuse) if reuse else tmp_path_factory.mktemp("ddtrace") / "site"
-    if not (path / ".ready").exists():
-        try:
-            _pip(venv.python, "install", "--target", str(path), "ddtrace==4.16.0")
-        except subprocess.CalledProcessError as e:
-            if os.environ.get("CI") == "1":
-                pytest.fail(f"pip install ddtrace==4.16.0 failed (exit {e.returncode})")
-            pytest.skip(f"pip install ddtrace==4.16.0 failed (exit {e.returncode})")
-        (path / ".ready").write_text("ok")
-    return str(path)
+    from conftest import pip_target
+    return pip_target(venv.python, "ddtrace==4.16.0", "OUTOFCUDA_TEST_DDTRACE_DIR",
+                      tmp_path_factory)
 
 
 LOADERS = S("""
