@@ -561,3 +561,20 @@ int oc_resolve_file_path(const char *path, char *dir, size_t dirsz, char *out, s
     }
     return 0;
 }
+
+int oc_register_at_exit(const PyMethodDef *def, int *registered)
+{
+    PyObject *atexit_mod, *fn, *r;
+    if (*registered)
+        return 0;
+    atexit_mod = PyImport_ImportModule("atexit");
+    fn = atexit_mod ? oc_edge_function(def, NULL, NULL) : NULL;
+    r = fn ? PyObject_CallMethod(atexit_mod, "register", "O", fn) : NULL;
+    Py_XDECREF(fn);
+    Py_XDECREF(atexit_mod);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    *registered = 1;
+    return 0;
+}

@@ -153,6 +153,8 @@ const char *oc_env(const char *name);
  * anything else. Where LOCAL_RANK names a device, one past the devices counts
  * as absent at the caller. */
 long oc_env_rank(const char *name);
+/* This process's rank in a torchrun job: RANK, else LOCAL_RANK, else -1. */
+long oc_job_rank(void);
 /* The label every line outofcuda prints starts with: "[rank N] " in a
  * process torchrun started (RANK, else LOCAL_RANK), "[launcher] " in
  * torchrun's own launcher process, else "". Static storage. */
@@ -680,6 +682,10 @@ PyObject *oc_edge_function(const PyMethodDef *def, PyObject *self, PyObject *mod
 /* Adds each function of defs (ending with a NULL name) to module m through
  * oc_edge_function. Returns 0, or -1 with an exception. */
 int oc_edge_add_functions(PyObject *m, const PyMethodDef *defs);
+/* atexit.register() of def's function, made through the edge, once per
+ * process for each *registered flag (a forked child inherits both). Returns
+ * 0, or -1 with an exception. */
+int oc_register_at_exit(const PyMethodDef *def, int *registered);
 int oc_disabled_by_env(void);
 
 /* watcher.c */

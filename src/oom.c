@@ -632,26 +632,10 @@ static PyObject *ipython_at_exit(PyObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+static int ipython_at_exit_registered;
 static PyMethodDef ipython_at_exit_def = {
     "outofcuda_ipython_at_exit", ipython_at_exit, METH_NOARGS,
     "outofcuda's report of an OOM IPython showed outside a cell (ipython script.py)."};
-
-/* atexit.register(ipython_at_exit), once per process. */
-static void register_at_exit(void)
-{
-    static int registered;
-    PyObject *atexit_mod, *fn, *r;
-    if (registered)
-        return;
-    atexit_mod = PyImport_ImportModule("atexit");
-    fn = atexit_mod ? oc_edge_function(&ipython_at_exit_def, NULL, NULL) : NULL;
-    r = fn ? PyObject_CallMethod(atexit_mod, "register", "O", fn) : NULL;
-    registered = r != NULL;
-    OC_CLEAR();
-    Py_XDECREF(r);
-    Py_XDECREF(fn);
-    Py_XDECREF(atexit_mod);
-}
 
 /* The running IPython shell (new ref), or NULL: IPython's own get_ipython,
  * asked only where IPython is imported already. */
@@ -700,8 +684,8 @@ static void ipython_install(void)
         types = fn ? PyTuple_Pack(1, oc_g.oom.type) : NULL;
         r = types ? PyObject_CallMethod(shell, "set_custom_exc", "OO", types, fn) : NULL;
         ipython_state = r != NULL ? "set" : "failed";
-        if (r != NULL)
-            register_at_exit();
+        if (r != NULL && oc_register_at_exit(&ipython_at_exit_def, &ipython_at_exit_registered) < 0)
+            OC_CLEAR(); /* the shell's handler stands; only ipython script.py's report is lost */
     } else {
         ipython_state = "failed";
     }

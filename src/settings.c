@@ -167,11 +167,16 @@ int oc_torchrun_launcher(void)
     return known && oc_env_rank("RANK") < 0 && oc_env_rank("LOCAL_RANK") < 0;
 }
 
+long oc_job_rank(void)
+{
+    long rank = oc_env_rank("RANK");
+    return rank >= 0 ? rank : oc_env_rank("LOCAL_RANK");
+}
+
 const char *oc_rank_label(void)
 {
     static char label[32];
-    long rank = oc_env_rank("RANK");
-    rank = rank >= 0 ? rank : oc_env_rank("LOCAL_RANK");
+    long rank = oc_job_rank();
     if (rank >= 0)
         snprintf(label, sizeof label, "[rank %ld] ", rank);
     else

@@ -294,36 +294,10 @@ static oc_summary_mode resolve_output(void)
     return oc_g.summary_out.mode;
 }
 
-/* RANK (torchrun's global rank), else LOCAL_RANK, else -1. */
-static long env_rank(void)
-{
-    long r = oc_env_rank("RANK");
-    return r >= 0 ? r : oc_env_rank("LOCAL_RANK");
-}
-
 /* ---- starting ---- */
 
 static PyObject *at_exit(PyObject *self, PyObject *unused);
 static PyMethodDef at_exit_def = {"outofcuda_summary_at_exit", at_exit, METH_NOARGS, NULL};
-
-/* atexit.register(at_exit), once per process (a forked child inherits both
- * the registration and this flag). Returns 0 or -1 with an exception set. */
-static int register_at_exit(void)
-{
-    PyObject *atexit_mod, *fn, *r;
-    if (oc_g.summary_out.atexit_registered)
-        return 0;
-    atexit_mod = PyImport_ImportModule("atexit");
-    fn = atexit_mod ? oc_edge_function(&at_exit_def, NULL, NULL) : NULL;
-    r = fn ? PyObject_CallMethod(atexit_mod, "register", "O", fn) : NULL;
-    Py_XDECREF(fn);
-    Py_XDECREF(atexit_mod);
-    if (r == NULL)
-        return -1;
-    Py_DECREF(r);
-    oc_g.summary_out.atexit_registered = 1;
-    return 0;
-}
 
 /* threading.main_thread().ident, or 0 when it cannot be read. */
 static unsigned long main_thread_ident(void)
@@ -372,7 +346,7 @@ static int summary_begin(long interval_ms)
     S.frames_on = S.main_ident != 0;
     S.t0 = oc_thread_now();
     S.started = 1;
-    if (register_at_exit() < 0)
+    if (oc_register_at_exit(&at_exit_def, &oc_g.summary_out.atexit_registered) < 0)
         return -1;
     return S.frames_on ? start_thread() : 0;
 }
@@ -951,7 +925,7 @@ static PyObject *at_exit(PyObject *self, PyObject *unused)
     pthread_mutex_unlock(&S.th.lock);
     p.wall = now - (cuda ? S.t_cuda : S.t0);
     p.since_import = now - S.t0;
-    p.rank = env_rank();
+    p.rank = oc_job_rank();
     p.ooms = oc_g.oom_events;
     p.splits = oc_g.microbatch_splits;
     p.suggested_workers = oc_loader_suggestion(&p.cpus);
