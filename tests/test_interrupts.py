@@ -318,7 +318,11 @@ AUDIT = r"""
 
 unsigned int la_version(unsigned int version)
 {
+    /* Before Python starts: a test run started in the background hands its
+     * children SIGINT ignored, and Python then installs no handler and a
+     * Ctrl-C means nothing. Put it back at its default, as at a terminal. */
     (void)version;
+    signal(SIGINT, SIG_DFL);
     return LAV_CURRENT;
 }
 
