@@ -47,7 +47,10 @@ def test_memory_report_matches_torch_and_nvml(gpu, workdir):
     assert rep["peak_allocated_gb"] >= rep["allocated_gb"] + 0.99
     assert abs(rep["allocated_gb"] - 3.0) <= 0.01
     assert abs(rep["total_gb"] - d["nv_total"] / GIB) <= 0.001
-    assert abs(rep["total_gb"] - d["cuda_total"] / GIB) <= 0.01
+    # NVML counts the whole board; CUDA's total leaves out what the driver
+    # keeps (480 MiB of an H100's 81559 MiB, driver 580): never more, and
+    # within 1 %.
+    assert 0 <= rep["total_gb"] - d["cuda_total"] / GIB <= 0.01 * rep["total_gb"]
     # Free memory moves with other processes: NVML and CUDA within 0.5 GiB.
     assert abs(rep["free_gb"] - d["nv_free"] / GIB) <= 0.5
     assert abs(rep["free_gb"] - d["cuda_free"] / GIB) <= 0.5
