@@ -22,6 +22,7 @@
  *   thread.c   native threads: spawned with signals blocked, monotonic waits,
  *              fork ownership, bounded joins (monitor.c and summary.c)
  *   common.c   the shared ground: process state, warnings, small helpers
+ *   record.c   the typed record of every optimisation (pure C, no Python)
  *   advice.c   ranked advice: OOM actions and summary hints (pure C, no Python)
  *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python)
  *   kbtable.c  the known-bugs table and its lookup (pure C, no Python)
@@ -352,6 +353,160 @@ const char *oc_alloc_var_at(size_t i);
 /* Returns 1 when NVIDIA_TF32_OVERRIDE's value v (NULL: unset) forces TF32
  * off in NVIDIA's libraries: "0", C-locale blanks around allowed. */
 int oc_tf32_forced_off(const char *v);
+
+/* record.c: one typed record per optimisation, the one account of what
+ * outofcuda did. Each file that decides an optimisation writes its record
+ * through the functions below; status(), the verbose table and the CLI render
+ * from it, and what another file needs of it (the fraction, the device, the
+ * allocator string, the autocast dtype) it reads from the typed fields, never
+ * from the sentence. */
+#define OC_OPTIMISATIONS(X)                                                                        \
+    X(TF32, "tf32")                                                                                \
+    X(CUDNN_BENCHMARK, "cudnn_benchmark")                                                          \
+    X(CUDNN_DETERMINISTIC, "cudnn_deterministic")                                                  \
+    X(ALLOCATOR, "allocator")                                                                      \
+    X(FRACTION, "memory_fraction")                                                                 \
+    X(SDPA, "sdpa")                                                                                \
+    X(AMP_DTYPE, "amp_dtype")                                                                      \
+    X(OOM, "oom_handler")
+#define OC_OPT_ENUM(id, name) OC_OPT_##id,
+typedef enum { OC_OPTIMISATIONS(OC_OPT_ENUM) OC_OPT_COUNT } oc_opt;
+#undef OC_OPT_ENUM
+
+/* Where an optimisation stands. pending: nothing decided yet (torch not
+ * imported through the hook); queued: decided, waits for CUDA's start;
+ * interrupted: its step at CUDA's start was interrupted and runs again
+ * when torch next runs its queue. */
+#define OC_REC_STATES(X)                                                                           \
+    X(PENDING, "pending")                                                                          \
+    X(QUEUED, "queued")                                                                            \
+    X(APPLIED, "applied")                                                                          \
+    X(SKIPPED, "skipped")                                                                          \
+    X(FAILED, "failed")                                                                            \
+    X(INTERRUPTED, "interrupted")
+#define OC_STATE_ENUM(id, name) OC_REC_##id,
+typedef enum { OC_REC_STATES(OC_STATE_ENUM) OC_REC_STATE_COUNT } oc_rec_state;
+#undef OC_STATE_ENUM
+
+/* Why, as a stable code (status()["optimizations"][name]["code"]); the
+ * sentence beside it is for people and may change. */
+#define OC_REC_CODES(X)                                                                            \
+    X(NOT_IMPORTED, "not_imported")       /* torch not imported in this process yet */         \
+    X(IMPORT_BYPASSED, "import_bypassed") /* a finder ahead of the hook loaded torch */        \
+    X(NO_HOOK, "no_hook")                 /* the start-up hook did not run */                  \
+    X(DISABLED, "disabled")               /* OUTOFCUDA_DISABLE */                              \
+    X(NOT_PYTORCH, "not_pytorch")         /* the imported `torch` has no torch._C */           \
+    X(IMPORTED_EARLY, "imported_early")   /* torch imported before the hook installed */       \
+    X(OFF, "off")                         /* the user's off word (off_by names it) */          \
+    X(NO_CUDA, "no_cuda")                 /* a torch build without CUDA */                     \
+    X(ROCM, "rocm")                       /* a ROCm build: CUDA's allocator only */            \
+    X(VERSION_UNKNOWN, "version_unknown") /* torch's version unread before it loaded */        \
+    X(NO_SETTER, "no_setter")             /* this torch lacks the function */                  \
+    X(SETTER_FAILED, "setter_failed")     /* torch's function raised */                        \
+    X(NO_QUEUE, "no_queue")               /* this torch has no torch.cuda._lazy_call */        \
+    X(QUEUE_FAILED, "queue_failed")       /* torch.cuda._lazy_call raised */                   \
+    X(AT_CUDA_INIT, "at_cuda_init")       /* waits for, or was done at, CUDA's start */        \
+    X(PROGRAM_CHOSE, "program_chose")     /* the program chose first: its choice wins */       \
+    X(UNREADABLE, "unreadable")           /* what the program chose cannot be read */          \
+    X(FLAGS_FROZEN, "flags_frozen")       /* torch.backends.disable_global_flags() */          \
+    X(TF32_OVERRIDE, "tf32_override")     /* NVIDIA_TF32_OVERRIDE=0 */                         \
+    X(USER_SETTING, "user_setting")       /* an OUTOFCUDA_* value asked for it */              \
+    X(DEFAULT, "default")                 /* outofcuda's default */                            \
+    X(TORCH_DEFAULT, "torch_default")     /* torch's default is what is wanted: not written */ \
+    X(DETERMINISTIC, "deterministic")     /* forced off by deterministic cuDNN */              \
+    X(FRAMEWORK, "framework")             /* left to a framework that owns GPU memory */       \
+    X(FRAMEWORK_LEFT, "framework_left")   /* that framework was gone when CUDA started */      \
+    X(HANDED_BACK, "handed_back")         /* the user's allocator string given back */         \
+    X(NOT_UNDERSTOOD, "not_understood")   /* the user's allocator string does not parse */     \
+    X(NOTHING_TO_ADD, "nothing_to_add")   /* the user's allocator string has it all */         \
+    X(RUNTIME_SETTER, "runtime_setter")   /* given to torch's runtime allocator setter */      \
+    X(ENV_WRITTEN, "env_written")         /* the allocator variable written while torch loaded */ \
+    X(DTYPE_UNKNOWN, "dtype_unknown")     /* auto: no compute capability to decide from */     \
+    X(NO_OBSERVER, "no_observer")         /* this torch has no CUDA OOM observer */            \
+    X(NO_OOM_TYPE, "no_oom_type")         /* this torch has no torch.cuda.OutOfMemoryError */  \
+    X(ERROR, "error")                     /* failed inside outofcuda (status()["error"]) */
+#define OC_CODE_ENUM(id, name) OC_CODE_##id,
+typedef enum { OC_REC_CODES(OC_CODE_ENUM) OC_REC_CODE_COUNT } oc_rec_code;
+#undef OC_CODE_ENUM
+
+/* Which typed field is the record's value (status()'s "value"). */
+typedef enum {
+    OC_VAL_NONE,     /* None */
+    OC_VAL_BOOL,     /* flag */
+    OC_VAL_MATMUL,   /* {"matmul": flag} */
+    OC_VAL_SDPA,     /* {"flash", "mem_efficient", "math"}: sdpa[] */
+    OC_VAL_TEXT,     /* text: the allocator string, the autocast dtype */
+    OC_VAL_FRACTION, /* {"fraction", "device"}: device -1 until CUDA starts */
+    OC_VAL_OOM,      /* {"hooks", "observer", "snapshot", "ipython"}: oom */
+} oc_rec_value;
+
+#define OC_REASON_LEN 2000
+typedef struct {
+    oc_rec_state state;
+    oc_rec_code code;
+    const char *off_by; /* the OUTOFCUDA_* variable of OC_CODE_OFF (static), else NULL */
+    char reason[OC_REASON_LEN];
+    oc_rec_value kind;
+    int flag;
+    int sdpa[3];
+    char text[OC_ALLOC_CONF_MAX];
+    double fraction;
+    long device;
+    /* The allocator: the user's PYTORCH_ALLOC_CONF, which 2.9 and 2.10
+     * ignore, went to torch in outofcuda's string (known bug
+     * alloc-conf-generic-ignored avoided). */
+    int alloc_generic;
+    struct {
+        const char *hooks, *ipython; /* static text */
+        char observer[400];
+        char snapshot[4096]; /* "" none */
+    } oom;
+    /* The sdpa record: what the cuDNN-attention guard did (static text) and
+     * the known bug's id, or NULL: cuDNN attention left as torch has it. */
+    const char *guard, *guard_id;
+} oc_record;
+
+const char *oc_opt_name(oc_opt opt);
+const char *oc_rec_state_name(oc_rec_state state);
+const char *oc_rec_code_name(oc_rec_code code);
+/* The record of opt (read-only: every write goes through the functions
+ * below); NULL for an opt out of range. */
+const oc_record *oc_record_get(oc_opt opt);
+/* Writes opt's state, code and sentence (printf format); the value becomes
+ * None, off_by NULL. The typed fields the setters below fill stay. */
+void oc_record_set(oc_opt opt, oc_rec_state state, oc_rec_code code, const char *fmt, ...)
+#ifdef __GNUC__
+    __attribute__((format(printf, 4, 5)))
+#endif
+    ;
+/* opt is off by the user's variable var (static): skipped, OC_CODE_OFF. */
+void oc_record_off(oc_opt opt, const char *var);
+/* Every record: state, code and reason. */
+void oc_record_set_all(oc_rec_state state, oc_rec_code code, const char *reason);
+/* Appends to opt's sentence (printf format): the writer's own words only. */
+void oc_record_append(oc_opt opt, const char *fmt, ...)
+#ifdef __GNUC__
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+void oc_record_state(oc_opt opt, oc_rec_state state, oc_rec_code code); /* sentence kept */
+void oc_record_bool(oc_opt opt, int value);
+void oc_record_matmul(int tf32);
+void oc_record_sdpa(int flash, int mem_efficient, int math);
+void oc_record_text(oc_opt opt, const char *text);
+void oc_record_fraction(double fraction, long device);
+void oc_record_alloc_generic(int handed);
+/* The OOM handler's value; NULL leaves a field as it was. */
+void oc_record_oom(const char *hooks, const char *observer, const char *snapshot,
+                   const char *ipython);
+void oc_record_sdpa_guard(const char *what, const char *id);
+/* The sentence status() shows: the writer's, with the sdpa guard's words. */
+void oc_record_reason(oc_opt opt, char *buf, size_t sz);
+/* A step at CUDA's start keeps the records it may write before it runs and
+ * puts them back when it was interrupted: a record that was queued then
+ * reads interrupted. */
+void oc_record_keep(oc_opt opt, oc_record *copy);
+void oc_record_put_back(oc_opt opt, const oc_record *copy);
 
 /* advice.c: ranked advice. Each rule that fits the figures adds an item;
  * items are ranked by score (higher first), ties by order (lower first). */
