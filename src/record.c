@@ -1,0 +1,196 @@
+/* record.c - the typed record of every optimisation: its state, a stable
+ * code for why, the sentence for people, and the typed values other files
+ * read. Pure C: status() and the verbose table (report.c) render it. Every
+ * record is written and read with the GIL held, as the rest of the engine's
+ * state. */
+#include "oc.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+static oc_record records[OC_OPT_COUNT];
+
+#define OC_NAME_OF(id, name) name,
+static const char *const opt_names[] = {OC_OPTIMISATIONS(OC_NAME_OF)};
+static const char *const state_names[] = {OC_REC_STATES(OC_NAME_OF)};
+static const char *const code_names[] = {OC_REC_CODES(OC_NAME_OF)};
+#undef OC_NAME_OF
+
+static int valid(oc_opt opt)
+{
+    return (unsigned)opt < OC_OPT_COUNT;
+}
+
+const char *oc_opt_name(oc_opt opt)
+{
+    return valid(opt) ? opt_names[opt] : "?";
+}
+
+const char *oc_rec_state_name(oc_rec_state state)
+{
+    return (unsigned)state < OC_REC_STATE_COUNT ? state_names[state] : "?";
+}
+
+const char *oc_rec_code_name(oc_rec_code code)
+{
+    return (unsigned)code < OC_REC_CODE_COUNT ? code_names[code] : "?";
+}
+
+const oc_record *oc_record_get(oc_opt opt)
+{
+    return valid(opt) ? &records[opt] : NULL;
+}
+
+static void vset(oc_opt opt, oc_rec_state state, oc_rec_code code, const char *fmt, va_list ap)
+{
+    oc_record *r = &records[opt];
+    r->state = state;
+    r->code = code;
+    r->off_by = NULL;
+    r->kind = OC_VAL_NONE;
+    vsnprintf(r->reason, sizeof r->reason, fmt, ap);
+}
+
+void oc_record_set(oc_opt opt, oc_rec_state state, oc_rec_code code, const char *fmt, ...)
+{
+    va_list ap;
+    if (!valid(opt))
+        return;
+    va_start(ap, fmt);
+    vset(opt, state, code, fmt, ap);
+    va_end(ap);
+}
+
+void oc_record_off(oc_opt opt, const char *var)
+{
+    oc_record_set(opt, OC_REC_SKIPPED, OC_CODE_OFF, "off by %s: torch's own default kept", var);
+    if (valid(opt))
+        records[opt].off_by = var;
+}
+
+void oc_record_set_all(oc_rec_state state, oc_rec_code code, const char *reason)
+{
+    for (int i = 0; i < OC_OPT_COUNT; i++)
+        oc_record_set((oc_opt)i, state, code, "%s", reason);
+}
+
+void oc_record_append(oc_opt opt, const char *fmt, ...)
+{
+    va_list ap;
+    size_t len;
+    if (!valid(opt))
+        return;
+    len = strlen(records[opt].reason);
+    va_start(ap, fmt);
+    vsnprintf(records[opt].reason + len, sizeof records[opt].reason - len, fmt, ap);
+    va_end(ap);
+}
+
+void oc_record_state(oc_opt opt, oc_rec_state state, oc_rec_code code)
+{
+    if (!valid(opt))
+        return;
+    records[opt].state = state;
+    records[opt].code = code;
+}
+
+void oc_record_bool(oc_opt opt, int value)
+{
+    if (!valid(opt))
+        return;
+    records[opt].kind = OC_VAL_BOOL;
+    records[opt].flag = value != 0;
+}
+
+void oc_record_matmul(int tf32)
+{
+    records[OC_OPT_TF32].kind = OC_VAL_MATMUL;
+    records[OC_OPT_TF32].flag = tf32 != 0;
+}
+
+void oc_record_sdpa(int flash, int mem_efficient, int math)
+{
+    oc_record *r = &records[OC_OPT_SDPA];
+    r->kind = OC_VAL_SDPA;
+    r->sdpa[0] = flash != 0;
+    r->sdpa[1] = mem_efficient != 0;
+    r->sdpa[2] = math != 0;
+}
+
+void oc_record_text(oc_opt opt, const char *text)
+{
+    if (!valid(opt))
+        return;
+    records[opt].kind = OC_VAL_TEXT;
+    snprintf(records[opt].text, sizeof records[opt].text, "%s", text);
+}
+
+void oc_record_fraction(double fraction, long device)
+{
+    oc_record *r = &records[OC_OPT_FRACTION];
+    r->kind = OC_VAL_FRACTION;
+    r->fraction = fraction;
+    r->device = device;
+}
+
+void oc_record_alloc_generic(int handed)
+{
+    records[OC_OPT_ALLOCATOR].alloc_generic = handed != 0;
+}
+
+void oc_record_oom(const char *hooks, const char *observer, const char *snapshot,
+                   const char *ipython)
+{
+    oc_record *r = &records[OC_OPT_OOM];
+    r->kind = OC_VAL_OOM;
+    if (hooks != NULL)
+        r->oom.hooks = hooks;
+    if (ipython != NULL)
+        r->oom.ipython = ipython;
+    if (observer != NULL)
+        snprintf(r->oom.observer, sizeof r->oom.observer, "%s", observer);
+    if (snapshot != NULL)
+        snprintf(r->oom.snapshot, sizeof r->oom.snapshot, "%s", snapshot);
+}
+
+void oc_record_sdpa_guard(const char *what, const char *id)
+{
+    records[OC_OPT_SDPA].guard = what;
+    records[OC_OPT_SDPA].guard_id = id;
+}
+
+void oc_record_reason(oc_opt opt, char *buf, size_t sz)
+{
+    const oc_record *r = oc_record_get(opt);
+    if (sz == 0)
+        return;
+    if (r == NULL) {
+        buf[0] = '\0';
+        return;
+    }
+    /* The sdpa sentence says what became of cuDNN attention, which the
+     * known-bugs guard decides at CUDA's start, after the sentence was
+     * written; the guard's words take the place of the default's. */
+    if (opt == OC_OPT_SDPA && r->guard != NULL)
+        snprintf(buf, sz, "%s; %s (known bug %s)", r->reason, r->guard, r->guard_id);
+    else if (opt == OC_OPT_SDPA && r->code == OC_CODE_TORCH_DEFAULT)
+        snprintf(buf, sz, "%s; cuDNN attention left as torch has it", r->reason);
+    else
+        snprintf(buf, sz, "%s", r->reason);
+}
+
+void oc_record_keep(oc_opt opt, oc_record *copy)
+{
+    if (valid(opt))
+        memcpy(copy, &records[opt], sizeof *copy);
+}
+
+void oc_record_put_back(oc_opt opt, const oc_record *copy)
+{
+    if (!valid(opt))
+        return;
+    memcpy(&records[opt], copy, sizeof *copy);
+    if (records[opt].state == OC_REC_QUEUED)
+        records[opt].state = OC_REC_INTERRUPTED;
+}
