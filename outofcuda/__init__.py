@@ -58,8 +58,9 @@ _LAZY = {
 def status():
     """What outofcuda did in this process, as a JSON-serialisable dict.
 
-    Each optimisation says whether it was ``applied``, its ``value``, the
-    ``reason``, ``off_by`` (the ``OUTOFCUDA_*`` variable that turned it off,
+    Each optimisation says whether it was ``applied``, its ``state``, a
+    stable ``code`` for why (docs/python-api.md lists them), its ``value``,
+    the ``reason`` in words, ``off_by`` (the ``OUTOFCUDA_*`` variable that turned it off,
     else None) and ``now`` (what torch has now). A step that waits for CUDA's
     start (TF32, the memory fraction, the OOM handler) says ``queued`` and
     ``applied`` False until then; a CPU-only build of torch applies neither.

@@ -127,13 +127,11 @@ int oc_api_clear_cache(long long *released)
 
 /* ---- autocast dtype ---- */
 
-/* The dtype the start-up hook chose for CUDA (borrowed str) or NULL. */
-static PyObject *hook_amp_choice(void)
+/* The dtype the start-up hook chose for CUDA, or NULL. */
+static const char *hook_amp_choice(void)
 {
-    PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, "amp_dtype") : NULL;
-    PyObject *applied = e ? PyDict_GetItemString(e, "applied") : NULL;
-    PyObject *value = e ? PyDict_GetItemString(e, "value") : NULL;
-    return (applied == Py_True && value != NULL && PyUnicode_Check(value)) ? value : NULL;
+    const oc_record *r = oc_record_get(OC_OPT_AMP_DTYPE);
+    return r->state == OC_REC_APPLIED && r->kind == OC_VAL_TEXT ? r->text : NULL;
 }
 
 /* _api_autocast_dtype(device_type) -> (dtype name or None, reason). None
@@ -142,7 +140,7 @@ static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
 {
     const oc_config *cfg = oc_config_get();
     char dev[32], reason[260];
-    PyObject *hook;
+    const char *hook;
     (void)self;
     if (!PyUnicode_Check(arg)) {
         PyErr_SetString(PyExc_TypeError, "device_type must be a str such as 'cuda' or 'cpu'");
@@ -163,7 +161,7 @@ static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
      * thread. */
     hook = hook_amp_choice();
     if (hook != NULL)
-        return Py_BuildValue("(Os)", hook, "the start-up hook's choice");
+        return Py_BuildValue("(ss)", hook, "the start-up hook's choice");
     /* The start-up hook's rule (bridge.c asks the same): no guess when the
      * capability is unknown; None leaves torch's own CUDA default. */
     return Py_BuildValue("(zs)", oc_amp_cuda_dtype(cfg, reason, sizeof reason), reason);

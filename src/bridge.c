@@ -5,6 +5,7 @@
  * and records why it was applied or skipped. */
 #include "oc.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -229,6 +230,26 @@ static int setter_configures(const char *user)
                                        oc_alloc_value(user, "backend", NULL, 0) == 1);
 }
 
+/* Why the allocator record says what it says (bridge.c's own, beside
+ * oc_g.alloc_reason): written with the sentence, recorded by
+ * record_allocator. */
+static oc_rec_code alloc_code;
+
+/* The allocator's sentence, with its code. */
+static void alloc_say(oc_rec_code code, const char *fmt, ...)
+#ifdef __GNUC__
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+static void alloc_say(oc_rec_code code, const char *fmt, ...)
+{
+    va_list ap;
+    alloc_code = code;
+    va_start(ap, fmt);
+    vsnprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, fmt, ap);
+    va_end(ap);
+}
+
 static void prepare_allocator(const oc_config *cfg)
 {
     char dropped[256], err[160], fw_note[120], platform_defaults[OC_ALLOC_CONF_MAX];
@@ -236,8 +257,8 @@ static void prepare_allocator(const oc_config *cfg)
     int async, held_back, owned, generic;
     oc_g.alloc_applied = 0;
     oc_g.alloc_generic = 0;
-    oc_g.alloc_env_name[0] = '\0';
     oc_g.alloc_value[0] = '\0';
+    alloc_code = OC_CODE_NOT_IMPORTED;
     /* The framework's own import is in progress (vllm/__init__.py imports
      * torch through vllm.env_override): it reads the variable as the user
      * set it, so it stays unwritten. The merge is still worked out: an
@@ -245,11 +266,11 @@ static void prepare_allocator(const oc_config *cfg)
      * and the CUDA-init callback then gives it to torch's runtime setter. */
     owned = framework_owns_memory(cfg, fw_note, sizeof fw_note);
     if (owned) {
-        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
-                 "left to %s: the allocator variable stays as the user set it, and no memory "
-                 "fraction is set (OUTOFCUDA_FRAMEWORK_OVERRIDE=1 applies outofcuda's anyway). "
-                 "%s",
-                 oc_g.framework.left_to, oc_g.framework.why);
+        alloc_say(OC_CODE_FRAMEWORK,
+                  "left to %s: the allocator variable stays as the user set it, and no memory "
+                  "fraction is set (OUTOFCUDA_FRAMEWORK_OVERRIDE=1 applies outofcuda's anyway). "
+                  "%s",
+                  oc_g.framework.left_to, oc_g.framework.why);
         snprintf(oc_g.framework.decided, sizeof oc_g.framework.decided,
                  "at torch's import: %s in use, allocator and memory fraction left to it",
                  oc_g.framework.left_to);
@@ -264,16 +285,16 @@ static void prepare_allocator(const oc_config *cfg)
         return;
     if (!oc_g.build.known) {
         if (!owned)
-            snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
-                     "torch's version could not be read before it loaded");
+            alloc_say(OC_CODE_VERSION_UNKNOWN,
+                      "torch's version could not be read before it loaded");
         return;
     }
     if (!oc_g.build.cuda_build) {
         if (!owned)
-            snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
-                     oc_g.build.hip_build
-                         ? "ROCm build of torch: outofcuda configures CUDA's allocator only"
-                         : "this torch build has no CUDA");
+            alloc_say(oc_g.build.hip_build ? OC_CODE_ROCM : OC_CODE_NO_CUDA, "%s",
+                      oc_g.build.hip_build
+                          ? "ROCm build of torch: outofcuda configures CUDA's allocator only"
+                          : "this torch build has no CUDA");
         return;
     }
     name = user_alloc_var(&user);
@@ -288,32 +309,29 @@ static void prepare_allocator(const oc_config *cfg)
                                 err, sizeof err, &held_back) != 0) {
         /* A value outofcuda cannot parse is the user's business: leave it whole. */
         if (!owned)
-            snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
-                     "left alone: %s is not understood (%s)", name, err);
+            alloc_say(OC_CODE_NOT_UNDERSTOOD, "left alone: %s is not understood (%s)", name, err);
         oc_g.alloc_value[0] = '\0';
         return;
     }
     if (owned)
         return;
-    snprintf(oc_g.alloc_env_name, sizeof oc_g.alloc_env_name, "%s", name);
     /* Where torch ignores the user's variable, the user's string still has
      * to reach it, even with nothing added. */
     if (strcmp(oc_g.alloc_value, user) == 0 && !generic) {
         /* Nothing to add: the variable stays exactly as the user set it. */
-        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "nothing added to %s%s%.200s%s%s",
-                 name, dropped_note(dropped, async), dropped, held_back ? HELD_BACK_NOTE : "",
-                 fw_note);
+        alloc_say(OC_CODE_NOTHING_TO_ADD, "nothing added to %s%s%.200s%s%s", name,
+                  dropped_note(dropped, async), dropped, held_back ? HELD_BACK_NOTE : "", fw_note);
         return;
     }
     oc_g.alloc_generic = generic;
     if (setter_configures(user)) {
         oc_g.alloc_by_setter = 1;
         oc_g.alloc_applied = 1;
-        snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason,
-                 "given to torch's runtime setter once torch loaded, the environment never "
-                 "written (%s read as the user set it)%s%s%.200s%s%s",
-                 name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async),
-                 dropped, held_back ? HELD_BACK_NOTE : "", fw_note);
+        alloc_say(OC_CODE_RUNTIME_SETTER,
+                  "given to torch's runtime setter once torch loaded, the environment never "
+                  "written (%s read as the user set it)%s%s%.200s%s%s",
+                  name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async),
+                  dropped, held_back ? HELD_BACK_NOTE : "", fw_note);
         return;
     }
     /* The variable this release reads (not the ignored one the user set). */
@@ -327,13 +345,14 @@ static void prepare_allocator(const oc_config *cfg)
     if (set_environ(write_name, oc_g.alloc_value) < 0) {
         oc_g.alloc_generic = 0;
         oc_set_error("setting the allocator variable failed");
+        alloc_say(OC_CODE_ERROR, "setting %s failed", write_name);
         return;
     }
     oc_g.alloc_saved.written = 1;
     oc_g.alloc_applied = 1;
-    snprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, "%s set while torch loaded%s%s%.200s%s%s",
-             write_name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async),
-             dropped, held_back ? HELD_BACK_NOTE : "", fw_note);
+    alloc_say(OC_CODE_ENV_WRITTEN, "%s set while torch loaded%s%s%.200s%s%s", write_name,
+              user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async), dropped,
+              held_back ? HELD_BACK_NOTE : "", fw_note);
 }
 
 void oc_bridge_before_torch(PyObject *spec)
@@ -357,11 +376,6 @@ void oc_bridge_import_failed(void)
 }
 
 /* ---- after torch executed ---- */
-
-static PyObject *bool_obj(int b)
-{
-    return b ? Py_True : Py_False;
-}
 
 /* Calls torch._C.<fn>(value) when it exists; a failure is recorded as the
  * engine's error, naming the step. */
@@ -469,7 +483,7 @@ static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
 static void tf32_at_cuda_init(PyObject *torch)
 {
     char why[200];
-    PyObject *c_mod, *value;
+    PyObject *c_mod;
     int chosen;
     c_mod = PyObject_GetAttrString(torch, "_C");
     if (c_mod == NULL) {
@@ -478,18 +492,20 @@ static void tf32_at_cuda_init(PyObject *torch)
     }
     chosen = precision_chosen(c_mod, why, sizeof why);
     if (chosen != 0) {
-        oc_result_setf("tf32", 0, NULL, "left as it is: %s", why);
+        oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED,
+                      chosen > 0 ? OC_CODE_PROGRAM_CHOSE : OC_CODE_UNREADABLE, "left as it is: %s",
+                      why);
     } else if (flags_frozen(torch)) {
-        oc_result_set("tf32", 0, NULL,
+        oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
                       "torch.backends.disable_global_flags() was called before CUDA started");
     } else if (set_flag(c_mod, "_set_cublas_allow_tf32", 1, "tf32") != 1) {
-        oc_result_set("tf32", 0, NULL, "torch._C._set_cublas_allow_tf32 failed");
+        oc_record_set(OC_OPT_TF32, OC_REC_FAILED, OC_CODE_SETTER_FAILED,
+                      "torch._C._set_cublas_allow_tf32 failed");
     } else {
-        value = Py_BuildValue("{s:O}", "matmul", Py_True);
-        oc_result_set("tf32", 1, value,
+        oc_record_set(OC_OPT_TF32, OC_REC_APPLIED, OC_CODE_AT_CUDA_INIT,
                       "set when CUDA initialised (the program had chosen no float32 precision): "
                       "cuBLAS may use TF32 for float32 matmuls; cuDNN TF32 is torch's default");
-        Py_XDECREF(value);
+        oc_record_matmul(1);
     }
     Py_DECREF(c_mod);
 }
@@ -499,38 +515,41 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
     const char *override = oc_env("NVIDIA_TF32_OVERRIDE");
     PyObject *setter;
     if (!cfg->tf32) {
-        oc_result_off("tf32", "OUTOFCUDA_TF32");
+        oc_record_off(OC_OPT_TF32, "OUTOFCUDA_TF32");
         return;
     }
     /* On a CPU-only build the legacy flag still moves torch's float32 matmul
      * precision to "high", which made CPU matmuls slower here: no gain, only
      * harm. */
     if (!oc_g.build.cuda_build) {
-        oc_result_set("tf32", 0, NULL,
+        oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED, OC_CODE_NO_CUDA,
                       "this torch build has no CUDA (TF32 would only slow CPU matmuls)");
         return;
     }
     if (oc_tf32_forced_off(override)) {
-        oc_result_set("tf32", 0, NULL, "NVIDIA_TF32_OVERRIDE=0 asks for no TF32");
+        oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED, OC_CODE_TF32_OVERRIDE,
+                      "NVIDIA_TF32_OVERRIDE=0 asks for no TF32");
         return;
     }
     if (flags_frozen(torch)) {
-        oc_result_set("tf32", 0, NULL, "torch.backends.disable_global_flags() was called");
+        oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
+                      "torch.backends.disable_global_flags() was called");
         return;
     }
     setter = PyObject_GetAttrString(c_mod, "_set_cublas_allow_tf32");
     if (setter == NULL) {
         oc_clear_absence(); /* recorded: the step's reason says torch lacks it */
-        oc_result_set("tf32", 0, NULL, "this torch has no torch._C._set_cublas_allow_tf32");
+        oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED, OC_CODE_NO_SETTER,
+                      "this torch has no torch._C._set_cublas_allow_tf32");
         return;
     }
     Py_DECREF(setter);
     if (no_queue != NULL) {
-        oc_result_set("tf32", 0, NULL, no_queue);
+        oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED, OC_CODE_NO_QUEUE, "%s", no_queue);
         return;
     }
     oc_cuda_step_arm(OC_STEP_TF32);
-    oc_result_set("tf32", 1, NULL,
+    oc_record_set(OC_OPT_TF32, OC_REC_QUEUED, OC_CODE_AT_CUDA_INIT,
                   "queued: cuBLAS TF32 for float32 matmuls when CUDA initialises, unless the "
                   "program has chosen its float32 precision by then");
 }
@@ -539,12 +558,19 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
  * build has too: libraries read them (Lightning's Trainer(benchmark=None)
  * follows cudnn.benchmark) and users' tests assert torch's defaults, while no
  * kernel of that build uses them. There outofcuda changes nothing readable. */
-static int skip_without_cuda(const char *name)
+static int skip_without_cuda(oc_opt opt)
 {
     if (oc_g.build.cuda_build)
         return 0;
-    oc_result_set(name, 0, NULL, "this torch build has no CUDA: torch's default kept");
+    oc_record_set(opt, OC_REC_SKIPPED, OC_CODE_NO_CUDA,
+                  "this torch build has no CUDA: torch's default kept");
     return 1;
+}
+
+/* Whether a setting on by default was asked for by the user's variable. */
+static oc_rec_code asked_by(const char *var)
+{
+    return oc_env(var) != NULL ? OC_CODE_USER_SETTING : OC_CODE_DEFAULT;
 }
 
 static void apply_cudnn(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
@@ -554,47 +580,57 @@ static void apply_cudnn(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
     int det_off = oc_config_off(cfg, "OUTOFCUDA_CUDNN_DETERMINISTIC");
     int bench_off = !cfg->cudnn_benchmark;
     if (det_off)
-        oc_result_off("cudnn_deterministic", "OUTOFCUDA_CUDNN_DETERMINISTIC");
+        oc_record_off(OC_OPT_CUDNN_DETERMINISTIC, "OUTOFCUDA_CUDNN_DETERMINISTIC");
     if (bench_off)
-        oc_result_off("cudnn_benchmark", "OUTOFCUDA_CUDNN_BENCHMARK");
+        oc_record_off(OC_OPT_CUDNN_BENCHMARK, "OUTOFCUDA_CUDNN_BENCHMARK");
     if (!oc_g.build.cuda_build) {
         if (!bench_off)
-            skip_without_cuda("cudnn_benchmark");
+            skip_without_cuda(OC_OPT_CUDNN_BENCHMARK);
         if (!det_off)
-            skip_without_cuda("cudnn_deterministic");
+            skip_without_cuda(OC_OPT_CUDNN_DETERMINISTIC);
         return;
     }
     /* disable_global_flags() freezes torch.backends.cudnn's flags too. */
     if (flags_frozen(torch)) {
         if (!bench_off)
-            oc_result_set("cudnn_benchmark", 0, NULL,
+            oc_record_set(OC_OPT_CUDNN_BENCHMARK, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
                           "torch.backends.disable_global_flags() was called");
         if (!det_off)
-            oc_result_set("cudnn_deterministic", 0, NULL,
+            oc_record_set(OC_OPT_CUDNN_DETERMINISTIC, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
                           "torch.backends.disable_global_flags() was called");
         return;
     }
     if (cfg->cudnn_deterministic) {
-        if (set_flag(c_mod, "_set_cudnn_deterministic", 1, "cudnn_deterministic") == 1)
-            oc_result_set("cudnn_deterministic", 1, Py_True, "OUTOFCUDA_CUDNN_DETERMINISTIC=1");
-        else
-            oc_result_set("cudnn_deterministic", 0, NULL, "torch._C has no cuDNN setter");
-        if (set_flag(c_mod, "_set_cudnn_benchmark", 0, "cudnn_benchmark") == 1 && !bench_off)
-            oc_result_set("cudnn_benchmark", 0, Py_False,
+        if (set_flag(c_mod, "_set_cudnn_deterministic", 1, "cudnn_deterministic") == 1) {
+            oc_record_set(OC_OPT_CUDNN_DETERMINISTIC, OC_REC_APPLIED, OC_CODE_USER_SETTING,
+                          "OUTOFCUDA_CUDNN_DETERMINISTIC=1");
+            oc_record_bool(OC_OPT_CUDNN_DETERMINISTIC, 1);
+        } else {
+            oc_record_set(OC_OPT_CUDNN_DETERMINISTIC, OC_REC_SKIPPED, OC_CODE_NO_SETTER,
+                          "torch._C has no cuDNN setter");
+        }
+        if (set_flag(c_mod, "_set_cudnn_benchmark", 0, "cudnn_benchmark") == 1 && !bench_off) {
+            oc_record_set(OC_OPT_CUDNN_BENCHMARK, OC_REC_SKIPPED, OC_CODE_DETERMINISTIC,
                           "forced off: deterministic cuDNN needs fixed algorithms");
+            oc_record_bool(OC_OPT_CUDNN_BENCHMARK, 0);
+        }
         return;
     }
-    if (!det_off)
-        oc_result_set("cudnn_deterministic", 0, Py_False,
+    if (!det_off) {
+        oc_record_set(OC_OPT_CUDNN_DETERMINISTIC, OC_REC_SKIPPED, OC_CODE_DEFAULT,
                       "OUTOFCUDA_CUDNN_DETERMINISTIC=0 (default)");
+        oc_record_bool(OC_OPT_CUDNN_DETERMINISTIC, 0);
+    }
     if (bench_off)
         return;
-    if (set_flag(c_mod, "_set_cudnn_benchmark", 1, "cudnn_benchmark") == 1)
-        oc_result_set("cudnn_benchmark", 1, Py_True,
+    if (set_flag(c_mod, "_set_cudnn_benchmark", 1, "cudnn_benchmark") == 1) {
+        oc_record_set(OC_OPT_CUDNN_BENCHMARK, OC_REC_APPLIED, asked_by("OUTOFCUDA_CUDNN_BENCHMARK"),
                       "autotunes convolutions per input shape (slow with changing shapes)");
-    else
-        oc_result_set("cudnn_benchmark", 0, NULL,
+        oc_record_bool(OC_OPT_CUDNN_BENCHMARK, 1);
+    } else {
+        oc_record_set(OC_OPT_CUDNN_BENCHMARK, OC_REC_SKIPPED, OC_CODE_NO_SETTER,
                       "this torch has no torch._C._set_cudnn_benchmark");
+    }
 }
 
 /* flash, memory-efficient and math attention are on by default in every
@@ -606,9 +642,8 @@ static void apply_sdpa(const oc_config *cfg, PyObject *c_mod)
     static const char *const fns[] = {"_set_sdp_use_flash", "_set_sdp_use_mem_efficient",
                                       "_set_sdp_use_math"};
     const int want[] = {cfg->flash_attn, cfg->mem_eff_attn, cfg->math_attn};
-    PyObject *value;
     int off = 0, done = 0;
-    if (skip_without_cuda("sdpa"))
+    if (skip_without_cuda(OC_OPT_SDPA))
         return;
     for (int i = 0; i < 3; i++) {
         if (want[i])
@@ -616,19 +651,22 @@ static void apply_sdpa(const oc_config *cfg, PyObject *c_mod)
         off++;
         done += set_flag(c_mod, fns[i], 0, "sdpa") == 1;
     }
-    value = Py_BuildValue("{s:O,s:O,s:O}", "flash", bool_obj(want[0]), "mem_efficient",
-                          bool_obj(want[1]), "math", bool_obj(want[2]));
-    if (off == 0)
-        oc_result_set("sdpa", 0, value,
+    if (off == 0) {
+        /* record.c adds what became of cuDNN attention (the known-bugs
+         * guard decides that when CUDA starts). */
+        oc_record_set(OC_OPT_SDPA, OC_REC_SKIPPED, OC_CODE_TORCH_DEFAULT,
                       "torch's default: flash, memory-efficient and math attention are on "
-                      "(nothing written); cuDNN attention left as torch has it");
-    else if (done != off)
-        oc_result_set("sdpa", 0, NULL, "this torch lacks the SDPA backend setters");
-    else
-        oc_result_set("sdpa", 1, value,
+                      "(nothing written)");
+        oc_record_sdpa(want[0], want[1], want[2]);
+    } else if (done != off) {
+        oc_record_set(OC_OPT_SDPA, OC_REC_SKIPPED, OC_CODE_NO_SETTER,
+                      "this torch lacks the SDPA backend setters");
+    } else {
+        oc_record_set(OC_OPT_SDPA, OC_REC_APPLIED, OC_CODE_USER_SETTING, "%s",
                       want[2] ? "backends turned off as configured (OUTOFCUDA_*_ATTN=0)"
                               : "math backend off: some inputs may find no kernel");
-    Py_XDECREF(value);
+        oc_record_sdpa(want[0], want[1], want[2]);
+    }
 }
 
 /* ---- torch's runtime allocator setter ---- */
@@ -670,15 +708,14 @@ static int call_setter(PyObject *c_mod, const char *conf, const char **used)
  * `backend` key was read when torch loaded and stays. */
 static void hand_back_allocator(PyObject *c_mod)
 {
-    char reason[sizeof oc_g.alloc_reason + sizeof oc_g.framework.why + 200];
     const char *name, *user, *used;
     int rc = 1;
     if (oc_config_off(oc_config_get(), "OUTOFCUDA_ALLOC_CONF"))
         return; /* the record says off: there is nothing of outofcuda's to hand back */
     if (!oc_g.alloc_applied) {
-        snprintf(reason, sizeof reason, "%s; left to %s from CUDA initialisation. %s",
-                 oc_g.alloc_reason, oc_g.framework.left_to, oc_g.framework.why);
-        oc_result_set("allocator", 0, NULL, reason);
+        oc_record_set(OC_OPT_ALLOCATOR, OC_REC_SKIPPED, OC_CODE_FRAMEWORK,
+                      "%s; left to %s from CUDA initialisation. %s", oc_g.alloc_reason,
+                      oc_g.framework.left_to, oc_g.framework.why);
         return;
     }
     name = user_alloc_var(&user);
@@ -690,19 +727,17 @@ static void hand_back_allocator(PyObject *c_mod)
     if (rc != 1) {
         oc_set_error("handing the user's allocator settings back to torch at CUDA "
                      "initialisation");
-        snprintf(reason, sizeof reason,
-                 "%s; %s is in use but torch's setter refused the user's %s, so outofcuda's "
-                 "settings stay",
-                 oc_g.alloc_reason, oc_g.framework.left_to, name);
-        oc_result_set("allocator", 1, NULL, reason);
+        oc_record_set(OC_OPT_ALLOCATOR, OC_REC_APPLIED, OC_CODE_SETTER_FAILED,
+                      "%s; %s is in use but torch's setter refused the user's %s, so "
+                      "outofcuda's settings stay",
+                      oc_g.alloc_reason, oc_g.framework.left_to, name);
         return;
     }
     oc_g.alloc_applied = 0;
-    snprintf(reason, sizeof reason,
-             "handed back at CUDA initialisation: torch's allocator holds the user's own %s "
-             "('%.200s'), left to %s. %s",
-             name, user, oc_g.framework.left_to, oc_g.framework.why);
-    oc_result_set("allocator", 0, NULL, reason);
+    oc_record_set(OC_OPT_ALLOCATOR, OC_REC_SKIPPED, OC_CODE_HANDED_BACK,
+                  "handed back at CUDA initialisation: torch's allocator holds the user's own %s "
+                  "('%.200s'), left to %s. %s",
+                  name, user, oc_g.framework.left_to, oc_g.framework.why);
 }
 
 /* Appends to what was decided about frameworks (oc_g.framework.decided,
@@ -722,7 +757,7 @@ static void framework_left(PyObject *torch)
 {
     char gone[sizeof oc_g.framework.left_to], reason[400];
     const char *user, *used = NULL;
-    PyObject *c_mod, *v;
+    PyObject *c_mod;
     int rc = 1;
     snprintf(gone, sizeof gone, "%s", oc_g.framework.left_to);
     oc_g.framework.left_to[0] = '\0';
@@ -742,17 +777,17 @@ static void framework_left(PyObject *torch)
         /* the record already says off */
     } else if (rc != 1) {
         oc_set_error("handing the allocator settings to torch at CUDA initialisation");
-        oc_result_setf("allocator", 0, NULL, "%s; torch's runtime setter %s", reason,
-                       used ? "failed" : "is missing");
+        oc_record_set(OC_OPT_ALLOCATOR, OC_REC_FAILED,
+                      used ? OC_CODE_SETTER_FAILED : OC_CODE_NO_SETTER,
+                      "%s; torch's runtime setter %s", reason, used ? "failed" : "is missing");
     } else if (used == NULL) {
-        oc_result_setf("allocator", 0, NULL, "%s; nothing to add to the user's allocator settings",
-                       reason);
+        oc_record_set(OC_OPT_ALLOCATOR, OC_REC_SKIPPED, OC_CODE_NOTHING_TO_ADD,
+                      "%s; nothing to add to the user's allocator settings", reason);
     } else {
         oc_g.alloc_applied = 1;
-        v = PyUnicode_FromString(oc_g.alloc_value);
-        oc_result_setf("allocator", 1, v, "given to torch._C.%s when CUDA initialised: %s", used,
-                       reason);
-        Py_XDECREF(v);
+        oc_record_set(OC_OPT_ALLOCATOR, OC_REC_APPLIED, OC_CODE_FRAMEWORK_LEFT,
+                      "given to torch._C.%s when CUDA initialised: %s", used, reason);
+        oc_record_text(OC_OPT_ALLOCATOR, oc_g.alloc_value);
     }
     if (oc_g.build.cuda_build && !oc_config_off(oc_config_get(), "OUTOFCUDA_MEMORY_FRACTION")) {
         oc_g.pending_fraction = oc_config_get()->memory_fraction;
@@ -767,7 +802,6 @@ static void framework_left(PyObject *torch)
  * (the next step) is left to the framework. */
 static void framework_at_cuda_init(PyObject *torch)
 {
-    char reason[sizeof oc_g.framework.why + 120];
     PyObject *c_mod;
     if (oc_g.framework.left_to[0]) {
         if (oc_framework_in_use(NULL, 0) == NULL)
@@ -789,9 +823,8 @@ static void framework_at_cuda_init(PyObject *torch)
     Py_XDECREF(c_mod);
     if (oc_config_off(oc_config_get(), "OUTOFCUDA_MEMORY_FRACTION"))
         return; /* the record says off */
-    snprintf(reason, sizeof reason, "not set: left to %s. %s", oc_g.framework.left_to,
-             oc_g.framework.why);
-    oc_result_set("memory_fraction", 0, NULL, reason);
+    oc_record_set(OC_OPT_FRACTION, OC_REC_SKIPPED, OC_CODE_FRAMEWORK, "not set: left to %s. %s",
+                  oc_g.framework.left_to, oc_g.framework.why);
 }
 
 /* ---- memory fraction, deferred to CUDA initialisation ---- */
@@ -836,17 +869,17 @@ static int fraction_left_to_program(PyObject *c_mod, const char *what, const cha
     char where[200];
     if (!program_fraction(c_mod, where, sizeof where))
         return 0;
-    oc_result_setf("memory_fraction", 0, NULL,
-                   "%s: %s, which torch %s (the user's fraction wins over "
-                   "OUTOFCUDA_MEMORY_FRACTION)",
-                   what, where, torch_does);
+    oc_record_set(OC_OPT_FRACTION, OC_REC_SKIPPED, OC_CODE_PROGRAM_CHOSE,
+                  "%s: %s, which torch %s (the user's fraction wins over "
+                  "OUTOFCUDA_MEMORY_FRACTION)",
+                  what, where, torch_does);
     return 1;
 }
 
 /* A step of the CUDA-init callback: this process's device only. */
 static void fraction_at_cuda_init(PyObject *torch)
 {
-    PyObject *c_mod = NULL, *n = NULL, *dev = NULL, *r = NULL, *value;
+    PyObject *c_mod = NULL, *n = NULL, *dev = NULL, *r = NULL;
     long rank = oc_env_rank("LOCAL_RANK"), count = 0, device = 0;
     if (oc_g.framework.left_to[0]) {
         /* The framework step (first) left the fraction to a framework. */
@@ -872,13 +905,19 @@ static void fraction_at_cuda_init(PyObject *torch)
     r = PyObject_CallMethod(c_mod, "_cuda_setMemoryFraction", "dl", oc_g.pending_fraction, device);
     if (r == NULL)
         goto error;
-    value = Py_BuildValue("{s:d,s:l}", "fraction", oc_g.pending_fraction, "device", device);
-    oc_result_setf("memory_fraction", 1, value, "applied to cuda:%ld when CUDA initialised%s",
-                   device, rank >= 0 && rank == device ? " (LOCAL_RANK)" : "");
-    Py_XDECREF(value);
+    oc_record_set(OC_OPT_FRACTION, OC_REC_APPLIED, OC_CODE_AT_CUDA_INIT,
+                  "applied to cuda:%ld when CUDA initialised%s", device,
+                  rank >= 0 && rank == device ? " (LOCAL_RANK)" : "");
+    oc_record_fraction(oc_g.pending_fraction, device);
     goto done;
 error:
-    oc_set_error("memory fraction at CUDA initialisation");
+    /* An interrupt is no failure: the step stays armed and its record is
+     * put back (step_undo). */
+    if (!oc_interrupt_waiting()) {
+        oc_set_error("memory fraction at CUDA initialisation");
+        oc_record_set(OC_OPT_FRACTION, OC_REC_FAILED, OC_CODE_ERROR,
+                      "setting it when CUDA initialised failed (status()['error'])");
+    }
 done:
     OC_CLEAR();
     Py_XDECREF(r);
@@ -889,34 +928,31 @@ done:
 
 static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
 {
-    PyObject *value;
     if (oc_config_off(cfg, "OUTOFCUDA_MEMORY_FRACTION")) {
-        oc_result_off("memory_fraction", "OUTOFCUDA_MEMORY_FRACTION");
+        oc_record_off(OC_OPT_FRACTION, "OUTOFCUDA_MEMORY_FRACTION");
         return;
     }
     if (!oc_g.build.cuda_build) {
-        oc_result_set("memory_fraction", 0, NULL, "this torch build has no CUDA");
+        oc_record_set(OC_OPT_FRACTION, OC_REC_SKIPPED, OC_CODE_NO_CUDA,
+                      "this torch build has no CUDA");
         return;
     }
     if (no_queue != NULL) {
-        oc_result_set("memory_fraction", 0, NULL, no_queue);
+        oc_record_set(OC_OPT_FRACTION, OC_REC_SKIPPED, OC_CODE_NO_QUEUE, "%s", no_queue);
         return;
     }
     if (oc_g.framework.left_to[0]) {
-        char reason[sizeof oc_g.framework.why + 120];
-        snprintf(reason, sizeof reason, "not set: left to %s. %s", oc_g.framework.left_to,
-                 oc_g.framework.why);
-        oc_result_set("memory_fraction", 0, NULL, reason);
+        oc_record_set(OC_OPT_FRACTION, OC_REC_SKIPPED, OC_CODE_FRAMEWORK, "not set: left to %s. %s",
+                      oc_g.framework.left_to, oc_g.framework.why);
         return;
     }
     if (fraction_left_to_program(NULL, "not set", "applies when CUDA initialises"))
         return;
     oc_g.pending_fraction = cfg->memory_fraction;
     oc_cuda_step_arm(OC_STEP_FRACTION);
-    value = Py_BuildValue("{s:d,s:O}", "fraction", cfg->memory_fraction, "device", Py_None);
-    oc_result_set("memory_fraction", 1, value,
+    oc_record_set(OC_OPT_FRACTION, OC_REC_QUEUED, OC_CODE_AT_CUDA_INIT,
                   "queued: applied to this process's device when CUDA initialises");
-    Py_XDECREF(value);
+    oc_record_fraction(cfg->memory_fraction, -1);
 }
 
 /* ---- the one callback at CUDA initialisation ----
@@ -947,29 +983,36 @@ static int step_armed(oc_cuda_step step)
     return (oc_g.cuda_init_steps & (1u << step)) != 0;
 }
 
-/* The optimisations' records a step may write (NULL-terminated). */
-static const char *const *step_records(oc_cuda_step step)
+/* The optimisations' records a step may write: *n of them. */
+static const oc_opt *step_records(oc_cuda_step step, int *n)
 {
-    static const char *const framework[] = {"allocator", "memory_fraction", NULL};
-    static const char *const tf32[] = {"tf32", NULL};
-    static const char *const fraction[] = {"memory_fraction", NULL};
-    static const char *const known_bugs[] = {"sdpa", NULL}; /* the guard's note */
-    static const char *const oom[] = {"oom_handler", NULL};
-    static const char *const none[] = {NULL};
+    static const oc_opt framework[] = {OC_OPT_ALLOCATOR, OC_OPT_FRACTION};
+    static const oc_opt tf32[] = {OC_OPT_TF32};
+    static const oc_opt fraction[] = {OC_OPT_FRACTION};
+    static const oc_opt known_bugs[] = {OC_OPT_SDPA}; /* the guard's note */
+    static const oc_opt oom[] = {OC_OPT_OOM};
     switch (step) {
     case OC_STEP_FRAMEWORK:
+        *n = 2;
         return framework;
     case OC_STEP_TF32:
+        *n = 1;
         return tf32;
     case OC_STEP_FRACTION:
+        *n = 1;
         return fraction;
     case OC_STEP_KNOWN_BUGS:
+        *n = 1;
         return known_bugs;
     case OC_STEP_OOM:
+        *n = 1;
         return oom;
-    default:
-        return none;
+    case OC_STEP_SUMMARY:
+    case OC_STEP_COUNT:
+        break;
     }
+    *n = 0;
+    return NULL;
 }
 
 /* What a step changes in the engine's state, kept before it runs and put
@@ -978,59 +1021,42 @@ static const char *const *step_records(oc_cuda_step step)
  * framework; the known-bugs step decides its entries once). What a step
  * changes in torch it sets again on its next run; oom.c's step keeps its
  * own, since an observer attached cannot be taken back. */
-#define STEP_RECORDS_MAX 3
+#define STEP_RECORDS_MAX 2
 struct step_undo {
     unsigned steps;
     int alloc_applied;
     double pending_fraction;
     char framework[sizeof oc_g.framework];
     char kb[sizeof oc_g.kb];
-    PyObject *records[STEP_RECORDS_MAX]; /* the entries as they were, or NULL */
+    oc_record records[STEP_RECORDS_MAX]; /* the records as they were */
 };
 
 static void step_keep(oc_cuda_step step, struct step_undo *u)
 {
-    const char *const *names = step_records(step);
+    int n;
+    const oc_opt *opts = step_records(step, &n);
     u->steps = oc_g.cuda_init_steps;
     u->alloc_applied = oc_g.alloc_applied;
     u->pending_fraction = oc_g.pending_fraction;
     memcpy(u->framework, &oc_g.framework, sizeof u->framework);
     memcpy(u->kb, &oc_g.kb, sizeof u->kb);
-    for (int i = 0; i < STEP_RECORDS_MAX; i++) {
-        u->records[i] =
-            names[i] && oc_g.results ? PyDict_GetItemString(oc_g.results, names[i]) : NULL;
-        if (names[i] == NULL)
-            break;
-        Py_XINCREF(u->records[i]);
-    }
+    for (int i = 0; i < n && i < STEP_RECORDS_MAX; i++)
+        oc_record_keep(opts[i], &u->records[i]);
 }
 
 /* The step was interrupted: its state as it was before, and each of its
  * records that waited for CUDA's start says it was interrupted. */
 static void step_undo(oc_cuda_step step, struct step_undo *u)
 {
-    const char *const *names = step_records(step);
+    int n;
+    const oc_opt *opts = step_records(step, &n);
     oc_g.cuda_init_steps = u->steps;
     oc_g.alloc_applied = u->alloc_applied;
     oc_g.pending_fraction = u->pending_fraction;
     memcpy(&oc_g.framework, u->framework, sizeof u->framework);
     memcpy(&oc_g.kb, u->kb, sizeof u->kb);
-    for (int i = 0; i < STEP_RECORDS_MAX && names[i] != NULL; i++) {
-        PyObject *e = u->records[i] ? PyDict_Copy(u->records[i]) : NULL;
-        if (e != NULL && PyDict_GetItemString(e, "queued") == Py_True &&
-            PyDict_SetItemString(e, "interrupted", Py_True) < 0)
-            Py_CLEAR(e);
-        if (e != NULL && PyDict_SetItemString(oc_g.results, names[i], e) < 0)
-            oc_set_error("putting back the record of an interrupted step");
-        Py_XDECREF(e);
-        OC_CLEAR();
-    }
-}
-
-static void step_forget(struct step_undo *u)
-{
-    for (int i = 0; i < STEP_RECORDS_MAX; i++)
-        Py_CLEAR(u->records[i]);
+    for (int i = 0; i < n && i < STEP_RECORDS_MAX; i++)
+        oc_record_put_back(opts[i], &u->records[i]);
 }
 
 static void run_step(oc_cuda_step step, PyObject *torch)
@@ -1063,7 +1089,7 @@ static void run_step(oc_cuda_step step, PyObject *torch)
 static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
 {
     PyObject *torch = oc_sys_module("torch");
-    struct step_undo undo = {0};
+    struct step_undo undo;
     (void)self;
     (void)unused;
     if (torch == NULL)
@@ -1082,7 +1108,6 @@ static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
             oc_g.cuda_init_interrupted &= ~(1u << step);
             oc_g.cuda_init_done |= 1u << step;
         }
-        step_forget(&undo);
     }
     OC_CLEAR();
     Py_DECREF(torch);
@@ -1125,16 +1150,17 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
     PyObject *dtype, *fn, *r;
     int use_new;
     if (cfg->amp_dtype == OC_AMP_OFF) {
-        oc_result_off("amp_dtype", "OUTOFCUDA_AMP_DTYPE");
+        oc_record_off(OC_OPT_AMP_DTYPE, "OUTOFCUDA_AMP_DTYPE");
         return;
     }
     if (!oc_g.build.cuda_build) {
-        oc_result_set("amp_dtype", 0, NULL, "this torch build has no CUDA");
+        oc_record_set(OC_OPT_AMP_DTYPE, OC_REC_SKIPPED, OC_CODE_NO_CUDA,
+                      "this torch build has no CUDA");
         return;
     }
     dtype_name = oc_amp_cuda_dtype(cfg, why, sizeof why);
     if (dtype_name == NULL) {
-        oc_result_set("amp_dtype", 0, NULL, why);
+        oc_record_set(OC_OPT_AMP_DTYPE, OC_REC_SKIPPED, OC_CODE_DTYPE_UNKNOWN, "%s", why);
         return;
     }
     snprintf(reason, sizeof reason, "%s%s", cfg->amp_dtype == OC_AMP_AUTO ? "auto: " : "", why);
@@ -1150,7 +1176,8 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
         OC_CLEAR();
         Py_XDECREF(dtype);
         Py_XDECREF(fn);
-        oc_result_set("amp_dtype", 0, NULL, "this torch has no autocast dtype setter");
+        oc_record_set(OC_OPT_AMP_DTYPE, OC_REC_SKIPPED, OC_CODE_NO_SETTER,
+                      "this torch has no autocast dtype setter");
         return;
     }
     r = use_new ? PyObject_CallFunction(fn, "sO", "cuda", dtype)
@@ -1159,15 +1186,15 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
     Py_DECREF(dtype);
     if (r == NULL) {
         oc_set_error("setting the autocast dtype");
-        oc_result_set("amp_dtype", 0, NULL, "the autocast dtype setter failed");
+        oc_record_set(OC_OPT_AMP_DTYPE, OC_REC_FAILED, OC_CODE_SETTER_FAILED,
+                      "the autocast dtype setter failed");
         return;
     }
     Py_DECREF(r);
-    {
-        PyObject *v = PyUnicode_FromString(dtype_name);
-        oc_result_set("amp_dtype", 1, v, reason);
-        Py_XDECREF(v);
-    }
+    oc_record_set(OC_OPT_AMP_DTYPE, OC_REC_APPLIED,
+                  cfg->amp_dtype == OC_AMP_AUTO ? OC_CODE_DEFAULT : OC_CODE_USER_SETTING, "%s",
+                  reason);
+    oc_record_text(OC_OPT_AMP_DTYPE, dtype_name);
 }
 
 /* Hands torch the merged string through its runtime setter, then gives the
@@ -1192,6 +1219,7 @@ static void settle_allocator(PyObject *c_mod)
             oc_set_error("handing the allocator settings to torch");
         oc_clear_absence(); /* recorded above, or absence (no setter: the reason says so) */
         oc_g.alloc_applied = 0;
+        alloc_code = used ? OC_CODE_SETTER_FAILED : OC_CODE_NO_SETTER;
         snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len, "; not in effect: %s%s",
                  used ? "torch's setter failed" : "this torch has no runtime allocator setter",
                  oc_g.alloc_by_setter ? "" : ", so the variable was restored");
@@ -1238,41 +1266,35 @@ static void note_idle_gc(const oc_config *cfg)
 
 static void record_allocator(const oc_config *cfg)
 {
-    PyObject *v;
     if (oc_config_off(cfg, "OUTOFCUDA_ALLOC_CONF")) {
-        oc_result_off("allocator", "OUTOFCUDA_ALLOC_CONF");
+        oc_record_off(OC_OPT_ALLOCATOR, "OUTOFCUDA_ALLOC_CONF");
         return;
     }
     if (!oc_g.prepared) {
         /* A build without CUDA has no CUDA allocator to miss: say that, as
          * the hook would have, rather than blame the order. */
-        oc_result_set("allocator", 0, NULL,
-                      oc_g.build.known && !oc_g.build.cuda_build
-                          ? "this torch build has no CUDA"
-                          : "torch was imported before outofcuda's hook installed; the allocator "
-                            "variable must be set before torch loads (call outofcuda.apply() "
-                            "before import torch)");
+        if (oc_g.build.known && !oc_g.build.cuda_build)
+            oc_record_set(OC_OPT_ALLOCATOR, OC_REC_SKIPPED, OC_CODE_NO_CUDA,
+                          "this torch build has no CUDA");
+        else
+            oc_record_set(OC_OPT_ALLOCATOR, OC_REC_SKIPPED, OC_CODE_IMPORTED_EARLY,
+                          "torch was imported before outofcuda's hook installed; the allocator "
+                          "variable must be set before torch loads (call outofcuda.apply() "
+                          "before import torch)");
         return;
     }
-    v = oc_g.alloc_value[0] && oc_g.alloc_applied ? PyUnicode_FromString(oc_g.alloc_value) : NULL;
     if (oc_g.alloc_applied)
         note_idle_gc(cfg);
-    oc_result_set("allocator", oc_g.alloc_applied, v, oc_g.alloc_reason);
-    Py_XDECREF(v);
-}
-
-/* A step waiting for CUDA's start is not applied yet: its record says
- * applied False and queued True until the callback writes the outcome (on
- * a machine where CUDA never starts, for the life of the process). */
-static void mark_queued(const char *name, int pending)
-{
-    PyObject *e = pending && oc_g.results ? PyDict_GetItemString(oc_g.results, name) : NULL;
-    if (e == NULL || PyDict_GetItemString(e, "applied") != Py_True)
-        return;
-    if (PyDict_SetItemString(e, "applied", Py_False) < 0 ||
-        PyDict_SetItemString(e, "queued", Py_True) < 0)
-        oc_set_error("marking a step queued for CUDA's start");
-    OC_CLEAR();
+    oc_record_set(OC_OPT_ALLOCATOR,
+                  oc_g.alloc_applied ? OC_REC_APPLIED
+                  : alloc_code == OC_CODE_ERROR || alloc_code == OC_CODE_SETTER_FAILED ||
+                          alloc_code == OC_CODE_NO_SETTER
+                      ? OC_REC_FAILED
+                      : OC_REC_SKIPPED,
+                  alloc_code, "%s", oc_g.alloc_reason);
+    if (oc_g.alloc_value[0] && oc_g.alloc_applied)
+        oc_record_text(OC_OPT_ALLOCATOR, oc_g.alloc_value);
+    oc_record_alloc_generic(oc_g.alloc_generic && oc_g.alloc_applied);
 }
 
 void oc_bridge_after_torch(PyObject *torch)
@@ -1294,14 +1316,16 @@ void oc_bridge_after_torch(PyObject *torch)
     settle_allocator(c_mod);
     if (cfg->disable) {
         Py_XDECREF(c_mod);
-        oc_result_set_all("outofcuda is disabled (OUTOFCUDA_DISABLE)");
+        oc_record_set_all(OC_REC_SKIPPED, OC_CODE_DISABLED,
+                          "outofcuda is disabled (OUTOFCUDA_DISABLE)");
         return;
     }
     read_version_module(torch);
     if (c_mod == NULL) {
         /* A `torch.py` of the user's own (or a stub) is not PyTorch: that is
          * no failure of outofcuda's, so no warning, only the record. */
-        oc_result_set_all("the imported `torch` is not PyTorch (it has no torch._C)");
+        oc_record_set_all(OC_REC_SKIPPED, OC_CODE_NOT_PYTORCH,
+                          "the imported `torch` is not PyTorch (it has no torch._C)");
         return;
     }
     lazy_call = lazy_call_fn(torch, &no_queue);
@@ -1325,16 +1349,15 @@ void oc_bridge_after_torch(PyObject *torch)
     if (oc_g.cuda_init_steps && queue_at_cuda_init(lazy_call) < 0) {
         /* Nothing will run when CUDA starts: no step may still say queued. */
         if (step_armed(OC_STEP_TF32))
-            oc_result_set("tf32", 0, NULL,
+            oc_record_set(OC_OPT_TF32, OC_REC_FAILED, OC_CODE_QUEUE_FAILED,
                           "torch.cuda._lazy_call failed: TF32 left as torch has it");
+        if (step_armed(OC_STEP_FRACTION))
+            oc_record_set(OC_OPT_FRACTION, OC_REC_FAILED, OC_CODE_QUEUE_FAILED,
+                          "torch.cuda._lazy_call failed");
+        if (step_armed(OC_STEP_OOM))
+            oc_record_set(OC_OPT_OOM, OC_REC_FAILED, OC_CODE_QUEUE_FAILED,
+                          "torch.cuda._lazy_call failed: Python's exception hooks left alone");
         oc_g.cuda_init_steps = 0;
-        oc_result_set("memory_fraction", 0, NULL, "torch.cuda._lazy_call failed");
-        oc_result_set("oom_handler", 0, NULL,
-                      "torch.cuda._lazy_call failed: Python's exception hooks left alone");
-    } else {
-        mark_queued("tf32", step_armed(OC_STEP_TF32));
-        mark_queued("memory_fraction", step_armed(OC_STEP_FRACTION));
-        mark_queued("oom_handler", step_armed(OC_STEP_OOM));
     }
     Py_XDECREF(lazy_call);
     Py_DECREF(c_mod);

@@ -163,9 +163,15 @@ static void act_at_import(const oc_known_bug *b, size_t i)
     char *tail = oc_g.kb.reason[i] + len;
     size_t room = sizeof oc_g.kb.reason[i] - len;
     if (b->action == OC_KB_ALLOC_GENERIC) {
-        oc_g.kb.done[i] = oc_g.alloc_generic && oc_g.alloc_applied;
-        snprintf(tail, room, oc_g.kb.done[i] ? "; avoided: %s" : "; not avoided: %s",
-                 oc_g.kb.done[i] ? b->action_text : oc_g.alloc_reason);
+        const oc_record *alloc = oc_record_get(OC_OPT_ALLOCATOR);
+        oc_g.kb.done[i] = alloc->alloc_generic;
+        if (oc_g.kb.done[i])
+            snprintf(tail, room, "; avoided: %s", b->action_text);
+        else
+            snprintf(tail, room,
+                     "; not avoided: outofcuda's allocator settings did not reach torch "
+                     "(allocator: %s, %s)",
+                     oc_rec_state_name(alloc->state), oc_rec_code_name(alloc->code));
     } else if (b->action == OC_KB_TF32_LEGACY) {
         oc_g.kb.done[i] = 1;
         snprintf(tail, room, "; avoided: %s", b->action_text);
@@ -344,25 +350,6 @@ static int guard_after_blocks(PyObject *blocks)
     return moved;
 }
 
-/* The sdpa row was written at import, before the guard could know: it now
- * says what the guard did to cuDNN attention. */
-static void note_on_sdpa_row(const char *what, const char *id)
-{
-    PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, "sdpa") : NULL;
-    PyObject *reason = e ? PyDict_GetItemString(e, "reason") : NULL; /* borrowed */
-    PyObject *kept, *text;
-    if (reason == NULL)
-        return;
-    kept =
-        PyObject_CallMethod(reason, "replace", "ss", "; cuDNN attention left as torch has it", "");
-    text = kept ? PyUnicode_FromFormat("%U; %s (known bug %s)", kept, what, id) : NULL;
-    if (text == NULL || PyDict_SetItemString(e, "reason", text) < 0)
-        oc_set_error("noting the known-bug guard on the sdpa row");
-    Py_XDECREF(text);
-    Py_XDECREF(kept);
-    OC_CLEAR();
-}
-
 /* Takes entry i's action. Returns 1 done, 0 not (reason appended). */
 static int act(PyObject *torch, const oc_known_bug *b, size_t i)
 {
@@ -396,9 +383,9 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
                      moved ? "cuDNN attention is turned off when the outermost block exits"
                            : "cuDNN attention stays off when the outermost block exits (the "
                              "program had it off before)");
-            note_on_sdpa_row("cuDNN attention: an sdpa_kernel() block chose it when CUDA "
-                             "started; off outside every block",
-                             b->id);
+            oc_record_sdpa_guard("cuDNN attention: an sdpa_kernel() block chose it when CUDA "
+                                 "started; off outside every block",
+                                 b->id);
             Py_DECREF(blocks);
             Py_DECREF(c_mod);
             return 1;
@@ -422,7 +409,7 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
     }
     snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len, "; when CUDA started: %s",
              b->action_text);
-    note_on_sdpa_row("cuDNN attention turned off when CUDA started", b->id);
+    oc_record_sdpa_guard("cuDNN attention turned off when CUDA started", b->id);
     return 1;
 }
 

@@ -391,39 +391,39 @@ typedef enum { OC_REC_STATES(OC_STATE_ENUM) OC_REC_STATE_COUNT } oc_rec_state;
 /* Why, as a stable code (status()["optimizations"][name]["code"]); the
  * sentence beside it is for people and may change. */
 #define OC_REC_CODES(X)                                                                            \
-    X(NOT_IMPORTED, "not_imported")       /* torch not imported in this process yet */         \
-    X(IMPORT_BYPASSED, "import_bypassed") /* a finder ahead of the hook loaded torch */        \
-    X(NO_HOOK, "no_hook")                 /* the start-up hook did not run */                  \
-    X(DISABLED, "disabled")               /* OUTOFCUDA_DISABLE */                              \
-    X(NOT_PYTORCH, "not_pytorch")         /* the imported `torch` has no torch._C */           \
-    X(IMPORTED_EARLY, "imported_early")   /* torch imported before the hook installed */       \
-    X(OFF, "off")                         /* the user's off word (off_by names it) */          \
-    X(NO_CUDA, "no_cuda")                 /* a torch build without CUDA */                     \
-    X(ROCM, "rocm")                       /* a ROCm build: CUDA's allocator only */            \
-    X(VERSION_UNKNOWN, "version_unknown") /* torch's version unread before it loaded */        \
-    X(NO_SETTER, "no_setter")             /* this torch lacks the function */                  \
-    X(SETTER_FAILED, "setter_failed")     /* torch's function raised */                        \
-    X(NO_QUEUE, "no_queue")               /* this torch has no torch.cuda._lazy_call */        \
-    X(QUEUE_FAILED, "queue_failed")       /* torch.cuda._lazy_call raised */                   \
-    X(AT_CUDA_INIT, "at_cuda_init")       /* waits for, or was done at, CUDA's start */        \
-    X(PROGRAM_CHOSE, "program_chose")     /* the program chose first: its choice wins */       \
-    X(UNREADABLE, "unreadable")           /* what the program chose cannot be read */          \
-    X(FLAGS_FROZEN, "flags_frozen")       /* torch.backends.disable_global_flags() */          \
-    X(TF32_OVERRIDE, "tf32_override")     /* NVIDIA_TF32_OVERRIDE=0 */                         \
-    X(USER_SETTING, "user_setting")       /* an OUTOFCUDA_* value asked for it */              \
-    X(DEFAULT, "default")                 /* outofcuda's default */                            \
-    X(TORCH_DEFAULT, "torch_default")     /* torch's default is what is wanted: not written */ \
-    X(DETERMINISTIC, "deterministic")     /* forced off by deterministic cuDNN */              \
-    X(FRAMEWORK, "framework")             /* left to a framework that owns GPU memory */       \
-    X(FRAMEWORK_LEFT, "framework_left")   /* that framework was gone when CUDA started */      \
-    X(HANDED_BACK, "handed_back")         /* the user's allocator string given back */         \
-    X(NOT_UNDERSTOOD, "not_understood")   /* the user's allocator string does not parse */     \
-    X(NOTHING_TO_ADD, "nothing_to_add")   /* the user's allocator string has it all */         \
-    X(RUNTIME_SETTER, "runtime_setter")   /* given to torch's runtime allocator setter */      \
-    X(ENV_WRITTEN, "env_written")         /* the allocator variable written while torch loaded */ \
-    X(DTYPE_UNKNOWN, "dtype_unknown")     /* auto: no compute capability to decide from */     \
-    X(NO_OBSERVER, "no_observer")         /* this torch has no CUDA OOM observer */            \
-    X(NO_OOM_TYPE, "no_oom_type")         /* this torch has no torch.cuda.OutOfMemoryError */  \
+    X(NOT_IMPORTED, "not_imported")       /* torch not imported in this process yet */             \
+    X(IMPORT_BYPASSED, "import_bypassed") /* a finder ahead of the hook loaded torch */            \
+    X(NO_HOOK, "no_hook")                 /* the start-up hook did not run */                      \
+    X(DISABLED, "disabled")               /* OUTOFCUDA_DISABLE */                                  \
+    X(NOT_PYTORCH, "not_pytorch")         /* the imported `torch` has no torch._C */               \
+    X(IMPORTED_EARLY, "imported_early")   /* torch imported before the hook installed */           \
+    X(OFF, "off")                         /* the user's off word (off_by names it) */              \
+    X(NO_CUDA, "no_cuda")                 /* a torch build without CUDA */                         \
+    X(ROCM, "rocm")                       /* a ROCm build: CUDA's allocator only */                \
+    X(VERSION_UNKNOWN, "version_unknown") /* torch's version unread before it loaded */            \
+    X(NO_SETTER, "no_setter")             /* this torch lacks the function */                      \
+    X(SETTER_FAILED, "setter_failed")     /* torch's function raised */                            \
+    X(NO_QUEUE, "no_queue")               /* this torch has no torch.cuda._lazy_call */            \
+    X(QUEUE_FAILED, "queue_failed")       /* torch.cuda._lazy_call raised */                       \
+    X(AT_CUDA_INIT, "at_cuda_init")       /* waits for, or was done at, CUDA's start */            \
+    X(PROGRAM_CHOSE, "program_chose")     /* the program chose first: its choice wins */           \
+    X(UNREADABLE, "unreadable")           /* what the program chose cannot be read */              \
+    X(FLAGS_FROZEN, "flags_frozen")       /* torch.backends.disable_global_flags() */              \
+    X(TF32_OVERRIDE, "tf32_override")     /* NVIDIA_TF32_OVERRIDE=0 */                             \
+    X(USER_SETTING, "user_setting")       /* an OUTOFCUDA_* value asked for it */                  \
+    X(DEFAULT, "default")                 /* outofcuda's default */                                \
+    X(TORCH_DEFAULT, "torch_default")     /* torch's default is what is wanted: not written */     \
+    X(DETERMINISTIC, "deterministic")     /* forced off by deterministic cuDNN */                  \
+    X(FRAMEWORK, "framework")             /* left to a framework that owns GPU memory */           \
+    X(FRAMEWORK_LEFT, "framework_left")   /* that framework was gone when CUDA started */          \
+    X(HANDED_BACK, "handed_back")         /* the user's allocator string given back */             \
+    X(NOT_UNDERSTOOD, "not_understood")   /* the user's allocator string does not parse */         \
+    X(NOTHING_TO_ADD, "nothing_to_add")   /* the user's allocator string has it all */             \
+    X(RUNTIME_SETTER, "runtime_setter")   /* given to torch's runtime allocator setter */          \
+    X(ENV_WRITTEN, "env_written")         /* the allocator variable written while torch loaded */  \
+    X(DTYPE_UNKNOWN, "dtype_unknown")     /* auto: no compute capability to decide from */         \
+    X(NO_OBSERVER, "no_observer")         /* this torch has no CUDA OOM observer */                \
+    X(NO_OOM_TYPE, "no_oom_type")         /* this torch has no torch.cuda.OutOfMemoryError */      \
     X(ERROR, "error")                     /* failed inside outofcuda (status()["error"]) */
 #define OC_CODE_ENUM(id, name) OC_CODE_##id,
 typedef enum { OC_REC_CODES(OC_CODE_ENUM) OC_REC_CODE_COUNT } oc_rec_code;
@@ -696,7 +696,6 @@ typedef struct {
      * import (watcher.c); the next import hands it back. */
     PyObject *torch_dropped;
     PyObject *error;         /* str or NULL: what went wrong inside outofcuda */
-    PyObject *results;       /* dict: optimisation name -> dict(applied, value, reason) */
     PyObject *torch_version; /* str or NULL */
     /* The edge (common.c): the definitions the function objects of the
      * engine's functions point to, for the life of the process (one per
@@ -714,7 +713,6 @@ typedef struct {
     } build;
 
     /* ---- the allocator variable (bridge.c) ---- */
-    char alloc_env_name[32]; /* variable written before torch loaded, or "" */
     char alloc_value[OC_ALLOC_CONF_MAX];
     char alloc_reason[1000];
     int alloc_applied;
@@ -890,12 +888,6 @@ extern PyMethodDef oc_platform_methods[];
 extern PyMethodDef oc_platform_testing_methods[];
 
 /* report.c */
-int oc_result_set(const char *name, int applied, PyObject *value, const char *reason);
-int oc_result_setf(const char *name, int applied, PyObject *value, const char *fmt, ...);
-void oc_result_set_all(const char *reason); /* every optimisation skipped for reason */
-/* The step `name` is off by the user's variable `var` (an off word): its
- * record says so, in off_by and in its reason. */
-int oc_result_off(const char *name, const char *var);
 void oc_report_verbose(void);
 extern PyMethodDef oc_report_methods[];
 

@@ -477,7 +477,7 @@ static PyObject *ipython_decided;
  * dereferenced): the at-exit report skips it. */
 static const PyObject *ipython_reported;
 
-static void record_status(const char *hooks);
+static void record_value(const char *hooks);
 
 /* o.name (new ref, NULL when absent, no exception), releasing o: one step
  * along a traceback or an exception chain. */
@@ -664,7 +664,7 @@ static void ipython_install(void)
     if (shell == NULL) {
         if (ipython_decided == NULL && strcmp(ipython_state, "no_shell") != 0) {
             ipython_state = "no_shell";
-            record_status(NULL);
+            record_value(NULL);
         }
         return;
     }
@@ -698,32 +698,34 @@ static void ipython_install(void)
     ipython_decided = PyWeakref_NewRef(shell, NULL);
     OC_CLEAR();
     Py_DECREF(shell);
-    record_status(NULL);
+    record_value(NULL);
 }
 
-/* Which exception hooks are set (static text), for status(). */
-static const char *hooks_state = "installed when CUDA initialises";
-
-/* status()'s entry for the handler; `hooks` (static text) says which hooks
+/* The handler's value in its record: `hooks` (static text) says which hooks
  * are set, NULL keeps what it said. */
-static void record_status(const char *hooks)
+static void record_value(const char *hooks)
 {
-    PyObject *state = oc_g.oom.observer_state ? PyUnicode_FromString(oc_g.oom.observer_state)
-                      : oc_g.oom.observer_none
-                          ? PyUnicode_FromFormat("none: %s", oc_g.oom.observer_none)
-                          : PyUnicode_FromString("none");
-    PyObject *value;
-    if (hooks != NULL)
-        hooks_state = hooks;
-    value = Py_BuildValue("{s:s,s:N,s:z,s:s}", "hooks", hooks_state, "observer", state, "snapshot",
-                          oc_g.oom.snapshot_path[0] ? oc_g.oom.snapshot_path : NULL, "ipython",
-                          ipython_state);
-    oc_result_set("oom_handler", 1, value,
+    char observer[400];
+    /* An IPython shell may come before torch: nothing is recorded yet. */
+    if (hooks == NULL && oc_record_get(OC_OPT_OOM)->kind != OC_VAL_OOM)
+        return;
+    if (oc_g.oom.observer_state != NULL)
+        snprintf(observer, sizeof observer, "%s", oc_g.oom.observer_state);
+    else
+        snprintf(observer, sizeof observer, "none%s%s", oc_g.oom.observer_none ? ": " : "",
+                 oc_g.oom.observer_none ? oc_g.oom.observer_none : "");
+    oc_record_oom(hooks, observer, oc_g.oom.snapshot_path, ipython_state);
+}
+
+/* The handler's record: queued at import, applied once its hooks are set
+ * when CUDA initialises. */
+static void record_status(oc_rec_state state, const char *hooks)
+{
+    oc_record_set(OC_OPT_OOM, state, OC_CODE_AT_CUDA_INIT,
                   "once CUDA initialises, on a CUDA OOM: record the figures (observer), print a "
                   "report and ranked actions before the traceback of an uncaught one, then empty "
                   "the cache");
-    Py_XDECREF(value);
-    OC_CLEAR();
+    record_value(hooks);
 }
 
 /* Sets `name` (an attribute of `owner`) to a new hook made from `def`,
@@ -766,7 +768,8 @@ static void install_hooks(void)
     Py_XDECREF(threading);
     Py_XDECREF(sys);
     ipython_install();
-    record_status(sys_set && thread_set ? "sys.excepthook + threading.excepthook"
+    record_status(OC_REC_APPLIED,
+                  sys_set && thread_set ? "sys.excepthook + threading.excepthook"
                   : thread_set
                       ? (console ? "threading.excepthook (sys.excepthook left to the "
                                    "interactive console)"
@@ -782,7 +785,8 @@ void oc_oom_install(PyObject *torch, const char *no_queue)
     oc_g.oom.type = oc_getattr_chain(torch, "cuda.OutOfMemoryError");
     if (oc_g.oom.type == NULL) {
         OC_CLEAR();
-        oc_result_set("oom_handler", 0, NULL, "this torch has no torch.cuda.OutOfMemoryError");
+        oc_record_set(OC_OPT_OOM, OC_REC_SKIPPED, OC_CODE_NO_OOM_TYPE,
+                      "this torch has no torch.cuda.OutOfMemoryError");
         return;
     }
     snapshot = read_snapshot_env();
@@ -807,16 +811,16 @@ void oc_oom_install(PyObject *torch, const char *no_queue)
         /* Nothing will ever run at CUDA initialisation: Python's exception
          * hooks stay its own for the life of the process. */
         if (attach == NULL)
-            oc_result_set("oom_handler", 0, NULL,
+            oc_record_set(OC_OPT_OOM, OC_REC_SKIPPED, OC_CODE_NO_OBSERVER,
                           "CPU-only build of torch (no CUDA OOM observer): no CUDA to report on, "
                           "Python's exception hooks left alone");
         else
-            oc_result_setf("oom_handler", 0, NULL, "%s: Python's exception hooks left alone",
-                           oc_g.oom.observer_none);
+            oc_record_set(OC_OPT_OOM, OC_REC_SKIPPED, OC_CODE_NO_QUEUE,
+                          "%s: Python's exception hooks left alone", oc_g.oom.observer_none);
         return;
     }
     oc_cuda_step_arm(OC_STEP_OOM);
-    record_status("installed when CUDA initialises");
+    record_status(OC_REC_QUEUED, "installed when CUDA initialises");
 }
 
 /* ---- the ranked actions (the rules and their ranking: advice.c) ---- */
@@ -1062,20 +1066,14 @@ static PyObject *other_processes(int index, oc_oom_figures *f)
     return list;
 }
 
-/* The fraction outofcuda set (status' record), or 0 when none. */
+/* The fraction outofcuda set (its record), or 0 when none. */
 static double fraction_set(void)
 {
-    PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, "memory_fraction") : NULL;
-    PyObject *v = e ? PyDict_GetItemString(e, "value") : NULL;
-    PyObject *fr = v && PyDict_Check(v) ? PyDict_GetItemString(v, "fraction") : NULL;
-    double x;
-    if (e == NULL || PyDict_GetItemString(e, "applied") != Py_True || fr == NULL)
+    const oc_record *r = oc_record_get(OC_OPT_FRACTION);
+    if (r->state != OC_REC_APPLIED || r->kind != OC_VAL_FRACTION)
         return 0.0;
-    x = PyFloat_AsDouble(fr);
-    if (x == -1.0 && PyErr_Occurred())
-        OC_CLEAR();
-    /* Recorded as 0 < f <= 1; anything else (an error's -1) reads as none. */
-    return x > 0.0 ? x : 0.0;
+    /* Recorded as 0 < f <= 1; anything else reads as none. */
+    return r->fraction > 0.0 ? r->fraction : 0.0;
 }
 
 /* The allocator string in effect as outofcuda knows it: what it handed to
@@ -1083,11 +1081,10 @@ static double fraction_set(void)
  * Returns 0 when neither is there. */
 static int allocator_config(PyObject *torch, char *buf, size_t sz)
 {
-    PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, "allocator") : NULL;
-    PyObject *v = e ? PyDict_GetItemString(e, "value") : NULL;
+    const oc_record *r = oc_record_get(OC_OPT_ALLOCATOR);
     buf[0] = '\0';
-    if (v != NULL && PyUnicode_Check(v)) {
-        oc_utf8(v, buf, sz);
+    if (r->kind == OC_VAL_TEXT) {
+        snprintf(buf, sz, "%s", r->text);
         return 1;
     }
     {

@@ -6,59 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const char *const opt_names[] = {
-    "tf32", "cudnn_benchmark", "cudnn_deterministic", "allocator", "memory_fraction",
-    "sdpa", "amp_dtype",       "oom_handler",
-};
-#define N_OPTS (sizeof opt_names / sizeof opt_names[0])
-
-int oc_result_set(const char *name, int applied, PyObject *value, const char *reason)
-{
-    PyObject *entry;
-    int rc;
-    if (oc_g.results == NULL) {
-        oc_g.results = PyDict_New();
-        if (oc_g.results == NULL)
-            return -1;
-    }
-    /* off_by: the OUTOFCUDA_* variable the user turned the step off with
-     * (oc_result_off), else None. */
-    entry = Py_BuildValue("{s:O,s:O,s:s,s:O}", "applied", applied ? Py_True : Py_False, "value",
-                          value ? value : Py_None, "reason", reason, "off_by", Py_None);
-    if (entry == NULL)
-        return -1;
-    rc = PyDict_SetItemString(oc_g.results, name, entry);
-    Py_DECREF(entry);
-    return rc;
-}
-
-int oc_result_off(const char *name, const char *var)
-{
-    PyObject *e, *v;
-    int rc = oc_result_setf(name, 0, NULL, "off by %s: torch's own default kept", var);
-    e = rc == 0 ? PyDict_GetItemString(oc_g.results, name) : NULL; /* borrowed */
-    v = e ? PyUnicode_FromString(var) : NULL;
-    rc = v ? PyDict_SetItemString(e, "off_by", v) : -1;
-    Py_XDECREF(v);
-    return rc;
-}
-
-void oc_result_set_all(const char *reason)
-{
-    for (size_t i = 0; i < N_OPTS; i++)
-        oc_result_set(opt_names[i], 0, NULL, reason);
-}
-
-int oc_result_setf(const char *name, int applied, PyObject *value, const char *fmt, ...)
-{
-    char reason[400];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(reason, sizeof reason, fmt, ap);
-    va_end(ap);
-    return oc_result_set(name, applied, value, reason);
-}
-
 /* Returns 1 when sys.modules holds a torch that finished importing. Reads
  * sys.modules and the module's dict only: an attribute lookup (including
  * PyImport_GetModule's own look at __spec__) would execute a torch that
@@ -82,17 +29,86 @@ static int torch_imported(void)
     return done;
 }
 
-static const char *pending_reason(void)
+/* Why nothing is recorded yet (the sentence; *code the code). */
+static const char *pending_reason(oc_rec_code *code)
 {
-    if (oc_g.installed && !oc_g.fired && torch_imported())
+    if (oc_g.installed && !oc_g.fired && torch_imported()) {
+        *code = OC_CODE_IMPORT_BYPASSED;
         return "torch was imported without passing outofcuda's import watcher (a finder ahead "
                "of it on sys.meta_path loaded torch): nothing was applied";
-    if (oc_g.installed && !oc_g.fired)
+    }
+    if (oc_g.installed && !oc_g.fired) {
+        *code = OC_CODE_NOT_IMPORTED;
         return "torch has not been imported in this process yet";
-    if (oc_disabled_by_env())
+    }
+    if (oc_disabled_by_env()) {
+        *code = OC_CODE_DISABLED;
         return "outofcuda is disabled (OUTOFCUDA_DISABLE)";
+    }
+    *code = OC_CODE_NO_HOOK;
     return "the start-up hook did not run in this process (python -S, or the hook file is "
            "missing: run `outofcuda doctor`)";
+}
+
+/* A record's value as status() gives it (new ref). */
+static PyObject *record_value(const oc_record *r)
+{
+    switch (r->kind) {
+    case OC_VAL_BOOL:
+        return PyBool_FromLong(r->flag);
+    case OC_VAL_MATMUL:
+        return Py_BuildValue("{s:N}", "matmul", PyBool_FromLong(r->flag));
+    case OC_VAL_SDPA:
+        return Py_BuildValue("{s:N,s:N,s:N}", "flash", PyBool_FromLong(r->sdpa[0]), "mem_efficient",
+                             PyBool_FromLong(r->sdpa[1]), "math", PyBool_FromLong(r->sdpa[2]));
+    case OC_VAL_TEXT:
+        return PyUnicode_DecodeUTF8(r->text, (Py_ssize_t)strlen(r->text), "replace");
+    case OC_VAL_FRACTION:
+        if (r->device < 0)
+            return Py_BuildValue("{s:d,s:O}", "fraction", r->fraction, "device", Py_None);
+        return Py_BuildValue("{s:d,s:l}", "fraction", r->fraction, "device", r->device);
+    case OC_VAL_OOM:
+        return Py_BuildValue(
+            "{s:z,s:s,s:z,s:z}", "hooks", r->oom.hooks, "observer", r->oom.observer, "snapshot",
+            r->oom.snapshot[0] ? r->oom.snapshot : NULL, "ipython", r->oom.ipython);
+    case OC_VAL_NONE:
+        break;
+    }
+    Py_RETURN_NONE;
+}
+
+/* An optimisation's record as status() gives it (new ref): applied, state,
+ * code, value, reason and off_by; "queued" True while it waits for CUDA's
+ * start (or was interrupted there) and "interrupted" True when its step was
+ * interrupted, both absent otherwise. */
+static PyObject *record_entry(oc_opt opt)
+{
+    const oc_record *r = oc_record_get(opt);
+    char reason[OC_REASON_LEN + 300];
+    const char *text = reason;
+    oc_rec_code code = r->code;
+    PyObject *e, *value, *said;
+    int rc = 0;
+    if (r->state == OC_REC_PENDING)
+        text = pending_reason(&code);
+    else
+        oc_record_reason(opt, reason, sizeof reason);
+    value = record_value(r);
+    said = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
+    e = value && said ? Py_BuildValue("{s:O,s:s,s:s,s:O,s:O,s:z}", "applied",
+                                      r->state == OC_REC_APPLIED ? Py_True : Py_False, "state",
+                                      oc_rec_state_name(r->state), "code", oc_rec_code_name(code),
+                                      "value", value, "reason", said, "off_by", r->off_by)
+                      : NULL;
+    Py_XDECREF(value);
+    Py_XDECREF(said);
+    if (e != NULL && (r->state == OC_REC_QUEUED || r->state == OC_REC_INTERRUPTED))
+        rc = PyDict_SetItemString(e, "queued", Py_True);
+    if (e != NULL && rc == 0 && r->state == OC_REC_INTERRUPTED)
+        rc = PyDict_SetItemString(e, "interrupted", Py_True);
+    if (rc < 0)
+        Py_CLEAR(e);
+    return e;
 }
 
 /* ---- what is in effect now ----
@@ -244,17 +260,10 @@ static PyObject *optimizations(void)
         Py_XDECREF(c_mod);
         return NULL;
     }
-    for (size_t i = 0; i < N_OPTS; i++) {
-        PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, opt_names[i]) : NULL;
-        if (e != NULL) {
-            /* A copy, so a caller editing the dict does not edit our record. */
-            e = PyDict_Copy(e);
-        } else {
-            e = Py_BuildValue("{s:O,s:O,s:s,s:O}", "applied", Py_False, "value", Py_None, "reason",
-                              pending_reason(), "off_by", Py_None);
-        }
-        if (e == NULL || add_now(e, opt_names[i], c_mod) < 0 ||
-            PyDict_SetItemString(d, opt_names[i], e) < 0) {
+    for (int i = 0; i < OC_OPT_COUNT; i++) {
+        const char *name = oc_opt_name((oc_opt)i);
+        PyObject *e = record_entry((oc_opt)i);
+        if (e == NULL || add_now(e, name, c_mod) < 0 || PyDict_SetItemString(d, name, e) < 0) {
             Py_XDECREF(e);
             Py_XDECREF(c_mod);
             Py_DECREF(d);
@@ -549,18 +558,18 @@ void oc_report_verbose(void)
     value_text(oc_g.torch_version, tv, sizeof tv);
     oc_stderr_printf("outofcuda %s: torch %s imported\n", OC_VERSION, tv);
     oc_stderr_printf("  %-20s %-8s %s\n", "optimisation", "applied", "value (reason below)");
-    for (size_t i = 0; i < N_OPTS; i++) {
-        PyObject *e = oc_g.results ? PyDict_GetItemString(oc_g.results, opt_names[i]) : NULL;
-        PyObject *applied = e ? PyDict_GetItemString(e, "applied") : NULL;
-        PyObject *queued = e ? PyDict_GetItemString(e, "queued") : NULL;
-        PyObject *off_by = e ? PyDict_GetItemString(e, "off_by") : NULL;
-        oc_stderr_printf("  %-20s %-8s ", opt_names[i],
-                         queued == Py_True                     ? "queued"
-                         : applied == Py_True                  ? "yes"
-                         : off_by != NULL && off_by != Py_None ? "off"
-                                                               : "no");
+    for (int i = 0; i < OC_OPT_COUNT; i++) {
+        const oc_record *r = oc_record_get((oc_opt)i);
+        PyObject *e = record_entry((oc_opt)i);
+        oc_stderr_printf("  %-20s %-8s ", oc_opt_name((oc_opt)i),
+                         r->state == OC_REC_QUEUED || r->state == OC_REC_INTERRUPTED ? "queued"
+                         : r->state == OC_REC_APPLIED                                ? "yes"
+                         : r->code == OC_CODE_OFF                                    ? "off"
+                                                                                     : "no");
         write_value(e ? PyDict_GetItemString(e, "value") : NULL);
         value_text(e ? PyDict_GetItemString(e, "reason") : NULL, reason, sizeof reason);
+        OC_CLEAR();
+        Py_XDECREF(e);
         oc_stderr_printf("%*s", REASON_INDENT, "");
         write_wrapped(reason, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
     }

@@ -29,6 +29,35 @@ def last_json(r, prefix=None, *, quiet=False, status=0):
     return json.loads(line[len(prefix):])
 
 
+
+def oc_h_table(macro):
+    """The names an X-macro table of src/oc.h lists (OC_REC_CODES,
+    OC_REC_STATES, OC_OPTIMISATIONS, ...), in order: its definition runs
+    while its lines end in a backslash."""
+    from pathlib import Path
+    import re
+
+    lines = (Path(__file__).resolve().parent.parent / "src" / "oc.h").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"#define {macro}(X)"))
+    block = []
+    for ln in lines[start:]:
+        block.append(ln)
+        if not ln.rstrip().endswith("\\"):
+            break
+    return re.findall(r'X\(\w+, "(\w+)"\)', "\n".join(block))
+
+
+def assert_records(optimizations):
+    """Every optimisation of status() carries a state and a code of the
+    record's tables, and applied says the same as the state."""
+    assert list(optimizations) == oc_h_table("OC_OPTIMISATIONS"), list(optimizations)
+    codes, states = oc_h_table("OC_REC_CODES"), oc_h_table("OC_REC_STATES")
+    for name, e in optimizations.items():
+        assert e["state"] in states and e["code"] in codes, (name, e)
+        assert e["applied"] is (e["state"] == "applied"), (name, e)
+        assert e.get("queued", False) is (e["state"] in ("queued", "interrupted")), (name, e)
+
+
 CHILD = r'''
 import faulthandler, os, signal, sys, time
 

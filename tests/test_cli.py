@@ -470,7 +470,7 @@ def test_tf32_override_is_one_verdict(cuda_venv, workdir, value, off):
     env = {"NVIDIA_TF32_OVERRIDE": value}
     st = json.loads(cli(cuda_venv, "status", "--json", env=env, cwd=workdir).stdout)
     tf32 = st["optimizations"]["tf32"]
-    assert ("NVIDIA_TF32_OVERRIDE" in tf32["reason"]) is off, tf32
+    assert (tf32["code"] == "tf32_override") is off, tf32
     if off:
         assert tf32["applied"] is False
     check = _checks(cli(cuda_venv, "doctor", "--json", env=env, cwd=workdir))

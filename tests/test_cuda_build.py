@@ -72,8 +72,9 @@ print('ST=' + json.dumps(st))
     for name in ("tf32", "memory_fraction", "oom_handler"):
         assert opts[name]["queued"] is True and opts[name]["applied"] is False, (name, opts[name])
     # TF32 waits for CUDA; SDPA's backends are torch's defaults already.
-    assert "queued" in opts["tf32"]["reason"] and opts["tf32"]["now"] == {"matmul": False}
-    assert not opts["sdpa"]["applied"] and "torch's default" in opts["sdpa"]["reason"]
+    assert (opts["tf32"]["state"], opts["tf32"]["code"]) == ("queued", "at_cuda_init")
+    assert opts["tf32"]["now"] == {"matmul": False}
+    assert not opts["sdpa"]["applied"] and opts["sdpa"]["code"] == "torch_default"
 
 
 def test_flags_read_back_through_torchs_getters(cuda_venv):
@@ -222,6 +223,7 @@ def test_queued_memory_fraction_takes_local_rank(cuda_venv, local_rank, device):
     f = report(cuda_venv, FRACTION, env={"LOCAL_RANK": local_rank}, prefix="FRACTION=")
     assert f["calls"] == [[0.95, device], ["observer"]]  # in the stated order
     assert f["status"]["applied"] and f["status"]["value"] == {"fraction": 0.95, "device": device}
+    assert (f["status"]["state"], f["status"]["code"]) == ("applied", "at_cuda_init")
     assert ("LOCAL_RANK" in f["status"]["reason"]) == (local_rank == "2")
     assert f["oom_queued"] and f["cuda_initialized"] is False
 
@@ -308,8 +310,8 @@ def test_framework_importing_torch_on_the_cuda_build(cuda_venv, frameworks_path,
     assert f["allocator"] == user and f["alloc_env"] == {"PYTORCH_CUDA_ALLOC_CONF": user}
     assert f["expandable"] is False and f["fractions"] == []
     for entry in f["status"].values():
-        assert not entry["applied"] and "left to" in entry["reason"]
-        assert "handed back" not in entry["reason"]  # found at torch's import already
+        # Found at torch's import already: left to it, not handed back.
+        assert not entry["applied"] and entry["code"] == "framework", entry
     assert f["error"] is None and f["cuda_initialized"] is False
 
 
@@ -321,8 +323,9 @@ def test_framework_imported_after_torch_gets_the_users_allocator(cuda_venv, fram
     assert f["allocator"] == (user or "")        # exactly the user's own string
     assert f["expandable"] is False              # turned off again before the user's string
     assert f["fractions"] == []
-    assert "handed back" in f["status"]["allocator"]["reason"]
-    assert "vLLM" in f["status"]["memory_fraction"]["reason"]
+    assert f["status"]["allocator"]["code"] == "handed_back"
+    assert f["status"]["memory_fraction"]["code"] == "framework"
+    assert "vLLM" in f["status"]["memory_fraction"]["reason"]  # which framework, by name
     assert f["error"] is None and f["cuda_initialized"] is False
 
 
@@ -359,10 +362,10 @@ def test_the_real_vllm_wheel_keeps_its_allocator(cuda_venv, vllm_dir, imports):
     # holds agree: nothing of outofcuda's in either, and no fraction.
     assert f["allocator"] == "" and f["alloc_env"] == {}
     assert f["expandable"] is False and f["fractions"] == []
-    reason = f["status"]["allocator"]["reason"]
-    assert "vLLM" in reason
+    alloc = f["status"]["allocator"]
+    assert "vLLM" in alloc["reason"]  # which framework, by name
     # Found at torch's import when vllm imported torch, else at CUDA initialisation.
-    assert ("handed back" in reason) == imports.startswith("import torch")
+    assert alloc["code"] == ("handed_back" if imports.startswith("import torch") else "framework")
     assert f["error"] is None and f["cuda_initialized"] is False
 
 
@@ -399,7 +402,7 @@ def test_the_users_own_memory_fraction_wins(cuda_venv, how):
         env[how] = "per_process_memory_fraction:0.5"
     f = report(cuda_venv, code, env=env, prefix="FRACTION=")
     assert f["calls"] == [["observer"]]
-    assert not f["status"]["applied"]
+    assert not f["status"]["applied"] and f["status"]["code"] == "program_chose", f["status"]
     assert "per_process_memory_fraction:0.5" in f["status"]["reason"], f["status"]
 
 

@@ -5,6 +5,8 @@ the code states. Pure file reads: no build, no virtual environment."""
 import re
 from pathlib import Path
 
+from kit import oc_h_table
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
@@ -128,3 +130,24 @@ def test_every_test_variable_the_tests_read_is_documented():
     documented = set(re.findall(r"`(OUTOFCUDA_TEST_[A-Z_]*[A-Z])`",
                                 (DOCS / "environment.md").read_text()))
     assert len(read) >= 10 and read - documented == set(), sorted(read - documented)
+
+
+def test_every_record_code_and_state_is_documented():
+    """status()'s `code` words are an interface: docs/python-api.md's table
+    lists exactly the codes of src/oc.h's OC_REC_CODES, in its order, and
+    names every state of OC_REC_STATES."""
+    codes = oc_h_table("OC_REC_CODES")
+    states = oc_h_table("OC_REC_STATES")
+    assert len(codes) > 20 and "program_chose" in codes and states[0] == "pending", (codes, states)
+    text = (DOCS / "python-api.md").read_text()
+    table = text[text.index("| code | meaning |"):]
+    documented = re.findall(r"^\s*\| `(\w+)` \|", table, re.M)
+    assert documented == codes
+    for state in states:
+        assert f"`{state}`" in text, state
+
+
+def test_the_record_table_reader_reads_what_it_should():
+    """tests/kit.py's reader takes a table's names and stops at its end."""
+    assert oc_h_table("OC_OPTIMISATIONS")[:2] == ["tf32", "cudnn_benchmark"]
+    assert "framework" not in oc_h_table("OC_OPTIMISATIONS")  # a CUDA step, not an optimisation

@@ -99,7 +99,9 @@ def test_framework_importing_torch_keeps_allocator_and_fraction(venv, tmp_path, 
     opts = rep["status"]["optimizations"]
     assert not opts["allocator"]["applied"] and not opts["memory_fraction"]["applied"]
     for entry in (opts["allocator"], opts["memory_fraction"]):
-        assert "left to" in entry["reason"] and "evidence: https://" in entry["reason"]
+        assert (entry["state"], entry["code"]) == ("skipped", "framework"), entry
+        # Which framework and the evidence for it: words, by name.
+        assert "evidence: https://" in entry["reason"]
         assert framework.split("_")[0] in entry["reason"].lower()
     assert opts["tf32"]["applied"]  # the rest is not the framework's
 
@@ -144,7 +146,8 @@ def test_framework_imported_after_torch_gets_the_users_allocator(venv, tmp_path,
     assert rep["conf_read"] == (user or "")
     assert fractions(rep) == []
     opts = rep["status"]["optimizations"]
-    assert not opts["allocator"]["applied"] and "handed back" in opts["allocator"]["reason"]
+    assert not opts["allocator"]["applied"] and opts["allocator"]["code"] == "handed_back"
+    assert opts["memory_fraction"]["code"] == "framework"
     assert "vLLM" in opts["memory_fraction"]["reason"]
     assert rep["status"]["hook"]["error"] is None
 
@@ -187,6 +190,8 @@ def test_a_framework_whose_import_failed_is_not_in_use(venv, tmp_path):
     st = rep["status"]
     opts = st["optimizations"]
     assert opts["allocator"]["applied"] and opts["memory_fraction"]["applied"]
+    assert opts["allocator"]["code"] == "framework_left"
+    assert opts["memory_fraction"]["code"] == "at_cuda_init"
     assert "gone when CUDA initialised (its import failed)" in opts["allocator"]["reason"]
     assert st["framework"]["left_to"] is None and st["framework"]["in_use_now"] is None
     decided = st["framework"]["decided"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fake_torch import RELEASES, make_fake_torch
-from kit import last_json
+from kit import assert_records, last_json
 
 ACCEL = "_accelerator_setAllocatorSettings"
 
@@ -44,17 +44,18 @@ def test_every_release_applies_without_warning(venv, tmp_path, release):
     st = rep["status"]
     assert st["hook"]["error"] is None
     opts = st["optimizations"]
+    assert_records(opts)
     called = names(rep)
     # TF32 through the legacy setter, never only the new API, once CUDA
     # started and the program had chosen no precision.
     assert ["_set_cublas_allow_tf32", "True"] in rep["calls"]
-    assert opts["tf32"]["applied"] and "when CUDA initialised" in opts["tf32"]["reason"]
+    assert (opts["tf32"]["state"], opts["tf32"]["code"]) == ("applied", "at_cuda_init")
     assert opts["tf32"]["now"] == {"matmul": True}
     assert ["_set_cudnn_benchmark", "True"] in rep["calls"]
     # torch's defaults are not written again: cuDNN TF32 and the SDPA backends.
     assert not {"_set_cudnn_allow_tf32", "_set_sdp_use_flash", "_set_sdp_use_mem_efficient",
                 "_set_sdp_use_math", "_set_sdp_use_cudnn"} & set(called)
-    assert "torch's default" in opts["sdpa"]["reason"]
+    assert (opts["sdpa"]["state"], opts["sdpa"]["code"]) == ("skipped", "torch_default")
     assert opts["sdpa"]["now"] == {"flash": True, "mem_efficient": True, "math": True}
     # Autocast dtype through the release's own API.
     if RELEASES[release]["autocast_new"]:
@@ -115,7 +116,10 @@ def test_user_allocator_keys_win(venv, tmp_path, release, var):
     assert "expandable_segments" not in conf           # not beside the user's max_split_size_mb
     assert rep["env_at_load"][var] == (user if ACCEL in RELEASES[release]["c"] else conf)
     assert rep["env_now"][var] == user                 # given back as the user set it
-    assert "user's keys kept" in rep["status"]["optimizations"]["allocator"]["reason"]
+    alloc = rep["status"]["optimizations"]["allocator"]
+    assert alloc["code"] == ("runtime_setter" if ACCEL in RELEASES[release]["c"] else "env_written")
+    # What the codes cannot say: that the user's keys were kept.
+    assert "user's keys kept" in alloc["reason"]
 
 
 @pytest.mark.parametrize("release", ["2.4.0", "2.14.1"])
@@ -141,8 +145,9 @@ def test_cuda_malloc_async_gets_no_native_keys(venv, tmp_path, release, env):
     rep, r = run_release(venv, tmp_path, release, env=env)
     assert r.stderr == ""                              # torch warns about native keys beside it
     assert rep["conf_read"] == "backend:cudaMallocAsync"
-    reason = rep["status"]["optimizations"]["allocator"]["reason"]
-    assert "cudaMallocAsync" in reason and "max_split_size_mb" in reason
+    alloc = rep["status"]["optimizations"]["allocator"]
+    # The keys left out beside cudaMallocAsync are named: words, not a code.
+    assert "cudaMallocAsync" in alloc["reason"] and "max_split_size_mb" in alloc["reason"]
 
 
 def test_unknown_keys_are_left_out_and_named(venv, tmp_path):
@@ -156,8 +161,9 @@ def test_malformed_user_variable_is_left_whole(venv, tmp_path):
     rep, _ = run_release(venv, tmp_path, "2.4.0", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments"},
                          code=REPORT.replace("import json, os, torch", "import json, os\ntry:\n import torch\nexcept RuntimeError: raise SystemExit(3)\nimport torch"))
     assert rep["env_at_load"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments"
-    assert not rep["status"]["optimizations"]["allocator"]["applied"]
-    assert "not understood" in rep["status"]["optimizations"]["allocator"]["reason"]
+    alloc = rep["status"]["optimizations"]["allocator"]
+    assert not alloc["applied"]
+    assert (alloc["state"], alloc["code"]) == ("skipped", "not_understood")
 
 
 def test_cpu_build_changes_nothing_readable(venv, tmp_path):
@@ -169,17 +175,20 @@ def test_cpu_build_changes_nothing_readable(venv, tmp_path):
                                   "PYTORCH_ALLOC_CONF": None}
     assert set(rep["env_now"].values()) == {None}
     opts = rep["status"]["optimizations"]
+    assert_records(opts)
     for name in ("tf32", "cudnn_benchmark", "cudnn_deterministic", "sdpa", "allocator"):
-        assert not opts[name]["applied"] and "no CUDA" in opts[name]["reason"], name
+        assert not opts[name]["applied"], name
+        assert (opts[name]["state"], opts[name]["code"]) == ("skipped", "no_cuda"), name
 
 
 def test_tf32_override_and_off_switch_are_respected(venv, tmp_path):
     rep, _ = run_release(venv, tmp_path, "2.14.1", env={"NVIDIA_TF32_OVERRIDE": "0"})
     assert "_set_cublas_allow_tf32" not in names(rep)
-    assert "NVIDIA_TF32_OVERRIDE" in rep["status"]["optimizations"]["tf32"]["reason"]
+    assert rep["status"]["optimizations"]["tf32"]["code"] == "tf32_override"
     rep, _ = run_release(venv, tmp_path / "b", "2.14.1", env={"OUTOFCUDA_TF32": "0"})
     assert not {"_set_cublas_allow_tf32", "_set_cudnn_allow_tf32"} & set(names(rep))
     assert rep["status"]["optimizations"]["tf32"]["off_by"] == "OUTOFCUDA_TF32"
+    assert rep["status"]["optimizations"]["tf32"]["code"] == "off"
 
 
 LATE = """
@@ -203,7 +212,7 @@ def test_frozen_flags_are_respected(venv, tmp_path):
     assert not {"_set_cublas_allow_tf32", "_set_cudnn_allow_tf32", "_set_cudnn_benchmark"} & set(called)
     opts = rep["status"]["optimizations"]
     for name in ("tf32", "cudnn_benchmark"):
-        assert "disable_global_flags" in opts[name]["reason"], name
+        assert (opts[name]["state"], opts[name]["code"]) == ("skipped", "flags_frozen"), name
     # Only the frozen flags are left: the memory fraction is still queued.
     assert opts["memory_fraction"]["queued"] and not opts["memory_fraction"]["applied"]
 
@@ -276,7 +285,8 @@ def test_a_retried_import_reads_the_good_torchs_facts(venv, tmp_path):
     opts = rep["status"]["optimizations"]
     assert rep["version"] == "2.14.1"
     assert opts["tf32"]["applied"] and opts["memory_fraction"]["applied"]
-    assert opts["allocator"]["applied"] and "PYTORCH_ALLOC_CONF" in opts["allocator"]["reason"]
+    assert opts["allocator"]["applied"] and opts["allocator"]["code"] == "runtime_setter"
+    assert "PYTORCH_ALLOC_CONF" in opts["allocator"]["reason"]  # the variable read, by name
     assert rep["conf_read"] == opts["allocator"]["value"]
 
 
@@ -299,8 +309,9 @@ def test_status_says_when_another_finder_loaded_torch(venv, tmp_path):
     assert r.returncode == 0, r.stderr
     st = last_json(r, "REPORT=")
     assert st["hook"]["installed"] and not st["hook"]["fired"]
-    reason = st["optimizations"]["tf32"]["reason"]
-    assert "without passing outofcuda's import watcher" in reason, reason
+    assert_records(st["optimizations"])
+    for name, e in st["optimizations"].items():
+        assert (e["state"], e["code"]) == ("pending", "import_bypassed"), (name, e)
 
 
 def test_bridge_has_no_branch_the_build_never_compiles():
@@ -333,6 +344,9 @@ def test_a_torch_without_the_cuda_init_queue_says_why_in_each_step(venv, tmp_pat
     assert r.returncode == 0, r.stderr
     opts = json.loads(r.stdout)["optimizations"]
     why = "this torch has no torch.cuda._lazy_call"
+    for name in ("tf32", "memory_fraction", "oom_handler"):
+        assert (opts[name]["state"], opts[name]["code"]) == ("skipped", "no_queue"), opts[name]
+    # The one sentence, word for word (a golden text).
     assert opts["tf32"]["reason"] == why and not opts["tf32"]["applied"]
     assert opts["memory_fraction"]["reason"] == why
     assert opts["oom_handler"]["reason"] == why + ": Python's exception hooks left alone"
@@ -358,6 +372,8 @@ def test_the_users_per_process_memory_fraction_wins(venv, tmp_path, release, var
     assert "_cuda_setMemoryFraction" not in names(rep)
     opts = rep["status"]["optimizations"]
     assert not opts["memory_fraction"]["applied"]
+    assert opts["memory_fraction"]["code"] == "program_chose"
+    # Which variable holds the user's fraction, and its value: words.
     assert f"{var} sets per_process_memory_fraction:0.5" in opts["memory_fraction"]["reason"]
     assert opts["allocator"]["applied"] and "user's keys kept" in opts["allocator"]["reason"]
     assert rep["status"]["hook"]["error"] is None
@@ -371,8 +387,9 @@ def test_a_fraction_the_program_gives_torch_before_cuda_starts_wins(venv, tmp_pa
                           "lambda: torch._C.allocator_settings\ntorch.cuda._fake_cuda_init()")
     rep, _ = run_release(venv, tmp_path, "2.14.1", code=code)
     assert "_cuda_setMemoryFraction" not in names(rep)
-    reason = rep["status"]["optimizations"]["memory_fraction"]["reason"]
-    assert "torch's allocator settings hold per_process_memory_fraction:0.25" in reason, reason
+    frac = rep["status"]["optimizations"]["memory_fraction"]
+    assert (frac["state"], frac["code"]) == ("skipped", "program_chose"), frac
+    assert "torch's allocator settings hold per_process_memory_fraction:0.25" in frac["reason"]
 
 
 # ---- children spawned while torch imports ----
@@ -402,11 +419,12 @@ def test_the_environment_is_never_written_where_a_runtime_setter_configures(venv
     assert alloc["applied"] and rep["conf_read"] == alloc["value"]
     if ACCEL in RELEASES[release]["c"]:
         assert rep["seen"] == [], rep["seen"]
-        assert "environment never written" in alloc["reason"]
+        assert alloc["code"] == "runtime_setter"
     else:
         # Before 2.9 the variable holds the string while torch imports (the
         # window the README names), and is given back right after.
         assert rep["seen"] == [f"PYTORCH_CUDA_ALLOC_CONF={alloc['value']}"]
+        assert alloc["code"] == "env_written"
         assert "restored for child processes" in alloc["reason"]
     assert set(rep["env_now"].values()) == {None}
 
@@ -433,7 +451,7 @@ def test_a_failing_lazy_call_leaves_nothing_saying_queued(venv, tmp_path):
     opts = st["optimizations"]
     for name in ("tf32", "memory_fraction", "oom_handler"):
         assert not opts[name]["applied"] and not opts[name].get("queued"), (name, opts[name])
-        assert "_lazy_call failed" in opts[name]["reason"], (name, opts[name])
+        assert (opts[name]["state"], opts[name]["code"]) == ("failed", "queue_failed"), opts[name]
     assert "queue refused" in st["hook"]["error"]
 
 
@@ -464,9 +482,10 @@ def test_an_off_word_turns_each_step_off_and_status_says_by_what(venv, tmp_path,
     st = rep["status"]
     assert st["config_warnings"] == [] and st["hook"]["error"] is None
     opts = st["optimizations"]
+    assert_records(opts)
     for name, var in OFF_STEPS.items():
         assert opts[name]["off_by"] == var and opts[name]["applied"] is False, (name, opts[name])
-        assert f"off by {var}" in opts[name]["reason"], opts[name]
+        assert (opts[name]["state"], opts[name]["code"]) == ("skipped", "off"), opts[name]
     assert opts["sdpa"]["off_by"] is None and opts["oom_handler"]["off_by"] is None
     called = set(names(rep))
     assert not called & {"_cuda_setMemoryFraction", ACCEL, "set_autocast_dtype",

@@ -49,7 +49,8 @@ def outcome():
     opts = st["optimizations"]
     C = torch._C
     return {"steps": st.get("cuda_init"),
-            "records": {k: {f: opts[k].get(f) for f in ("applied", "queued", "interrupted")}
+            "records": {k: {f: opts[k].get(f) for f in ("applied", "state", "code", "queued",
+                                                         "interrupted")}
                         for k in ("tf32", "memory_fraction", "oom_handler")},
             "guard": [bug["applies"], bug["done"]],
             "cudnn_sdp": C._get_cudnn_sdp_enabled(),
@@ -73,7 +74,8 @@ def check_all_applied(o, once=True):
     after its work raises from it, and the step sets it again)."""
     assert o["steps"] == DONE, o["steps"]
     for name, rec in o["records"].items():
-        assert rec == {"applied": True, "queued": None, "interrupted": None}, (name, rec)
+        assert rec == {"applied": True, "state": "applied", "code": "at_cuda_init",
+                       "queued": None, "interrupted": None}, (name, rec)
     assert o["guard"] == [True, True] and o["cudnn_sdp"] is False
     for name, args in WANT_CALLS.items():
         made = o["calls"][name]
@@ -129,7 +131,8 @@ def test_a_step_cut_short_runs_again_when_torch_runs_its_queue_again(venv, tmp_p
         want[order[i]] = "interrupted"
         assert r["steps"] == want, (i, r["steps"])
         if order[i] in r["records"]:
-            assert r["records"][order[i]] == {"applied": False, "queued": True,
+            assert r["records"][order[i]] == {"applied": False, "state": "interrupted",
+                                              "code": "at_cuda_init", "queued": True,
                                               "interrupted": True}, r
     # The guard cut short is decided again, not left half done.
     assert runs[2]["guard"] == [None, False]

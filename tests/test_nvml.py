@@ -184,6 +184,7 @@ print(json.dumps([_outofcuda.status()["optimizations"]["amp_dtype"],
         entry, calls = last_json(venv.run(code, env=nvml(cfg, PYTHONPATH=str(root)),
                                           cwd=tmp_path))
         assert entry["applied"] is True and entry["value"] == dtype, entry
+        assert entry["code"] == "default"  # OUTOFCUDA_AMP_DTYPE=auto, outofcuda's default
         assert f"compute capability {cc}" in entry["reason"] and "(from NVML)" in entry["reason"]
         assert calls == [["set_autocast_dtype", "cuda", f"torch.{dtype}"]]
 
@@ -197,7 +198,8 @@ import json, torch, _outofcuda
 print(json.dumps([_outofcuda.status()["optimizations"]["amp_dtype"],
                   _outofcuda._api_autocast_dtype("cuda")]))
 """, env=nvml(cfg), cwd=workdir))
-    assert entry["applied"] is False and entry["reason"] == "this torch build has no CUDA"
+    assert entry["applied"] is False and entry["code"] == "no_cuda"
+    assert entry["reason"] == "this torch build has no CUDA"
     assert decision[0] == "bfloat16"
 
 
@@ -479,7 +481,8 @@ print(json.dumps([_outofcuda.status()["optimizations"]["amp_dtype"],
                   _outofcuda._api_autocast_dtype("cuda")]))
 """, cwd=workdir))
     hook, (dtype, reason) = d
-    assert hook["applied"] is False and hook["reason"].startswith("compute capability unknown: ")
+    assert hook["applied"] is False and hook["code"] == "dtype_unknown"
+    assert hook["reason"].startswith("compute capability unknown: ")
     assert dtype is None and reason == hook["reason"]
 
 

@@ -88,9 +88,10 @@ def test_a_program_that_chose_ends_as_without_outofcuda(cuda_venv, action):
         # The program chose nothing: TF32 on once CUDA starts, every getter agreeing.
         assert with_oc[2] == TF32_ON, with_oc
         assert st["applied"] and st["now"] == {"matmul": True} and st["changed"] is False
+        assert st["code"] == "at_cuda_init" and st["value"] == {"matmul": True}
     else:
         assert with_oc[2] == without[2], (with_oc, without)
-        assert not st["applied"] and "the program chose" in st["reason"], st
+        assert not st["applied"] and (st["state"], st["code"]) == ("skipped", "program_chose"), st
 
 
 # The program turns TF32 off after CUDA started, in each of torch's four ways.
@@ -184,7 +185,7 @@ def test_stand_in_no_choice_gets_tf32_at_cuda_start(venv, tmp_path, release):
 def test_stand_in_new_api_release_keeps_the_programs_choice(venv, tmp_path, release, action):
     calls, st = run_stand_in(venv, tmp_path, release, action)
     assert not [c for c in calls if c[0].startswith("_set_")], calls
-    assert not st["applied"] and "the program chose" in st["reason"], st
+    assert not st["applied"] and (st["state"], st["code"]) == ("skipped", "program_chose"), st
 
 
 @pytest.mark.parametrize("release", OLD_API)
@@ -193,4 +194,4 @@ def test_stand_in_new_api_release_keeps_the_programs_choice(venv, tmp_path, rele
 def test_stand_in_old_release_keeps_a_visible_choice(venv, tmp_path, release, action):
     calls, st = run_stand_in(venv, tmp_path, release, action)
     assert not [c for c in calls if c[0].startswith("_set_")], calls
-    assert not st["applied"] and "the program chose" in st["reason"], st
+    assert not st["applied"] and (st["state"], st["code"]) == ("skipped", "program_chose"), st
