@@ -366,7 +366,7 @@ const char *oc_alloc_env_name(long ver)
     /* Up to 2.10 the CUDA allocator reads only PYTORCH_CUDA_ALLOC_CONF (2.9's
      * generic PYTORCH_ALLOC_CONF never reached it, pytorch issue 183387); from
      * 2.11 PYTORCH_ALLOC_CONF is the documented name. */
-    return ver >= 21100 ? "PYTORCH_ALLOC_CONF" : "PYTORCH_CUDA_ALLOC_CONF";
+    return ver >= 21100 ? OC_VAR("PYTORCH_ALLOC_CONF") : OC_VAR("PYTORCH_CUDA_ALLOC_CONF");
 }
 
 int oc_alloc_generic_ignored(long ver, const char **value)
@@ -382,8 +382,9 @@ int oc_alloc_generic_ignored(long ver, const char **value)
 }
 
 /* The allocator variables in the order torch 2.11+ reads them. */
-static const char *const alloc_vars[] = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF",
-                                         "PYTORCH_ALLOC_CONF"};
+static const char *const alloc_vars[] = {OC_VAR("PYTORCH_CUDA_ALLOC_CONF"),
+                                         OC_VAR("PYTORCH_HIP_ALLOC_CONF"),
+                                         OC_VAR("PYTORCH_ALLOC_CONF")};
 
 const char *oc_alloc_var_at(size_t i)
 {
@@ -395,7 +396,7 @@ const char *oc_alloc_user_var(long ver, const char **value)
     *value = NULL;
     if (ver < 21100) {
         *value = oc_env("PYTORCH_CUDA_ALLOC_CONF");
-        return "PYTORCH_CUDA_ALLOC_CONF";
+        return OC_VAR("PYTORCH_CUDA_ALLOC_CONF");
     }
     for (size_t i = 0; oc_alloc_var_at(i) != NULL; i++) {
         *value = oc_env(alloc_vars[i]);

@@ -439,7 +439,7 @@ static int visit_node(PyObject *node, PyObject *saved, PyObject *stack, long *as
                 Py_DECREF(type);
                 return -1;
             }
-            oc_clear_absence(); /* absence: not an AccumulateGrad node */
+            OC_CLEAR_ABSENT(); /* not an AccumulateGrad node */
             if (oc_g.no_variable_types == NULL)
                 oc_g.no_variable_types = PySet_New(NULL);
             if (oc_g.no_variable_types == NULL || PySet_Add(oc_g.no_variable_types, type) < 0) {
@@ -505,7 +505,7 @@ static PyObject *py_grad_set_aside(PyObject *self, PyObject *args)
     node = PyObject_GetAttrString(loss, "grad_fn");
     if (node == NULL) {
         if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            oc_clear_absence(); /* absence: replaced by the TypeError below */
+            OC_CLEAR_RECORDED(); /* raised again as the TypeError below */
             PyErr_SetString(PyExc_TypeError, "_grad_set_aside: loss must be a tensor");
         }
         return NULL;

@@ -68,7 +68,7 @@ static int env_yes(const char *name)
 
 static int disabled_by_env(void)
 {
-    return env_yes("OUTOFCUDA_DISABLE");
+    return env_yes(OC_VAR("OUTOFCUDA_DISABLE"));
 }
 
 /* sys.stderr is there and open (the engine's oc_stderr_write, which the
@@ -82,13 +82,15 @@ static int stderr_usable(void)
     closed = PyObject_GetAttrString(err, "closed");
     usable = closed == NULL || PyObject_IsTrue(closed) == 0;
     Py_XDECREF(closed);
-    PyErr_Clear(); /* absence: a stream without `closed` is open */
+    PyErr_Clear(); /* a stream without `closed` is open */
     return usable;
 }
 
 /* Swallows the current exception; under OUTOFCUDA_DEBUG=1 prints it first,
  * in the engine's format (common.c's oc_clear_at, which the boot does not
- * link). Only an error path reads the variable: start-up pays nothing. */
+ * link). Only an error path reads the variable: start-up pays nothing. Every
+ * exception the boot swallows goes through BOOT_CLEAR; the clears here and in
+ * stderr_usable, which it calls, are its own (tests/test_static.py). */
 static void boot_clear(int line, const char *func)
 {
     PyObject *type, *value, *tb, *name, *text = NULL, *utf8 = NULL;
@@ -97,8 +99,8 @@ static void boot_clear(int line, const char *func)
     /* The user's Ctrl-C or exit() is never swallowed: the caller sees it set. */
     if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) || PyErr_ExceptionMatches(PyExc_SystemExit))
         return;
-    if (!env_yes("OUTOFCUDA_DEBUG")) {
-        PyErr_Clear(); /* recorded nowhere: OUTOFCUDA_DEBUG is off */
+    if (!env_yes(OC_VAR("OUTOFCUDA_DEBUG"))) {
+        PyErr_Clear();
         return;
     }
     PyErr_Fetch(&type, &value, &tb);
@@ -109,7 +111,7 @@ static void boot_clear(int line, const char *func)
     Py_XDECREF(name);
     if (text != NULL)
         utf8 = PyUnicode_AsUTF8String(text);
-    PyErr_Clear(); /* reported below as "?" */
+    PyErr_Clear(); /* "?" below */
     /* Through sys.stderr, not C's stderr: no stdio symbol for the loader to
      * bind when the boot loads in every process. PySys_WriteStderr falls back
      * to descriptor 2 when sys.stderr is None or fails, and a program started

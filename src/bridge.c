@@ -128,7 +128,7 @@ static const char *user_alloc_var(const char **value)
      * the user put them, and reach torch in outofcuda's string. */
     if (*value == NULL && oc_known_bug_on("alloc-conf-generic-ignored") &&
         oc_alloc_generic_ignored(oc_g.build.ver, value))
-        name = "PYTORCH_ALLOC_CONF";
+        name = OC_VAR("PYTORCH_ALLOC_CONF");
     if (*value == NULL)
         *value = "";
     return name;
@@ -147,7 +147,7 @@ static int set_environ(const char *name, const char *value)
         rc = PyMapping_DelItemString(environ, name);
         /* Already gone (something deleted it meanwhile) is what was asked. */
         if (rc < 0 && PyErr_ExceptionMatches(PyExc_KeyError)) {
-            oc_clear_absence(); /* absence: already gone is what was asked */
+            OC_CLEAR_ABSENT(); /* already gone is what was asked */
             rc = 0;
         }
     } else if (environ != NULL && v != NULL)
@@ -298,7 +298,7 @@ static void prepare_allocator(const oc_config *cfg)
         return;
     }
     name = user_alloc_var(&user);
-    generic = strcmp(name, "PYTORCH_ALLOC_CONF") == 0 && oc_g.build.ver < 21100;
+    generic = strcmp(name, OC_VAR("PYTORCH_ALLOC_CONF")) == 0 && oc_g.build.ver < 21100;
     /* OUTOFCUDA_ALLOC_CONF unset (config.c keeps the conditional defaults
      * then): the defaults may lose a key this machine cannot use. */
     defaults = oc_platform_alloc_defaults(cfg->alloc_conf, cfg->alloc_conf_no_expandable[0] != '\0',
@@ -538,7 +538,7 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
     }
     setter = PyObject_GetAttrString(c_mod, "_set_cublas_allow_tf32");
     if (setter == NULL) {
-        oc_clear_absence(); /* recorded: the step's reason says torch lacks it */
+        OC_CLEAR_RECORDED(); /* the step's reason says torch lacks it */
         oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED, OC_CODE_NO_SETTER,
                       "this torch has no torch._C._set_cublas_allow_tf32");
         return;
@@ -683,7 +683,7 @@ static int call_setter(PyObject *c_mod, const char *conf, const char **used)
     for (size_t i = 0; c_mod != NULL && i < 2; i++) {
         PyObject *fn = PyObject_GetAttrString(c_mod, setters[i]), *r;
         if (fn == NULL) {
-            oc_clear_absence(); /* absence: the next setter is tried */
+            OC_CLEAR_ABSENT(); /* the next setter is tried */
             continue;
         }
         *used = setters[i];
@@ -1080,7 +1080,7 @@ static void run_step(oc_cuda_step step, PyObject *torch)
     case OC_STEP_SUMMARY:
         oc_summary_at_cuda_init();
         break;
-    default:
+    case OC_STEP_COUNT: /* no default: -Wswitch names a step of oc.h without its case */
         break;
     }
     OC_CLEAR();
@@ -1121,7 +1121,7 @@ static PyMethodDef at_cuda_init_def = {"outofcuda_at_cuda_init", at_cuda_init, M
 static PyObject *lazy_call_fn(PyObject *torch, const char **why_not)
 {
     PyObject *fn = oc_getattr_chain(torch, "cuda._lazy_call");
-    oc_clear_absence(); /* recorded: *why_not says why */
+    OC_CLEAR_RECORDED(); /* *why_not says why */
     *why_not = fn ? NULL : "this torch has no torch.cuda._lazy_call";
     return fn;
 }
@@ -1134,7 +1134,7 @@ static int queue_at_cuda_init(PyObject *lazy_call)
     Py_XDECREF(cb);
     if (r == NULL) {
         oc_set_error("queueing outofcuda's CUDA-init callback");
-        oc_clear_absence(); /* recorded by oc_set_error */
+        OC_CLEAR_RECORDED(); /* by oc_set_error */
         return -1;
     }
     Py_DECREF(r);
@@ -1169,7 +1169,7 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
     fn = PyObject_GetAttrString(torch, "set_autocast_dtype");
     use_new = fn != NULL;
     if (fn == NULL) {
-        oc_clear_absence(); /* absence: an older torch, the GPU setter is tried */
+        OC_CLEAR_ABSENT(); /* an older torch, the GPU setter is tried */
         fn = PyObject_GetAttrString(torch, "set_autocast_gpu_dtype");
     }
     if (dtype == NULL || fn == NULL) {
@@ -1217,7 +1217,7 @@ static void settle_allocator(PyObject *c_mod)
     if (rc != 1) {
         if (rc < 0)
             oc_set_error("handing the allocator settings to torch");
-        oc_clear_absence(); /* recorded above, or absence (no setter: the reason says so) */
+        OC_CLEAR_RECORDED(); /* above, or no setter: the reason says so */
         oc_g.alloc_applied = 0;
         alloc_code = used ? OC_CODE_SETTER_FAILED : OC_CODE_NO_SETTER;
         snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len, "; not in effect: %s%s",

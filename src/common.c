@@ -209,17 +209,15 @@ int oc_edge_add_functions(PyObject *m, const PyMethodDef *defs)
     return rc;
 }
 
-void oc_clear_absence(void)
-{
-    if (PyErr_Occurred() && !keep_interrupt())
-        PyErr_Clear(); /* absence: what the callers' comments say */
-}
-
 /* Clears the current exception, which outofcuda swallows so that nothing it
  * does can fail the program. With OUTOFCUDA_DEBUG=1 (read once) each one is
- * first printed to stderr, where and what, as psutil's PSUTIL_DEBUG does:
- * "outofcuda debug: bridge.c:312 set_flag: RuntimeError: ...". Never raises. */
-void oc_clear_at(const char *file, int line, const char *func)
+ * first printed to stderr, where, why and what, as psutil's PSUTIL_DEBUG
+ * does: "outofcuda debug: bridge.c:312 set_flag: RuntimeError: ...", with
+ * " (absent)" or " (recorded)" after the function where the error is an
+ * expected answer. Never raises. The clears below and those of the functions
+ * it calls (oc_stderr_write, oc_utf8) are its own: traced, they would call
+ * it again. */
+void oc_clear_at(const char *file, int line, const char *func, const char *why)
 {
     static int debug = -1;
     PyObject *type, *value, *tb, *name = NULL, *text = NULL;
@@ -229,7 +227,7 @@ void oc_clear_at(const char *file, int line, const char *func)
     if (debug < 0)
         debug = oc_parse_bool(oc_env("OUTOFCUDA_DEBUG")) == 1;
     if (!debug) {
-        PyErr_Clear(); /* recorded nowhere: OUTOFCUDA_DEBUG is off */
+        PyErr_Clear();
         return;
     }
     PyErr_Fetch(&type, &value, &tb);
@@ -238,9 +236,10 @@ void oc_clear_at(const char *file, int line, const char *func)
         name = PyObject_GetAttrString(type, "__name__");
     if (value != NULL)
         text = PyObject_Str(value);
-    PyErr_Clear(); /* reported below: a failing str() is its own "?" */
+    PyErr_Clear(); /* a failing str() is its own "?" below */
     base = strrchr(file, '/');
-    oc_stderr_printf("outofcuda debug: %s:%d %s: %s: %s\n", base ? base + 1 : file, line, func,
+    oc_stderr_printf("outofcuda debug: %s:%d %s%s%s%s: %s: %s\n", base ? base + 1 : file, line,
+                     func, why ? " (" : "", why ? why : "", why ? ")" : "",
                      name ? oc_utf8(name, (char[64]){0}, 64) : "?",
                      text ? oc_utf8(text, (char[400]){0}, 400) : "?");
     Py_XDECREF(name);
@@ -248,7 +247,7 @@ void oc_clear_at(const char *file, int line, const char *func)
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(tb);
-    PyErr_Clear(); /* recorded above */
+    PyErr_Clear(); /* printed above */
 }
 
 /* text with the rank label (oc_rank_label) before every line that starts
@@ -298,7 +297,8 @@ void oc_stderr_write(const char *text)
         closed = PyObject_GetAttrString(err, "closed");
         is_closed = closed != NULL && PyObject_IsTrue(closed) == 1;
         Py_XDECREF(closed);
-        oc_clear_absence(); /* absence: a stream without `closed` is open */
+        if (PyErr_Occurred() && !keep_interrupt())
+            PyErr_Clear(); /* a stream without `closed` is open */
         str = is_closed ? NULL
                         : PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "backslashreplace");
         res = str ? PyObject_CallMethod(err, "write", "O", str) : NULL;
@@ -306,7 +306,7 @@ void oc_stderr_write(const char *text)
         Py_XDECREF(str);
         Py_DECREF(err);
         if (PyErr_Occurred() && !keep_interrupt())
-            PyErr_Clear(); /* absence: a stream that fails to write gets nothing */
+            PyErr_Clear(); /* a stream that fails to write gets nothing */
     }
     PyErr_Restore(exc_type, exc_value, exc_tb);
     free(labelled);
@@ -360,7 +360,7 @@ static void program_location(PyObject **file, int *line)
         frame = back;
     }
     Py_XDECREF(frame);
-    oc_clear_absence(); /* absence: no frame to name, the warning names outofcuda */
+    OC_CLEAR_ABSENT(); /* no frame to name, the warning names outofcuda */
 }
 
 void oc_warn(const char *msg)
@@ -388,7 +388,7 @@ void oc_warn(const char *msg)
                                            line, "outofcuda", NULL) < 0) {
         /* -W error turned the warning into an exception; outofcuda must not
          * raise from an import, so the message goes to stderr instead. */
-        oc_clear_absence(); /* reported: the message goes to stderr below; a Ctrl-C is kept */
+        OC_CLEAR_RECORDED(); /* the message goes to stderr below; a Ctrl-C is kept */
         oc_stderr_printf("%.1000s\n", utf8 != NULL ? PyBytes_AsString(utf8) + label_len
                                                    : "outofcuda: a warning could not be shown");
     }
@@ -411,7 +411,6 @@ void oc_set_error(const char *where)
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(tb);
-    PyErr_Clear(); /* recorded in oc_g.error below */
     if (text == NULL) {
         OC_CLEAR();
         return;
@@ -445,7 +444,7 @@ PyObject *oc_sys_module(const char *name)
     PyObject *mod = key ? PyImport_GetModule(key) : NULL;
     Py_XDECREF(key);
     if (mod == NULL)
-        oc_clear_absence(); /* absence: not imported */
+        OC_CLEAR_ABSENT(); /* not imported */
     return mod;
 }
 
@@ -467,7 +466,7 @@ PyObject *oc_getattr_chain(PyObject *obj, const char *dotted)
         next = PyObject_GetAttrString(cur, part);
         Py_DECREF(cur);
         if (next == NULL) {
-            oc_clear_absence(); /* absence: the chain ends here (NULL) */
+            OC_CLEAR_ABSENT(); /* the chain ends here (NULL) */
             return NULL;
         }
         cur = next;
@@ -481,7 +480,7 @@ int oc_call_bool(PyObject *owner, const char *name, int value)
     PyObject *fn, *res;
     fn = PyObject_GetAttrString(owner, name);
     if (fn == NULL) {
-        oc_clear_absence(); /* absence: the caller's 0 means missing */
+        OC_CLEAR_ABSENT(); /* the caller's 0 means missing */
         return 0;
     }
     res = PyObject_CallFunctionObjArgs(fn, value ? Py_True : Py_False, NULL);
@@ -499,7 +498,7 @@ PyObject *oc_call_quiet_at(PyObject *owner, const char *name, const char *a, con
     if (fn != NULL)
         r = a ? PyObject_CallFunction(fn, "ss", a, b) : PyObject_CallObject(fn, NULL);
     Py_XDECREF(fn);
-    oc_clear_at(file, line, func);
+    oc_clear_at(file, line, func, NULL);
     return r;
 }
 
@@ -511,7 +510,7 @@ const char *oc_utf8(PyObject *str, char *buf, size_t sz)
         return buf;
     bytes = PyUnicode_AsUTF8String(str);
     if (bytes == NULL) {
-        PyErr_Clear(); /* absence: an unencodable text copies as "" (oc_clear_at uses this) */
+        PyErr_Clear(); /* an unencodable text copies as "" (oc_clear_at uses this) */
         return buf;
     }
     snprintf(buf, sz, "%s", PyBytes_AsString(bytes));

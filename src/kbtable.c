@@ -29,7 +29,7 @@ static const oc_known_bug table[] = {
         /* The failing kernel is sm90's (..._sdpa_sm90_flash_bprop_wgmma_...);
          * sm100 is not reported. */
         {90, 100},
-        "TORCH_CUDNN_SDPA_DEPRIORITIZED",
+        OC_VAR("TORCH_CUDNN_SDPA_DEPRIORITIZED"),
         "cuDNN attention is torch's default SDPA backend there; the NaN needs an explicit "
         "attn_mask in a backward pass",
         OC_KB_SDPA_NO_CUDNN,
@@ -176,7 +176,7 @@ static const oc_known_bug table[] = {
         /* Reported with 9.25.1 and 9.26.0.51; open, no fixed cuDNN. */
         {92501, 92700},
         {90, 100},
-        "TORCH_CUDNN_SDPA_DEPRIORITIZED",
+        OC_VAR("TORCH_CUDNN_SDPA_DEPRIORITIZED"),
         "a backward pass with one query row (decoding-style training shapes), no mask needed",
         OC_KB_REPORT,
         0,
@@ -333,11 +333,11 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
         return OC_KB_NO;
     }
     if (b->needs & OC_KB_NEEDS_ALLOC_GENERIC) {
-        if (env_of(f, "PYTORCH_CUDA_ALLOC_CONF") != NULL) {
+        if (env_of(f, OC_VAR("PYTORCH_CUDA_ALLOC_CONF")) != NULL) {
             SAY("not affected: PYTORCH_CUDA_ALLOC_CONF is set, and this release reads it");
             return OC_KB_NO;
         }
-        if (env_of(f, "PYTORCH_ALLOC_CONF") == NULL) {
+        if (env_of(f, OC_VAR("PYTORCH_ALLOC_CONF")) == NULL) {
             SAY("not affected: PYTORCH_ALLOC_CONF is not set");
             return OC_KB_NO;
         }

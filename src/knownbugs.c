@@ -292,7 +292,7 @@ static PyObject *open_sdpa_blocks(void)
         chosen = locals ? PyMapping_GetItemString(locals, "backends") : NULL;
         saved = chosen ? PyMapping_GetItemString(locals, "previous_backends") : NULL;
         /* A block not yet entered has no saved list: absence, skipped. */
-        oc_clear_absence(); /* absence: see above */
+        OC_CLEAR_ABSENT(); /* see above */
         pair = saved && PyList_Check(saved) ? PyTuple_Pack(2, chosen, saved) : NULL;
         if (pair != NULL && PyList_Append(out, pair) < 0)
             Py_CLEAR(out);
@@ -639,7 +639,7 @@ static PyObject *known_bugs_check_py(PyObject *self, PyObject *args)
         return NULL;
     f.getenv_fn = mapping_getenv;
     f.ctx = env;
-    lr = mapping_getenv("LOCAL_RANK", env);
+    lr = mapping_getenv(OC_VAR("LOCAL_RANK"), env);
     if (lr != NULL) {
         char *end;
         long r = strtol(lr, &end, 10);

@@ -149,6 +149,10 @@ const oc_setting *oc_setting_named(const char *name); /* NULL when not in the ta
 /* getenv() of a variable of the table; every read of the environment goes
  * through here (the boot, which links nothing, reads its two itself). */
 const char *oc_env(const char *name);
+/* A variable's name written anywhere but as the name argument of oc_env(),
+ * oc_env_rank(), oc_config_off() or oc_record_off(): the literal itself,
+ * marked so that tests/test_static.py can hold every name to the table. */
+#define OC_VAR(name) name
 /* A torchrun rank variable of the table (RANK, LOCAL_RANK) as a whole number
  * from 0 (below a million, the largest job's ranks); -1 when unset, empty or
  * anything else. Where LOCAL_RANK names a device, one past the devices counts
@@ -609,7 +613,8 @@ int oc_summary_hints(const oc_summary_figures *d, oc_advice_item *out, int max);
  * differently and would re-enable the GIL for the whole process to load a
  * module that does not declare Py_mod_gil, so each init refuses there
  * before it touches an object. Hence only calls into the interpreter here,
- * no inline reference counting (Py_DecRef is a function). */
+ * no inline reference counting (Py_DecRef is a function), and a bare
+ * PyErr_Clear: neither extension's trace may run before the check. */
 #define OC_FREE_THREADED_REFUSAL                                                                   \
     "outofcuda stays out of free-threaded Python: it is built for the GIL-enabled interpreter"
 static inline int oc_free_threaded_interpreter(void)
@@ -624,7 +629,7 @@ static inline int oc_free_threaded_interpreter(void)
         r = PyUnicode_Contains(flags, t);
     Py_DecRef(t);
     if (r < 0)
-        PyErr_Clear(); /* absence: flags that are not a str mark no free-threaded build */
+        PyErr_Clear(); /* flags that are not a str mark no free-threaded build */
     return r == 1;
 }
 
@@ -809,15 +814,18 @@ void oc_stderr_printf(const char *fmt, ...)
 #endif
     ;
 void oc_set_error(const char *where); /* keeps the current exception text */
-/* Swallows the current exception, leaving a trace under OUTOFCUDA_DEBUG=1.
- * A bare PyErr_Clear() stays only where absence is the expected answer, or
- * what it clears is recorded, with a comment saying so (tests/test_static.py). */
-void oc_clear_at(const char *file, int line, const char *func);
-#define OC_CLEAR() oc_clear_at(__FILE__, __LINE__, __func__)
-/* Clears an exception whose absence is the expected answer (a missing
- * attribute, a key already gone) or that is recorded elsewhere, untraced; a
- * KeyboardInterrupt or SystemExit among them is set aside, as by OC_CLEAR. */
-void oc_clear_absence(void);
+/* Swallows the current exception, leaving a trace under OUTOFCUDA_DEBUG=1
+ * that names why (NULL: an error given up); a KeyboardInterrupt or
+ * SystemExit is set aside instead. Every exception the engine swallows goes
+ * through one of the three macros, each saying why (tests/test_static.py
+ * holds it): */
+void oc_clear_at(const char *file, int line, const char *func, const char *why);
+/* an error outofcuda gives up on so that the program goes on */
+#define OC_CLEAR() oc_clear_at(__FILE__, __LINE__, __func__, NULL)
+/* absence is the expected answer: a missing attribute, a key already gone */
+#define OC_CLEAR_ABSENT() oc_clear_at(__FILE__, __LINE__, __func__, "absent")
+/* what it clears is already recorded or reported (a step's reason, stderr) */
+#define OC_CLEAR_RECORDED() oc_clear_at(__FILE__, __LINE__, __func__, "recorded")
 /* Raises the KeyboardInterrupt or SystemExit that oc_clear_at or
  * oc_set_error set aside in this thread: -1 with it set, else 0. Called where
  * control goes back to the program: the edge (every engine function and

@@ -303,10 +303,7 @@ static void oom_relief(void)
 oc_oom_kind oc_oom_kind_of(PyObject *type, PyObject *exc)
 {
     static const char *const types[] = {"cuda.OutOfMemoryError", "OutOfMemoryError"};
-    /* cuBLAS's status name, written in two pieces: a whole upper-case name
-     * in quotes reads as an environment variable to tests/test_static.py. */
-    static const char *const texts[] = {"CUDA out of memory", "CUBLAS_STATUS_ALLOC_"
-                                                              "FAILED"};
+    static const char *const texts[] = {"CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED"};
     PyObject *torch, *text;
     oc_oom_kind kind = OC_OOM_NONE;
     if (type == NULL || !PyType_Check(type))
@@ -317,7 +314,7 @@ oc_oom_kind oc_oom_kind_of(PyObject *type, PyObject *exc)
         if (t != NULL && PyType_Check(t) && PyObject_IsSubclass(type, t) == 1)
             kind = OC_OOM_TYPE;
         Py_XDECREF(t);
-        oc_clear_absence(); /* absence: a torch without that type is answered by the other */
+        OC_CLEAR_ABSENT(); /* a torch without that type is answered by the other */
     }
     Py_XDECREF(torch);
     if (kind != OC_OOM_NONE || exc == NULL || type != PyExc_RuntimeError)
@@ -504,7 +501,7 @@ static void clear_frames(PyObject *tb)
         PyObject *r = frame ? PyObject_CallMethod(frame, "clear", NULL) : NULL;
         PyObject *locals = r ? PyObject_GetAttrString(frame, "f_locals") : NULL;
         if (r == NULL)
-            oc_clear_absence(); /* absence: the frame still runs (the handler's caller) */
+            OC_CLEAR_ABSENT(); /* the frame still runs (the handler's caller) */
         OC_CLEAR();
         Py_XDECREF(locals);
         Py_XDECREF(r);

@@ -117,7 +117,7 @@ static long iterator_workers(PyObject *frame)
     Py_XDECREF(nw);
     Py_XDECREF(it);
     Py_XDECREF(locals);
-    oc_clear_absence(); /* absence: not torch's iterator, or no such attribute */
+    OC_CLEAR_ABSENT(); /* not torch's iterator, or no such attribute */
     return n;
 }
 

@@ -177,7 +177,7 @@ static int raise_after_import(void *arg)
     PyObject *initializing = spec != NULL ? PyObject_GetAttrString(spec, "_initializing") : NULL;
     int running = initializing != NULL && PyObject_IsTrue(initializing) == 1;
     Py_XDECREF(initializing);
-    oc_clear_absence(); /* absence: no flag, no import running */
+    OC_CLEAR_ABSENT(); /* no flag, no import running */
     if (running && Py_AddPendingCall(raise_after_import, spec) == 0)
         return 0;
     Py_XDECREF(spec);
@@ -205,7 +205,7 @@ static int interrupt_after_exec(PyObject *module)
         return 0;
     if (in_main_thread()) {
         PyObject *spec = PyObject_GetAttrString(module, "__spec__");
-        oc_clear_absence(); /* absence: no spec, raised at the first check */
+        OC_CLEAR_ABSENT(); /* no spec, raised at the first check */
         if (Py_AddPendingCall(raise_after_import, spec) == 0)
             return 0;
         Py_XDECREF(spec);
