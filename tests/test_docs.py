@@ -151,3 +151,22 @@ def test_the_record_table_reader_reads_what_it_should():
     """tests/kit.py's reader takes a table's names and stops at its end."""
     assert oc_h_table("OC_OPTIMISATIONS")[:2] == ["tf32", "cudnn_benchmark"]
     assert "framework" not in oc_h_table("OC_OPTIMISATIONS")  # a CUDA step, not an optimisation
+
+
+def doc_cuda_steps(text):
+    """The steps docs/how-the-hook-works.md lists, in its order: the
+    backticked names after "gives it:" up to the sentence's end, asides in
+    parentheses left out."""
+    listed = re.search(r'`status\(\)\["cuda_init"\]` gives it: (.*?)\. A step', text, re.S)[1]
+    while (shorter := re.sub(r"\([^()]*\)", "", listed)) != listed:
+        listed = shorter
+    return re.findall(r"`(\w+)`", listed)
+
+
+def test_the_doc_gives_the_cuda_init_steps_in_the_order_they_run():
+    steps = oc_h_table("OC_CUDA_STEPS")
+    assert steps[:2] == ["framework", "tf32"] and "summary" in steps, steps
+    assert doc_cuda_steps((DOCS / "how-the-hook-works.md").read_text()) == steps
+    swapped = ('`status()["cuda_init"]` gives it: `tf32` (`x`), `framework` ([a](b.md)), '
+               '`memory_fraction`. A step')
+    assert doc_cuda_steps(swapped) == ["tf32", "framework", "memory_fraction"]

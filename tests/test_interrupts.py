@@ -20,14 +20,13 @@ import pytest
 
 from conftest import stub_nvml_config, stub_nvml_device
 from fake_torch import make_fake_torch
-from kit import last_json
+from kit import last_json, oc_h_table
 
 BUG = "cudnn-sdpa-nan-grad-sm90"
 # What waits for CUDA's start on the stand-in 2.14.1 with an sm90 GPU: the
 # framework check, TF32, the memory fraction, the cuDNN-attention guard, the
 # OOM observer and hooks (the exit summary is off).
-ARMED = {"framework": "queued", "tf32": "queued", "memory_fraction": "queued",
-         "known_bugs": "queued", "oom_handler": "queued", "summary": "off"}
+ARMED = {step: "off" if step == "summary" else "queued" for step in oc_h_table("OC_CUDA_STEPS")}
 DONE = dict(ARMED, **{k: "done" for k in ARMED if k != "summary"})
 
 
@@ -123,7 +122,8 @@ def test_a_step_cut_short_runs_again_when_torch_runs_its_queue_again(venv, tmp_p
     # Each interrupt reached the program, as what it was, once per step.
     assert [r["reached"] for r in runs] == ["KeyboardInterrupt", "SystemExit",
                                             "KeyboardInterrupt", "SystemExit"], runs
-    order = ["tf32", "memory_fraction", "known_bugs", "oom_handler"]
+    # the steps a stand-in setter interrupts, in the order they run (oc.h)
+    order = [s for s in oc_h_table("OC_CUDA_STEPS") if s not in ("framework", "summary")]
     for i, r in enumerate(runs):
         # the steps before it done, it interrupted, the ones after it still queued
         want = dict(ARMED, framework="done")
