@@ -149,9 +149,10 @@ const oc_setting *oc_setting_named(const char *name); /* NULL when not in the ta
 /* getenv() of a variable of the table; every read of the environment goes
  * through here (the boot, which links nothing, reads its two itself). */
 const char *oc_env(const char *name);
-/* A variable's name written anywhere but as the name argument of oc_env(),
- * oc_env_rank(), oc_config_off() or oc_record_off(): the literal itself,
- * marked so that tests/test_static.py can hold every name to the table. */
+/* A variable's name written anywhere but as the name argument of oc_env()
+ * or a function that hands it on (oc_env_rank, oc_config_off, oc_record_off):
+ * the literal itself, marked so that tests/test_static.py can hold every name
+ * to the table. */
 #define OC_VAR(name) name
 /* A torchrun rank variable of the table (RANK, LOCAL_RANK) as a whole number
  * from 0 (below a million, the largest job's ranks); -1 when unset, empty or

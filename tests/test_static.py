@@ -324,11 +324,11 @@ def _table():
                                             (SRC / "settings.c").read_text(), re.M | re.S)}
 
 
-# The engine's functions whose argument at this index is a variable's name;
-# any other name is written through OC_VAR() (src/oc.h). oc_result_off is the
-# string-keyed form of oc_record_off.
+# The engine's functions whose argument at this index is a variable's name
+# (asked_by: bridge.c's); any other name is written through OC_VAR()
+# (src/oc.h).
 VAR_TAKERS = {"oc_env": 0, "oc_env_rank": 0, "oc_config_off": 1, "oc_record_off": 1,
-              "oc_result_off": 1}
+              "asked_by": 0}
 STRING = r'"(?:[^"\\\n]|\\.)*"'
 QUOTED = re.compile(rf"{STRING}|'(?:[^'\\\n]|\\.)*'")
 
@@ -412,7 +412,7 @@ def test_variable_name_rule_catches_violations():
     assert variable_name_problems({"a.c": ok}, table) == (
         [], {"LOCAL_RANK", "OUTOFCUDA_TF32"})
     for wrong in ('oc_env("LOCAL_RANKS")', 'OC_VAR("OUTOFCUDA_TF33")',
-                  'oc_config_off(cfg, "OUTOFCUDA_TF3")', 'oc_result_off("tf32", "TF32")',
+                  'oc_config_off(cfg, "OUTOFCUDA_TF3")', 'asked_by("TF32")',
                   'oc_record_off(OC_OPT_TF32, "OUTOFCUDA_F32")', 'x = "LOCAL_RANK"',
                   'strcmp(name, "OUTOFCUDA_TF32")', 'getenv(name)'):
         problems, _ = variable_name_problems({"a.c": f"int g(void)\n{{\n    {wrong};\n}}\n"},
