@@ -447,16 +447,17 @@ typedef enum {
 
 #define OC_REASON_LEN 2000
 typedef struct {
+    const char *off_by; /* the OUTOFCUDA_* variable of OC_CODE_OFF (static), else NULL */
+    /* The sdpa record: what the cuDNN-attention guard did (static text) and
+     * the known bug's id, or NULL: cuDNN attention left as torch has it. */
+    const char *guard, *guard_id;
+    double fraction;
+    long device;
     oc_rec_state state;
     oc_rec_code code;
-    const char *off_by; /* the OUTOFCUDA_* variable of OC_CODE_OFF (static), else NULL */
-    char reason[OC_REASON_LEN];
     oc_rec_value kind;
     int flag;
     int sdpa[3];
-    char text[OC_ALLOC_CONF_MAX];
-    double fraction;
-    long device;
     /* The allocator: the user's PYTORCH_ALLOC_CONF, which 2.9 and 2.10
      * ignore, went to torch in outofcuda's string (known bug
      * alloc-conf-generic-ignored avoided). */
@@ -466,9 +467,8 @@ typedef struct {
         char observer[400];
         char snapshot[4096]; /* "" none */
     } oom;
-    /* The sdpa record: what the cuDNN-attention guard did (static text) and
-     * the known bug's id, or NULL: cuDNN attention left as torch has it. */
-    const char *guard, *guard_id;
+    char reason[OC_REASON_LEN];
+    char text[OC_ALLOC_CONF_MAX];
 } oc_record;
 
 const char *oc_opt_name(oc_opt opt);

@@ -288,8 +288,8 @@ static PyObject *framework_status(void)
              oc_g.framework.decided[0]
                  ? oc_g.framework.decided
                  : "nothing decided: torch was not imported through the hook");
-    if (now != NULL && left_to == NULL &&
-        strstr(oc_g.framework.decided, "when CUDA initialised") != NULL)
+    /* The framework step ran: what was decided then still holds. */
+    if (now != NULL && left_to == NULL && (oc_g.cuda_init_done & (1u << OC_STEP_FRAMEWORK)))
         snprintf(text + strlen(text), sizeof text - strlen(text),
                  "; now: %s is in use, imported after CUDA started: outofcuda's allocator "
                  "settings and memory fraction were already in effect (OUTOFCUDA_DISABLE=1, or "
