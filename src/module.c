@@ -243,8 +243,8 @@ static PyObject *py_merge_alloc_conf(PyObject *self, PyObject *args, PyObject *k
     long ver;
     int held_back;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|zs", kwlist, &defaults, &user, &tv,
-                                     &no_expandable))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|zs:_merge_alloc_conf", kwlist, &defaults, &user,
+                                     &tv, &no_expandable))
         return NULL;
     ver = tv ? oc_torch_version_number(tv) : 0;
     if (oc_alloc_merge_defaults(defaults, no_expandable, user, tv ? allowed_for_version : NULL,

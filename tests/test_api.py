@@ -390,7 +390,7 @@ CONVENTIONS = {
                                           "nvml_devices", "_summary_stats")],
                     [([1], {}), ([], {"x": 1}), ([1, 2], {"x": 1})]),
     "METH_O": (("math.sqrt", []),
-               [_engine(n) for n in ("nvml_index", "_is_oom", "_fmt_bytes", "_monitor_stop",
+               [_engine(n) for n in ("nvml_index", "_alloc_items", "_fmt_bytes", "_monitor_stop",
                                      "_parse_config")],
                [([], {}), ([1, 2], {}), ([1], {"x": 1}), ([], {"x": 1})]),
     "METH_VARARGS": (("time.strftime", []),
@@ -398,7 +398,7 @@ CONVENTIONS = {
                                            "_monitor_stop_all", "_grad_set_aside")],
                      [([], {"x": 1}), ([1], {"x": 1})]),
     "METH_VARARGS | METH_KEYWORDS": (("_socket.getaddrinfo", [None, None]),
-                                     [_engine("_oom_report"),
+                                     [_engine("_merge_alloc_conf", first=["", ""]),
                                       _engine("_find_torch_spec", "find_spec", [None, "x"])],
                                      [([], {"bogus": 1})]),
 }
