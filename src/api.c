@@ -540,25 +540,37 @@ static PyObject *py_microbatch_split(PyObject *self, PyObject *unused)
     return PyLong_FromLongLong(++oc_g.microbatch_splits);
 }
 
+OC_EDGE_VARARGS(py_grad_set_aside)
+OC_EDGE_NOARGS(py_microbatch_split)
+OC_EDGE_O(py_autocast_dtype)
+OC_EDGE_KEYWORDS(py_loader_plan)
+OC_EDGE_VARARGS(py_memory_format)
+OC_EDGE_NOARGS(py_memory_report)
+OC_EDGE_NOARGS(py_clear_cache)
+
 PyMethodDef oc_api_methods[] = {
-    {"_grad_set_aside", py_grad_set_aside, METH_VARARGS,
-     "_grad_set_aside(loss, saved, /)\n--\n\nSets aside the gradient of every leaf backward() "
-     "of loss reaches, recording it in saved (id -> (leaf, gradient at entry))."},
-    {"_microbatch_split", py_microbatch_split, METH_NOARGS,
-     "_microbatch_split()\n--\n\nCounts one auto_microbatch split; returns the process's "
-     "total."},
-    {"_api_autocast_dtype", py_autocast_dtype, METH_O,
-     "_api_autocast_dtype(device_type, /)\n--\n\n(dtype name or None, reason) for torch.autocast."},
-    {"_api_loader_plan", (PyCFunction)(void (*)(void))py_loader_plan, METH_VARARGS | METH_KEYWORDS,
-     "_api_loader_plan(cuda_available, num_workers=-1, shm_path='/dev/shm', "
-     "shm_min_bytes=...)\n--\n\n"
-     "DataLoader arguments outofcuda proposes."},
-    {"_api_memory_format", py_memory_format, METH_VARARGS,
-     "_api_memory_format(has_4d, has_5d, channels_last=None, /)\n--\n\n(memory format or None, "
-     "reason)."},
-    {"_api_memory_report", py_memory_report, METH_NOARGS,
-     "_api_memory_report()\n--\n\nPer-device memory figures; never initialises CUDA."},
-    {"_api_clear_cache", py_clear_cache, METH_NOARGS,
-     "_api_clear_cache()\n--\n\ngc.collect() if configured, empty_cache(); bytes released."},
+    OC_METHOD(
+        "_grad_set_aside", py_grad_set_aside,
+        "_grad_set_aside(loss, saved, /)\n--\n\nSets aside the gradient of every leaf backward() "
+        "of loss reaches, recording it in saved (id -> (leaf, gradient at entry))."),
+    OC_METHOD("_microbatch_split", py_microbatch_split,
+              "_microbatch_split()\n--\n\nCounts one auto_microbatch split; returns the process's "
+              "total."),
+    OC_METHOD("_api_autocast_dtype", py_autocast_dtype,
+              "_api_autocast_dtype(device_type, /)\n--\n\n(dtype name or None, reason) for "
+              "torch.autocast."),
+    OC_METHOD("_api_loader_plan", py_loader_plan,
+              "_api_loader_plan(cuda_available, num_workers=-1, shm_path='/dev/shm', "
+              "shm_min_bytes=...)\n--\n\n"
+              "DataLoader arguments outofcuda proposes."),
+    OC_METHOD(
+        "_api_memory_format", py_memory_format,
+        "_api_memory_format(has_4d, has_5d, channels_last=None, /)\n--\n\n(memory format or None, "
+        "reason)."),
+    OC_METHOD("_api_memory_report", py_memory_report,
+              "_api_memory_report()\n--\n\nPer-device memory figures; never initialises CUDA."),
+    OC_METHOD(
+        "_api_clear_cache", py_clear_cache,
+        "_api_clear_cache()\n--\n\ngc.collect() if configured, empty_cache(); bytes released."),
     {NULL, NULL, 0, NULL},
 };

@@ -1086,7 +1086,7 @@ static void run_step(oc_cuda_step step, PyObject *torch)
     OC_CLEAR();
 }
 
-static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
+static PyObject *py_at_cuda_init(PyObject *self, PyObject *unused)
 {
     PyObject *torch = oc_sys_module("torch");
     struct step_undo undo;
@@ -1114,7 +1114,8 @@ static PyObject *at_cuda_init(PyObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyMethodDef at_cuda_init_def = {"outofcuda_at_cuda_init", at_cuda_init, METH_NOARGS, NULL};
+OC_EDGE_NOARGS(py_at_cuda_init)
+static PyMethodDef at_cuda_init_def = OC_METHOD("outofcuda_at_cuda_init", py_at_cuda_init, NULL);
 
 /* torch.cuda._lazy_call, or NULL with *why_not saying why (a reason, static
  * storage). */
@@ -1129,7 +1130,7 @@ static PyObject *lazy_call_fn(PyObject *torch, const char **why_not)
 /* Queues the callback. Returns 0, or -1 (recorded as outofcuda's error). */
 static int queue_at_cuda_init(PyObject *lazy_call)
 {
-    PyObject *cb = oc_edge_function(&at_cuda_init_def, NULL, NULL);
+    PyObject *cb = PyCFunction_NewEx(&at_cuda_init_def, NULL, NULL);
     PyObject *r = cb ? PyObject_CallFunctionObjArgs(lazy_call, cb, NULL) : NULL;
     Py_XDECREF(cb);
     if (r == NULL) {

@@ -78,135 +78,57 @@ int oc_interrupt_waiting(void)
     return d != NULL && PyDict_GetItemString(d, interrupt_key) != NULL;
 }
 
-int oc_raise_interrupt(void)
+PyObject *oc_interrupt_take(void)
 {
-    PyObject *d = PyThreadState_GetDict(), *kept, *type, *value, *tb;
-    kept = d != NULL ? PyDict_GetItemString(d, interrupt_key) : NULL; /* borrowed */
+    PyObject *d = PyThreadState_GetDict();
+    PyObject *kept = d != NULL ? PyDict_GetItemString(d, interrupt_key) : NULL; /* borrowed */
     if (kept == NULL)
-        return 0;
-    type = PyTuple_GetItem(kept, 0);
-    value = PyTuple_GetItem(kept, 1);
-    tb = PyTuple_GetItem(kept, 2);
+        return NULL;
+    Py_INCREF(kept);
+    (void)PyDict_DelItemString(d, interrupt_key); /* present: read above */
+    return kept;
+}
+
+/* Raises what oc_interrupt_take gave (the reference is stolen): -1. */
+static int interrupt_raise(PyObject *taken)
+{
+    PyObject *type = PyTuple_GetItem(taken, 0), *value = PyTuple_GetItem(taken, 1);
+    PyObject *tb = PyTuple_GetItem(taken, 2);
     Py_XINCREF(type);
     if (value != Py_None)
         Py_XINCREF(value);
     if (tb != Py_None)
         Py_XINCREF(tb);
-    (void)PyDict_DelItemString(d, interrupt_key); /* present: read above */
+    Py_DECREF(taken);
     /* An exception already propagating (torch's own import error) gives way
      * to the interrupt, as it would without outofcuda. */
     PyErr_Restore(type, value != Py_None ? value : NULL, tb != Py_None ? tb : NULL);
     return -1;
 }
 
-/* ---- the edge ----
- *
- * Each engine function and callback is called through a trampoline of its
- * own (edge slot i), which calls the real function as CPython would (its
- * flags' argument rules and messages) and then raises any interrupt set
- * aside meanwhile. The slot's definition (METH_VARARGS | METH_KEYWORDS)
- * keeps the function's name and docstring, so its text signature, its self
- * (the module) and its repr are unchanged. A slot is one C function per
- * index because CPython hands a function nothing but self and the
- * arguments. */
-static PyObject *edge_call(int slot, PyObject *self, PyObject *args, PyObject *kw)
+int oc_interrupt_put_back(PyObject *taken)
 {
-    const PyMethodDef *def = oc_g.edge_inner[slot];
-    PyObject *r = NULL;
-    Py_ssize_t n = PyTuple_Size(args), n_kw = kw != NULL ? PyDict_Size(kw) : 0;
-    switch (def->ml_flags) {
-    case METH_NOARGS:
-        if (n != 0 || n_kw != 0)
-            PyErr_Format(PyExc_TypeError, "%s() takes no arguments (%zd given)", def->ml_name,
-                         n + n_kw);
-        else
-            r = def->ml_meth(self, NULL);
-        break;
-    case METH_O:
-        if (n_kw != 0)
-            PyErr_Format(PyExc_TypeError, "%s() takes no keyword arguments", def->ml_name);
-        else if (n != 1)
-            PyErr_Format(PyExc_TypeError, "%s() takes exactly one argument (%zd given)",
-                         def->ml_name, n);
-        else
-            r = def->ml_meth(self, PyTuple_GetItem(args, 0));
-        break;
-    case METH_VARARGS:
-        if (n_kw != 0)
-            PyErr_Format(PyExc_TypeError, "%s() takes no keyword arguments", def->ml_name);
-        else
-            r = def->ml_meth(self, args);
-        break;
-    case METH_VARARGS | METH_KEYWORDS:
-        r = ((PyCFunctionWithKeywords)(void (*)(void))def->ml_meth)(self, args, kw);
-        break;
-    default:
-        PyErr_Format(PyExc_SystemError, "%s: calling convention %d not handled by the edge",
-                     def->ml_name, def->ml_flags);
+    PyObject *d = PyThreadState_GetDict();
+    if (d != NULL && PyDict_SetItemString(d, interrupt_key, taken) == 0) {
+        Py_DECREF(taken);
+        return 0;
     }
-    if (oc_raise_interrupt() < 0) {
-        Py_XDECREF(r);
-        return NULL;
-    }
-    return r;
+    return interrupt_raise(taken); /* no room to keep it: raised now, never lost */
 }
 
-/* clang-format off */
-#define EDGE_SLOT(hi, lo)                                                                          \
-    static PyObject *edge_##hi##_##lo(PyObject *self, PyObject *args, PyObject *kw)                \
-    {                                                                                              \
-        return edge_call((hi) * 8 + (lo), self, args, kw);                                         \
-    }
-#define EDGE_SLOTS(hi)                                                                             \
-    EDGE_SLOT(hi, 0) EDGE_SLOT(hi, 1) EDGE_SLOT(hi, 2) EDGE_SLOT(hi, 3)                            \
-    EDGE_SLOT(hi, 4) EDGE_SLOT(hi, 5) EDGE_SLOT(hi, 6) EDGE_SLOT(hi, 7)
-#define EDGE_ROW(hi)                                                                               \
-    edge_##hi##_0, edge_##hi##_1, edge_##hi##_2, edge_##hi##_3,                                    \
-    edge_##hi##_4, edge_##hi##_5, edge_##hi##_6, edge_##hi##_7
-EDGE_SLOTS(0) EDGE_SLOTS(1) EDGE_SLOTS(2) EDGE_SLOTS(3) EDGE_SLOTS(4) EDGE_SLOTS(5)
-EDGE_SLOTS(6) EDGE_SLOTS(7) EDGE_SLOTS(8) EDGE_SLOTS(9) EDGE_SLOTS(10) EDGE_SLOTS(11)
-static PyCFunctionWithKeywords const edge_slots[] = {
-    EDGE_ROW(0), EDGE_ROW(1), EDGE_ROW(2), EDGE_ROW(3), EDGE_ROW(4), EDGE_ROW(5),
-    EDGE_ROW(6), EDGE_ROW(7), EDGE_ROW(8), EDGE_ROW(9), EDGE_ROW(10), EDGE_ROW(11),
-};
-/* clang-format on */
-_Static_assert(sizeof edge_slots / sizeof edge_slots[0] == OC_EDGE_MAX, "one slot per entry");
-
-PyObject *oc_edge_function(const PyMethodDef *def, PyObject *self, PyObject *module_name)
+int oc_raise_interrupt(void)
 {
-    PyMethodDef *outer = NULL;
-    /* A callback queued again (a second torch import) reuses its slot. */
-    for (int i = 0; i < oc_g.edge_n && outer == NULL; i++)
-        if (oc_g.edge_inner[i] == def)
-            outer = &oc_g.edge_defs[i];
-    if (outer == NULL) {
-        if (oc_g.edge_n == OC_EDGE_MAX) {
-            PyErr_SetString(PyExc_SystemError, "outofcuda: more functions than OC_EDGE_MAX");
-            return NULL;
-        }
-        outer = &oc_g.edge_defs[oc_g.edge_n];
-        oc_g.edge_inner[oc_g.edge_n] = def;
-        outer->ml_name = def->ml_name;
-        outer->ml_meth = (PyCFunction)(void (*)(void))edge_slots[oc_g.edge_n];
-        outer->ml_flags = METH_VARARGS | METH_KEYWORDS;
-        outer->ml_doc = def->ml_doc;
-        oc_g.edge_n++;
-    }
-    return PyCFunction_NewEx(outer, self, module_name);
+    PyObject *taken = oc_interrupt_take();
+    return taken != NULL ? interrupt_raise(taken) : 0;
 }
 
-int oc_edge_add_functions(PyObject *m, const PyMethodDef *defs)
+/* The edge's leave step for a function that returns an object (oc.h). */
+PyObject *oc_leave(PyObject *result)
 {
-    PyObject *name = PyModule_GetNameObject(m);
-    int rc = name ? 0 : -1;
-    for (const PyMethodDef *d = defs; rc == 0 && d->ml_name != NULL; d++) {
-        PyObject *fn = oc_edge_function(d, m, name);
-        rc = fn ? PyModule_AddObject(m, d->ml_name, fn) : -1;
-        if (rc < 0)
-            Py_XDECREF(fn);
-    }
-    Py_XDECREF(name);
-    return rc;
+    if (oc_raise_interrupt() == 0)
+        return result;
+    Py_XDECREF(result);
+    return NULL;
 }
 
 /* Clears the current exception, which outofcuda swallows so that nothing it
@@ -561,13 +483,13 @@ int oc_resolve_file_path(const char *path, char *dir, size_t dirsz, char *out, s
     return 0;
 }
 
-int oc_register_at_exit(const PyMethodDef *def, int *registered)
+int oc_register_at_exit(PyMethodDef *def, int *registered)
 {
     PyObject *atexit_mod, *fn, *r;
     if (*registered)
         return 0;
     atexit_mod = PyImport_ImportModule("atexit");
-    fn = atexit_mod ? oc_edge_function(def, NULL, NULL) : NULL;
+    fn = atexit_mod ? PyCFunction_NewEx(def, NULL, NULL) : NULL;
     r = fn ? PyObject_CallMethod(atexit_mod, "register", "O", fn) : NULL;
     Py_XDECREF(fn);
     Py_XDECREF(atexit_mod);

@@ -110,20 +110,31 @@ static PyObject *py_fmt_bytes(PyObject *self, PyObject *arg)
     return PyUnicode_FromString(buf);
 }
 
+OC_EDGE_NOARGS(py_disabled_by_env)
+OC_EDGE_NOARGS(py_tf32_forced_off)
+OC_EDGE_VARARGS(py_alloc_var)
+OC_EDGE_NOARGS(py_alloc_vars)
+OC_EDGE_O(py_alloc_items)
+OC_EDGE_O(py_fmt_bytes)
+
 PyMethodDef oc_facts_methods[] = {
-    {"_disabled_by_env", py_disabled_by_env, METH_NOARGS,
-     "_disabled_by_env()\n--\n\nOUTOFCUDA_DISABLE turns outofcuda off."},
-    {"_tf32_forced_off", py_tf32_forced_off, METH_NOARGS,
-     "_tf32_forced_off()\n--\n\nNVIDIA_TF32_OVERRIDE turns TF32 off in NVIDIA's libraries."},
-    {"_alloc_var", py_alloc_var, METH_VARARGS,
-     "_alloc_var(torch_version=None, /)\n--\n\n(name, value or None) of the allocator variable "
-     "that torch release reads."},
-    {"_alloc_vars", py_alloc_vars, METH_NOARGS,
-     "_alloc_vars()\n--\n\nThe allocator variables in the order torch 2.11+ reads them."},
-    {"_alloc_items", py_alloc_items, METH_O,
-     "_alloc_items(conf, /)\n--\n\n(items, split): an allocator string's (key, value) pairs as "
-     "torch applies them, and its max_split_size_mb rule."},
-    {"_fmt_bytes", py_fmt_bytes, METH_O,
-     "_fmt_bytes(n, /)\n--\n\nA byte count as the reports write it (GiB from 1 GiB, else MiB)."},
+    OC_METHOD("_disabled_by_env", py_disabled_by_env,
+              "_disabled_by_env()\n--\n\nOUTOFCUDA_DISABLE turns outofcuda off."),
+    OC_METHOD(
+        "_tf32_forced_off", py_tf32_forced_off,
+        "_tf32_forced_off()\n--\n\nNVIDIA_TF32_OVERRIDE turns TF32 off in NVIDIA's libraries."),
+    OC_METHOD(
+        "_alloc_var", py_alloc_var,
+        "_alloc_var(torch_version=None, /)\n--\n\n(name, value or None) of the allocator variable "
+        "that torch release reads."),
+    OC_METHOD("_alloc_vars", py_alloc_vars,
+              "_alloc_vars()\n--\n\nThe allocator variables in the order torch 2.11+ reads them."),
+    OC_METHOD(
+        "_alloc_items", py_alloc_items,
+        "_alloc_items(conf, /)\n--\n\n(items, split): an allocator string's (key, value) pairs as "
+        "torch applies them, and its max_split_size_mb rule."),
+    OC_METHOD(
+        "_fmt_bytes", py_fmt_bytes,
+        "_fmt_bytes(n, /)\n--\n\nA byte count as the reports write it (GiB from 1 GiB, else MiB)."),
     {NULL, NULL, 0, NULL},
 };

@@ -606,7 +606,7 @@ static const char *mapping_getenv(const char *name, void *ctx)
  * (doctor, tests). None for a fact means unknown; cuda_build is a bool or
  * torch.version.cuda ("13.0"); ccs are major*10+minor; env's LOCAL_RANK is
  * the rank (no process list is read: a row that needs one stays undecided). */
-static PyObject *known_bugs_check_py(PyObject *self, PyObject *args)
+static PyObject *py_known_bugs_check(PyObject *self, PyObject *args)
 {
     const char *tver, *lr;
     PyObject *cuda, *cudnn, *ccs, *env, *list;
@@ -657,7 +657,7 @@ static PyObject *known_bugs_check_py(PyObject *self, PyObject *args)
 
 /* _visible_ccs() -> [major*10+minor, ...] of the GPUs CUDA shows this
  * process, from NVML (no CUDA context), or None when NVML cannot tell. */
-static PyObject *visible_ccs_py(PyObject *self, PyObject *unused)
+static PyObject *py_visible_ccs(PyObject *self, PyObject *unused)
 {
     oc_kb_facts f;
     PyObject *list;
@@ -679,11 +679,15 @@ static PyObject *visible_ccs_py(PyObject *self, PyObject *unused)
     return list;
 }
 
+OC_EDGE_NOARGS(py_visible_ccs)
+OC_EDGE_VARARGS(py_known_bugs_check)
+
 PyMethodDef oc_known_bugs_methods[] = {
-    {"_visible_ccs", visible_ccs_py, METH_NOARGS,
-     "_visible_ccs()\n--\n\nCompute capabilities (major*10+minor) of the visible GPUs, from NVML."},
-    {"_known_bugs_check", known_bugs_check_py, METH_VARARGS,
-     "_known_bugs_check(torch_version, cuda_build, cudnn, ccs, env, /)\n--\n\n"
-     "Evaluate the known-bugs table on given facts (nothing is changed)."},
+    OC_METHOD("_visible_ccs", py_visible_ccs,
+              "_visible_ccs()\n--\n\nCompute capabilities (major*10+minor) of the visible GPUs, "
+              "from NVML."),
+    OC_METHOD("_known_bugs_check", py_known_bugs_check,
+              "_known_bugs_check(torch_version, cuda_build, cudnn, ccs, env, /)\n--\n\n"
+              "Evaluate the known-bugs table on given facts (nothing is changed)."),
     {NULL, NULL, 0, NULL},
 };

@@ -10,7 +10,7 @@
 
 /* install() -> None. Never raises: the boot calls it from the start-up hook
  * (for a torch imported before the finder), and apply() from user code. */
-static PyObject *oc_install(PyObject *self, PyObject *unused)
+static PyObject *py_install(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
@@ -149,7 +149,7 @@ static PyObject *setting_words(const oc_setting *s)
 /* _settings() -> list of dicts: the table of every environment variable
  * outofcuda reads (name, kind, default, accepts, words), for doctor, tests
  * and the Python API's own checks. */
-static PyObject *oc_settings_py(PyObject *self, PyObject *unused)
+static PyObject *py_settings(PyObject *self, PyObject *unused)
 {
     static const char *const kinds[] = {"boolean", "number", "fraction", "word",      "allocator",
                                         "summary", "text",   "foreign",  "known_bugs"};
@@ -170,7 +170,7 @@ static PyObject *oc_settings_py(PyObject *self, PyObject *unused)
 
 /* config() -> dict: the configuration read once from the environment (warnings
  * are emitted on the first read only). */
-static PyObject *oc_config_py(PyObject *self, PyObject *unused)
+static PyObject *py_config(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
@@ -202,7 +202,7 @@ static const char *dict_getenv(const char *name, void *ctx)
 
 /* _parse_config(mapping) -> dict: the pure-C parser run over a dict instead of
  * the environment (for tests; emits no warnings, returns them). */
-static PyObject *oc_parse_config_py(PyObject *self, PyObject *arg)
+static PyObject *py_parse_config(PyObject *self, PyObject *arg)
 {
     oc_config *c;
     dict_env env;
@@ -235,7 +235,7 @@ static int allowed_for_version(const char *key, void *ctx)
 /* _merge_alloc_conf(defaults, user, torch_version=None, no_expandable="")
  * -> (merged, dropped): outofcuda's merge (oc_alloc_merge_defaults).
  * ValueError when a string is malformed. */
-static PyObject *oc_merge_alloc_conf_py(PyObject *self, PyObject *args, PyObject *kw)
+static PyObject *py_merge_alloc_conf(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"defaults", "user", "torch_version", "no_expandable", NULL};
     const char *defaults, *user, *tv = NULL, *no_expandable = "";
@@ -243,8 +243,8 @@ static PyObject *oc_merge_alloc_conf_py(PyObject *self, PyObject *args, PyObject
     long ver;
     int held_back;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|zs", kwlist, &defaults, &user, &tv,
-                                     &no_expandable))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|zs:_merge_alloc_conf", kwlist, &defaults, &user,
+                                     &tv, &no_expandable))
         return NULL;
     ver = tv ? oc_torch_version_number(tv) : 0;
     if (oc_alloc_merge_defaults(defaults, no_expandable, user, tv ? allowed_for_version : NULL,
@@ -256,21 +256,39 @@ static PyObject *oc_merge_alloc_conf_py(PyObject *self, PyObject *args, PyObject
     return Py_BuildValue("(ss)", out, dropped);
 }
 
+OC_EDGE_NOARGS(py_install)
+OC_EDGE_NOARGS(py_config)
+OC_EDGE_O(py_parse_config)
+OC_EDGE_NOARGS(py_settings)
+OC_EDGE_KEYWORDS(py_merge_alloc_conf)
+
 static PyMethodDef module_methods[] = {
-    {"install", oc_install, METH_NOARGS,
-     "install()\n--\n\nPut outofcuda's import watcher on sys.meta_path (idempotent, never "
-     "raises). outofcuda.apply() calls it; the boot calls it when torch is already imported."},
-    {"config", oc_config_py, METH_NOARGS,
-     "config()\n--\n\nThe OUTOFCUDA_* configuration as read from the environment."},
-    {"_parse_config", oc_parse_config_py, METH_O,
-     "_parse_config($module, env, /)\n--\n\nParse a dict as if it were the environment."},
-    {"_settings", oc_settings_py, METH_NOARGS,
-     "_settings()\n--\n\nThe table of every environment variable outofcuda reads."},
-    {"_merge_alloc_conf", (PyCFunction)(void (*)(void))oc_merge_alloc_conf_py,
-     METH_VARARGS | METH_KEYWORDS,
-     "_merge_alloc_conf($module, defaults, user, torch_version=None, no_expandable='')\n--\n\n"
-     "Merge allocator strings; the user's keys win."},
+    OC_METHOD("install", py_install,
+              "install()\n--\n\nPut outofcuda's import watcher on sys.meta_path (idempotent, "
+              "never raises). outofcuda.apply() calls it; the boot calls it when torch is already "
+              "imported."),
+    OC_METHOD("config", py_config,
+              "config()\n--\n\nThe OUTOFCUDA_* configuration as read from the environment."),
+    OC_METHOD("_parse_config", py_parse_config,
+              "_parse_config($module, env, /)\n--\n\nParse a dict as if it were the environment."),
+    OC_METHOD("_settings", py_settings,
+              "_settings()\n--\n\nThe table of every environment variable outofcuda reads."),
+    OC_METHOD("_merge_alloc_conf", py_merge_alloc_conf,
+              "_merge_alloc_conf($module, defaults, user, torch_version=None, "
+              "no_expandable='')\n--\n\nMerge allocator strings; the user's keys win."),
     {NULL, NULL, 0, NULL},
+};
+
+/* The method tables of every file, gathered into the engine's module. */
+static PyMethodDef *const engine_tables[] = {
+    module_methods,      oc_report_methods,  oc_nvml_methods,    oc_oom_methods,
+    oc_api_methods,      oc_facts_methods,   oc_summary_methods, oc_known_bugs_methods,
+    oc_platform_methods, oc_watcher_methods, oc_monitor_methods,
+};
+static PyMethodDef *const testing_tables[] = {
+    oc_summary_testing_methods,
+    oc_monitor_testing_methods,
+    oc_platform_testing_methods,
 };
 
 /* The one door for tests: entry points that exist only so the tests can
@@ -280,13 +298,11 @@ static PyMethodDef module_methods[] = {
 static int add_test_door(PyObject *m)
 {
     PyObject *door = PyModule_New("_outofcuda._testing");
-    if (door == NULL)
-        return -1;
-    if (oc_edge_add_functions(door, oc_summary_testing_methods) < 0 ||
-        oc_edge_add_functions(door, oc_monitor_testing_methods) < 0 ||
-        oc_edge_add_functions(door, oc_platform_testing_methods) < 0 ||
-        PyModule_AddObject(m, "_testing", door) < 0) {
-        Py_DECREF(door);
+    int rc = door != NULL ? 0 : -1;
+    for (size_t i = 0; rc == 0 && i < sizeof testing_tables / sizeof testing_tables[0]; i++)
+        rc = PyModule_AddFunctions(door, testing_tables[i]);
+    if (rc < 0 || PyModule_AddObject(m, "_testing", door) < 0) {
+        Py_XDECREF(door);
         return -1;
     }
     return 0;
@@ -301,25 +317,20 @@ static int module_exec(PyObject *m)
                         "outofcuda's extension supports only the main interpreter");
         return -1;
     }
-    if (oc_edge_add_functions(m, module_methods) < 0 ||
-        oc_edge_add_functions(m, oc_report_methods) < 0 ||
-        oc_edge_add_functions(m, oc_nvml_methods) < 0 ||
-        oc_edge_add_functions(m, oc_oom_methods) < 0 ||
-        oc_edge_add_functions(m, oc_api_methods) < 0 ||
-        oc_edge_add_functions(m, oc_facts_methods) < 0 ||
-        oc_edge_add_functions(m, oc_summary_methods) < 0 ||
-        oc_edge_add_functions(m, oc_known_bugs_methods) < 0 ||
-        oc_edge_add_functions(m, oc_platform_methods) < 0 ||
-        oc_edge_add_functions(m, oc_watcher_methods) < 0 || oc_watcher_init(m) < 0)
-        return -1;
-    if (oc_monitor_add_functions(m) < 0 || add_test_door(m) < 0)
+    for (size_t i = 0; i < sizeof engine_tables / sizeof engine_tables[0]; i++) {
+        if (PyModule_AddFunctions(m, engine_tables[i]) < 0)
+            return -1;
+    }
+    if (oc_watcher_init(m) < 0 || add_test_door(m) < 0)
         return -1;
     return PyModule_AddStringConstant(m, "__version__", OC_VERSION);
 }
 
+OC_EDGE_MODULE_EXEC(module_exec)
+
 #ifndef OC_ABI3T
 static PyModuleDef_Slot module_slots[] = {
-    {Py_mod_exec, (void *)module_exec},
+    OC_SLOT(module_exec),
     {0, NULL}, /* Py_mod_gil where the running Python knows it (PyInit__outofcuda) */
     {0, NULL},
 };
@@ -375,7 +386,7 @@ static PySlot module_export_slots[] = {
                             "decisions and NVML access (the start-up hook is the boot, "
                             "outofcuda_hook)."),
     OC_EXPORT_COMMON_SLOTS(module_abi),
-    PySlot_FUNC(Py_mod_exec, module_exec),
+    PySlot_FUNC(Py_mod_exec, edge_module_exec),
     PySlot_END,
 };
 

@@ -731,34 +731,38 @@ static PyObject *py_testing_monitor_start(PyObject *self, PyObject *args)
     return monitor_start(args, 1);
 }
 
+OC_EDGE_VARARGS(py_monitor_start)
+OC_EDGE_O(py_monitor_stop)
+OC_EDGE_VARARGS(py_monitor_stop_all)
+OC_EDGE_O(py_monitor_info)
+OC_EDGE_O(py_monitor_samples)
+OC_EDGE_O(py_monitor_events)
+OC_EDGE_VARARGS(py_testing_monitor_start)
+
 /* Behind the test door (_outofcuda._testing, module.c). */
 PyMethodDef oc_monitor_testing_methods[] = {
-    {"monitor_start", py_testing_monitor_start, METH_VARARGS,
-     "monitor_start(device, threshold, interval, cooldown, on_high, capacity, allocator_stats, "
-     "source, /)\n--\n\n_monitor_start reading the file `source` instead of NVML."},
+    OC_METHOD("monitor_start", py_testing_monitor_start,
+              "monitor_start(device, threshold, interval, cooldown, on_high, capacity, "
+              "allocator_stats, source, /)\n--\n\n_monitor_start reading the file `source` "
+              "instead of NVML."),
     {NULL, NULL, 0, NULL},
 };
 
-static PyMethodDef monitor_methods[] = {
-    {"_monitor_start", py_monitor_start, METH_VARARGS,
-     "_monitor_start(device, threshold, interval, cooldown, on_high, capacity, "
-     "allocator_stats, /)\n--\n\nStart a native watchdog; returns its handle."},
-    {"_monitor_stop", py_monitor_stop, METH_O,
-     "_monitor_stop(handle, /)\n--\n\nStop and join a watchdog (idempotent)."},
-    {"_monitor_stop_all", py_monitor_stop_all, METH_VARARGS,
-     "_monitor_stop_all(shutdown=False, /)\n--\n\n"
-     "Stop every running watchdog; returns how many were running. shutdown=True (atexit) "
-     "also starts no watchdog from then on."},
-    {"_monitor_info", py_monitor_info, METH_O,
-     "_monitor_info(handle, /)\n--\n\nState of a watchdog."},
-    {"_monitor_samples", py_monitor_samples, METH_O,
-     "_monitor_samples(handle, /)\n--\n\nThe watchdog's timeline."},
-    {"_monitor_events", py_monitor_events, METH_O,
-     "_monitor_events(handle, /)\n--\n\nWhat the watchdog did."},
+PyMethodDef oc_monitor_methods[] = {
+    OC_METHOD("_monitor_start", py_monitor_start,
+              "_monitor_start(device, threshold, interval, cooldown, on_high, capacity, "
+              "allocator_stats, /)\n--\n\nStart a native watchdog; returns its handle."),
+    OC_METHOD("_monitor_stop", py_monitor_stop,
+              "_monitor_stop(handle, /)\n--\n\nStop and join a watchdog (idempotent)."),
+    OC_METHOD("_monitor_stop_all", py_monitor_stop_all,
+              "_monitor_stop_all(shutdown=False, /)\n--\n\n"
+              "Stop every running watchdog; returns how many were running. shutdown=True "
+              "(atexit) also starts no watchdog from then on."),
+    OC_METHOD("_monitor_info", py_monitor_info,
+              "_monitor_info(handle, /)\n--\n\nState of a watchdog."),
+    OC_METHOD("_monitor_samples", py_monitor_samples,
+              "_monitor_samples(handle, /)\n--\n\nThe watchdog's timeline."),
+    OC_METHOD("_monitor_events", py_monitor_events,
+              "_monitor_events(handle, /)\n--\n\nWhat the watchdog did."),
     {NULL, NULL, 0, NULL},
 };
-
-int oc_monitor_add_functions(PyObject *module)
-{
-    return oc_edge_add_functions(module, monitor_methods);
-}

@@ -634,17 +634,25 @@ static PyObject *py_visible_devices(PyObject *self, PyObject *unused)
                          indices, "visible", count, "stop", stop_obj);
 }
 
+OC_EDGE_O(py_nvml_index)
+OC_EDGE_NOARGS(py_nvml_devices)
+OC_EDGE_O(py_nvml_processes)
+OC_EDGE_NOARGS(py_visible_devices)
+
 PyMethodDef oc_nvml_methods[] = {
-    {"nvml_index", py_nvml_index, METH_O,
-     "nvml_index(torch_index, /)\n--\n\nNVML's index of torch's cuda:N (CUDA_VISIBLE_DEVICES "
-     "applied), or None."},
-    {"nvml_devices", py_nvml_devices, METH_NOARGS,
-     "nvml_devices()\n--\n\n(devices, reason): every GPU NVML reports, without a CUDA context."},
-    {"nvml_processes", py_nvml_processes, METH_O,
-     "nvml_processes(index, /)\n--\n\nProcesses holding memory on GPU `index`: [(pid, bytes)]."},
-    {"visible_devices", py_visible_devices, METH_NOARGS,
-     "visible_devices()\n--\n\nCUDA_VISIBLE_DEVICES as CUDA reads it: value, devices, "
-     "indices, visible, stop."},
+    OC_METHOD(
+        "nvml_index", py_nvml_index,
+        "nvml_index(torch_index, /)\n--\n\nNVML's index of torch's cuda:N (CUDA_VISIBLE_DEVICES "
+        "applied), or None."),
+    OC_METHOD(
+        "nvml_devices", py_nvml_devices,
+        "nvml_devices()\n--\n\n(devices, reason): every GPU NVML reports, without a CUDA context."),
+    OC_METHOD(
+        "nvml_processes", py_nvml_processes,
+        "nvml_processes(index, /)\n--\n\nProcesses holding memory on GPU `index`: [(pid, bytes)]."),
+    OC_METHOD("visible_devices", py_visible_devices,
+              "visible_devices()\n--\n\nCUDA_VISIBLE_DEVICES as CUDA reads it: value, devices, "
+              "indices, visible, stop."),
     {NULL, NULL, 0, NULL},
 };
 

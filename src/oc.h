@@ -659,9 +659,6 @@ static inline PySlot *oc_export(PySlot *slots)
 typedef enum { OC_CUDA_STEPS(OC_STEP_ENUM) OC_STEP_COUNT } oc_cuda_step;
 #undef OC_STEP_ENUM
 
-/* Engine functions and callbacks that go through the edge (common.c). */
-#define OC_EDGE_MAX 96
-
 /* The last OOM the observer saw; seq 0: none yet, and nothing else
  * here is read. */
 typedef struct {
@@ -703,12 +700,6 @@ typedef struct {
     PyObject *torch_dropped;
     PyObject *error;         /* str or NULL: what went wrong inside outofcuda */
     PyObject *torch_version; /* str or NULL */
-    /* The edge (common.c): the definitions the function objects of the
-     * engine's functions point to, for the life of the process (one per
-     * engine function or callback), and the functions they call. */
-    PyMethodDef edge_defs[OC_EDGE_MAX];
-    const PyMethodDef *edge_inner[OC_EDGE_MAX];
-    int edge_n;
 
     /* ---- torch about to load, from its version.py (bridge.c) ---- */
     struct {
@@ -828,26 +819,97 @@ void oc_clear_at(const char *file, int line, const char *func, const char *why);
 /* what it clears is already recorded or reported (a step's reason, stderr) */
 #define OC_CLEAR_RECORDED() oc_clear_at(__FILE__, __LINE__, __func__, "recorded")
 /* Raises the KeyboardInterrupt or SystemExit that oc_clear_at or
- * oc_set_error set aside in this thread: -1 with it set, else 0. Called where
- * control goes back to the program: the edge (every engine function and
- * callback) and the steps of `import torch` (watcher.c). */
+ * oc_set_error set aside in this thread: -1 with it set (it replaces an
+ * exception already set), else 0. The edge's leave step (below). */
 int oc_raise_interrupt(void);
 /* 1 when this thread has a KeyboardInterrupt or SystemExit set aside. */
 int oc_interrupt_waiting(void);
-/* The edge: a function object for def whose every call ends with
- * oc_raise_interrupt, so an interrupt set aside while it ran reaches its
- * caller as it returns (new ref, or NULL with an exception). self is what
- * def's C function receives as self (the module, or NULL); name, text
- * signature and argument rules are def's. Every engine function and
- * callback is made through it. */
-PyObject *oc_edge_function(const PyMethodDef *def, PyObject *self, PyObject *module_name);
-/* Adds each function of defs (ending with a NULL name) to module m through
- * oc_edge_function. Returns 0, or -1 with an exception. */
-int oc_edge_add_functions(PyObject *m, const PyMethodDef *defs);
-/* atexit.register() of def's function, made through the edge, once per
- * process for each *registered flag (a forked child inherits both). Returns
- * 0, or -1 with an exception. */
-int oc_register_at_exit(const PyMethodDef *def, int *registered);
+/* The interrupt set aside in this thread, taken out of the thread's state
+ * so that no edge raises it (new reference), or NULL when none waits. */
+PyObject *oc_interrupt_take(void);
+/* Sets what oc_interrupt_take gave aside again in this thread (the reference
+ * is stolen), for the next edge to raise: 0; or, where it cannot be kept,
+ * -1 with it raised now. */
+int oc_interrupt_put_back(PyObject *taken);
+
+/* ---- the edge ----
+ * Every C function of the engine that CPython calls (a method table's
+ * function, a callback handed to torch or the interpreter, a slot of the
+ * loader proxy, the module's exec) is called through a wrapper the compiler
+ * makes: the macro of its calling convention, written after fn (or after its
+ * prototype), defines edge_<fn>, which calls fn and then leaves through
+ * oc_raise_interrupt, so an interrupt set aside while fn ran reaches its
+ * caller as fn returns. fn may return NULL (or -1) with no exception set
+ * while an interrupt waits: its wrapper raises that one. A table names fn
+ * through OC_METHOD, OC_SLOT or OC_GETTER, which take the wrapper and the
+ * flags or slot its macro gave, so the two cannot disagree, and CPython
+ * checks the arguments itself, with the messages of any built-in. Only what
+ * cannot raise stays bare: the dealloc, traverse and clear slots, a
+ * capsule's destructor (tests/test_static.py holds every table and callback
+ * of the engine to this).
+ *     OC_EDGE_O(py_nvml_index)
+ *     PyMethodDef oc_nvml_methods[] = {OC_METHOD("nvml_index", py_nvml_index, doc), ...};
+ */
+PyObject *oc_leave(PyObject *result); /* result, or NULL (result released) with the interrupt */
+/* clang-format off */
+#define OC_EDGE_OBJECT(fn, params, args)                                                           \
+    static PyObject *edge_##fn params                                                              \
+    {                                                                                              \
+        return oc_leave(fn args);                                                                  \
+    }
+#define OC_EDGE_NUMBER(type, fn, params, args)                                                     \
+    static type edge_##fn params                                                                   \
+    {                                                                                              \
+        type result = fn args;                                                                     \
+        return oc_raise_interrupt() < 0 ? -1 : result;                                             \
+    }
+/* Functions, by calling convention (the 3.9 Limited API has no METH_FASTCALL);
+ * OC_METHOD is a PyMethodDef: a method table's entry, or a callback's. */
+#define OC_EDGE_NOARGS(fn)                                                                         \
+    enum { edge_flags_##fn = METH_NOARGS };                                                        \
+    OC_EDGE_OBJECT(fn, (PyObject *self, PyObject *unused), (self, unused))
+#define OC_EDGE_O(fn)                                                                              \
+    enum { edge_flags_##fn = METH_O };                                                             \
+    OC_EDGE_OBJECT(fn, (PyObject *self, PyObject *arg), (self, arg))
+#define OC_EDGE_VARARGS(fn)                                                                        \
+    enum { edge_flags_##fn = METH_VARARGS };                                                       \
+    OC_EDGE_OBJECT(fn, (PyObject *self, PyObject *args), (self, args))
+#define OC_EDGE_KEYWORDS(fn)                                                                       \
+    enum { edge_flags_##fn = METH_VARARGS | METH_KEYWORDS };                                       \
+    OC_EDGE_OBJECT(fn, (PyObject *self, PyObject *args, PyObject *kw), (self, args, kw))
+#define OC_METHOD(name, fn, doc)                                                                   \
+    {name, (PyCFunction)(void (*)(void))edge_##fn, edge_flags_##fn, doc}
+/* Slots of a type or a module, by slot; OC_SLOT is the slot's entry. */
+#define OC_EDGE_GETATTRO(fn)                                                                       \
+    enum { edge_slot_##fn = Py_tp_getattro };                                                      \
+    OC_EDGE_OBJECT(fn, (PyObject *self, PyObject *name), (self, name))
+#define OC_EDGE_SETATTRO(fn)                                                                       \
+    enum { edge_slot_##fn = Py_tp_setattro };                                                      \
+    OC_EDGE_NUMBER(int, fn, (PyObject *self, PyObject *name, PyObject *value), (self, name, value))
+#define OC_EDGE_RICHCOMPARE(fn)                                                                    \
+    enum { edge_slot_##fn = Py_tp_richcompare };                                                   \
+    OC_EDGE_OBJECT(fn, (PyObject *self, PyObject *other, int op), (self, other, op))
+#define OC_EDGE_HASH(fn)                                                                           \
+    enum { edge_slot_##fn = Py_tp_hash };                                                          \
+    OC_EDGE_NUMBER(Py_hash_t, fn, (PyObject *self), (self))
+#define OC_EDGE_REPR(fn)                                                                           \
+    enum { edge_slot_##fn = Py_tp_repr };                                                          \
+    OC_EDGE_OBJECT(fn, (PyObject *self), (self))
+#define OC_EDGE_MODULE_EXEC(fn)                                                                    \
+    enum { edge_slot_##fn = Py_mod_exec };                                                         \
+    OC_EDGE_NUMBER(int, fn, (PyObject *module), (module))
+#define OC_SLOT(fn) {edge_slot_##fn, (void *)edge_##fn}
+/* A PyGetSetDef's getter; OC_GETTER is its entry (no setter). */
+#define OC_EDGE_GETTER(fn) OC_EDGE_OBJECT(fn, (PyObject *self, void *closure), (self, closure))
+#define OC_GETTER(name, fn, doc) {name, edge_##fn, NULL, doc, NULL}
+/* A pending call: Py_AddPendingCall(edge_<fn>, arg). */
+#define OC_EDGE_PENDING_CALL(fn) OC_EDGE_NUMBER(int, fn, (void *arg), (arg))
+/* clang-format on */
+
+/* atexit.register() of def's function, once per process for each
+ * *registered flag (a forked child inherits both). Returns 0, or -1 with an
+ * exception. */
+int oc_register_at_exit(PyMethodDef *def, int *registered);
 int oc_disabled_by_env(void);
 
 /* watcher.c */
@@ -973,7 +1035,7 @@ long oc_loader_suggestion(long *cpus);
 extern PyMethodDef oc_facts_methods[];
 
 /* monitor.c */
-int oc_monitor_add_functions(PyObject *module);
+extern PyMethodDef oc_monitor_methods[];
 /* Behind the test door, _outofcuda._testing (module.c). */
 extern PyMethodDef oc_monitor_testing_methods[];
 

@@ -92,7 +92,7 @@ static void ipython_install(void);
  * the edge raises it, and torch's observer wrapper carries it out of the
  * allocation in the OutOfMemoryError's place, as it does for any observer
  * that raises. */
-static PyObject *oom_observer(PyObject *self, PyObject *args)
+static PyObject *py_oom_observer(PyObject *self, PyObject *args)
 {
     oc_oom_seen *seen = &oc_g.oom.seen;
     PyObject *torch = NULL, *stats = NULL;
@@ -140,8 +140,9 @@ done:
     Py_RETURN_NONE;
 }
 
-static PyMethodDef observer_def = {"outofcuda_oom_observer", oom_observer, METH_VARARGS,
-                                   "outofcuda's CUDA OOM observer (records the figures)."};
+OC_EDGE_VARARGS(py_oom_observer)
+static PyMethodDef observer_def = OC_METHOD("outofcuda_oom_observer", py_oom_observer,
+                                            "outofcuda's CUDA OOM observer (records the figures).");
 
 /* Starts the allocator history for OUTOFCUDA_OOM_SNAPSHOT. Returns 0 or -1
  * with an exception set. 2.1+ takes enabled="all"/max_entries; 2.0 took a
@@ -202,7 +203,7 @@ void oc_oom_at_cuda_init(PyObject *torch)
         oc_warn(msg);
     }
     attach = attached ? NULL : oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
-    obs = attach ? oc_edge_function(&observer_def, NULL, NULL) : NULL;
+    obs = attach ? PyCFunction_NewEx(&observer_def, NULL, NULL) : NULL;
     r = obs ? PyObject_CallFunctionObjArgs(attach, obs, NULL) : NULL;
     if (r == NULL && (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) ||
                       PyErr_ExceptionMatches(PyExc_SystemExit))) {
@@ -417,7 +418,7 @@ static void handle_uncaught(PyObject *value)
     oom_relief();
 }
 
-static PyObject *sys_excepthook(PyObject *self, PyObject *args)
+static PyObject *py_excepthook(PyObject *self, PyObject *args)
 {
     PyObject *type, *value, *tb;
     (void)self;
@@ -430,7 +431,7 @@ static PyObject *sys_excepthook(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static PyObject *thread_excepthook(PyObject *self, PyObject *hook_args)
+static PyObject *py_threading_excepthook(PyObject *self, PyObject *hook_args)
 {
     PyObject *type = PyObject_GetAttrString(hook_args, "exc_type");
     (void)self;
@@ -448,10 +449,13 @@ static PyObject *thread_excepthook(PyObject *self, PyObject *hook_args)
     Py_RETURN_NONE;
 }
 
-static PyMethodDef sys_hook_def = {"outofcuda_excepthook", sys_excepthook, METH_VARARGS,
-                                   "outofcuda's OOM handler; chains to the previous hook."};
-static PyMethodDef thread_hook_def = {"outofcuda_threading_excepthook", thread_excepthook, METH_O,
-                                      "outofcuda's OOM handler; chains to the previous hook."};
+OC_EDGE_VARARGS(py_excepthook)
+OC_EDGE_O(py_threading_excepthook)
+static PyMethodDef sys_hook_def = OC_METHOD(
+    "outofcuda_excepthook", py_excepthook, "outofcuda's OOM handler; chains to the previous hook.");
+static PyMethodDef thread_hook_def =
+    OC_METHOD("outofcuda_threading_excepthook", py_threading_excepthook,
+              "outofcuda's OOM handler; chains to the previous hook.");
 
 /* ---- IPython and Jupyter: a cell that runs out of memory ----
  *
@@ -571,7 +575,7 @@ static int keep_frames(void)
  * called by IPython for torch's OOM type only. Returns None: IPython adds
  * nothing of its own. A failing showtraceback is IPython's to report (its
  * wrapper then shows the original traceback). */
-static PyObject *ipython_handler(PyObject *self, PyObject *args, PyObject *kw)
+static PyObject *py_ipython_handler(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"shell", "etype", "value", "tb", "tb_offset", NULL};
     PyObject *shell, *type, *value, *tb, *offset = Py_None;
@@ -601,18 +605,18 @@ static PyObject *ipython_handler(PyObject *self, PyObject *args, PyObject *kw)
     Py_RETURN_NONE;
 }
 
-static PyMethodDef ipython_handler_def = {
-    "outofcuda_ipython_handler", (PyCFunction)(void (*)(void))ipython_handler,
-    METH_VARARGS | METH_KEYWORDS,
+OC_EDGE_KEYWORDS(py_ipython_handler)
+static PyMethodDef ipython_handler_def = OC_METHOD(
+    "outofcuda_ipython_handler", py_ipython_handler,
     "outofcuda's handler of a CUDA OOM in an IPython cell: IPython's traceback, the report, "
-    "then the failed cell's memory back."};
+    "then the failed cell's memory back.");
 
 /* atexit, registered with the handler. `ipython script.py` runs the file
  * outside any cell (safe_execfile): IPython shows an uncaught exception with
  * showtraceback and exits, and no custom handler sees it. An OOM shown that
  * way and not reported by the handler gets its report here, after IPython's
  * traceback as a cell's does. Never raises. */
-static PyObject *ipython_at_exit(PyObject *self, PyObject *unused)
+static PyObject *py_ipython_at_exit(PyObject *self, PyObject *unused)
 {
     PyObject *value = PySys_GetObject("last_value"), *type;
     (void)self;
@@ -630,9 +634,10 @@ static PyObject *ipython_at_exit(PyObject *self, PyObject *unused)
 }
 
 static int ipython_at_exit_registered;
-static PyMethodDef ipython_at_exit_def = {
-    "outofcuda_ipython_at_exit", ipython_at_exit, METH_NOARGS,
-    "outofcuda's report of an OOM IPython showed outside a cell (ipython script.py)."};
+OC_EDGE_NOARGS(py_ipython_at_exit)
+static PyMethodDef ipython_at_exit_def =
+    OC_METHOD("outofcuda_ipython_at_exit", py_ipython_at_exit,
+              "outofcuda's report of an OOM IPython showed outside a cell (ipython script.py).");
 
 /* The running IPython shell (new ref), or NULL: IPython's own get_ipython,
  * asked only where IPython is imported already. */
@@ -677,7 +682,7 @@ static void ipython_install(void)
     if (n > 0) {
         ipython_state = "user_handler_kept";
     } else if (n == 0 && oc_g.oom.type != NULL) {
-        fn = oc_edge_function(&ipython_handler_def, NULL, NULL);
+        fn = PyCFunction_NewEx(&ipython_handler_def, NULL, NULL);
         types = fn ? PyTuple_Pack(1, oc_g.oom.type) : NULL;
         r = types ? PyObject_CallMethod(shell, "set_custom_exc", "OO", types, fn) : NULL;
         ipython_state = r != NULL ? "set" : "failed";
@@ -730,7 +735,7 @@ static void record_status(oc_rec_state state, const char *hooks)
 static int chain_hook(PyObject *owner, const char *name, PyMethodDef *def, PyObject **prev)
 {
     PyObject *current = PyObject_GetAttrString(owner, name);
-    PyObject *hook = current ? oc_edge_function(def, NULL, NULL) : NULL;
+    PyObject *hook = current ? PyCFunction_NewEx(def, NULL, NULL) : NULL;
     if (hook == NULL || PyObject_SetAttrString(owner, name, hook) < 0) {
         Py_XDECREF(hook);
         Py_XDECREF(current);
@@ -742,7 +747,7 @@ static int chain_hook(PyObject *owner, const char *name, PyMethodDef *def, PyObj
     return 1;
 }
 
-/* Runs once, at CUDA initialisation (at_cuda_init). A hook the program set
+/* Runs once, at CUDA initialisation (py_at_cuda_init). A hook the program set
  * earlier is chained, not replaced: it still receives every exception with
  * the same arguments, after the report. sys.excepthook is left alone while an
  * interactive console built on the `code` module runs (it sets sys.ps1): its
@@ -1258,20 +1263,30 @@ static PyObject *py_is_oom(PyObject *self, PyObject *exc)
     return PyBool_FromLong(kind != OC_OOM_NONE);
 }
 
+OC_EDGE_O(py_is_oom)
+OC_EDGE_KEYWORDS(py_oom_report)
+OC_EDGE_NOARGS(py_oom_observed)
+OC_EDGE_KEYWORDS(py_oom_advice)
+
 PyMethodDef oc_oom_methods[] = {
-    {"_is_oom", py_is_oom, METH_O,
-     "_is_oom(exc, /)\n--\n\nexc means the GPU ran out of memory: torch's OOM type, or the "
-     "RuntimeError text older paths raise."},
-    {"_oom_report", (PyCFunction)(void (*)(void))py_oom_report, METH_VARARGS | METH_KEYWORDS,
-     "_oom_report(text=None, exhausted=False)\n--\n\n(report, seq): every figure of the OOM "
-     "whose message is text (None: the observer's last) with the ranked actions."},
-    {"_oom_observed", py_oom_observed, METH_NOARGS,
-     "_oom_observed()\n--\n\nThe figures torch's OOM observer recorded at the last CUDA OOM, or "
-     "None."},
-    {"_oom_advice", (PyCFunction)(void (*)(void))py_oom_advice, METH_VARARGS | METH_KEYWORDS,
-     "_oom_advice(**figures)\n--\n\nRanked actions (list of str) that fit an OOM's figures."},
-    {"_oom_observer", oom_observer, METH_VARARGS,
-     "_oom_observer(device, alloc, device_limit, device_free, /)\n--\n\nThe callable outofcuda "
-     "attaches with torch._C._cuda_attach_out_of_memory_observer."},
+    OC_METHOD(
+        "_is_oom", py_is_oom,
+        "_is_oom(exc, /)\n--\n\nexc means the GPU ran out of memory: torch's OOM type, or the "
+        "RuntimeError text older paths raise."),
+    OC_METHOD(
+        "_oom_report", py_oom_report,
+        "_oom_report(text=None, exhausted=False)\n--\n\n(report, seq): every figure of the OOM "
+        "whose message is text (None: the observer's last) with the ranked actions."),
+    OC_METHOD(
+        "_oom_observed", py_oom_observed,
+        "_oom_observed()\n--\n\nThe figures torch's OOM observer recorded at the last CUDA OOM, or "
+        "None."),
+    OC_METHOD(
+        "_oom_advice", py_oom_advice,
+        "_oom_advice(**figures)\n--\n\nRanked actions (list of str) that fit an OOM's figures."),
+    OC_METHOD(
+        "_oom_observer", py_oom_observer,
+        "_oom_observer(device, alloc, device_limit, device_free, /)\n--\n\nThe callable outofcuda "
+        "attaches with torch._C._cuda_attach_out_of_memory_observer."),
     {NULL, NULL, 0, NULL},
 };

@@ -155,15 +155,21 @@ static PyObject *py_simulate_kernel_release(PyObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+OC_EDGE_NOARGS(py_platform)
+
 PyMethodDef oc_platform_methods[] = {
-    {"_platform", py_platform, METH_NOARGS,
-     "_platform()\n--\n\nThe kernel release and whether expandable segments can work here."},
+    OC_METHOD(
+        "_platform", py_platform,
+        "_platform()\n--\n\nThe kernel release and whether expandable segments can work here."),
     {NULL, NULL, 0, NULL},
 };
 
+OC_EDGE_O(py_simulate_kernel_release)
+
 PyMethodDef oc_platform_testing_methods[] = {
-    {"simulate_kernel_release", py_simulate_kernel_release, METH_O,
-     "simulate_kernel_release(release, /)\n--\n\nDecide as if uname() gave release (None: the "
-     "real one)."},
+    OC_METHOD(
+        "simulate_kernel_release", py_simulate_kernel_release,
+        "simulate_kernel_release(release, /)\n--\n\nDecide as if uname() gave release (None: the "
+        "real one)."),
     {NULL, NULL, 0, NULL},
 };

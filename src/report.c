@@ -321,7 +321,7 @@ static PyObject *cuda_init_status(void)
     return d;
 }
 
-static PyObject *oc_status(PyObject *self, PyObject *unused)
+static PyObject *py_status(PyObject *self, PyObject *unused)
 {
     PyObject *opts, *warnings, *res, *bugs, *framework, *cuda_init;
     (void)self;
@@ -658,16 +658,23 @@ static PyObject *py_labelled(PyObject *self, PyObject *args)
     return res;
 }
 
+OC_EDGE_VARARGS(py_labelled)
+OC_EDGE_VARARGS(py_wrap)
+OC_EDGE_NOARGS(py_text_layout)
+OC_EDGE_NOARGS(py_status)
+
 PyMethodDef oc_report_methods[] = {
-    {"_labelled", py_labelled, METH_VARARGS,
-     "_labelled(text, /)\n--\n\nThe text with the rank label ([rank N] under torchrun) before "
-     "each line."},
-    {"_wrap", py_wrap, METH_VARARGS,
-     "_wrap(text, first, indent, /)\n--\n\nThe text in lines of the tables' width (the first at "
-     "most first characters, the others indented)."},
-    {"_text_layout", py_text_layout, METH_NOARGS,
-     "_text_layout()\n--\n\nThe tables' width and columns."},
-    {"status", oc_status, METH_NOARGS,
-     "status()\n--\n\nWhat outofcuda did in this process, as a JSON-serialisable dict."},
+    OC_METHOD(
+        "_labelled", py_labelled,
+        "_labelled(text, /)\n--\n\nThe text with the rank label ([rank N] under torchrun) before "
+        "each line."),
+    OC_METHOD(
+        "_wrap", py_wrap,
+        "_wrap(text, first, indent, /)\n--\n\nThe text in lines of the tables' width (the first at "
+        "most first characters, the others indented)."),
+    OC_METHOD("_text_layout", py_text_layout,
+              "_text_layout()\n--\n\nThe tables' width and columns."),
+    OC_METHOD("status", py_status,
+              "status()\n--\n\nWhat outofcuda did in this process, as a JSON-serialisable dict."),
     {NULL, NULL, 0, NULL},
 };

@@ -296,8 +296,9 @@ static oc_summary_mode resolve_output(void)
 
 /* ---- starting ---- */
 
-static PyObject *at_exit(PyObject *self, PyObject *unused);
-static PyMethodDef at_exit_def = {"outofcuda_summary_at_exit", at_exit, METH_NOARGS, NULL};
+static PyObject *py_summary_at_exit(PyObject *self, PyObject *unused);
+OC_EDGE_NOARGS(py_summary_at_exit)
+static PyMethodDef at_exit_def = OC_METHOD("outofcuda_summary_at_exit", py_summary_at_exit, NULL);
 
 /* threading.main_thread().ident, or 0 when it cannot be read. */
 static unsigned long main_thread_ident(void)
@@ -895,7 +896,7 @@ static void nothing_to_report(const proc_figs *p)
 }
 
 /* atexit callback: join the sampler, gather, print or write. Never raises. */
-static PyObject *at_exit(PyObject *self, PyObject *unused)
+static PyObject *py_summary_at_exit(PyObject *self, PyObject *unused)
 {
     proc_figs p;
     sum_device dev[SUMMARY_MAX_DEVICES];
@@ -1056,16 +1057,21 @@ static PyObject *py_summary_stats(PyObject *self, PyObject *unused)
                          "devices", list, "frames", frames);
 }
 
+OC_EDGE_VARARGS(py_summary_start)
+
 /* Behind the test door (_outofcuda._testing, module.c). */
 PyMethodDef oc_summary_testing_methods[] = {
-    {"summary_start", py_summary_start, METH_VARARGS,
-     "summary_start(devices, interval_ms=200, /)\n--\n\nStart the exit summary's sampler for "
-     "these CUDA device indices as CUDA initialisation would."},
+    OC_METHOD(
+        "summary_start", py_summary_start,
+        "summary_start(devices, interval_ms=200, /)\n--\n\nStart the exit summary's sampler for "
+        "these CUDA device indices as CUDA initialisation would."),
     {NULL, NULL, 0, NULL},
 };
 
+OC_EDGE_NOARGS(py_summary_stats)
+
 PyMethodDef oc_summary_methods[] = {
-    {"_summary_stats", py_summary_stats, METH_NOARGS,
-     "_summary_stats()\n--\n\nThe exit summary's aggregates so far (for tests)."},
+    OC_METHOD("_summary_stats", py_summary_stats,
+              "_summary_stats()\n--\n\nThe exit summary's aggregates so far (for tests)."),
     {NULL, NULL, 0, NULL},
 };

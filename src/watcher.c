@@ -66,7 +66,7 @@ static void proxy_dealloc(PyObject *self)
     Py_DECREF(tp);
 }
 
-static PyObject *proxy_create_module(PyObject *self, PyObject *spec)
+static PyObject *py_create_module(PyObject *self, PyObject *spec)
 {
     PyObject *loader = OC_FIELDS(proxy_object, self)->loader;
     PyObject *fn, *res;
@@ -166,22 +166,29 @@ static void fire(PyObject *fallback_module)
  * `import torch`, in any thread, gets that same module back through the
  * watcher instead of running torch's __init__ a second time. */
 
-/* The pending call: raises the interrupt once torch's spec (arg, a
- * reference the call owns) says its import has ended. Not sys.modules:
- * importlib takes torch out and puts it back (to move it to the end) after
- * exec_module, with a check between. Reads the spec's attribute only: no
- * Python code runs. */
+/* The pending call. arg, a tuple the call owns: torch's spec (or None) and
+ * the interrupt, taken out of the thread's state so that the edge of
+ * exec_module does not raise it. Once the spec says the import has ended,
+ * the interrupt goes back to the thread's state, and the call's edge raises
+ * it. Not sys.modules: importlib takes torch out and puts it back (to move
+ * it to the end) after exec_module, with a check between. Reads the spec's
+ * attribute only: no Python code runs. */
+static int raise_after_import(void *arg);
+OC_EDGE_PENDING_CALL(raise_after_import)
+
 static int raise_after_import(void *arg)
 {
-    PyObject *spec = arg;
-    PyObject *initializing = spec != NULL ? PyObject_GetAttrString(spec, "_initializing") : NULL;
+    PyObject *carried = arg, *taken;
+    PyObject *initializing = PyObject_GetAttrString(PyTuple_GetItem(carried, 0), "_initializing");
     int running = initializing != NULL && PyObject_IsTrue(initializing) == 1;
     Py_XDECREF(initializing);
     OC_CLEAR_ABSENT(); /* no flag, no import running */
-    if (running && Py_AddPendingCall(raise_after_import, spec) == 0)
+    if (running && Py_AddPendingCall(edge_raise_after_import, carried) == 0)
         return 0;
-    Py_XDECREF(spec);
-    return oc_raise_interrupt();
+    taken = PyTuple_GetItem(carried, 1);
+    Py_INCREF(taken);
+    Py_DECREF(carried);
+    return oc_interrupt_put_back(taken);
 }
 
 static int in_main_thread(void)
@@ -197,18 +204,26 @@ static int in_main_thread(void)
     return res;
 }
 
-/* After torch's module ran: 0 with an interrupt that waits in this thread
- * left to the pending call or to the module kept, or -1 with it raised. */
+/* After torch's module ran: 0 when no interrupt waits in this thread, or
+ * when the pending call took it; else -1, torch kept, and the interrupt left
+ * for the edge of exec_module to raise. */
 static int interrupt_after_exec(PyObject *module)
 {
+    PyObject *spec, *taken = NULL, *carried;
     if (!oc_interrupt_waiting())
         return 0;
     if (in_main_thread()) {
-        PyObject *spec = PyObject_GetAttrString(module, "__spec__");
+        spec = PyObject_GetAttrString(module, "__spec__");
         OC_CLEAR_ABSENT(); /* no spec, raised at the first check */
-        if (Py_AddPendingCall(raise_after_import, spec) == 0)
-            return 0;
+        taken = oc_interrupt_take();
+        carried = taken != NULL ? PyTuple_Pack(2, spec ? spec : Py_None, taken) : NULL;
         Py_XDECREF(spec);
+        if (carried != NULL && Py_AddPendingCall(edge_raise_after_import, carried) == 0) {
+            Py_DECREF(taken);
+            return 0;
+        }
+        Py_XDECREF(carried);
+        OC_CLEAR(); /* no room for the pending call: raised from the import, as below */
     }
     if (oc_g.torch_dropped == NULL) {
         oc_g.torch_dropped = oc_sys_module("torch");
@@ -217,10 +232,12 @@ static int interrupt_after_exec(PyObject *module)
             Py_INCREF(module);
         }
     }
-    return oc_raise_interrupt();
+    if (taken != NULL)
+        (void)oc_interrupt_put_back(taken); /* -1: raised now, which the edge leaves as it is */
+    return -1;
 }
 
-static PyObject *proxy_exec_module(PyObject *self, PyObject *module)
+static PyObject *py_exec_module(PyObject *self, PyObject *module)
 {
     PyObject *loader = OC_FIELDS(proxy_object, self)->loader;
     PyObject *spec, *res;
@@ -240,37 +257,26 @@ static PyObject *proxy_exec_module(PyObject *self, PyObject *module)
             OC_CLEAR();
         oc_bridge_before_torch(spec);
         Py_XDECREF(spec);
-        if (oc_raise_interrupt() < 0) {
+        if (oc_interrupt_waiting()) {
             Py_DECREF(loader);
-            return NULL;
+            return NULL; /* torch's code never ran: the edge raises the interrupt */
         }
     }
     res = PyObject_CallMethod(loader, "exec_module", "O", module);
     Py_DECREF(loader);
     if (res == NULL) {
-        /* torch's own error; a later successful import prepares and fires */
+        /* torch's own error; a later successful import prepares and fires.
+         * A Ctrl-C set aside meanwhile outranks it (the edge raises it). */
         PyObject *exc_type, *exc_value, *exc_tb;
         PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
         oc_bridge_import_failed();
         PyErr_Restore(exc_type, exc_value, exc_tb);
-        if (PyErr_ExceptionMatches(PyExc_Exception)) {
-            /* a Ctrl-C set aside while preparing outranks torch's error */
-            PyObject *t, *v, *tb;
-            PyErr_Fetch(&t, &v, &tb);
-            if (oc_raise_interrupt() == 0) {
-                PyErr_Restore(t, v, tb);
-            } else {
-                Py_XDECREF(t);
-                Py_XDECREF(v);
-                Py_XDECREF(tb);
-            }
-        }
         return NULL;
     }
     Py_DECREF(res);
     fire(module);
     if (interrupt_after_exec(module) < 0)
-        return NULL;
+        return NULL; /* the edge raises the interrupt, torch kept */
     Py_RETURN_NONE;
 }
 
@@ -315,8 +321,10 @@ static Py_hash_t proxy_hash(PyObject *self)
     return PyObject_Hash(OC_FIELDS(proxy_object, self)->loader);
 }
 
+OC_EDGE_GETTER(proxy_class)
+
 static PyGetSetDef proxy_getset[] = {
-    {"__class__", proxy_class, NULL, NULL, NULL},
+    OC_GETTER("__class__", proxy_class, NULL),
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -326,22 +334,32 @@ static PyObject *proxy_repr(PyObject *self)
                                 OC_FIELDS(proxy_object, self)->loader);
 }
 
+OC_EDGE_O(py_create_module)
+OC_EDGE_O(py_exec_module)
+
 static PyMethodDef proxy_methods[] = {
-    {"create_module", proxy_create_module, METH_O, NULL},
-    {"exec_module", proxy_exec_module, METH_O, NULL},
+    OC_METHOD("create_module", py_create_module, NULL),
+    OC_METHOD("exec_module", py_exec_module, NULL),
     {NULL, NULL, 0, NULL},
 };
 
+OC_EDGE_GETATTRO(proxy_getattro)
+OC_EDGE_SETATTRO(proxy_setattro)
+OC_EDGE_RICHCOMPARE(proxy_richcompare)
+OC_EDGE_HASH(proxy_hash)
+OC_EDGE_REPR(proxy_repr)
+
+/* dealloc, traverse and clear cannot raise: nothing for an edge to do. */
 static PyType_Slot proxy_slots[] = {
     {Py_tp_dealloc, (void *)proxy_dealloc},
     {Py_tp_traverse, (void *)proxy_traverse},
     {Py_tp_clear, (void *)proxy_clear},
-    {Py_tp_getattro, (void *)proxy_getattro},
-    {Py_tp_setattro, (void *)proxy_setattro},
+    OC_SLOT(proxy_getattro),
+    OC_SLOT(proxy_setattro),
     {Py_tp_getset, proxy_getset},
-    {Py_tp_richcompare, (void *)proxy_richcompare},
-    {Py_tp_hash, (void *)proxy_hash},
-    {Py_tp_repr, (void *)proxy_repr},
+    OC_SLOT(proxy_richcompare),
+    OC_SLOT(proxy_hash),
+    OC_SLOT(proxy_repr),
     {Py_tp_methods, proxy_methods},
     {0, NULL},
 };
@@ -452,7 +470,7 @@ static PyObject *dropped_torch_spec(void)
  * finder hands every "torch" lookup here. None after the hook fired; else
  * torch's real spec with the loader wrapped. `finder` is skipped when the
  * other finders are asked. */
-static PyObject *find_torch_spec(PyObject *module, PyObject *args, PyObject *kw)
+static PyObject *py_find_torch_spec(PyObject *module, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"finder", "fullname", "path", "target", NULL};
     PyObject *self, *name, *path = Py_None, *target = Py_None, *spec, *loader, *proxy;
@@ -491,18 +509,15 @@ static PyObject *find_torch_spec(PyObject *module, PyObject *args, PyObject *kw)
         return spec;
     }
     Py_DECREF(proxy);
-    if (oc_raise_interrupt() < 0) {
-        Py_DECREF(spec);
-        return NULL;
-    }
     return spec;
 }
 
+OC_EDGE_KEYWORDS(py_find_torch_spec)
+
 PyMethodDef oc_watcher_methods[] = {
-    {OC_ENGINE_FIND_SPEC, (PyCFunction)(void (*)(void))find_torch_spec,
-     METH_VARARGS | METH_KEYWORDS,
-     "_find_torch_spec(finder, fullname, path=None, target=None)\n--\n\nThe torch lookup of "
-     "the boot's finder."},
+    OC_METHOD(OC_ENGINE_FIND_SPEC, py_find_torch_spec,
+              "_find_torch_spec(finder, fullname, path=None, target=None)\n--\n\nThe torch "
+              "lookup of the boot's finder."),
     {NULL, NULL, 0, NULL},
 };
 
@@ -591,5 +606,5 @@ int oc_watcher_fire_if_imported(void)
     if (!busy)
         fire(torch);
     Py_DECREF(torch);
-    return oc_raise_interrupt();
+    return 0; /* an interrupt set aside meanwhile: install()'s edge raises it */
 }

@@ -373,6 +373,78 @@ def test_engine_stub_ships_and_names_every_function(venv, workdir):
     assert last_json(r) == [[], []]
 
 
+def _engine(name, parsed_as=None, first=()):
+    """An engine function: its name, the name its argument parser's messages
+    use (the format's, where it has one), the arguments it requires first."""
+    return name, parsed_as or name, list(first)
+
+
+# For each calling convention: a built-in of it with the arguments it
+# requires first (from a module of its own: CPython names it module.name, as
+# it names the engine's functions, where len() would be named bare), the
+# engine's functions of that convention, and bad calls (args, kwargs) made
+# after the required arguments.
+CONVENTIONS = {
+    "METH_NOARGS": (("time.time", []),
+                    [_engine(n) for n in ("install", "config", "status", "_platform",
+                                          "nvml_devices", "_summary_stats")],
+                    [([1], {}), ([], {"x": 1}), ([1, 2], {"x": 1})]),
+    "METH_O": (("math.sqrt", []),
+               [_engine(n) for n in ("nvml_index", "_alloc_items", "_fmt_bytes", "_monitor_stop",
+                                     "_parse_config")],
+               [([], {}), ([1, 2], {}), ([1], {"x": 1}), ([], {"x": 1})]),
+    "METH_VARARGS": (("time.strftime", []),
+                     [_engine(n) for n in ("_alloc_var", "_labelled", "_known_bugs_check",
+                                           "_monitor_stop_all", "_grad_set_aside")],
+                     [([], {"x": 1}), ([1], {"x": 1})]),
+    "METH_VARARGS | METH_KEYWORDS": (("_socket.getaddrinfo", [None, None]),
+                                     [_engine("_merge_alloc_conf", first=["", ""]),
+                                      _engine("_find_torch_spec", "find_spec", [None, "x"])],
+                                     [([], {"bogus": 1})]),
+}
+BAD_CALLS = """
+import importlib, json, _outofcuda
+
+def message(fn, args, kw):
+    try:
+        fn(*args, **kw)
+    except TypeError as e:
+        return str(e)
+
+out = []
+for conv, ((ref_name, ref_first), functions, calls) in %r.items():
+    module, name = ref_name.rsplit(".", 1)
+    ref = getattr(importlib.import_module(module), name)
+    for fn_name, parsed_as, first in functions:
+        fn = getattr(_outofcuda, fn_name)
+        for args, kw in calls:
+            out.append({"conv": conv, "ref": ref_name, "as": parsed_as, "module": fn.__module__,
+                        "call": [fn_name, args, kw], "builtin": message(ref, ref_first + args, kw),
+                        "engine": message(fn, first + args, kw)})
+print(json.dumps(out))
+"""
+
+
+def as_if_named(text, ref, name, module):
+    """A built-in's message with its name replaced by `name` as CPython
+    writes it: module.name where it wrote the built-in's module, else bare."""
+    ref_module, ref_name = ref.rsplit(".", 1)
+    return re.sub(rf"\b({re.escape(ref_module)}\.)?{re.escape(ref_name)}\b",
+                  lambda m: (module + "." if m.group(1) else "") + name, text)
+
+
+def test_bad_arguments_get_cpythons_own_messages(venv, workdir):
+    """A call with bad arguments fails with the TypeError a built-in of the
+    same calling convention gives on the same interpreter: each table entry
+    carries its function's own convention (src/oc.h, the edge), so CPython
+    checks the arguments itself and the engine re-implements nothing."""
+    seen = last_json(venv.check(BAD_CALLS % (CONVENTIONS,), cwd=workdir))
+    assert len(seen) == sum(len(f) * len(c) for _, f, c in CONVENTIONS.values())
+    for c in seen:
+        assert c["builtin"] is not None and c["engine"] is not None, c
+        assert c["engine"] == as_if_named(c["builtin"], c["ref"], c["as"], c["module"]), c
+
+
 WARNED = """
 import warnings, outofcuda
 warnings.simplefilter("always")

@@ -307,15 +307,163 @@ def test_c_files_read_top_down_as_oc_h_maps_them():
     assert ("bridge.c", "oom.c", "oc_oom_at_cuda_init") in _calls_between_files()
 
 
-def test_every_engine_function_is_made_through_the_edge():
-    """A Ctrl-C set aside while an engine function runs is raised as it
-    returns only if the function object comes from oc_edge_function
-    (src/common.c): nothing else in the engine makes one."""
-    makers = re.compile(r"\b(PyModule_AddFunctions|PyCFunction_New(Ex)?|PyCMethod_New)\s*\(")
-    found = [f"{p.name}:{n}" for p in sorted(SRC.glob("*.c")) if p.name != "boot.c"
-             for n, line in enumerate(p.read_text().splitlines(), 1)
-             if makers.search(line) and not (p.name == "common.c" and "outer" in line)]
-    assert not found, f"function objects made around the edge: {found}"
+# ---- the edge: every C function CPython calls goes through a wrapper ----
+
+# Slots that may stay bare: they cannot raise, so no interrupt can be handed
+# back through them (oc.h, "the edge").
+BARE_SLOTS = {"Py_tp_dealloc", "Py_tp_traverse", "Py_tp_clear", "Py_tp_free"}
+# Slots that hold data or a table (whose entries are checked in their own right).
+DATA_SLOTS = {"Py_tp_methods", "Py_tp_getset", "Py_tp_members", "Py_tp_doc", "Py_tp_base",
+              "Py_tp_bases", "Py_mod_gil", "Py_mod_multiple_interpreters"}
+SENTINELS = {"PyMethodDef": "{NULL, NULL, 0, NULL}",
+             "PyGetSetDef": "{NULL, NULL, NULL, NULL, NULL}", "PyType_Slot": "{0, NULL}",
+             "PyModuleDef_Slot": "{0, NULL}"}
+EDGE_ENTRY = {"PyMethodDef": "OC_METHOD", "PyGetSetDef": "OC_GETTER", "PyType_Slot": "OC_SLOT",
+              "PyModuleDef_Slot": "OC_SLOT"}
+
+
+def _until(code, start, stop):
+    """Index of the first `stop` character at bracket depth 0 from start,
+    outside string and character literals."""
+    depth, i = 0, start
+    while i < len(code):
+        c = code[i]
+        if c in "\"'":
+            j = i + 1
+            while code[j] != c:
+                j += 2 if code[j] == "\\" else 1
+            i = j + 1
+            continue
+        if c in stop and depth == 0:
+            return i
+        depth += (c in "([{") - (c in ")]}")
+        i += 1
+    return i
+
+
+def _split_top(text):
+    """text split at its commas outside brackets and literals, each part stripped."""
+    parts, i = [], 0
+    while i < len(text):
+        j = _until(text, i, ",")
+        parts.append(text[i:j].strip())
+        i = j + 1
+    return [p for p in parts if p]
+
+
+def _entries(code, kind):
+    """(variable, entry) for every entry of every `kind name[] = {...}` table,
+    and the initialiser of every `kind name = ...` in code."""
+    for m in re.finditer(rf"\b{kind}\s+(\w+)\s*(\[\s*\])?\s*=\s*", code):
+        init = code[m.end():_until(code, m.end(), ";")].strip()
+        if m.group(2):
+            for entry in _split_top(init[1:-1]):
+                yield m.group(1), entry
+        else:
+            yield m.group(1), init
+
+
+def edge_problems(text):
+    """What CPython would call in a C file of the engine without the edge
+    (src/oc.h): a function or callback definition not made by OC_METHOD, a
+    getter not by OC_GETTER, a type or module slot holding a function not by
+    OC_SLOT (BARE_SLOTS aside), an export slot or a pending call that is not
+    an edge_ wrapper, and a PyMethodDef built at run time."""
+    code = _strip_comments(text)
+    bad = []
+    for kind, macro in EDGE_ENTRY.items():
+        for name, entry in _entries(code, kind):
+            flat = re.sub(r"\s+", " ", entry)
+            slot = re.match(r"\{\s*(\w+)\s*,", flat)
+            if (flat.startswith(macro + "(") or flat == SENTINELS[kind]
+                    or ("Slot" in kind and slot and slot.group(1) in BARE_SLOTS | DATA_SLOTS)):
+                continue
+            bad.append(f"{name}: {flat[:60]}")
+    for m in re.finditer(r"\bPySlot_FUNC\s*\(\s*\w+\s*,\s*(\w+)", code):
+        if not m.group(1).startswith("edge_"):
+            bad.append(f"PySlot_FUNC({m.group(1)})")
+    for m in re.finditer(r"\bPy_AddPendingCall\s*\(\s*(\w+)", code):
+        if not m.group(1).startswith("edge_"):
+            bad.append(f"Py_AddPendingCall({m.group(1)})")
+    for name, body in _functions(code):
+        if re.search(r"\bml_(meth|flags)\b|\bPyMethodDef\s+\w+\s*[\[=;]", body):
+            bad.append(f"{name}: a PyMethodDef built at run time")
+    return bad
+
+
+def misnamed_functions(text):
+    """The C functions of method tables and callbacks (OC_METHOD) not named
+    py_<name>: one convention for every C function Python calls."""
+    return [f for f in re.findall(r"\bOC_METHOD\(\s*[^,]+,\s*(\w+)", _strip_comments(text))
+            if not f.startswith("py_")]
+
+
+def test_every_function_cpython_calls_goes_through_the_edge():
+    """A Ctrl-C set aside while an engine function or callback runs is raised
+    as it returns only through its edge_ wrapper (src/oc.h); and CPython checks
+    the arguments of a function only where its table entry carries the
+    function's own calling convention, which OC_METHOD takes from the wrapper.
+    Function objects are made only from the definitions checked here
+    (PyModule_AddFunctions, PyCFunction_NewEx). The boot, a separate extension
+    that never sets an interrupt aside, is not the engine."""
+    engine = [p for p in C_FILES if p.name != "boot.c"]
+    bad = [f"{p.name}: {b}" for p in engine for b in edge_problems(p.read_text())]
+    assert not bad, "called around the edge:\n" + "\n".join(bad)
+    misnamed = [f"{p.name}: {f}" for p in engine for f in misnamed_functions(p.read_text())]
+    assert not misnamed, f"Python-facing C functions not named py_<name>: {misnamed}"
+    code = "".join(_strip_comments(p.read_text()) for p in engine)
+    counts = {"methods": len(re.findall(r"\bOC_METHOD\(", code)),
+              "slots": len(re.findall(r"\bOC_SLOT\(", code)),
+              "getters": len(re.findall(r"\bOC_GETTER\(", code)),
+              "callbacks": len(re.findall(r"\bPyCFunction_NewEx\(", code)),
+              "pending": len(re.findall(r"\bPy_AddPendingCall\(", code))}
+    # The rule reads the tables: the engine has about fifty functions, the
+    # loader proxy's slots and getter, the callbacks for torch and atexit.
+    assert counts["methods"] >= 50 and counts["slots"] >= 6 and counts["getters"] >= 1, counts
+    assert counts["callbacks"] >= 4 and counts["pending"] >= 1, counts
+    makers = re.findall(r"\b(PyCFunction_New|PyCMethod_New|PyDescr_New\w*)\s*\(", code)
+    assert not makers, f"function objects made from definitions the rule does not read: {makers}"
+
+
+EDGE_GOOD = r"""
+OC_EDGE_O(py_f)
+static PyMethodDef t[] = {
+    OC_METHOD("f", py_f, "f(x, /)\n--\n\nA, b; c {d}."),
+    {NULL, NULL, 0, NULL},
+};
+static PyMethodDef cb = OC_METHOD("cb", py_cb, NULL);
+static PyType_Slot s[] = {
+    {Py_tp_dealloc, (void *)d},
+    OC_SLOT(r),
+    {Py_tp_methods, t},
+    {0, NULL},
+};
+static PyGetSetDef g[] = {OC_GETTER("x", gx, NULL), {NULL, NULL, NULL, NULL, NULL}};
+static PyModuleDef_Slot ms[] = {OC_SLOT(module_exec), {0, NULL}};
+static int f(void)
+{
+    return Py_AddPendingCall(edge_later, NULL);
+}
+"""
+EDGE_BARE = [
+    'static PyMethodDef t[] = {\n    {"f", f, METH_O, "A, b."},\n    {NULL, NULL, 0, NULL},\n};\n',
+    'static PyMethodDef cb = {"cb", cb, METH_NOARGS, NULL};\n',
+    "static PyType_Slot s[] = {{Py_tp_repr, (void *)r}, {0, NULL}};\n",
+    'static PyGetSetDef g[] = {{"x", gx, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL, NULL}};\n',
+    "static PyModuleDef_Slot ms[] = {{Py_mod_exec, (void *)module_exec}, {0, NULL}};\n",
+    "static PySlot es[] = {PySlot_FUNC(Py_mod_exec, module_exec), PySlot_END};\n",
+    "static int f(void)\n{\n    return Py_AddPendingCall(later, NULL);\n}\n",
+    "static void f(PyMethodDef *def)\n{\n    def->ml_meth = g;\n}\n",
+    "static PyObject *f(void)\n{\n    PyMethodDef d = {0};\n    return NULL;\n}\n",
+]
+
+
+def test_the_edge_rule_catches_violations():
+    assert edge_problems(EDGE_GOOD) == []
+    for text in EDGE_BARE:
+        assert edge_problems(text), text
+    assert misnamed_functions(EDGE_GOOD) == []
+    assert misnamed_functions('OC_METHOD("status", oc_status, NULL),') == ["oc_status"]
 
 
 def _table():
