@@ -480,6 +480,29 @@ static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
 }
 
 /* A step of the CUDA-init callback. */
+/* The step called torch's setter: a Ctrl-C that lands inside it, after the
+ * flag is set, leaves the step armed, and its next run finds outofcuda's own
+ * write. */
+static int tf32_written;
+
+/* 1 when cuBLAS TF32 is on for float32 matmuls now, as the step's setter
+ * leaves it; 0 otherwise or when it cannot be read. */
+static int matmul_tf32_on(PyObject *c_mod)
+{
+    PyObject *r = oc_call_quiet(c_mod, "_get_fp32_precision_getter", "cuda", "matmul");
+    char v[32] = "";
+    int on;
+    if (r == NULL) { /* before 2.9: the legacy getter tells */
+        r = oc_call_quiet(c_mod, "_get_cublas_allow_tf32", NULL, NULL);
+        on = r != NULL && PyObject_IsTrue(r) == 1;
+    } else {
+        on = PyUnicode_Check(r) && strcmp(oc_utf8(r, v, sizeof v), "tf32") == 0;
+    }
+    Py_XDECREF(r);
+    OC_CLEAR();
+    return on;
+}
+
 static void tf32_at_cuda_init(PyObject *torch)
 {
     char why[200];
@@ -490,7 +513,10 @@ static void tf32_at_cuda_init(PyObject *torch)
         OC_CLEAR();
         return;
     }
-    chosen = precision_chosen(c_mod, why, sizeof why);
+    /* A run cut short after its write: what reads as chosen is outofcuda's
+     * own setting, still in place (a program that chose TF32 itself since
+     * then gets the same), and the write is made again. */
+    chosen = tf32_written && matmul_tf32_on(c_mod) ? 0 : precision_chosen(c_mod, why, sizeof why);
     if (chosen != 0) {
         oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED,
                       chosen > 0 ? OC_CODE_PROGRAM_CHOSE : OC_CODE_UNREADABLE, "left as it is: %s",
@@ -498,14 +524,18 @@ static void tf32_at_cuda_init(PyObject *torch)
     } else if (flags_frozen(torch)) {
         oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
                       "torch.backends.disable_global_flags() was called before CUDA started");
-    } else if (set_flag(c_mod, "_set_cublas_allow_tf32", 1, "tf32") != 1) {
-        oc_record_set(OC_OPT_TF32, OC_REC_FAILED, OC_CODE_SETTER_FAILED,
-                      "torch._C._set_cublas_allow_tf32 failed");
     } else {
-        oc_record_set(OC_OPT_TF32, OC_REC_APPLIED, OC_CODE_AT_CUDA_INIT,
-                      "set when CUDA initialised (the program had chosen no float32 precision): "
-                      "cuBLAS may use TF32 for float32 matmuls; cuDNN TF32 is torch's default");
-        oc_record_matmul(1);
+        tf32_written = 1;
+        if (set_flag(c_mod, "_set_cublas_allow_tf32", 1, "tf32") != 1) {
+            oc_record_set(OC_OPT_TF32, OC_REC_FAILED, OC_CODE_SETTER_FAILED,
+                          "torch._C._set_cublas_allow_tf32 failed");
+        } else {
+            oc_record_set(OC_OPT_TF32, OC_REC_APPLIED, OC_CODE_AT_CUDA_INIT,
+                          "set when CUDA initialised (the program had chosen no float32 "
+                          "precision): cuBLAS may use TF32 for float32 matmuls; cuDNN TF32 is "
+                          "torch's default");
+            oc_record_matmul(1);
+        }
     }
     Py_DECREF(c_mod);
 }

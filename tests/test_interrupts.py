@@ -139,6 +139,34 @@ def test_a_step_cut_short_runs_again_when_torch_runs_its_queue_again(venv, tmp_p
     check_all_applied(d["end"])
 
 
+# A Ctrl-C that lands inside torch's TF32 setter after the flag is set (the
+# stand-in's setter does its work, then raises): the step's next run finds
+# outofcuda's own write, not a choice of the program's, and applies.
+AFTER_THE_WRITE = """
+import json, sys, torch, _outofcuda
+""" + OUTCOME + """
+C = torch._C
+real = C._set_cublas_allow_tf32
+def set_then_interrupt(*args):
+    C._set_cublas_allow_tf32 = real
+    real(*args)
+    raise KeyboardInterrupt
+C._set_cublas_allow_tf32 = set_then_interrupt
+try:
+    torch.cuda._fake_cuda_init()
+except KeyboardInterrupt:
+    first = outcome()["records"]["tf32"]
+torch.cuda._fake_cuda_init()
+print(json.dumps({"first": first, "end": outcome()}))
+"""
+
+
+def test_a_ctrl_c_after_torchs_tf32_write_leaves_tf32_applied(venv, tmp_path, sm90):
+    d = last_json(venv.run(AFTER_THE_WRITE, env=sm90, cwd=tmp_path, args=("-W", "error")))
+    assert d["first"]["state"] == "interrupted", d["first"]
+    check_all_applied(d["end"], once=False)
+
+
 # Real SIGINTs at random moments of CUDA's start. One interpreter imports
 # torch; each trial is a child forked from it (the engine's state as it was
 # before CUDA started), to which the parent sends one SIGINT at a random
