@@ -228,6 +228,21 @@ def test_queued_memory_fraction_takes_local_rank(cuda_venv, local_rank, device):
     assert f["oom_queued"] and f["cuda_initialized"] is False
 
 
+def test_a_fraction_torch_refuses_at_cudas_start_reads_failed(cuda_venv):
+    """A setter that raises at CUDA's start: the record says failed, with the
+    error in status()["hook"]["error"], never queued for ever."""
+    code = FRACTION.replace(
+        "C._cuda_setMemoryFraction = lambda fraction, device: calls.append([fraction, device])",
+        "def refuse(fraction, device):\n    raise RuntimeError('no fraction here')\n"
+        "C._cuda_setMemoryFraction = refuse").replace(
+        "'oom_queued':", "'error': _outofcuda.status()['hook']['error'], 'oom_queued':")
+    # One warning names the failure (quiet=False: stderr holds it).
+    f = cuda_venv.json(code, "FRACTION=", quiet=False, args=("-W", "error"))
+    assert (f["status"]["state"], f["status"]["code"]) == ("failed", "error"), f["status"]
+    assert not f["status"].get("queued") and "no fraction here" in f["error"], f
+    assert f["calls"] == [["observer"]]  # the steps after it still ran
+
+
 # ---- frameworks that own GPU memory (src/frameworks.c) ----
 
 # torch's live expandable_segments setting: no getter reads it without CUDA
