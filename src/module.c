@@ -285,6 +285,7 @@ static int add_test_door(PyObject *m)
     if (oc_edge_add_functions(door, oc_summary_testing_methods) < 0 ||
         oc_edge_add_functions(door, oc_monitor_testing_methods) < 0 ||
         oc_edge_add_functions(door, oc_platform_testing_methods) < 0 ||
+        oc_edge_add_functions(door, oc_oom_testing_methods) < 0 ||
         PyModule_AddObject(m, "_testing", door) < 0) {
         Py_DECREF(door);
         return -1;
