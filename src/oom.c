@@ -1308,12 +1308,12 @@ static PyObject *record_report(PyObject *exc, int exhausted, int refresh)
         exc = NULL;
     if (exc != NULL && !refresh) {
         report = PyObject_GetAttrString(exc, "outofcuda_report");
-        if (report != NULL && PyDict_Check(report))
-            return report;
-        Py_XDECREF(report);
         if (report == NULL && !PyErr_ExceptionMatches(PyExc_AttributeError))
             return NULL;
         oc_clear_absence(); /* absence: an exception that carries no report yet */
+        if (report != NULL && PyDict_Check(report))
+            return report;
+        Py_XDECREF(report);
     }
     if (exc_text(exc, &text) < 0)
         return NULL;
@@ -1351,12 +1351,13 @@ static PyObject *py_oom_record(PyObject *self, PyObject *args, PyObject *kw)
  * and its report is built if last_oom() asks. */
 static PyObject *py_oom_note(PyObject *self, PyObject *exc)
 {
-    PyObject *text;
+    PyObject *text, *old;
     (void)self;
     if (exc_text(exc, &text) < 0)
         return NULL;
-    Py_XDECREF(last.pending);
+    old = last.pending;
     last.pending = text;
+    Py_XDECREF(old);
     Py_RETURN_NONE;
 }
 
