@@ -5,8 +5,8 @@ The figures come from torch's OOM observer, which outofcuda's C core attaches
 when CUDA initialises (so they are those of the moment of failure), from
 ``torch.cuda.memory_stats()`` and from NVML. The C core gathers them, ranks the
 actions, keeps the last report and writes its text (src/oom.c): the exception
-hooks print it without this module, and each function here is one call into
-the core. Nothing here initialises CUDA.
+hooks print it without this module, and each function here that reads or
+writes a report is one call into the core. Nothing here initialises CUDA.
 """
 import gc
 import traceback
