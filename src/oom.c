@@ -364,7 +364,8 @@ static int print_report(PyObject *value)
     PyObject *text = report ? render_report(report) : NULL;
     PyObject *block = text ? PyUnicode_FromFormat("%U\n\n", text) : NULL;
     PyObject *utf8 = block ? PyUnicode_AsEncodedString(block, "utf-8", "backslashreplace") : NULL;
-    if (utf8 != NULL) {
+    int printed = utf8 != NULL;
+    if (printed) {
         oc_stderr_write(PyBytes_AsString(utf8));
         flush_stderr();
     }
@@ -373,7 +374,7 @@ static int print_report(PyObject *value)
     Py_XDECREF(block);
     Py_XDECREF(text);
     Py_XDECREF(report);
-    return utf8 != NULL;
+    return printed;
 }
 
 /* The fallback when the report cannot be built: one line. */
