@@ -427,6 +427,8 @@ PyObject *oc_call_quiet_at(PyObject *owner, const char *name, const char *a, con
 const char *oc_utf8(PyObject *str, char *buf, size_t sz)
 {
     PyObject *bytes;
+    const char *text;
+    size_t n;
     buf[0] = '\0';
     if (str == NULL)
         return buf;
@@ -435,9 +437,22 @@ const char *oc_utf8(PyObject *str, char *buf, size_t sz)
         PyErr_Clear(); /* an unencodable text copies as "" (oc_clear_at uses this) */
         return buf;
     }
-    snprintf(buf, sz, "%s", PyBytes_AsString(bytes));
+    text = PyBytes_AsString(bytes);
+    n = oc_utf8_fit(text, strlen(text), sz - 1);
+    memcpy(buf, text, n);
+    buf[n] = '\0';
     Py_DECREF(bytes);
     return buf;
+}
+
+size_t oc_utf8_fit(const char *s, size_t len, size_t max)
+{
+    if (len <= max)
+        return len;
+    /* Back over the continuation bytes (10xxxxxx) of the character cut. */
+    while (max > 0 && ((unsigned char)s[max] & 0xc0) == 0x80)
+        max--;
+    return max;
 }
 
 PyObject *oc_arg_bytes(PyObject *arg, const char *message)

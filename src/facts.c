@@ -1,6 +1,6 @@
-/* facts.c - verdicts the Python layer (the CLI, the API, the OOM report)
- * asks for instead of parsing the environment again: one owner for each
- * fact, the same rules the start-up path applies. */
+/* facts.c - verdicts the Python layer (the CLI, the API) asks for instead
+ * of parsing the environment again: one owner for each fact, the same rules
+ * the start-up path applies. */
 #include "oc.h"
 
 #include <stdlib.h>
@@ -92,30 +92,11 @@ static PyObject *py_alloc_items(PyObject *self, PyObject *arg)
     return out;
 }
 
-/* _fmt_bytes(n) -> str: a byte count as every report writes it (GiB with two
- * decimals from 1 GiB, else whole MiB: oc_fmt_bytes). */
-static PyObject *py_fmt_bytes(PyObject *self, PyObject *arg)
-{
-    char buf[48];
-    unsigned long long n;
-    (void)self;
-    if (!PyLong_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "_fmt_bytes expects an int");
-        return NULL;
-    }
-    n = PyLong_AsUnsignedLongLong(arg);
-    if (PyErr_Occurred())
-        return NULL;
-    oc_fmt_bytes(n, buf, sizeof buf);
-    return PyUnicode_FromString(buf);
-}
-
 OC_EDGE_NOARGS(py_disabled_by_env)
 OC_EDGE_NOARGS(py_tf32_forced_off)
 OC_EDGE_VARARGS(py_alloc_var)
 OC_EDGE_NOARGS(py_alloc_vars)
 OC_EDGE_O(py_alloc_items)
-OC_EDGE_O(py_fmt_bytes)
 
 PyMethodDef oc_facts_methods[] = {
     OC_METHOD("_disabled_by_env", py_disabled_by_env,
@@ -133,8 +114,5 @@ PyMethodDef oc_facts_methods[] = {
         "_alloc_items", py_alloc_items,
         "_alloc_items(conf, /)\n--\n\n(items, split): an allocator string's (key, value) pairs as "
         "torch applies them, and its max_split_size_mb rule."),
-    OC_METHOD(
-        "_fmt_bytes", py_fmt_bytes,
-        "_fmt_bytes(n, /)\n--\n\nA byte count as the reports write it (GiB from 1 GiB, else MiB)."),
     {NULL, NULL, 0, NULL},
 };

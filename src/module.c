@@ -289,6 +289,7 @@ static PyMethodDef *const testing_tables[] = {
     oc_summary_testing_methods,
     oc_monitor_testing_methods,
     oc_platform_testing_methods,
+    oc_oom_testing_methods,
 };
 
 /* The one door for tests: entry points that exist only so the tests can

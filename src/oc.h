@@ -45,10 +45,6 @@
 #define OC_ENGINE_NAME "_outofcuda"
 #define OC_ENGINE_FIND_SPEC "_find_torch_spec" /* engine function the boot's finder calls */
 #define OC_ENGINE_INSTALL "install"            /* engine function for a torch already there */
-/* The one Python function the engine calls (tests/test_oom.py pins both):
- * the report printed before an uncaught OOM's traceback. */
-#define OC_PY_OOM_MODULE "outofcuda.oom"
-#define OC_PY_OOM_PRINT "_on_uncaught"
 
 /* ---- pure C part: safe to include without Python (fuzzers, unit tests) ---- */
 
@@ -1012,6 +1008,7 @@ void oc_oom_at_cuda_init(PyObject *torch); /* a step of the CUDA-init callback *
 typedef enum { OC_OOM_NONE, OC_OOM_TYPE, OC_OOM_TEXT } oc_oom_kind;
 oc_oom_kind oc_oom_kind_of(PyObject *type, PyObject *exc);
 extern PyMethodDef oc_oom_methods[];
+extern PyMethodDef oc_oom_testing_methods[]; /* the test door's (module.c) */
 
 /* api.c */
 extern PyMethodDef oc_api_methods[];
@@ -1051,7 +1048,11 @@ PyObject *oc_call_quiet_at(PyObject *owner, const char *name, const char *a, con
                            const char *file, int line, const char *func);
 #define oc_call_quiet(owner, name, a, b)                                                           \
     oc_call_quiet_at(owner, name, a, b, __FILE__, __LINE__, __func__)
-const char *oc_utf8(PyObject *str, char *buf, size_t sz); /* copy of str into buf */
+/* A copy of str into buf, cut where it does not fit between two characters. */
+const char *oc_utf8(PyObject *str, char *buf, size_t sz);
+/* How many of the len bytes of UTF-8 at s fit in max bytes without cutting
+ * a character in two. */
+size_t oc_utf8_fit(const char *s, size_t len, size_t max);
 /* An API argument that must be a str, as bytes (new ref) with surrogates
  * kept (surrogateescape: a path or a value from the environment), or NULL
  * with TypeError(message) when it is not a str. */

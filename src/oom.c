@@ -4,14 +4,16 @@
  * print the report for an uncaught OOM, and IPython's custom exception
  * handler does for a cell, then releases the failed cell's frames;
  * oc_oom_advise (advice.c) ranks the actions that fit the figures. The
- * report itself is assembled and formatted by outofcuda/oom.py. Observer and
- * hooks are set when CUDA initialises (from torch's lazy-init queue), never
- * at import: until then, and for good on a CPU-only build, the process looks
- * as without outofcuda. */
+ * report is gathered, kept for last_oom() and written here, so a hook prints
+ * it without importing any Python of outofcuda (outofcuda/oom.py only wraps
+ * these functions). Observer and hooks are set when CUDA initialises (from
+ * torch's lazy-init queue), never at import: until then, and for good on a
+ * CPU-only build, the process looks as without outofcuda. */
 #include "oc.h"
 
 #include <errno.h>
 #include <limits.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -339,59 +341,41 @@ static int is_oom(PyObject *type)
     return oc_oom_kind_of(type, NULL) == OC_OOM_TYPE;
 }
 
-/* Returns 1 when `outofcuda` would be imported from the directory that holds
- * this extension (resolved by path, so a folder called outofcuda in the
- * working directory is never imported from an exception hook). */
-static int package_beside_extension(void)
+static PyObject *record_report(PyObject *exc, int exhausted, int refresh);
+static PyObject *render_report(PyObject *report);
+
+/* Flushes sys.stderr, as the program's own writes would be. Never raises. */
+static void flush_stderr(void)
 {
-    PyObject *ext = NULL, *file = NULL, *util = NULL, *spec = NULL, *origin = NULL;
-    char ext_dir[PATH_MAX], want[PATH_MAX + 32], got[PATH_MAX];
-    char *slash;
-    int ok = 0;
-    ext = oc_sys_module("_outofcuda");
-    file = ext ? PyObject_GetAttrString(ext, "__file__") : NULL;
-    if (file == NULL || !PyUnicode_Check(file))
-        goto error;
-    oc_utf8(file, ext_dir, sizeof ext_dir);
-    slash = strrchr(ext_dir, '/');
-    if (slash == NULL)
-        goto error;
-    *slash = '\0';
-    snprintf(want, sizeof want, "%s/outofcuda/__init__.py", ext_dir);
-    util = PyImport_ImportModule("importlib.util");
-    spec = util ? PyObject_CallMethod(util, "find_spec", "s", "outofcuda") : NULL;
-    origin = (spec && spec != Py_None) ? PyObject_GetAttrString(spec, "origin") : NULL;
-    if (origin == NULL || !PyUnicode_Check(origin))
-        goto error;
-    ok = strcmp(oc_utf8(origin, got, sizeof got), want) == 0;
-error:
+    PyObject *err = PySys_GetObject("stderr"); /* borrowed */
+    PyObject *r = err && err != Py_None ? PyObject_CallMethod(err, "flush", NULL) : NULL;
+    Py_XDECREF(r);
     OC_CLEAR();
-    Py_XDECREF(origin);
-    Py_XDECREF(spec);
-    Py_XDECREF(util);
-    Py_XDECREF(file);
-    Py_XDECREF(ext);
-    return ok;
 }
 
-/* Prints outofcuda's report for `value` through the Python layer (imported
- * here when the program never imported it). Returns 1 when it printed. */
+/* Prints outofcuda's report for `value` (kept for last_oom() and attached to
+ * it), in one write through sys.stderr, the stream's own error handler for
+ * what it cannot encode. Returns 1 when it printed. */
 static int print_report(PyObject *value)
 {
-    PyObject *mod = oc_sys_module(OC_PY_OOM_MODULE), *r = NULL;
-    int printed = 0;
-    if (mod == NULL && package_beside_extension())
-        mod = PyImport_ImportModule(OC_PY_OOM_MODULE);
-    if (mod != NULL)
-        r = PyObject_CallMethod(mod, OC_PY_OOM_PRINT, "O", value);
-    printed = r != NULL && PyObject_IsTrue(r) == 1;
+    PyObject *report = record_report(value, 0, 0);
+    PyObject *text = report ? render_report(report) : NULL;
+    PyObject *block = text ? PyUnicode_FromFormat("%U\n\n", text) : NULL;
+    PyObject *utf8 = block ? PyUnicode_AsEncodedString(block, "utf-8", "backslashreplace") : NULL;
+    int printed = utf8 != NULL;
+    if (printed) {
+        oc_stderr_write(PyBytes_AsString(utf8));
+        flush_stderr();
+    }
     OC_CLEAR();
-    Py_XDECREF(r);
-    Py_XDECREF(mod);
+    Py_XDECREF(utf8);
+    Py_XDECREF(block);
+    Py_XDECREF(text);
+    Py_XDECREF(report);
     return printed;
 }
 
-/* The fallback when the Python layer cannot speak: one line from C. */
+/* The fallback when the report cannot be built: one line. */
 static void print_summary(void)
 {
     PyObject *cuda = PyImport_ImportModule("torch.cuda");
@@ -932,23 +916,6 @@ static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
     return advice_list(&f);
 }
 
-/* _oom_observed() -> dict of the last OOM torch's observer reported, or None. */
-static PyObject *py_oom_observed(PyObject *self, PyObject *unused)
-{
-    oc_oom_seen *seen = &oc_g.oom.seen;
-    (void)self;
-    (void)unused;
-    if (seen->seq == 0)
-        Py_RETURN_NONE;
-    return Py_BuildValue("{s:k,s:d,s:l,s:K,s:K,s:K,s:O,s:O,s:z,s:z}", "seq", seen->seq, "time",
-                         seen->when, "device", seen->device, "request", seen->request, "limit",
-                         seen->limit, "device_free", seen->device_free, "stats",
-                         seen->stats ? seen->stats : Py_None, "autocast",
-                         seen->autocast < 0 ? Py_None : (seen->autocast ? Py_True : Py_False),
-                         "snapshot", seen->snapshot_written ? oc_g.oom.snapshot_path : NULL,
-                         "snapshot_error", seen->snapshot_error[0] ? seen->snapshot_error : NULL);
-}
-
 /* ---- the whole report, figures and ranked advice ---- */
 
 /* How long after the observer fired an exception may still use its figures. */
@@ -1105,31 +1072,47 @@ static int add_note(PyObject *notes, const char *text)
     return rc;
 }
 
-/* _oom_report(text=None, exhausted=False) -> (report, seq): every figure of
- * the OOM whose message is `text` (None: the observer's last) with the
- * ranked actions, and the observer's sequence number it used. */
-static PyObject *py_oom_report(PyObject *self, PyObject *args, PyObject *kw)
+/* The bytes of the first line of an OOM's message the report keeps. */
+#define MESSAGE_MAX 399
+
+/* Reports built in this process, for the test door: a retry that succeeds
+ * builds none. */
+static unsigned long reports_built;
+
+/* Every figure of the OOM whose message is py_text (a str; NULL: the
+ * observer's last) with the ranked actions: the dict last_oom() returns (new
+ * ref), and in *seq the observer's sequence number it used (0: none). NULL
+ * with an exception set. */
+static PyObject *build_report(PyObject *py_text, int exhausted, unsigned long *seq)
 {
     oc_oom_seen *seen = &oc_g.oom.seen;
-    static char *kwlist[] = {"text", "exhausted", NULL};
     const char *text = NULL;
-    int exhausted = 0, cuda_up = 0, use_seen, index = -1;
+    int cuda_up = 0, use_seen, index = -1;
     long device = -1, msg_device;
     long long request = -1, total = -1, free_b = -1, limit = -1;
     long long allocated, reserved, peak, inactive, num_ooms;
     PyObject *torch, *cuda = NULL, *stats = NULL, *notes = NULL, *others = NULL, *advice = NULL;
-    PyObject *report = NULL, *r;
+    PyObject *report = NULL, *r, *py_utf8 = NULL, *message = NULL;
     oc_oom_figures f;
     oc_gpu_info info;
-    char alloc[OC_ALLOC_CONF_MAX], why[200] = "", message[400] = "";
+    char alloc[OC_ALLOC_CONF_MAX], why[200] = "";
     double fraction;
     int autocast, have_alloc;
-    (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|zp:_oom_report", kwlist, &text, &exhausted))
-        return NULL;
+    *seq = 0;
+    if (py_text != NULL) {
+        /* surrogatepass: the message keeps what str(exc) held */
+        py_utf8 = PyUnicode_AsEncodedString(py_text, "utf-8", "surrogatepass");
+        if (py_utf8 == NULL)
+            return NULL;
+        text = PyBytes_AsString(py_utf8);
+    }
+    /* A hook runs with torch imported; a caller from Python imports it as
+     * `import torch` would. */
     torch = oc_sys_module("torch");
+    if (torch == NULL)
+        torch = PyImport_ImportModule("torch");
     if (torch == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "_oom_report: torch is not imported");
+        Py_XDECREF(py_utf8);
         return NULL;
     }
     memset(&f, 0, sizeof f);
@@ -1220,13 +1203,20 @@ static PyObject *py_oom_report(PyObject *self, PyObject *args, PyObject *kw)
         len = strcspn(p, "\n");
         while (len > 0 && (p[len - 1] == ' ' || p[len - 1] == '\t' || p[len - 1] == '\r'))
             len--;
-        snprintf(message, sizeof message, "%.*s", (int)len, *p ? p : "OutOfMemoryError");
+        if (*p == '\0') {
+            p = "OutOfMemoryError";
+            len = strlen(p);
+        }
+        message =
+            PyUnicode_DecodeUTF8(p, (Py_ssize_t)oc_utf8_fit(p, len, MESSAGE_MAX), "surrogatepass");
+        if (message == NULL)
+            goto done;
     }
     report = Py_BuildValue(
-        "{s:d,s:s,s:z,s:N,s:z,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:O,s:z,s:O,s:N,s:N,s:z,"
+        "{s:d,s:s,s:O,s:N,s:z,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:O,s:z,s:O,s:N,s:N,s:z,"
         "s:O,s:O}",
         "time", (double)time(NULL), "source", use_seen ? "observer" : "exception", "message",
-        text ? message : NULL, "device", figure(device), "device_name",
+        message ? message : Py_None, "device", figure(device), "device_name",
         index >= 0 ? info.name : NULL, "request_bytes", figure(request), "total_bytes",
         figure(total), "free_bytes", figure(free_b), "limit_bytes", figure(limit),
         "allocated_bytes", figure(allocated), "reserved_bytes", figure(reserved),
@@ -1246,10 +1236,391 @@ done:
     Py_XDECREF(stats);
     Py_XDECREF(cuda);
     Py_XDECREF(notes);
+    Py_XDECREF(message);
+    Py_XDECREF(py_utf8);
     Py_DECREF(torch);
+    if (report != NULL) {
+        *seq = use_seen ? seen->seq : 0;
+        reports_built++;
+    }
+    return report;
+}
+
+/* ---- the report last_oom() returns, and its text ---- */
+
+/* The last report, built at an uncaught OOM, by auto_microbatch when it
+ * gives up, or when last_oom() is asked after an OOM nothing reported yet;
+ * and the text of an OOM a retry may survive, whose report is built only if
+ * last_oom() asks. Touched under the GIL only; a build runs torch's Python,
+ * where another thread may come in, so what it keeps is compared again after
+ * (the newest observer figures win, a newer pending text stays). */
+static struct {
+    PyObject *report;  /* the dict, or NULL before any */
+    unsigned long seq; /* the observer's sequence number it was built from */
+    PyObject *pending; /* str, or NULL */
+} last;
+
+/* Keeps report (a new reference is taken) as last_oom()'s, built from the
+ * observer's OOM seq. */
+static void keep_report(PyObject *report, unsigned long seq)
+{
+    PyObject *old = last.report;
+    Py_INCREF(report);
+    last.report = report;
+    last.seq = seq > last.seq ? seq : last.seq;
+    Py_XDECREF(old);
+}
+
+/* The text a report reads for exc, into *text (new ref): str(exc), or its
+ * type's name when that is blank; NULL for no exception (NULL or None).
+ * Returns 0, or -1 with an exception set. */
+static int exc_text(PyObject *exc, PyObject **text)
+{
+    PyObject *s, *stripped, *type;
+    Py_ssize_t n;
+    *text = NULL;
+    if (exc == NULL || exc == Py_None)
+        return 0;
+    s = PyObject_Str(exc);
+    stripped = s ? PyObject_CallMethod(s, "strip", NULL) : NULL;
+    n = stripped ? PyObject_Length(stripped) : -1;
+    Py_XDECREF(stripped);
+    if (n == 0) {
+        Py_DECREF(s);
+        type = PyObject_Type(exc);
+        s = type ? PyObject_GetAttrString(type, "__name__") : NULL;
+        Py_XDECREF(type);
+    } else if (n < 0) {
+        Py_CLEAR(s);
+    }
+    *text = s;
+    return s ? 0 : -1;
+}
+
+/* The report of exc (NULL or None: the observer's last OOM): the one exc
+ * carries as outofcuda_report unless refresh, else one built now, kept for
+ * last_oom() and attached to exc. New ref, or NULL with an exception set. */
+static PyObject *record_report(PyObject *exc, int exhausted, int refresh)
+{
+    PyObject *report, *text;
+    unsigned long seq;
+    if (exc == Py_None)
+        exc = NULL;
+    if (exc != NULL && !refresh) {
+        report = PyObject_GetAttrString(exc, "outofcuda_report");
+        if (report == NULL && !PyErr_ExceptionMatches(PyExc_AttributeError))
+            return NULL;
+        OC_CLEAR_ABSENT(); /* an exception that carries no report yet */
+        if (report != NULL && PyDict_Check(report))
+            return report;
+        Py_XDECREF(report);
+    }
+    if (exc_text(exc, &text) < 0)
+        return NULL;
+    report = build_report(text, exhausted, &seq);
+    Py_XDECREF(text);
     if (report == NULL)
         return NULL;
-    return Py_BuildValue("(Nk)", report, use_seen ? seen->seq : 0ul);
+    keep_report(report, seq);
+    Py_CLEAR(last.pending);
+    if (exc != NULL && PyObject_SetAttrString(exc, "outofcuda_report", report) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            Py_CLEAR(report);
+        else
+            OC_CLEAR_ABSENT(); /* an exception that takes no attribute */
+    }
+    return report;
+}
+
+/* _oom_record(exc=None, exhausted=False, refresh=False) -> dict: the report
+ * of exc (record_report); exhausted: auto_microbatch split down to its
+ * smallest size. */
+static PyObject *py_oom_record(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"exc", "exhausted", "refresh", NULL};
+    PyObject *exc = Py_None;
+    int exhausted = 0, refresh = 0;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|Opp:_oom_record", kwlist, &exc, &exhausted,
+                                     &refresh))
+        return NULL;
+    return record_report(exc, exhausted, refresh);
+}
+
+/* _oom_note(exc) -> None: an OOM a retry may survive; only its text is kept,
+ * and its report is built if last_oom() asks. */
+static PyObject *py_oom_note(PyObject *self, PyObject *exc)
+{
+    PyObject *text, *old;
+    (void)self;
+    if (exc_text(exc, &text) < 0)
+        return NULL;
+    old = last.pending;
+    last.pending = text;
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
+}
+
+/* _oom_last() -> dict or None: the report of the last CUDA OOM; built now
+ * for one the observer saw after the last report, or one a retry survived. */
+static PyObject *py_oom_last(PyObject *self, PyObject *unused)
+{
+    unsigned long observed = oc_g.oom.seen.seq, seq;
+    PyObject *pending = last.pending, *report;
+    (void)self;
+    (void)unused;
+    if ((observed == 0 || observed <= last.seq) && pending == NULL) {
+        report = last.report ? last.report : Py_None;
+        Py_INCREF(report);
+        return report;
+    }
+    Py_XINCREF(pending);
+    report = build_report(pending, 0, &seq);
+    if (report != NULL) {
+        keep_report(report, seq);
+        if (last.pending == pending)
+            Py_CLEAR(last.pending);
+    }
+    Py_XDECREF(pending);
+    return report;
+}
+
+/* Appends a line made by PyUnicode_FromFormat to lines. 0, or -1 with an
+ * exception set. */
+static int add_line(PyObject *lines, const char *fmt, ...)
+{
+    va_list ap;
+    PyObject *line;
+    int rc;
+    va_start(ap, fmt);
+    line = PyUnicode_FromFormatV(fmt, ap);
+    va_end(ap);
+    rc = line ? PyList_Append(lines, line) : -1;
+    Py_XDECREF(line);
+    return rc;
+}
+
+/* A byte count as the report writes it (oc_fmt_bytes; "unknown" for None),
+ * in buf. NULL with an exception set for what is not an int or None. */
+static const char *bytes_text(PyObject *v, char *buf, size_t sz)
+{
+    unsigned long long n;
+    if (v == Py_None)
+        return "unknown";
+    if (!PyLong_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "a report's byte count must be an int or None");
+        return NULL;
+    }
+    n = PyLong_AsUnsignedLongLong(v);
+    if (n == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    oc_fmt_bytes(n, buf, sz);
+    return buf;
+}
+
+/* "pid P (name) N, ..." for the first 6 of a report's other processes (new
+ * ref), or NULL with an exception set. */
+static PyObject *others_text(PyObject *procs)
+{
+    PyObject *first = PySequence_GetSlice(procs, 0, 6), *parts = PyList_New(0), *sep = NULL;
+    PyObject *joined = NULL;
+    Py_ssize_t n = first ? PySequence_Size(first) : -1;
+    char b[48];
+    for (Py_ssize_t i = 0; parts != NULL && i < n; i++) {
+        PyObject *p = PySequence_GetItem(first, i);
+        PyObject *pid = p ? PyMapping_GetItemString(p, "pid") : NULL;
+        PyObject *name = pid ? PyMapping_GetItemString(p, "name") : NULL;
+        PyObject *used = name ? PyMapping_GetItemString(p, "used_bytes") : NULL;
+        const char *u = used ? bytes_text(used, b, sizeof b) : NULL;
+        int named = u ? PyObject_IsTrue(name) : -1;
+        if (named < 0 || (named ? add_line(parts, "pid %S (%S) %s", pid, name, u)
+                                : add_line(parts, "pid %S (?) %s", pid, u)) < 0)
+            Py_CLEAR(parts);
+        Py_XDECREF(used);
+        Py_XDECREF(name);
+        Py_XDECREF(pid);
+        Py_XDECREF(p);
+    }
+    sep = n >= 0 && parts ? PyUnicode_FromString(", ") : NULL;
+    joined = sep ? PyUnicode_Join(sep, parts) : NULL;
+    Py_XDECREF(sep);
+    Py_XDECREF(parts);
+    Py_XDECREF(first);
+    return joined;
+}
+
+/* The keys of a report that its text reads. */
+#define REPORT_KEYS(X)                                                                             \
+    X(DEVICE, "device")                                                                            \
+    X(DEVICE_NAME, "device_name")                                                                  \
+    X(MESSAGE, "message")                                                                          \
+    X(REQUEST, "request_bytes")                                                                    \
+    X(TOTAL, "total_bytes")                                                                        \
+    X(FREE, "free_bytes")                                                                          \
+    X(ALLOCATED, "allocated_bytes")                                                                \
+    X(RESERVED, "reserved_bytes")                                                                  \
+    X(PEAK, "peak_allocated_bytes")                                                                \
+    X(FRAGMENTATION, "fragmentation_bytes")                                                        \
+    X(INACTIVE, "inactive_split_bytes")                                                            \
+    X(OTHERS, "other_processes")                                                                   \
+    X(ALLOCATOR, "allocator_config")                                                               \
+    X(FRACTION, "memory_fraction")                                                                 \
+    X(LIMIT, "limit_bytes")                                                                        \
+    X(SNAPSHOT, "snapshot")                                                                        \
+    X(NOTES, "notes")                                                                              \
+    X(ADVICE, "advice")
+#define KEY_ENUM(id, name) K_##id,
+enum { REPORT_KEYS(KEY_ENUM) K_COUNT };
+#undef KEY_ENUM
+
+/* The header and the figures' lines of report r (its values in v). */
+static int figure_lines(PyObject *lines, PyObject *const *v)
+{
+    char b1[48], b2[48], b3[48];
+    const char *t1, *t2, *t3;
+    int named = PyObject_IsTrue(v[K_DEVICE_NAME]), rc;
+    PyObject *dev = named < 0                ? NULL
+                    : v[K_DEVICE] == Py_None ? PyUnicode_FromString("cuda:?")
+                                             : PyUnicode_FromFormat("cuda:%S", v[K_DEVICE]);
+    if (dev == NULL)
+        return -1;
+    rc = named ? add_line(lines, "outofcuda: CUDA out of memory on %U (%S)", dev, v[K_DEVICE_NAME])
+               : add_line(lines, "outofcuda: CUDA out of memory on %U", dev);
+    Py_DECREF(dev);
+    if (rc < 0 || (rc = PyObject_IsTrue(v[K_MESSAGE])) < 0)
+        return -1;
+    if (rc && add_line(lines, "  error              %.160S", v[K_MESSAGE]) < 0)
+        return -1;
+    if ((t1 = bytes_text(v[K_REQUEST], b1, sizeof b1)) == NULL ||
+        add_line(lines, "  requested          %s", t1) < 0)
+        return -1;
+    t1 = bytes_text(v[K_TOTAL], b1, sizeof b1);
+    t2 = t1 ? bytes_text(v[K_FREE], b2, sizeof b2) : NULL;
+    if (t2 == NULL)
+        return -1;
+    rc = v[K_TOTAL] != Py_None
+             ? add_line(lines, "  device             %s total, %s free (NVML)", t1, t2)
+         : v[K_FREE] != Py_None ? add_line(lines, "  device             %s free (CUDA)", t2)
+                                : add_line(lines, "  device             unknown");
+    t1 = rc == 0 ? bytes_text(v[K_ALLOCATED], b1, sizeof b1) : NULL;
+    t2 = t1 ? bytes_text(v[K_RESERVED], b2, sizeof b2) : NULL;
+    t3 = t2 ? bytes_text(v[K_PEAK], b3, sizeof b3) : NULL;
+    if (t3 == NULL ||
+        add_line(lines, "  this process       allocated %s, reserved %s, peak allocated %s", t1, t2,
+                 t3) < 0)
+        return -1;
+    t1 = bytes_text(v[K_FRAGMENTATION], b1, sizeof b1);
+    t2 = t1 ? bytes_text(v[K_INACTIVE], b2, sizeof b2) : NULL;
+    if (t2 == NULL || add_line(lines,
+                               "  fragmentation      %s reserved but unallocated, %s in "
+                               "inactive split blocks",
+                               t1, t2) < 0)
+        return -1;
+    return 0;
+}
+
+/* The lines of the other processes and the settings in effect. */
+static int setting_lines(PyObject *lines, PyObject *const *v)
+{
+    char b[48], cap[64] = "";
+    const char *t;
+    PyObject *spec, *fraction;
+    int rc = PyObject_IsTrue(v[K_OTHERS]);
+    if (rc > 0) {
+        PyObject *text = others_text(v[K_OTHERS]);
+        rc = text ? add_line(lines, "  other processes    %U", text) : -1;
+        Py_XDECREF(text);
+    } else if (rc == 0 && v[K_TOTAL] != Py_None) {
+        rc = add_line(lines, "  other processes    none");
+    }
+    if (rc < 0 || (rc = PyObject_IsTrue(v[K_ALLOCATOR])) < 0)
+        return -1;
+    if ((rc ? add_line(lines, "  allocator          %S", v[K_ALLOCATOR])
+            : add_line(lines, "  allocator          PyTorch defaults")) < 0)
+        return -1;
+    /* format(fraction, ".2f"), as Python writes a float */
+    spec = PyUnicode_FromString(".2f");
+    fraction = v[K_FRACTION] == Py_None ? PyUnicode_FromString("none")
+               : spec                   ? PyObject_Format(v[K_FRACTION], spec)
+                                        : NULL;
+    Py_XDECREF(spec);
+    rc = fraction ? PyObject_IsTrue(v[K_LIMIT]) : -1;
+    t = rc > 0 ? bytes_text(v[K_LIMIT], b, sizeof b) : "";
+    if (rc > 0 && t != NULL)
+        snprintf(cap, sizeof cap, " (cap %s)", t);
+    rc = rc < 0 || t == NULL ? -1 : add_line(lines, "  memory fraction    %S%s", fraction, cap);
+    Py_XDECREF(fraction);
+    if (rc < 0 || (rc = PyObject_IsTrue(v[K_SNAPSHOT])) < 0)
+        return -1;
+    if (rc && add_line(lines, "  snapshot           %S (open it at https://pytorch.org/memory_viz)",
+                       v[K_SNAPSHOT]) < 0)
+        return -1;
+    return 0;
+}
+
+/* A line for each of items: a note, or (numbered) a ranked action. */
+static int item_lines(PyObject *lines, PyObject *items, int numbered)
+{
+    PyObject *it = PyObject_GetIter(items), *item;
+    long i = 0;
+    int rc = it ? 0 : -1;
+    while (rc == 0 && (item = PyIter_Next(it)) != NULL) {
+        rc = numbered ? add_line(lines, "    %ld. %S", ++i, item)
+                      : add_line(lines, "  note               %S", item);
+        Py_DECREF(item);
+    }
+    Py_XDECREF(it);
+    return rc < 0 || PyErr_Occurred() ? -1 : 0;
+}
+
+/* The text of a report (new ref), as printed before the traceback of an
+ * uncaught OOM; NULL with an exception set (TypeError for what is not a
+ * report, KeyError for a key it lacks). */
+static PyObject *render_report(PyObject *report)
+{
+#define KEY_NAME(id, name) name,
+    static const char *const keys[] = {REPORT_KEYS(KEY_NAME)};
+#undef KEY_NAME
+    PyObject *v[K_COUNT] = {NULL}, *lines = NULL, *sep = NULL, *text = NULL;
+    if (!PyDict_Check(report) || PyDict_GetItemString(report, "advice") == NULL) {
+        PyErr_SetString(PyExc_TypeError,
+                        "format_report expects the dict that outofcuda.last_oom() returns");
+        return NULL;
+    }
+    for (int i = 0; i < K_COUNT; i++) {
+        v[i] = PyMapping_GetItemString(report, keys[i]);
+        if (v[i] == NULL)
+            goto done;
+    }
+    lines = PyList_New(0);
+    if (lines == NULL || figure_lines(lines, v) < 0 || setting_lines(lines, v) < 0 ||
+        item_lines(lines, v[K_NOTES], 0) < 0 ||
+        add_line(lines, "  what to try, most useful first:") < 0 ||
+        item_lines(lines, v[K_ADVICE], 1) < 0)
+        goto done;
+    sep = PyUnicode_FromString("\n");
+    text = sep ? PyUnicode_Join(sep, lines) : NULL;
+done:
+    Py_XDECREF(sep);
+    Py_XDECREF(lines);
+    for (int i = 0; i < K_COUNT; i++)
+        Py_XDECREF(v[i]);
+    return text;
+}
+
+/* _oom_format(report) -> str: the report's text (render_report). */
+static PyObject *py_oom_format(PyObject *self, PyObject *report)
+{
+    (void)self;
+    return render_report(report);
+}
+
+/* _testing.oom_reports_built() -> int: reports built in this process. */
+static PyObject *py_testing_reports_built(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromUnsignedLong(reports_built);
 }
 
 /* _is_oom(exc) -> bool: exc means the GPU ran out of memory
@@ -1264,23 +1635,30 @@ static PyObject *py_is_oom(PyObject *self, PyObject *exc)
 }
 
 OC_EDGE_O(py_is_oom)
-OC_EDGE_KEYWORDS(py_oom_report)
-OC_EDGE_NOARGS(py_oom_observed)
+OC_EDGE_KEYWORDS(py_oom_record)
+OC_EDGE_O(py_oom_note)
+OC_EDGE_NOARGS(py_oom_last)
+OC_EDGE_O(py_oom_format)
 OC_EDGE_KEYWORDS(py_oom_advice)
+OC_EDGE_NOARGS(py_testing_reports_built)
 
 PyMethodDef oc_oom_methods[] = {
     OC_METHOD(
         "_is_oom", py_is_oom,
         "_is_oom(exc, /)\n--\n\nexc means the GPU ran out of memory: torch's OOM type, or the "
         "RuntimeError text older paths raise."),
-    OC_METHOD(
-        "_oom_report", py_oom_report,
-        "_oom_report(text=None, exhausted=False)\n--\n\n(report, seq): every figure of the OOM "
-        "whose message is text (None: the observer's last) with the ranked actions."),
-    OC_METHOD(
-        "_oom_observed", py_oom_observed,
-        "_oom_observed()\n--\n\nThe figures torch's OOM observer recorded at the last CUDA OOM, or "
-        "None."),
+    OC_METHOD("_oom_record", py_oom_record,
+              "_oom_record(exc=None, exhausted=False, refresh=False)\n--\n\nThe report of exc "
+              "(None: the observer's last OOM): the one it carries unless refresh, else built "
+              "now, kept for last_oom() and attached to exc as outofcuda_report."),
+    OC_METHOD("_oom_note", py_oom_note,
+              "_oom_note(exc, /)\n--\n\nAn OOM a retry may survive: its report is built if "
+              "last_oom() asks."),
+    OC_METHOD("_oom_last", py_oom_last,
+              "_oom_last()\n--\n\nThe report of the last CUDA OOM in this process, or None."),
+    OC_METHOD("_oom_format", py_oom_format,
+              "_oom_format(report, /)\n--\n\nThe report's text, as printed before the traceback "
+              "of an uncaught OOM."),
     OC_METHOD(
         "_oom_advice", py_oom_advice,
         "_oom_advice(**figures)\n--\n\nRanked actions (list of str) that fit an OOM's figures."),
@@ -1288,5 +1666,12 @@ PyMethodDef oc_oom_methods[] = {
         "_oom_observer", py_oom_observer,
         "_oom_observer(device, alloc, device_limit, device_free, /)\n--\n\nThe callable outofcuda "
         "attaches with torch._C._cuda_attach_out_of_memory_observer."),
+    {NULL, NULL, 0, NULL},
+};
+
+/* Behind the test door (_outofcuda._testing, module.c). */
+PyMethodDef oc_oom_testing_methods[] = {
+    OC_METHOD("oom_reports_built", py_testing_reports_built,
+              "oom_reports_built()\n--\n\nReports built in this process."),
     {NULL, NULL, 0, NULL},
 };

@@ -390,7 +390,7 @@ CONVENTIONS = {
                                           "nvml_devices", "_summary_stats")],
                     [([1], {}), ([], {"x": 1}), ([1, 2], {"x": 1})]),
     "METH_O": (("math.sqrt", []),
-               [_engine(n) for n in ("nvml_index", "_alloc_items", "_fmt_bytes", "_monitor_stop",
+               [_engine(n) for n in ("nvml_index", "_alloc_items", "_oom_format", "_monitor_stop",
                                      "_parse_config")],
                [([], {}), ([1, 2], {}), ([1], {"x": 1}), ([], {"x": 1})]),
     "METH_VARARGS": (("time.strftime", []),

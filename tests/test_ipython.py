@@ -74,7 +74,7 @@ CELLS = [
     "%env OUTOFCUDA_OOM_KEEP_FRAMES=1",
     "fill(1000)",
     STATE + """
-import outofcuda
+import outofcuda.oom  # the handler imported none of outofcuda's Python
 print("REPORT=" + json.dumps(outofcuda.oom.format_report(outofcuda.last_oom())))""",
 ]
 

@@ -51,6 +51,9 @@ class NoTruth:
         raise ValueError("no truth value")
 
 GIB = 1 << 30
+OOM = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 " +
+                                  "\u00e9" * 200)
+REPORT = _outofcuda._oom_record(OOM)
 
 def oom_advice_errors():
     error(_outofcuda._oom_advice, 1)
@@ -91,7 +94,6 @@ cases = {
     "_outofcuda._api_memory_format": lambda: _outofcuda._api_memory_format(True, False),
     "_outofcuda._api_memory_report": _outofcuda._api_memory_report,
     "_outofcuda._api_clear_cache": _outofcuda._api_clear_cache,
-    "_outofcuda._oom_observed": _outofcuda._oom_observed,
     "_outofcuda._oom_observer": lambda: _outofcuda._oom_observer(0, 1 << 30, 8 << 30, 1 << 20),
     # Every branch of the ranking: another process, fragmentation, the fraction,
     # the batch, autocast; a nameless process and a tenth one past the 8 kept.
@@ -127,10 +129,20 @@ cases = {
     "_outofcuda._labelled": lambda: _outofcuda._labelled("a\n\nb\u00e9\n"),
     "_outofcuda._microbatch_split": _outofcuda._microbatch_split,
     "_outofcuda._settings": _outofcuda._settings,
-    "_outofcuda._oom_report": lambda: (_outofcuda._oom_report(),
-                                       _outofcuda._oom_report("CUDA out of memory. Tried to "
-                                                              "allocate 2.00 GiB. GPU 0", True)),
-    "_outofcuda._oom_report(error)": lambda: error(_outofcuda._oom_report, 5),
+    "_outofcuda._oom_record": lambda: (_outofcuda._oom_record(),
+                                       _outofcuda._oom_record(OOM, True, True),
+                                       _outofcuda._oom_record(OOM)),
+    "_outofcuda._oom_record(error)": lambda: error(_outofcuda._oom_record, OOM, True, True, 1),
+    "_outofcuda._oom_note": lambda: (_outofcuda._oom_note(OOM), _outofcuda._oom_last(),
+                                     _outofcuda._oom_note(None)),
+    "_outofcuda._oom_last": _outofcuda._oom_last,
+    "_outofcuda._oom_format": lambda: _outofcuda._oom_format(
+        dict(REPORT, other_processes=[{"pid": 7, "name": "x", "used_bytes": GIB}],
+             memory_fraction=0.5, limit_bytes=GIB, snapshot="/tmp/s.pickle")),
+    "_outofcuda._oom_format(error)": lambda: (
+        error(_outofcuda._oom_format, 5), error(_outofcuda._oom_format, dict(REPORT, notes=5)),
+        error(_outofcuda._oom_format, dict(REPORT, request_bytes="x"))),
+    "_outofcuda._testing.oom_reports_built": _outofcuda._testing.oom_reports_built,
     "_outofcuda._disabled_by_env": _outofcuda._disabled_by_env,
     "_outofcuda._tf32_forced_off": _outofcuda._tf32_forced_off,
     "_outofcuda._alloc_var": lambda: _outofcuda._alloc_var("2.14.1"),
@@ -140,7 +152,6 @@ cases = {
     "_outofcuda._wrap": lambda: _outofcuda._wrap("a/b, c " * 40 + "\u00e9" * 90, 48, 32),
     "_outofcuda._wrap(error)": lambda: error(_outofcuda._wrap, "x", 0, 6),
     "_outofcuda._text_layout": _outofcuda._text_layout,
-    "_outofcuda._fmt_bytes": lambda: (_outofcuda._fmt_bytes(3 << 29), _outofcuda._fmt_bytes(5 << 20)),
     "_outofcuda._alloc_items": lambda: _outofcuda._alloc_items(
         "max_split_size_mb:128,roundup_power2_divisions:[256:1,>:4]"),
     "_outofcuda._alloc_items(error)": lambda: error(_outofcuda._alloc_items, "a:[1"),
@@ -210,18 +221,20 @@ CASES = [
     "_outofcuda.nvml_index",
     "_outofcuda._api_autocast_dtype", "_outofcuda._api_loader_plan",
     "_outofcuda._api_memory_format", "_outofcuda._api_memory_report",
-    "_outofcuda._api_clear_cache", "_outofcuda._oom_observed", "_outofcuda._oom_observer",
+    "_outofcuda._api_clear_cache", "_outofcuda._oom_observer",
     "_outofcuda._oom_advice", "_outofcuda._oom_advice(error)",
     "_outofcuda._testing.monitor_start..stop", "_outofcuda._monitor_stop_all", "outofcuda.status",
     "outofcuda.config", "outofcuda.memory_report", "outofcuda.clear_cache", "outofcuda.last_oom",
     "outofcuda.autocast_context", "_outofcuda._testing.summary_start",
     "_outofcuda._testing.summary_start(error)", "_outofcuda._monitor_start",
     "_outofcuda._summary_stats", "_outofcuda._labelled",
-    "_outofcuda._microbatch_split", "_outofcuda._grad_set_aside", "_outofcuda._settings", "_outofcuda._oom_report",
-    "_outofcuda._oom_report(error)",
+    "_outofcuda._microbatch_split", "_outofcuda._grad_set_aside", "_outofcuda._settings", "_outofcuda._oom_record",
+    "_outofcuda._oom_record(error)", "_outofcuda._oom_note", "_outofcuda._oom_last",
+    "_outofcuda._oom_format", "_outofcuda._oom_format(error)",
+    "_outofcuda._testing.oom_reports_built",
     "_outofcuda._disabled_by_env", "_outofcuda._tf32_forced_off",
     "_outofcuda._alloc_var", "_outofcuda._alloc_vars", "_outofcuda._is_oom", "_outofcuda._wrap",
-    "_outofcuda._wrap(error)", "_outofcuda._text_layout", "_outofcuda._fmt_bytes", "_outofcuda._alloc_items",
+    "_outofcuda._wrap(error)", "_outofcuda._text_layout", "_outofcuda._alloc_items",
     "_outofcuda._alloc_items(error)", "_outofcuda.visible_devices",
     "_outofcuda._visible_ccs", "_outofcuda._platform", "_outofcuda._testing.simulate_kernel_release",
     "_outofcuda._known_bugs_check", "_outofcuda._known_bugs_check(error)",

@@ -579,8 +579,8 @@ def test_uncaught_oom_report_once_cuda_initialised_then_chains(venv, tmp_path, w
 
 def test_uncaught_report_never_imports_a_planted_outofcuda(venv, tmp_path, workdir):
     """An `outofcuda` folder in the working directory (first on sys.path for
-    `python -c`) is never imported by the hook: the report falls back to
-    the one line the C core prints."""
+    `python -c`) is never imported by the hook, whose report is the C core's
+    alone: the whole report comes, then the traceback."""
     planted = workdir / "outofcuda"
     planted.mkdir()
     marker = tmp_path / "MARKER"
@@ -592,8 +592,10 @@ def test_uncaught_report_never_imports_a_planted_outofcuda(venv, tmp_path, workd
     """)
     assert r.returncode == 1, r.stderr
     assert not marker.exists(), marker.read_text()
-    assert r.stderr.startswith("outofcuda: CUDA out of memory (allocated 0.00 GiB, reserved "
-                               "0.00 GiB by this process).\nTraceback"), r.stderr
+    assert r.stderr.startswith("outofcuda: CUDA out of memory on cuda:"), r.stderr
+    assert "  requested          2.00 GiB\n" in r.stderr
+    assert "\n\nTraceback" in r.stderr and r.stderr.index("\n\nTraceback") > r.stderr.index(
+        "  what to try, most useful first:\n"), r.stderr
 
 
 def test_cuda_init_inside_a_console_leaves_its_output_alone(venv, tmp_path, workdir):
@@ -647,30 +649,75 @@ def test_gpu_checks_take_the_gpu_fixture():
             assert "gpu" in [a.arg for a in fn.args.args], f"{path.name}::{fn.name}"
 
 
-def test_the_python_function_the_engine_calls_exists(venv, workdir):
-    """The engine calls one Python function by name (oc.h): the report printed
-    before an uncaught OOM's traceback. Renaming either side fails here."""
-    import re
-    from pathlib import Path
+def test_the_hook_reports_in_one_crossing(venv, tmp_path, workdir):
+    """The exception hook gathers, ranks and writes the report in C: no module
+    of the outofcuda package is imported for it. What it printed is the text
+    of the report last_oom() then returns, which the exception carries."""
+    r = _fake_cuda(venv, tmp_path, workdir, """
+        import io
+        torch.cuda._fake_cuda_init()
+        errors = []
 
-    header = (Path(__file__).resolve().parent.parent / "src" / "oc.h").read_text()
-    module = re.search(r'#define OC_PY_OOM_MODULE "([^"]+)"', header).group(1)
-    func = re.search(r'#define OC_PY_OOM_PRINT "([^"]+)"', header).group(1)
-    r = venv.check(f"import importlib; print(callable(getattr(importlib.import_module("
-                   f"{module!r}), {func!r}, None)))", cwd=workdir)
-    assert r.stdout.strip() == "True", (module, func)
+        def worker():
+            e = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB. "
+                                            "GPU 0 has a total capacity of 10.00 GiB")
+            errors.append(e)
+            raise e
+        real, sys.stderr = sys.stderr, io.StringIO()
+        th = threading.Thread(target=worker)
+        th.start(); th.join()
+        printed, sys.stderr = sys.stderr.getvalue(), real
+        package = sorted(m for m in sys.modules if m == "outofcuda" or m.startswith("outofcuda."))
+        import outofcuda
+        rep = outofcuda.last_oom()
+        print(json.dumps({"package": package, "printed": printed,
+                          "text": outofcuda.oom.format_report(rep),
+                          "carried": errors[0].outofcuda_report is rep,
+                          "request": rep["request_bytes"], "again": outofcuda.last_oom() is rep}))
+    """)
+    out = last_json(r)
+    assert out["package"] == []
+    assert out["printed"].startswith(out["text"] + "\n\nException in thread"), out["printed"]
+    assert out["text"].startswith("outofcuda: CUDA out of memory on cuda:0\n")
+    assert out["request"] == 512 << 20
+    assert out["carried"] is True and out["again"] is True
 
 
 def test_report_bytes_are_written_by_the_engine(venv, workdir):
     """One writer of byte counts: the report's figures read as the advice's
     (whole MiB under a GiB, two decimals of GiB from there)."""
     got = venv.json("""
-import json, _outofcuda
-from outofcuda import oom
+import json, torch, outofcuda, _outofcuda
+from outofcuda.oom import format_report
 sizes = [0, (1 << 30) - (1 << 19), 1 << 30, 3 << 29, 80 << 30]
-print(json.dumps([[_outofcuda._fmt_bytes(n) for n in sizes], oom._gib(None), oom._gib(3 << 29)]))
+lines = []
+for n in sizes:
+    _outofcuda._oom_observer(0, n, 80 << 30, 1 << 29)
+    text = format_report(outofcuda.last_oom())
+    lines.append([ln for ln in text.splitlines() if ln.startswith("  requested")])
+print(json.dumps([lines, [ln for ln in text.splitlines() if ln.startswith("  this process")]]))
 """, cwd=workdir)
-    assert got == [["0 MiB", "1024 MiB", "1.00 GiB", "1.50 GiB", "80.00 GiB"], "unknown", "1.50 GiB"]
+    assert got == [[["  requested          0 MiB"], ["  requested          1024 MiB"],
+                    ["  requested          1.00 GiB"], ["  requested          1.50 GiB"],
+                    ["  requested          80.00 GiB"]],
+                   ["  this process       allocated unknown, reserved unknown, peak allocated "
+                    "unknown"]]
+
+
+def test_a_long_message_is_cut_between_characters(venv, workdir):
+    """The report keeps the first line of the OOM's message up to 399 bytes
+    and prints its first 160 characters: neither cut splits a character."""
+    got = venv.json("""
+import json, torch, outofcuda, outofcuda.oom
+text = "CUDA out of memory. Tried to allocate 2.00 GiB. " + "\u00e9" * 300 + "\\nsecond line"
+rep = outofcuda.oom._record(torch.cuda.OutOfMemoryError(text))
+error = [ln for ln in outofcuda.oom.format_report(rep).splitlines() if ln.startswith("  error")]
+print(json.dumps([text, rep["message"], error]))
+""", cwd=workdir)
+    text, message, error = got
+    # 48 bytes of ASCII, then 2-byte characters: the 399th byte would split one.
+    assert len(message.encode()) == 398 and text.startswith(message)
+    assert error == ["  error              " + message[:160]]
 
 
 def test_what_counts_as_an_oom_is_the_engines(venv, workdir):
