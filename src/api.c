@@ -242,6 +242,8 @@ static int shm_size(const char *path, unsigned long long *total)
  * shm_enough, shm_min_bytes: what smart_dataloader and `outofcuda doctor`
  * both go by) and, the first time workers meet a too-small /dev/shm, a
  * warning. */
+static int shm_warned; /* the shared-memory warning was given, once per process */
+
 static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"cuda_available", "num_workers", "shm_path", "shm_min_bytes", NULL};
@@ -261,8 +263,8 @@ static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
     workers = requested >= 0 ? requested : workers;
     shm_ok = shm_size(shm_path, &shm_total) == 0;
     shm_enough = workers <= 0 || (shm_ok && shm_total >= shm_min);
-    if (!shm_enough && !oc_g.shm_warned) {
-        oc_g.shm_warned = 1;
+    if (!shm_enough && !shm_warned) {
+        shm_warned = 1;
         if (shm_ok)
             snprintf(warning, sizeof warning,
                      "outofcuda: %s holds only %llu MiB; DataLoader workers pass batches "
@@ -420,6 +422,11 @@ static PyObject *list_pop(PyObject *list)
     return item;
 }
 
+/* Autograd node types seen without a `variable` (all but AccumulateGrad):
+ * a failed look-up builds an exception that every node of every step would
+ * pay, so a type is asked once. */
+static PyObject *no_variable_types;
+
 /* One autograd node: records the leaf it accumulates into (first time only)
  * and sets its gradient aside, then pushes the nodes it leads to. Counts the
  * gradients set aside in *aside. */
@@ -427,7 +434,7 @@ static int visit_node(PyObject *node, PyObject *saved, PyObject *stack, long *as
 {
     PyObject *type = PyObject_Type(node), *var = NULL, *next;
     Py_ssize_t n;
-    int known = type && oc_g.no_variable_types ? PySet_Contains(oc_g.no_variable_types, type) : 0;
+    int known = type && no_variable_types ? PySet_Contains(no_variable_types, type) : 0;
     if (type == NULL || known < 0) {
         Py_XDECREF(type);
         return -1;
@@ -440,9 +447,9 @@ static int visit_node(PyObject *node, PyObject *saved, PyObject *stack, long *as
                 return -1;
             }
             OC_CLEAR_ABSENT(); /* not an AccumulateGrad node */
-            if (oc_g.no_variable_types == NULL)
-                oc_g.no_variable_types = PySet_New(NULL);
-            if (oc_g.no_variable_types == NULL || PySet_Add(oc_g.no_variable_types, type) < 0) {
+            if (no_variable_types == NULL)
+                no_variable_types = PySet_New(NULL);
+            if (no_variable_types == NULL || PySet_Add(no_variable_types, type) < 0) {
                 Py_DECREF(type);
                 return -1;
             }
@@ -532,12 +539,20 @@ static PyObject *py_grad_set_aside(PyObject *self, PyObject *args)
     return PyLong_FromLong(aside);
 }
 
-/* auto_microbatch counts its splits here, where the exit summary reads them. */
+/* auto_microbatch counts its splits here, where the exit summary reads them
+ * (oc_api_microbatch_splits). */
+static long long microbatch_splits;
+
+long long oc_api_microbatch_splits(void)
+{
+    return microbatch_splits;
+}
+
 static PyObject *py_microbatch_split(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    return PyLong_FromLongLong(++oc_g.microbatch_splits);
+    return PyLong_FromLongLong(++microbatch_splits);
 }
 
 OC_EDGE_VARARGS(py_grad_set_aside)

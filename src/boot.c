@@ -22,8 +22,8 @@ typedef struct {
  * instead of a PyModuleDef, and the dict is reached through getattro and
  * setattro (an opaque object has no __dictoffset__). */
 
-/* The boot's own state, outside the engine's oc_state (oc.h): it runs at
- * start-up, before the engine is loaded, in a separate extension. */
+/* The boot's own state, apart from the engine's: it runs at start-up,
+ * before the engine is loaded, in a separate extension. */
 static PyObject *boot_module; /* strong; __file__ locates the engine */
 static PyObject *finder;      /* strong; the one instance on sys.meta_path */
 static PyObject *engine;      /* strong; _outofcuda once loaded */

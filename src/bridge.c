@@ -12,6 +12,15 @@
 
 /* ---- reading torch/version.py without importing torch ---- */
 
+/* torch about to load, from its version.py, then from the module that
+ * executed (bridge.c's own; process-wide, under the GIL: see oc.h). */
+static struct {
+    long ver;       /* oc_torch_version_number; 0 unknown */
+    int cuda_build; /* torch.version.cuda is not None */
+    int hip_build;
+    int known;
+} build;
+
 /* Finds `name` at the start of a line followed by '=' (an annotation may sit
  * between) and copies the quoted value, or "None". */
 static void version_field(const char *text, const char *name, char *out, size_t sz)
@@ -53,7 +62,7 @@ static void read_version_file(PyObject *spec)
     char *slash;
     /* Facts of an earlier, failed attempt (another copy of torch) never
      * carry over to this one. */
-    memset(&oc_g.build, 0, sizeof oc_g.build);
+    memset(&build, 0, sizeof build);
     o = spec ? PyObject_GetAttrString(spec, "origin") : NULL;
     if (o == NULL || !PyUnicode_Check(o)) {
         OC_CLEAR();
@@ -76,10 +85,10 @@ static void read_version_file(PyObject *spec)
     version_field(text, "__version__", v, sizeof v);
     version_field(text, "cuda", cuda, sizeof cuda);
     version_field(text, "hip", hip, sizeof hip);
-    oc_g.build.ver = oc_torch_version_number(v);
-    oc_g.build.cuda_build = cuda[0] != '\0' && strcmp(cuda, "None") != 0;
-    oc_g.build.hip_build = hip[0] != '\0' && strcmp(hip, "None") != 0;
-    oc_g.build.known = oc_g.build.ver != 0;
+    build.ver = oc_torch_version_number(v);
+    build.cuda_build = cuda[0] != '\0' && strcmp(cuda, "None") != 0;
+    build.hip_build = hip[0] != '\0' && strcmp(hip, "None") != 0;
+    build.known = build.ver != 0;
 }
 
 /* Reads the same facts from the torch that executed: the one that counts,
@@ -93,15 +102,32 @@ static void read_version_module(PyObject *torch)
         return;
     cuda = oc_getattr_chain(torch, "version.cuda");
     hip = oc_getattr_chain(torch, "version.hip");
-    oc_g.build.ver = ver;
-    oc_g.build.cuda_build = cuda != NULL && cuda != Py_None;
-    oc_g.build.hip_build = hip != NULL && hip != Py_None;
-    oc_g.build.known = 1;
+    build.ver = ver;
+    build.cuda_build = cuda != NULL && cuda != Py_None;
+    build.hip_build = hip != NULL && hip != Py_None;
+    build.known = 1;
     Py_XDECREF(cuda);
     Py_XDECREF(hip);
 }
 
 /* ---- allocator (before torch loads) ---- */
+
+/* The merge outofcuda works out for the allocator variable, and the
+ * sentence that says what became of it. */
+static char alloc_value[OC_ALLOC_CONF_MAX];
+static char alloc_reason[1000];
+static int alloc_applied;
+static int alloc_by_setter; /* the merge went to torch's runtime setter alone */
+/* The user's PYTORCH_ALLOC_CONF, which 2.9 and 2.10 ignore, went to torch. */
+static int alloc_generic;
+/* The variable as the user left it, given back once torch has read
+ * outofcuda's value: children inherit the user's environment. */
+static struct {
+    int written; /* outofcuda changed the variable and has not restored it */
+    int had;     /* the user had set it (possibly empty) */
+    char name[32];
+    char value[OC_ALLOC_CONF_MAX];
+} alloc_saved;
 
 /* ctx: int, non-zero when cudaMallocAsync is the backend. That backend
  * ignores every native-allocator key and torch warns about each, so only
@@ -110,7 +136,7 @@ static int key_allowed(const char *key, void *ctx)
 {
     if (*(const int *)ctx && strcmp(key, "backend") != 0)
         return 0;
-    return oc_alloc_key_known(key, oc_g.build.ver);
+    return oc_alloc_key_known(key, build.ver);
 }
 
 /* Returns 1 when the allocator string chooses backend:cudaMallocAsync. */
@@ -123,11 +149,11 @@ static int async_backend(const char *conf)
  * (oc_alloc_user_var); its value through *value ("" when unset). */
 static const char *user_alloc_var(const char **value)
 {
-    const char *name = oc_alloc_user_var(oc_g.build.ver, value);
+    const char *name = oc_alloc_user_var(build.ver, value);
     /* Known bug alloc-conf-generic-ignored: the user's keys are read where
      * the user put them, and reach torch in outofcuda's string. */
     if (*value == NULL && oc_known_bug_on("alloc-conf-generic-ignored") &&
-        oc_alloc_generic_ignored(oc_g.build.ver, value))
+        oc_alloc_generic_ignored(build.ver, value))
         name = OC_VAR("PYTORCH_ALLOC_CONF");
     if (*value == NULL)
         *value = "";
@@ -162,11 +188,10 @@ static int set_environ(const char *name, const char *value)
  * Returns 0, or -1 when os.environ refused (recorded as outofcuda's error). */
 static int restore_allocator_env(void)
 {
-    if (!oc_g.alloc_saved.written)
+    if (!alloc_saved.written)
         return 0;
-    oc_g.alloc_saved.written = 0;
-    if (set_environ(oc_g.alloc_saved.name, oc_g.alloc_saved.had ? oc_g.alloc_saved.value : NULL) <
-        0) {
+    alloc_saved.written = 0;
+    if (set_environ(alloc_saved.name, alloc_saved.had ? alloc_saved.value : NULL) < 0) {
         oc_set_error("restoring the allocator variable failed");
         return -1;
     }
@@ -187,16 +212,17 @@ static const char *dropped_note(const char *dropped, int async)
 }
 
 /* Returns 1 when a framework owns GPU memory in this process and outofcuda
- * steps back (remembered in oc_g.framework); 0 otherwise, with a note in
+ * steps back (remembered by oc_framework_leave_to); 0 otherwise, with a note in
  * override_note when OUTOFCUDA_FRAMEWORK_OVERRIDE=1 kept outofcuda's
  * settings beside one. */
 static int framework_owns_memory(const oc_config *cfg, char *override_note, size_t notesz)
 {
-    char why[sizeof oc_g.framework.why];
+    const oc_framework_choice *fw = oc_framework_choice_get();
+    char why[sizeof fw->why];
     const char *name;
     if (override_note != NULL && notesz > 0)
         override_note[0] = '\0';
-    if (oc_g.framework.left_to[0])
+    if (fw->left_to[0])
         return 1;
     name = oc_framework_in_use(why, sizeof why);
     if (name == NULL)
@@ -208,8 +234,7 @@ static int framework_owns_memory(const oc_config *cfg, char *override_note, size
                      name);
         return 0;
     }
-    snprintf(oc_g.framework.left_to, sizeof oc_g.framework.left_to, "%s", name);
-    snprintf(oc_g.framework.why, sizeof oc_g.framework.why, "%s", why);
+    oc_framework_leave_to(name, why);
     return 1;
 }
 
@@ -226,13 +251,12 @@ static int framework_owns_memory(const oc_config *cfg, char *override_note, size
  * Before 2.9 it is written the same way. */
 static int setter_configures(const char *user)
 {
-    return oc_g.build.ver >= 20900 && (oc_alloc_value(oc_g.alloc_value, "backend", NULL, 0) != 1 ||
-                                       oc_alloc_value(user, "backend", NULL, 0) == 1);
+    return build.ver >= 20900 && (oc_alloc_value(alloc_value, "backend", NULL, 0) != 1 ||
+                                  oc_alloc_value(user, "backend", NULL, 0) == 1);
 }
 
-/* Why the allocator record says what it says (bridge.c's own, beside
- * oc_g.alloc_reason): written with the sentence, recorded by
- * record_allocator. */
+/* Why the allocator record says what it says (beside alloc_reason):
+ * written with the sentence, recorded by record_allocator. */
 static oc_rec_code alloc_code;
 
 /* The allocator's sentence, with its code. */
@@ -246,18 +270,19 @@ static void alloc_say(oc_rec_code code, const char *fmt, ...)
     va_list ap;
     alloc_code = code;
     va_start(ap, fmt);
-    vsnprintf(oc_g.alloc_reason, sizeof oc_g.alloc_reason, fmt, ap);
+    vsnprintf(alloc_reason, sizeof alloc_reason, fmt, ap);
     va_end(ap);
 }
 
 static void prepare_allocator(const oc_config *cfg)
 {
     char dropped[256], err[160], fw_note[120], platform_defaults[OC_ALLOC_CONF_MAX];
+    const oc_framework_choice *fw = oc_framework_choice_get();
     const char *name, *user, *defaults, *write_name;
     int async, held_back, owned, generic;
-    oc_g.alloc_applied = 0;
-    oc_g.alloc_generic = 0;
-    oc_g.alloc_value[0] = '\0';
+    alloc_applied = 0;
+    alloc_generic = 0;
+    alloc_value[0] = '\0';
     alloc_code = OC_CODE_NOT_IMPORTED;
     /* The framework's own import is in progress (vllm/__init__.py imports
      * torch through vllm.env_override): it reads the variable as the user
@@ -270,63 +295,62 @@ static void prepare_allocator(const oc_config *cfg)
                   "left to %s: the allocator variable stays as the user set it, and no memory "
                   "fraction is set (OUTOFCUDA_FRAMEWORK_OVERRIDE=1 applies outofcuda's anyway). "
                   "%s",
-                  oc_g.framework.left_to, oc_g.framework.why);
-        snprintf(oc_g.framework.decided, sizeof oc_g.framework.decided,
-                 "at torch's import: %s in use, allocator and memory fraction left to it",
-                 oc_g.framework.left_to);
+                  fw->left_to, fw->why);
+        oc_framework_decided(
+            0, "at torch's import: %s in use, allocator and memory fraction left to it",
+            fw->left_to);
     } else {
-        snprintf(oc_g.framework.decided, sizeof oc_g.framework.decided,
-                 "at torch's import: no framework that owns GPU memory in use%s",
-                 cfg->framework_override ? " (or OUTOFCUDA_FRAMEWORK_OVERRIDE=1)" : "");
+        oc_framework_decided(0, "at torch's import: no framework that owns GPU memory in use%s",
+                             cfg->framework_override ? " (or OUTOFCUDA_FRAMEWORK_OVERRIDE=1)" : "");
     }
     /* Off (OUTOFCUDA_ALLOC_CONF=off): nothing merged, nothing written; the
      * user's own allocator variable is torch's alone. */
     if (oc_config_off(cfg, "OUTOFCUDA_ALLOC_CONF"))
         return;
-    if (!oc_g.build.known) {
+    if (!build.known) {
         if (!owned)
             alloc_say(OC_CODE_VERSION_UNKNOWN,
                       "torch's version could not be read before it loaded");
         return;
     }
-    if (!oc_g.build.cuda_build) {
+    if (!build.cuda_build) {
         if (!owned)
-            alloc_say(oc_g.build.hip_build ? OC_CODE_ROCM : OC_CODE_NO_CUDA, "%s",
-                      oc_g.build.hip_build
+            alloc_say(build.hip_build ? OC_CODE_ROCM : OC_CODE_NO_CUDA, "%s",
+                      build.hip_build
                           ? "ROCm build of torch: outofcuda configures CUDA's allocator only"
                           : "this torch build has no CUDA");
         return;
     }
     name = user_alloc_var(&user);
-    generic = strcmp(name, OC_VAR("PYTORCH_ALLOC_CONF")) == 0 && oc_g.build.ver < 21100;
+    generic = strcmp(name, OC_VAR("PYTORCH_ALLOC_CONF")) == 0 && build.ver < 21100;
     /* OUTOFCUDA_ALLOC_CONF unset (config.c keeps the conditional defaults
      * then): the defaults may lose a key this machine cannot use. */
     defaults = oc_platform_alloc_defaults(cfg->alloc_conf, cfg->alloc_conf_no_expandable[0] != '\0',
                                           platform_defaults, sizeof platform_defaults);
     async = async_backend(user) || (!user[0] && async_backend(defaults));
     if (oc_alloc_merge_defaults(defaults, cfg->alloc_conf_no_expandable, user, key_allowed, &async,
-                                oc_g.alloc_value, sizeof oc_g.alloc_value, dropped, sizeof dropped,
-                                err, sizeof err, &held_back) != 0) {
+                                alloc_value, sizeof alloc_value, dropped, sizeof dropped, err,
+                                sizeof err, &held_back) != 0) {
         /* A value outofcuda cannot parse is the user's business: leave it whole. */
         if (!owned)
             alloc_say(OC_CODE_NOT_UNDERSTOOD, "left alone: %s is not understood (%s)", name, err);
-        oc_g.alloc_value[0] = '\0';
+        alloc_value[0] = '\0';
         return;
     }
     if (owned)
         return;
     /* Where torch ignores the user's variable, the user's string still has
      * to reach it, even with nothing added. */
-    if (strcmp(oc_g.alloc_value, user) == 0 && !generic) {
+    if (strcmp(alloc_value, user) == 0 && !generic) {
         /* Nothing to add: the variable stays exactly as the user set it. */
         alloc_say(OC_CODE_NOTHING_TO_ADD, "nothing added to %s%s%.200s%s%s", name,
                   dropped_note(dropped, async), dropped, held_back ? HELD_BACK_NOTE : "", fw_note);
         return;
     }
-    oc_g.alloc_generic = generic;
+    alloc_generic = generic;
     if (setter_configures(user)) {
-        oc_g.alloc_by_setter = 1;
-        oc_g.alloc_applied = 1;
+        alloc_by_setter = 1;
+        alloc_applied = 1;
         alloc_say(OC_CODE_RUNTIME_SETTER,
                   "given to torch's runtime setter once torch loaded, the environment never "
                   "written (%s read as the user set it)%s%s%.200s%s%s",
@@ -335,34 +359,44 @@ static void prepare_allocator(const oc_config *cfg)
         return;
     }
     /* The variable this release reads (not the ignored one the user set). */
-    write_name = generic ? oc_alloc_env_name(oc_g.build.ver) : name;
+    write_name = generic ? oc_alloc_env_name(build.ver) : name;
     {
         const char *had = oc_env(write_name);
-        oc_g.alloc_saved.had = had != NULL;
-        snprintf(oc_g.alloc_saved.value, sizeof oc_g.alloc_saved.value, "%s", had ? had : "");
-        snprintf(oc_g.alloc_saved.name, sizeof oc_g.alloc_saved.name, "%s", write_name);
+        alloc_saved.had = had != NULL;
+        snprintf(alloc_saved.value, sizeof alloc_saved.value, "%s", had ? had : "");
+        snprintf(alloc_saved.name, sizeof alloc_saved.name, "%s", write_name);
     }
-    if (set_environ(write_name, oc_g.alloc_value) < 0) {
-        oc_g.alloc_generic = 0;
+    if (set_environ(write_name, alloc_value) < 0) {
+        alloc_generic = 0;
         oc_set_error("setting the allocator variable failed");
         alloc_say(OC_CODE_ERROR, "setting %s failed", write_name);
         return;
     }
-    oc_g.alloc_saved.written = 1;
-    oc_g.alloc_applied = 1;
+    alloc_saved.written = 1;
+    alloc_applied = 1;
     alloc_say(OC_CODE_ENV_WRITTEN, "%s set while torch loaded%s%s%.200s%s%s", write_name,
               user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async), dropped,
               held_back ? HELD_BACK_NOTE : "", fw_note);
 }
 
+/* The work before torch's code runs is done for this import attempt (the
+ * watcher asks; an attempt that fails lets the next prepare afresh). */
+static int prepared;
+
+int oc_bridge_prepared(void)
+{
+    return prepared;
+}
+
 void oc_bridge_before_torch(PyObject *spec)
 {
     const oc_config *cfg = oc_config_get();
+    prepared = 1;
     if (cfg->disable)
         return;
     read_version_file(spec);
     prepare_allocator(cfg);
-    oc_platform_note(oc_g.alloc_reason, sizeof oc_g.alloc_reason, oc_g.alloc_value);
+    oc_platform_note(alloc_reason, sizeof alloc_reason, alloc_value);
 }
 
 void oc_bridge_import_failed(void)
@@ -370,9 +404,9 @@ void oc_bridge_import_failed(void)
     /* The next attempt may load another copy of torch: it is prepared
      * afresh, from its own version file, with the user's environment. */
     restore_allocator_env();
-    oc_g.alloc_by_setter = 0;
-    memset(&oc_g.build, 0, sizeof oc_g.build);
-    oc_g.prepared = 0;
+    alloc_by_setter = 0;
+    memset(&build, 0, sizeof build);
+    prepared = 0;
 }
 
 /* ---- after torch executed ---- */
@@ -551,7 +585,7 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
     /* On a CPU-only build the legacy flag still moves torch's float32 matmul
      * precision to "high", which made CPU matmuls slower here: no gain, only
      * harm. */
-    if (!oc_g.build.cuda_build) {
+    if (!build.cuda_build) {
         oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED, OC_CODE_NO_CUDA,
                       "this torch build has no CUDA (TF32 would only slow CPU matmuls)");
         return;
@@ -590,7 +624,7 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
  * kernel of that build uses them. There outofcuda changes nothing readable. */
 static int skip_without_cuda(oc_opt opt)
 {
-    if (oc_g.build.cuda_build)
+    if (build.cuda_build)
         return 0;
     oc_record_set(opt, OC_REC_SKIPPED, OC_CODE_NO_CUDA,
                   "this torch build has no CUDA: torch's default kept");
@@ -613,7 +647,7 @@ static void apply_cudnn(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
         oc_record_off(OC_OPT_CUDNN_DETERMINISTIC, "OUTOFCUDA_CUDNN_DETERMINISTIC");
     if (bench_off)
         oc_record_off(OC_OPT_CUDNN_BENCHMARK, "OUTOFCUDA_CUDNN_BENCHMARK");
-    if (!oc_g.build.cuda_build) {
+    if (!build.cuda_build) {
         if (!bench_off)
             skip_without_cuda(OC_OPT_CUDNN_BENCHMARK);
         if (!det_off)
@@ -738,18 +772,19 @@ static int call_setter(PyObject *c_mod, const char *conf, const char **used)
  * `backend` key was read when torch loaded and stays. */
 static void hand_back_allocator(PyObject *c_mod)
 {
+    const oc_framework_choice *fw = oc_framework_choice_get();
     const char *name, *user, *used;
     int rc = 1;
     if (oc_config_off(oc_config_get(), "OUTOFCUDA_ALLOC_CONF"))
         return; /* the record says off: there is nothing of outofcuda's to hand back */
-    if (!oc_g.alloc_applied) {
+    if (!alloc_applied) {
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_SKIPPED, OC_CODE_FRAMEWORK,
-                      "%s; left to %s from CUDA initialisation. %s", oc_g.alloc_reason,
-                      oc_g.framework.left_to, oc_g.framework.why);
+                      "%s; left to %s from CUDA initialisation. %s", alloc_reason, fw->left_to,
+                      fw->why);
         return;
     }
     name = user_alloc_var(&user);
-    if (oc_alloc_expandable(oc_g.alloc_value) &&
+    if (oc_alloc_expandable(alloc_value) &&
         oc_alloc_value(user, "expandable_segments", NULL, 0) != 1)
         rc = call_setter(c_mod, "expandable_segments:False", &used);
     if (rc == 1)
@@ -760,23 +795,19 @@ static void hand_back_allocator(PyObject *c_mod)
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_APPLIED, OC_CODE_SETTER_FAILED,
                       "%s; %s is in use but torch's setter refused the user's %s, so "
                       "outofcuda's settings stay",
-                      oc_g.alloc_reason, oc_g.framework.left_to, name);
+                      alloc_reason, fw->left_to, name);
         return;
     }
-    oc_g.alloc_applied = 0;
+    alloc_applied = 0;
     oc_record_set(OC_OPT_ALLOCATOR, OC_REC_SKIPPED, OC_CODE_HANDED_BACK,
                   "handed back at CUDA initialisation: torch's allocator holds the user's own %s "
                   "('%.200s'), left to %s. %s",
-                  name, user, oc_g.framework.left_to, oc_g.framework.why);
+                  name, user, fw->left_to, fw->why);
 }
 
-/* Appends to what was decided about frameworks (oc_g.framework.decided,
- * which status() shows). */
-static void fw_say(const char *fmt, const char *a, const char *b)
-{
-    size_t len = strlen(oc_g.framework.decided);
-    snprintf(oc_g.framework.decided + len, sizeof oc_g.framework.decided - len, fmt, a, b);
-}
+/* The fraction the fraction step sets, when armed: at import, or by
+ * framework_left. */
+static double pending_fraction;
 
 /* The framework found at torch's import is gone when CUDA initialises: its
  * own import failed after it imported torch (a vLLM built for another
@@ -785,23 +816,25 @@ static void fw_say(const char *fmt, const char *a, const char *b)
  * first allocation, and the fraction step that follows sets the fraction. */
 static void framework_left(PyObject *torch)
 {
-    char gone[sizeof oc_g.framework.left_to], reason[400];
+    const oc_framework_choice *fw = oc_framework_choice_get();
+    char gone[sizeof fw->left_to], reason[400];
     const char *user, *used = NULL;
     PyObject *c_mod;
     int rc = 1;
-    snprintf(gone, sizeof gone, "%s", oc_g.framework.left_to);
-    oc_g.framework.left_to[0] = '\0';
-    fw_say("; when CUDA initialised: %s was no longer in use (its import failed), so outofcuda's "
-           "settings were applied then%s",
-           gone, "");
+    snprintf(gone, sizeof gone, "%s", fw->left_to);
+    oc_framework_leave_to(NULL, NULL);
+    oc_framework_decided(1,
+                         "; when CUDA initialised: %s was no longer in use (its import failed), "
+                         "so outofcuda's settings were applied then",
+                         gone);
     snprintf(reason, sizeof reason,
              "%s, in use when torch imported, was gone when CUDA initialised (its import failed)",
              gone);
     user_alloc_var(&user);
     c_mod = PyObject_GetAttrString(torch, "_C");
     OC_CLEAR();
-    if (oc_g.alloc_value[0] && strcmp(oc_g.alloc_value, user) != 0)
-        rc = call_setter(c_mod, oc_g.alloc_value, &used);
+    if (alloc_value[0] && strcmp(alloc_value, user) != 0)
+        rc = call_setter(c_mod, alloc_value, &used);
     Py_XDECREF(c_mod);
     if (oc_config_off(oc_config_get(), "OUTOFCUDA_ALLOC_CONF")) {
         /* the record already says off */
@@ -814,13 +847,13 @@ static void framework_left(PyObject *torch)
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_SKIPPED, OC_CODE_NOTHING_TO_ADD,
                       "%s; nothing to add to the user's allocator settings", reason);
     } else {
-        oc_g.alloc_applied = 1;
+        alloc_applied = 1;
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_APPLIED, OC_CODE_FRAMEWORK_LEFT,
                       "given to torch._C.%s when CUDA initialised: %s", used, reason);
-        oc_record_text(OC_OPT_ALLOCATOR, oc_g.alloc_value);
+        oc_record_text(OC_OPT_ALLOCATOR, alloc_value);
     }
-    if (oc_g.build.cuda_build && !oc_config_off(oc_config_get(), "OUTOFCUDA_MEMORY_FRACTION")) {
-        oc_g.pending_fraction = oc_config_get()->memory_fraction;
+    if (build.cuda_build && !oc_config_off(oc_config_get(), "OUTOFCUDA_MEMORY_FRACTION")) {
+        pending_fraction = oc_config_get()->memory_fraction;
         oc_cuda_step_arm(OC_STEP_FRACTION);
     }
 }
@@ -832,21 +865,24 @@ static void framework_left(PyObject *torch)
  * (the next step) is left to the framework. */
 static void framework_at_cuda_init(PyObject *torch)
 {
+    const oc_framework_choice *fw = oc_framework_choice_get();
     PyObject *c_mod;
-    if (oc_g.framework.left_to[0]) {
+    if (fw->left_to[0]) {
         if (oc_framework_in_use(NULL, 0) == NULL)
             framework_left(torch);
         else
-            fw_say("; when CUDA initialised: %s still in use%s", oc_g.framework.left_to, "");
+            oc_framework_decided(1, "; when CUDA initialised: %s still in use", fw->left_to);
         return;
     }
     if (!framework_owns_memory(oc_config_get(), NULL, 0)) {
-        fw_say("; when CUDA initialised: none in use%s%s", "", "");
+        oc_framework_decided(1, "; when CUDA initialised: none in use");
         return;
     }
-    fw_say("; when CUDA initialised: %s in use (imported after torch): torch's allocator handed "
-           "back to the user's settings and the memory fraction left to it%s",
-           oc_g.framework.left_to, "");
+    oc_framework_decided(1,
+                         "; when CUDA initialised: %s in use (imported after torch): torch's "
+                         "allocator handed back to the user's settings and the memory fraction "
+                         "left to it",
+                         fw->left_to);
     c_mod = PyObject_GetAttrString(torch, "_C");
     OC_CLEAR();
     hand_back_allocator(c_mod);
@@ -854,7 +890,7 @@ static void framework_at_cuda_init(PyObject *torch)
     if (oc_config_off(oc_config_get(), "OUTOFCUDA_MEMORY_FRACTION"))
         return; /* the record says off */
     oc_record_set(OC_OPT_FRACTION, OC_REC_SKIPPED, OC_CODE_FRAMEWORK, "not set: left to %s. %s",
-                  oc_g.framework.left_to, oc_g.framework.why);
+                  fw->left_to, fw->why);
 }
 
 /* ---- memory fraction, deferred to CUDA initialisation ---- */
@@ -911,7 +947,7 @@ static void fraction_at_cuda_init(PyObject *torch)
 {
     PyObject *c_mod = NULL, *n = NULL, *dev = NULL, *r = NULL;
     long rank = oc_env_rank("LOCAL_RANK"), count = 0, device = 0;
-    if (oc_g.framework.left_to[0]) {
+    if (oc_framework_choice_get()->left_to[0]) {
         /* The framework step (first) left the fraction to a framework. */
         return;
     }
@@ -932,13 +968,13 @@ static void fraction_at_cuda_init(PyObject *torch)
             goto error;
         device = PyLong_AsLong(dev);
     }
-    r = PyObject_CallMethod(c_mod, "_cuda_setMemoryFraction", "dl", oc_g.pending_fraction, device);
+    r = PyObject_CallMethod(c_mod, "_cuda_setMemoryFraction", "dl", pending_fraction, device);
     if (r == NULL)
         goto error;
     oc_record_set(OC_OPT_FRACTION, OC_REC_APPLIED, OC_CODE_AT_CUDA_INIT,
                   "applied to cuda:%ld when CUDA initialised%s", device,
                   rank >= 0 && rank == device ? " (LOCAL_RANK)" : "");
-    oc_record_fraction(oc_g.pending_fraction, device);
+    oc_record_fraction(pending_fraction, device);
     goto done;
 error:
     /* An interrupt is no failure: the step stays armed and its record is
@@ -958,11 +994,12 @@ done:
 
 static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
 {
+    const oc_framework_choice *fw = oc_framework_choice_get();
     if (oc_config_off(cfg, "OUTOFCUDA_MEMORY_FRACTION")) {
         oc_record_off(OC_OPT_FRACTION, "OUTOFCUDA_MEMORY_FRACTION");
         return;
     }
-    if (!oc_g.build.cuda_build) {
+    if (!build.cuda_build) {
         oc_record_set(OC_OPT_FRACTION, OC_REC_SKIPPED, OC_CODE_NO_CUDA,
                       "this torch build has no CUDA");
         return;
@@ -971,14 +1008,14 @@ static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
         oc_record_set(OC_OPT_FRACTION, OC_REC_SKIPPED, OC_CODE_NO_QUEUE, "%s", no_queue);
         return;
     }
-    if (oc_g.framework.left_to[0]) {
+    if (fw->left_to[0]) {
         oc_record_set(OC_OPT_FRACTION, OC_REC_SKIPPED, OC_CODE_FRAMEWORK, "not set: left to %s. %s",
-                      oc_g.framework.left_to, oc_g.framework.why);
+                      fw->left_to, fw->why);
         return;
     }
     if (fraction_left_to_program(NULL, "not set", "applies when CUDA initialises"))
         return;
-    oc_g.pending_fraction = cfg->memory_fraction;
+    pending_fraction = cfg->memory_fraction;
     oc_cuda_step_arm(OC_STEP_FRACTION);
     oc_record_set(OC_OPT_FRACTION, OC_REC_QUEUED, OC_CODE_AT_CUDA_INIT,
                   "queued: applied to this process's device when CUDA initialises");
@@ -999,7 +1036,7 @@ static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
  * initialisation fails) and must not call torch.cuda._lazy_call (from torch
  * 2.6 _lazy_init runs the queue while holding _initialization_lock, a plain
  * threading.Lock that _lazy_call takes too: the thread would wait on itself
- * for ever). A step runs only when armed (oc_g.cuda_init_steps), and is done
+ * for ever). A step runs only when armed (oc_cuda_step_arm), and is done
  * only when it completed: its bit is cleared after it ran to the end. A step
  * during which a Ctrl-C (or a SystemExit) arrived stays armed and the
  * callback stops there: the interrupt reaches the program as the callback
@@ -1010,7 +1047,7 @@ static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
 
 static int step_armed(oc_cuda_step step)
 {
-    return (oc_g.cuda_init_steps & (1u << step)) != 0;
+    return (oc_cuda_steps_armed() & (1u << step)) != 0;
 }
 
 /* The optimisations' records a step may write: *n of them. */
@@ -1047,17 +1084,17 @@ static const oc_opt *step_records(oc_cuda_step step, int *n)
 
 /* What a step changes in the engine's state, kept before it runs and put
  * back when it is interrupted, so that its next run starts where this one
- * did (the framework step appends to what was decided and may leave the
- * framework; the known-bugs step decides its entries once). What a step
- * changes in torch it sets again on its next run; oom.c's step keeps its
- * own, since an observer attached cannot be taken back. */
+ * did (the framework step appends to what was decided, may leave the
+ * framework and arm the fraction step). What a step changes in torch it
+ * sets again on its next run; the known-bugs step (which decides its
+ * entries once) and oom.c's (an observer attached cannot be taken back)
+ * keep their own. */
 #define STEP_RECORDS_MAX 2
 struct step_undo {
     unsigned steps;
     int alloc_applied;
     double pending_fraction;
-    char framework[sizeof oc_g.framework];
-    char kb[sizeof oc_g.kb];
+    oc_framework_choice framework;
     oc_record records[STEP_RECORDS_MAX]; /* the records as they were */
 };
 
@@ -1065,11 +1102,10 @@ static void step_keep(oc_cuda_step step, struct step_undo *u)
 {
     int n;
     const oc_opt *opts = step_records(step, &n);
-    u->steps = oc_g.cuda_init_steps;
-    u->alloc_applied = oc_g.alloc_applied;
-    u->pending_fraction = oc_g.pending_fraction;
-    memcpy(u->framework, &oc_g.framework, sizeof u->framework);
-    memcpy(u->kb, &oc_g.kb, sizeof u->kb);
+    u->steps = oc_cuda_steps_armed();
+    u->alloc_applied = alloc_applied;
+    u->pending_fraction = pending_fraction;
+    u->framework = *oc_framework_choice_get();
     for (int i = 0; i < n && i < STEP_RECORDS_MAX; i++)
         oc_record_keep(opts[i], &u->records[i]);
 }
@@ -1080,11 +1116,10 @@ static void step_undo(oc_cuda_step step, struct step_undo *u)
 {
     int n;
     const oc_opt *opts = step_records(step, &n);
-    oc_g.cuda_init_steps = u->steps;
-    oc_g.alloc_applied = u->alloc_applied;
-    oc_g.pending_fraction = u->pending_fraction;
-    memcpy(&oc_g.framework, u->framework, sizeof u->framework);
-    memcpy(&oc_g.kb, u->kb, sizeof u->kb);
+    oc_cuda_steps_set_armed(u->steps);
+    alloc_applied = u->alloc_applied;
+    pending_fraction = u->pending_fraction;
+    oc_framework_choice_put_back(&u->framework);
     for (int i = 0; i < n && i < STEP_RECORDS_MAX; i++)
         oc_record_put_back(opts[i], &u->records[i]);
 }
@@ -1120,6 +1155,7 @@ static PyObject *py_at_cuda_init(PyObject *self, PyObject *unused)
 {
     PyObject *torch = oc_sys_module("torch");
     struct step_undo undo;
+    int interrupted;
     (void)self;
     (void)unused;
     if (torch == NULL)
@@ -1130,14 +1166,10 @@ static PyObject *py_at_cuda_init(PyObject *self, PyObject *unused)
             continue;
         step_keep(step, &undo);
         run_step(step, torch);
-        if (oc_interrupt_waiting()) {
+        interrupted = oc_interrupt_waiting();
+        if (interrupted)
             step_undo(step, &undo);
-            oc_g.cuda_init_interrupted |= 1u << step;
-        } else {
-            oc_g.cuda_init_steps &= ~(1u << step);
-            oc_g.cuda_init_interrupted &= ~(1u << step);
-            oc_g.cuda_init_done |= 1u << step;
-        }
+        oc_cuda_step_ran(step, interrupted);
     }
     OC_CLEAR();
     Py_DECREF(torch);
@@ -1184,7 +1216,7 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
         oc_record_off(OC_OPT_AMP_DTYPE, "OUTOFCUDA_AMP_DTYPE");
         return;
     }
-    if (!oc_g.build.cuda_build) {
+    if (!build.cuda_build) {
         oc_record_set(OC_OPT_AMP_DTYPE, OC_REC_SKIPPED, OC_CODE_NO_CUDA,
                       "this torch build has no CUDA");
         return;
@@ -1241,29 +1273,29 @@ static void settle_allocator(PyObject *c_mod)
     const char *used = NULL;
     size_t len;
     int rc;
-    if (!oc_g.alloc_saved.written && !oc_g.alloc_by_setter)
+    if (!alloc_saved.written && !alloc_by_setter)
         return;
-    rc = call_setter(c_mod, oc_g.alloc_value, &used);
-    len = strlen(oc_g.alloc_reason);
+    rc = call_setter(c_mod, alloc_value, &used);
+    len = strlen(alloc_reason);
     if (rc != 1) {
         if (rc < 0)
             oc_set_error("handing the allocator settings to torch");
         OC_CLEAR_RECORDED(); /* above, or no setter: the reason says so */
-        oc_g.alloc_applied = 0;
+        alloc_applied = 0;
         alloc_code = used ? OC_CODE_SETTER_FAILED : OC_CODE_NO_SETTER;
-        snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len, "; not in effect: %s%s",
+        snprintf(alloc_reason + len, sizeof alloc_reason - len, "; not in effect: %s%s",
                  used ? "torch's setter failed" : "this torch has no runtime allocator setter",
-                 oc_g.alloc_by_setter ? "" : ", so the variable was restored");
+                 alloc_by_setter ? "" : ", so the variable was restored");
     } else {
-        snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len,
-                 oc_g.alloc_by_setter
+        snprintf(alloc_reason + len, sizeof alloc_reason - len,
+                 alloc_by_setter
                      ? "; given to torch._C.%s"
                      : "; given to torch._C.%s, then the variable was restored for child "
                        "processes (it was written while torch imported: this release reads "
                        "`backend` only then)",
                  used);
     }
-    oc_g.alloc_by_setter = 0;
+    alloc_by_setter = 0;
     restore_allocator_env();
 }
 
@@ -1276,20 +1308,20 @@ static void note_idle_gc(const oc_config *cfg)
 {
     char v[32];
     const char *why = NULL;
-    size_t len = strlen(oc_g.alloc_reason);
-    if (oc_alloc_value(oc_g.alloc_value, "garbage_collection_threshold", v, sizeof v) != 1 ||
+    size_t len = strlen(alloc_reason);
+    if (oc_alloc_value(alloc_value, "garbage_collection_threshold", v, sizeof v) != 1 ||
         atof(v) <= 0.0)
         return;
-    if (oc_alloc_value(oc_g.alloc_value, "per_process_memory_fraction", v, sizeof v) == 1 &&
+    if (oc_alloc_value(alloc_value, "per_process_memory_fraction", v, sizeof v) == 1 &&
         atof(v) < 1.0)
         return;
     if (oc_config_off(cfg, "OUTOFCUDA_MEMORY_FRACTION"))
         why = "OUTOFCUDA_MEMORY_FRACTION is off";
-    else if (cfg->memory_fraction >= 1.0 && oc_g.build.ver >= 21100)
+    else if (cfg->memory_fraction >= 1.0 && build.ver >= 21100)
         why = "OUTOFCUDA_MEMORY_FRACTION=1 sets no limit on this torch";
     if (why == NULL)
         return;
-    snprintf(oc_g.alloc_reason + len, sizeof oc_g.alloc_reason - len,
+    snprintf(alloc_reason + len, sizeof alloc_reason - len,
              "; garbage_collection_threshold cannot act: torch's allocator collects cached "
              "blocks only under a memory fraction below 1, and %s (unless the program sets one)",
              why);
@@ -1301,10 +1333,10 @@ static void record_allocator(const oc_config *cfg)
         oc_record_off(OC_OPT_ALLOCATOR, "OUTOFCUDA_ALLOC_CONF");
         return;
     }
-    if (!oc_g.prepared) {
+    if (!prepared) {
         /* A build without CUDA has no CUDA allocator to miss: say that, as
          * the hook would have, rather than blame the order. */
-        if (oc_g.build.known && !oc_g.build.cuda_build)
+        if (build.known && !build.cuda_build)
             oc_record_set(OC_OPT_ALLOCATOR, OC_REC_SKIPPED, OC_CODE_NO_CUDA,
                           "this torch build has no CUDA");
         else
@@ -1314,18 +1346,18 @@ static void record_allocator(const oc_config *cfg)
                           "before import torch)");
         return;
     }
-    if (oc_g.alloc_applied)
+    if (alloc_applied)
         note_idle_gc(cfg);
     oc_record_set(OC_OPT_ALLOCATOR,
-                  oc_g.alloc_applied ? OC_REC_APPLIED
+                  alloc_applied ? OC_REC_APPLIED
                   : alloc_code == OC_CODE_ERROR || alloc_code == OC_CODE_SETTER_FAILED ||
                           alloc_code == OC_CODE_NO_SETTER
                       ? OC_REC_FAILED
                       : OC_REC_SKIPPED,
-                  alloc_code, "%s", oc_g.alloc_reason);
-    if (oc_g.alloc_value[0] && oc_g.alloc_applied)
-        oc_record_text(OC_OPT_ALLOCATOR, oc_g.alloc_value);
-    oc_record_alloc_generic(oc_g.alloc_generic && oc_g.alloc_applied);
+                  alloc_code, "%s", alloc_reason);
+    if (alloc_value[0] && alloc_applied)
+        oc_record_text(OC_OPT_ALLOCATOR, alloc_value);
+    oc_record_alloc_generic(alloc_generic && alloc_applied);
 }
 
 void oc_bridge_after_torch(PyObject *torch)
@@ -1335,9 +1367,9 @@ void oc_bridge_after_torch(PyObject *torch)
     const char *no_queue;
     v = PyObject_GetAttrString(torch, "__version__");
     if (v != NULL) {
-        PyObject *old = oc_g.torch_version;
-        oc_g.torch_version = PyObject_Str(v);
-        Py_XDECREF(old);
+        PyObject *text = PyObject_Str(v);
+        oc_report_torch_version(text);
+        Py_XDECREF(text);
         Py_DECREF(v);
     }
     OC_CLEAR();
@@ -1366,18 +1398,20 @@ void oc_bridge_after_torch(PyObject *torch)
     arm_memory_fraction(cfg, no_queue);
     /* The framework step may have to hand torch's allocator back, or to
      * look again at a framework found at import. */
-    if ((oc_g.alloc_applied || oc_g.framework.left_to[0]) && no_queue == NULL)
+    if ((alloc_applied || oc_framework_choice_get()->left_to[0]) && no_queue == NULL)
         oc_cuda_step_arm(OC_STEP_FRAMEWORK);
     apply_sdpa(cfg, c_mod);
     oc_known_bugs_at_import(torch, no_queue);
     apply_amp_dtype(cfg, torch);
     oc_oom_install(torch, no_queue);
-    oc_summary_prepare(oc_g.build.cuda_build && no_queue == NULL);
+    oc_summary_prepare(
+        build.cuda_build && no_queue == NULL,
+        &(oc_summary_torch){build.cuda_build, build.hip_build, oc_alloc_expandable(alloc_value)});
     /* The framework step runs whenever the callback does: a framework
      * imported after torch counts too. */
-    if (oc_g.cuda_init_steps)
+    if (oc_cuda_steps_armed())
         oc_cuda_step_arm(OC_STEP_FRAMEWORK);
-    if (oc_g.cuda_init_steps && queue_at_cuda_init(lazy_call) < 0) {
+    if (oc_cuda_steps_armed() && queue_at_cuda_init(lazy_call) < 0) {
         /* Nothing will run when CUDA starts: no step may still say queued. */
         if (step_armed(OC_STEP_TF32))
             oc_record_set(OC_OPT_TF32, OC_REC_FAILED, OC_CODE_QUEUE_FAILED,
@@ -1388,7 +1422,7 @@ void oc_bridge_after_torch(PyObject *torch)
         if (step_armed(OC_STEP_OOM))
             oc_record_set(OC_OPT_OOM, OC_REC_FAILED, OC_CODE_QUEUE_FAILED,
                           "torch.cuda._lazy_call failed: Python's exception hooks left alone");
-        oc_g.cuda_init_steps = 0;
+        oc_cuda_steps_set_armed(0);
     }
     Py_XDECREF(lazy_call);
     Py_DECREF(c_mod);

@@ -1,7 +1,8 @@
-/* common.c - the shared ground under every engine file: the process-wide
- * state, warnings and the recorded error, the configuration snapshot, and
- * small CPython helpers (sys.modules lookups, attribute chains, UTF-8 copies).
- * Nothing here calls up into the watcher, the bridge or the features. */
+/* common.c - the shared ground under every engine file: warnings and the
+ * recorded error, the configuration snapshot, what is armed for CUDA's start,
+ * interrupts set aside, and small CPython helpers (sys.modules lookups,
+ * attribute chains, UTF-8 copies). Nothing here calls up into the watcher,
+ * the bridge or the features. */
 #include "oc.h"
 
 #include <limits.h>
@@ -15,9 +16,50 @@ extern char **environ;
 
 oc_state oc_g;
 
+/* The steps of the CUDA-init callback: armed at import by the file that owns
+ * each step, run and marked by bridge.c's callback, shown by report.c; here,
+ * below all of them. One bit per oc_cuda_step in each mask. */
+static struct {
+    unsigned armed;       /* runs when CUDA starts (an interrupted step stays armed) */
+    unsigned done;        /* ran to the end */
+    unsigned interrupted; /* its last run was interrupted */
+} cuda_steps;
+
 void oc_cuda_step_arm(oc_cuda_step step)
 {
-    oc_g.cuda_init_steps |= 1u << step;
+    cuda_steps.armed |= 1u << step;
+}
+
+unsigned oc_cuda_steps_armed(void)
+{
+    return cuda_steps.armed;
+}
+
+void oc_cuda_steps_set_armed(unsigned steps)
+{
+    cuda_steps.armed = steps;
+}
+
+void oc_cuda_step_ran(oc_cuda_step step, int interrupted)
+{
+    unsigned bit = 1u << step;
+    if (interrupted) {
+        cuda_steps.interrupted |= bit;
+        return;
+    }
+    cuda_steps.armed &= ~bit;
+    cuda_steps.interrupted &= ~bit;
+    cuda_steps.done |= bit;
+}
+
+oc_step_state oc_cuda_step_state(oc_cuda_step step)
+{
+    unsigned bit = 1u << step;
+    if (cuda_steps.done & bit)
+        return OC_STEP_IS_DONE;
+    if (!(cuda_steps.armed & bit))
+        return OC_STEP_IS_OFF;
+    return cuda_steps.interrupted & bit ? OC_STEP_IS_INTERRUPTED : OC_STEP_IS_QUEUED;
 }
 
 static const char *env_getenv(const char *name, void *ctx)
@@ -319,6 +361,14 @@ void oc_warn(const char *msg)
     PyErr_Restore(exc_type, exc_value, exc_tb);
 }
 
+/* What went wrong inside outofcuda first (a str), or NULL: status()["error"]. */
+static PyObject *error;
+
+PyObject *oc_error(void)
+{
+    return error;
+}
+
 void oc_set_error(const char *where)
 {
     PyObject *type, *value, *tb, *text = NULL;
@@ -337,9 +387,9 @@ void oc_set_error(const char *where)
         OC_CLEAR();
         return;
     }
-    if (oc_g.error == NULL) {
+    if (error == NULL) {
         char buf[600];
-        oc_g.error = text;
+        error = text;
         snprintf(buf, sizeof buf, "outofcuda: %s (outofcuda.status() has the details)",
                  oc_utf8(text, (char[512]){0}, 512));
         oc_warn(buf);
@@ -348,16 +398,25 @@ void oc_set_error(const char *where)
     }
 }
 
+/* The configuration, read once from the environment on first use. */
+static oc_config cfg;
+static int config_loaded;
+
 const oc_config *oc_config_get(void)
 {
-    if (!oc_g.config_loaded) {
-        oc_config_load(&oc_g.cfg, env_getenv, NULL);
-        oc_config_check_names(&oc_g.cfg, environ);
-        oc_g.config_loaded = 1;
-        for (int i = 0; i < oc_g.cfg.n_warnings; i++)
-            oc_warn(oc_g.cfg.warnings[i]);
+    if (!config_loaded) {
+        oc_config_load(&cfg, env_getenv, NULL);
+        oc_config_check_names(&cfg, environ);
+        config_loaded = 1;
+        for (int i = 0; i < cfg.n_warnings; i++)
+            oc_warn(cfg.warnings[i]);
     }
-    return &oc_g.cfg;
+    return &cfg;
+}
+
+const oc_config *oc_config_if_loaded(void)
+{
+    return config_loaded ? &cfg : NULL;
 }
 
 PyObject *oc_sys_module(const char *name)

@@ -7,11 +7,12 @@
  * own released sources (wheels from PyPI). */
 #include "oc.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-const oc_framework oc_frameworks[] = {
+static const oc_framework oc_frameworks[] = {
     {"vllm", "vLLM",
      "sizes GPU memory itself (gpu_memory_utilization), turns expandable segments off around its "
      "CuMem pool, and refuses KV connectors when PYTORCH_CUDA_ALLOC_CONF turns expandable "
@@ -94,4 +95,35 @@ const char *oc_framework_in_use(char *why, size_t whysz)
     if (tms_preloaded(preload))
         return found(by_package("torch_memory_saver"), "preloaded through LD_PRELOAD", why, whysz);
     return NULL;
+}
+
+/* What bridge.c decided about frameworks, here below both bridge.c, which
+ * decides it at torch's import and at CUDA's start, and report.c, which
+ * shows it. */
+static oc_framework_choice choice;
+
+const oc_framework_choice *oc_framework_choice_get(void)
+{
+    return &choice;
+}
+
+void oc_framework_leave_to(const char *name, const char *why)
+{
+    snprintf(choice.left_to, sizeof choice.left_to, "%s", name ? name : "");
+    if (name != NULL)
+        snprintf(choice.why, sizeof choice.why, "%s", why);
+}
+
+void oc_framework_decided(int append, const char *fmt, ...)
+{
+    size_t len = append ? strlen(choice.decided) : 0;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(choice.decided + len, sizeof choice.decided - len, fmt, ap);
+    va_end(ap);
+}
+
+void oc_framework_choice_put_back(const oc_framework_choice *kept)
+{
+    choice = *kept;
 }

@@ -13,6 +13,16 @@
 
 /* ---- applying the table to the running torch ---- */
 
+/* What was decided of each row (process-wide, under the GIL: see oc.h). */
+typedef struct {
+    int decided;                  /* the import-time step ran */
+    int state[OC_KB_MAX_ENTRIES]; /* OC_KB_* per entry */
+    int done[OC_KB_MAX_ENTRIES];  /* the action was taken */
+    char reason[OC_KB_MAX_ENTRIES][400];
+    long cudnn; /* -1 until read */
+} kb_rows;
+static kb_rows kb;
+
 static const char *proc_getenv(const char *name, void *ctx)
 {
     (void)ctx;
@@ -128,7 +138,7 @@ static void decide_all(PyObject *torch, size_t n)
     int need_devices = 0;
     facts_init(&f);
     torch_facts(torch, &f);
-    f.cudnn = oc_g.kb.cudnn;
+    f.cudnn = kb.cudnn;
     f.getenv_fn = proc_getenv;
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1) {
@@ -139,11 +149,10 @@ static void decide_all(PyObject *torch, size_t n)
         need_devices = 0;
         for (size_t i = 0; i < n; i++) {
             const oc_known_bug *b = oc_known_bug_at(i);
-            if (oc_g.kb.state[i] != OC_KB_UNDECIDED || row_off(i))
+            if (kb.state[i] != OC_KB_UNDECIDED || row_off(i))
                 continue;
-            oc_g.kb.state[i] =
-                oc_known_bug_decide(b, &f, oc_g.kb.reason[i], sizeof oc_g.kb.reason[i]);
-            need_devices |= oc_g.kb.state[i] == OC_KB_UNDECIDED && !oc_range_any(b->cc);
+            kb.state[i] = oc_known_bug_decide(b, &f, kb.reason[i], sizeof kb.reason[i]);
+            need_devices |= kb.state[i] == OC_KB_UNDECIDED && !oc_range_any(b->cc);
         }
     }
 }
@@ -151,7 +160,7 @@ static void decide_all(PyObject *torch, size_t n)
 /* Row i is still undecided for want of cuDNN's version alone. */
 static int waits_for_cudnn(size_t i)
 {
-    return oc_g.kb.state[i] == OC_KB_UNDECIDED && !row_off(i) &&
+    return kb.state[i] == OC_KB_UNDECIDED && !row_off(i) &&
            !oc_range_any(oc_known_bug_at(i)->cudnn);
 }
 
@@ -159,13 +168,13 @@ static int waits_for_cudnn(size_t i)
  * loaded, the TF32 one is how outofcuda sets TF32): whether they hold. */
 static void act_at_import(const oc_known_bug *b, size_t i)
 {
-    size_t len = strlen(oc_g.kb.reason[i]);
-    char *tail = oc_g.kb.reason[i] + len;
-    size_t room = sizeof oc_g.kb.reason[i] - len;
+    size_t len = strlen(kb.reason[i]);
+    char *tail = kb.reason[i] + len;
+    size_t room = sizeof kb.reason[i] - len;
     if (b->action == OC_KB_ALLOC_GENERIC) {
         const oc_record *alloc = oc_record_get(OC_OPT_ALLOCATOR);
-        oc_g.kb.done[i] = alloc->alloc_generic;
-        if (oc_g.kb.done[i])
+        kb.done[i] = alloc->alloc_generic;
+        if (kb.done[i])
             snprintf(tail, room, "; avoided: %s", b->action_text);
         else
             snprintf(tail, room,
@@ -173,7 +182,7 @@ static void act_at_import(const oc_known_bug *b, size_t i)
                      "(allocator: %s, %s)",
                      oc_rec_state_name(alloc->state), oc_rec_code_name(alloc->code));
     } else if (b->action == OC_KB_TF32_LEGACY) {
-        oc_g.kb.done[i] = 1;
+        kb.done[i] = 1;
         snprintf(tail, room, "; avoided: %s", b->action_text);
     }
 }
@@ -183,18 +192,18 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     const oc_config *cfg = oc_config_get();
     size_t n = oc_known_bug_count();
     int pending = 0; /* something is left for CUDA's start */
-    memset(&oc_g.kb, 0, sizeof oc_g.kb);
-    oc_g.kb.cudnn = -1;
-    oc_g.kb.decided = 1;
+    memset(&kb, 0, sizeof kb);
+    kb.cudnn = -1;
+    kb.decided = 1;
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
     for (size_t i = 0; i < n; i++) {
-        oc_g.kb.state[i] = OC_KB_UNDECIDED;
+        kb.state[i] = OC_KB_UNDECIDED;
         if (!cfg->known_bugs)
-            snprintf(oc_g.kb.reason[i], sizeof oc_g.kb.reason[i],
+            snprintf(kb.reason[i], sizeof kb.reason[i],
                      "OUTOFCUDA_KNOWN_BUGS=0: torch's own choice kept, nothing checked");
         else if (row_off(i))
-            snprintf(oc_g.kb.reason[i], sizeof oc_g.kb.reason[i],
+            snprintf(kb.reason[i], sizeof kb.reason[i],
                      "OUTOFCUDA_KNOWN_BUGS lists %s: turned off, nothing checked",
                      oc_known_bug_at(i)->id);
     }
@@ -203,7 +212,7 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {
         const oc_known_bug *b = oc_known_bug_at(i);
-        if (oc_g.kb.state[i] == OC_KB_YES)
+        if (kb.state[i] == OC_KB_YES)
             act_at_import(b, i);
         /* Only cuDNN's version is read at CUDA's start, and only for a steer:
          * a row that waits for anything else (NVML), or one that is only
@@ -211,14 +220,13 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
         pending |= waits_for_cudnn(i) && b->action != OC_KB_REPORT;
     }
     for (size_t i = 0; i < n; i++) {
-        size_t len = strlen(oc_g.kb.reason[i]);
+        size_t len = strlen(kb.reason[i]);
         if (!waits_for_cudnn(i))
             continue;
         if (pending && no_queue != NULL) /* nothing will run when CUDA starts */
-            snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len, " (never: %s)",
-                     no_queue);
+            snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, " (never: %s)", no_queue);
         else if (!pending)
-            snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len,
+            snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
                      " (only where a guard needs it; `outofcuda doctor` reads it)");
     }
     if (no_queue != NULL)
@@ -353,7 +361,7 @@ static int guard_after_blocks(PyObject *blocks)
 /* Takes entry i's action. Returns 1 done, 0 not (reason appended). */
 static int act(PyObject *torch, const oc_known_bug *b, size_t i)
 {
-    size_t len = strlen(oc_g.kb.reason[i]);
+    size_t len = strlen(kb.reason[i]);
     PyObject *c_mod, *get, *r;
     int on = 1, rc;
     if (b->action != OC_KB_SDPA_NO_CUDNN)
@@ -376,7 +384,7 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
         Py_ssize_t open = blocks ? PyList_Size(blocks) : 0;
         if (open > 0) {
             int moved = guard_after_blocks(blocks);
-            snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len,
+            snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
                      "; CUDA started inside %ld sdpa_kernel() block(s), whose choice stands "
                      "there (cuDNN attention %s); %s",
                      (long)open, on ? "on" : "off",
@@ -393,7 +401,7 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
         Py_XDECREF(blocks);
     }
     if (!on) {
-        snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len,
+        snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
                  "; cuDNN attention was already off");
         Py_DECREF(c_mod);
         return 1;
@@ -402,12 +410,12 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
     Py_DECREF(c_mod);
     OC_CLEAR();
     if (rc != 1) {
-        snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len,
+        snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
                  "; not avoided: torch._C._set_sdp_use_cudnn %s",
                  rc == 0 ? "is missing" : "failed");
         return 0;
     }
-    snprintf(oc_g.kb.reason[i] + len, sizeof oc_g.kb.reason[i] - len, "; when CUDA started: %s",
+    snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, "; when CUDA started: %s",
              b->action_text);
     oc_record_sdpa_guard("cuDNN attention turned off when CUDA started", b->id);
     return 1;
@@ -417,19 +425,25 @@ void oc_known_bugs_at_cuda_init(PyObject *torch)
 {
     int undecided[OC_KB_MAX_ENTRIES];
     size_t n = oc_known_bug_count();
-    if (!oc_g.kb.decided || torch == NULL)
+    /* The rows as they were: a run that is interrupted puts them back, so
+     * that its next run (when torch runs its queue again) decides and acts
+     * from where this one began. */
+    kb_rows kept = kb;
+    if (!kb.decided || torch == NULL)
         return;
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
-    oc_g.kb.cudnn = read_cudnn_version(torch);
+    kb.cudnn = read_cudnn_version(torch);
     for (size_t i = 0; i < n; i++)
-        undecided[i] = oc_g.kb.state[i] == OC_KB_UNDECIDED;
+        undecided[i] = kb.state[i] == OC_KB_UNDECIDED;
     decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {
-        if (undecided[i] && oc_g.kb.state[i] == OC_KB_YES)
-            oc_g.kb.done[i] = act(torch, oc_known_bug_at(i), i);
+        if (undecided[i] && kb.state[i] == OC_KB_YES)
+            kb.done[i] = act(torch, oc_known_bug_at(i), i);
     }
     OC_CLEAR();
+    if (oc_interrupt_waiting())
+        kb = kept;
 }
 
 static PyObject *state_obj(int s)
@@ -525,11 +539,11 @@ static int decide_live(size_t i, char *text, size_t sz)
     PyObject *torch;
     oc_kb_facts f;
     int state;
-    if (!(b->needs & OC_KB_NEEDS_FOREIGN_CTX) || oc_g.kb.state[i] != OC_KB_UNDECIDED || row_off(i))
-        return oc_g.kb.state[i];
+    if (!(b->needs & OC_KB_NEEDS_FOREIGN_CTX) || kb.state[i] != OC_KB_UNDECIDED || row_off(i))
+        return kb.state[i];
     torch = oc_sys_module("torch");
     if (torch == NULL)
-        return oc_g.kb.state[i];
+        return kb.state[i];
     facts_init(&f);
     torch_facts(torch, &f);
     Py_DECREF(torch);
@@ -544,19 +558,18 @@ PyObject *oc_known_bugs_status(void)
     PyObject *list = PyList_New(0);
     size_t n = oc_known_bug_count();
     for (size_t i = 0; list != NULL && i < n && i < OC_KB_MAX_ENTRIES; i++) {
-        char reason[sizeof oc_g.kb.reason[i] + 200];
+        char reason[sizeof kb.reason[i] + 200];
         const char *now = NULL;
-        int state = oc_g.kb.decided ? oc_g.kb.state[i] : OC_KB_UNDECIDED;
+        int state = kb.decided ? kb.state[i] : OC_KB_UNDECIDED;
         snprintf(reason, sizeof reason, "%s",
-                 oc_g.kb.decided
-                     ? oc_g.kb.reason[i]
-                     : "undecided: torch has not been imported by the hook in this process");
-        if (oc_g.kb.decided) {
+                 kb.decided ? kb.reason[i]
+                            : "undecided: torch has not been imported by the hook in this process");
+        if (kb.decided) {
             state = decide_live(i, reason, sizeof reason);
-            if (oc_g.kb.done[i])
+            if (kb.done[i])
                 now = guard_now(oc_known_bug_at(i), reason, sizeof reason);
         }
-        list = append_entry(list, oc_known_bug_at(i), state, oc_g.kb.done[i], reason, now);
+        list = append_entry(list, oc_known_bug_at(i), state, kb.done[i], reason, now);
     }
     return list;
 }
@@ -567,16 +580,16 @@ size_t oc_known_bugs_summary(char *buf, size_t sz, const char *prefix)
     if (buf == NULL || sz == 0)
         return 0;
     buf[0] = '\0';
-    for (size_t i = 0; oc_g.kb.decided && i < n && i < OC_KB_MAX_ENTRIES && len + 1 < sz; i++) {
+    for (size_t i = 0; kb.decided && i < n && i < OC_KB_MAX_ENTRIES && len + 1 < sz; i++) {
         const oc_known_bug *b = oc_known_bug_at(i);
-        char why[sizeof oc_g.kb.reason[i] + 200];
+        char why[sizeof kb.reason[i] + 200];
         int state;
-        snprintf(why, sizeof why, "%s", oc_g.kb.reason[i]);
+        snprintf(why, sizeof why, "%s", kb.reason[i]);
         state = decide_live(i, why, sizeof why);
         /* Named where it applies and outofcuda does not avoid it; the
          * report-only rows that depend on how the program trains (FSDP2,
          * pooling) stay in doctor, where they are one line each. */
-        if (state != OC_KB_YES || oc_g.kb.done[i] ||
+        if (state != OC_KB_YES || kb.done[i] ||
             (b->action == OC_KB_REPORT && oc_range_any(b->cudnn) && !b->needs))
             continue;
         snprintf(buf + len, sz - len, "%s  known bug      %s: %s (%s); fix: %s%s%s\n", prefix,

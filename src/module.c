@@ -20,7 +20,6 @@ static PyObject *py_install(PyObject *self, PyObject *unused)
         oc_set_error("installing the import hook failed");
         Py_RETURN_NONE;
     }
-    oc_g.installed = 1;
     if (oc_watcher_fire_if_imported() < 0)
         oc_set_error("applying to an already imported torch failed");
     /* A Ctrl-C set aside meanwhile is raised by the edge as this returns. */

@@ -74,8 +74,8 @@ typedef struct oc_monitor {
     struct oc_monitor *next; /* every live monitor; changed only with the GIL */
 } oc_monitor;
 
-/* The monitors' state stays here, outside oc_state (oc.h): the watchdog
- * threads it serves run without the GIL. */
+/* The monitors' state: the watchdog threads it serves run without the
+ * GIL. */
 static oc_monitor *all_monitors;
 
 /* Threads asked to stop by a watchdog thread, which must not join them: the

@@ -34,8 +34,8 @@ typedef struct {
 #define UNTOUCHED 0xA5
 typedef nvml_return (*nvml_procs_fn)(nvml_device, unsigned int *, void *);
 
-/* The driver's library, outside oc_state (oc.h): loaded once per process
- * behind pthread_once and read by the native threads without the GIL. */
+/* The driver's library: loaded once per process behind pthread_once and
+ * read by the native threads without the GIL. */
 static struct {
     void *lib;
     int ok;

@@ -17,11 +17,13 @@
  *   api.c      decisions behind the Python API
  *   knownbugs.c the known-bugs table applied: decided at import, at CUDA's
  *              start and from NVML; the steers, status, the summary's lines
- *   frameworks.c packages that own GPU memory (vLLM, SGLang, ...): table, detection
+ *   frameworks.c packages that own GPU memory (vLLM, SGLang, ...): table, detection,
+ *              and the one outofcuda left GPU memory to
  *   platform.c machines where a default cannot work (expandable segments on WSL)
  *   thread.c   native threads: spawned with signals blocked, monotonic waits,
  *              fork ownership, bounded joins (monitor.c and summary.c)
- *   common.c   the shared ground: process state, warnings, small helpers
+ *   common.c   the shared ground: warnings and the error, the configuration,
+ *              the CUDA-init steps armed, interrupts set aside, small helpers
  *   record.c   the typed record of every optimisation (pure C, no Python)
  *   advice.c   ranked advice: OOM actions and summary hints (pure C, no Python)
  *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python)
@@ -668,83 +670,25 @@ typedef struct {
     char snapshot_error[300];
 } oc_oom_seen;
 
-/* The engine's state, the whole of it, in one struct (common.c defines the
- * one instance, oc_g). It is process-wide by nature, not per module object:
- * the hook fires once per process whatever imports torch, CUDA starts once
- * per process, and the callbacks torch and the interpreter call (the
- * lazy-init queue, the OOM observer, the exception hooks, atexit) receive no
- * module to find per-module state through. Every field is read and written
- * with the GIL held. Three things keep their state in their own files, and
- * say so there: the native threads (monitor.c's watchdogs, summary.c's
- * sampler) run without the GIL and guard theirs with their own locks; NVML
- * (nvml.c) is a library loaded once per process, behind pthread_once, and
- * read from those threads; the boot (boot.c) runs at start-up, before the
- * engine is loaded. Function-local statics elsewhere are scratch buffers for
- * one call under the GIL, or a variable read once (OUTOFCUDA_DEBUG). */
+/* The engine's state. Each file keeps its own, in file-level statics beside
+ * the code that uses it, and what another file needs is behind a function of
+ * the lower of the two (a file above tells a file below, or asks it):
+ * tests/test_static.py holds that no file names another's variable. The
+ * state is process-wide by nature, not per module object: the hook fires
+ * once per process whatever imports torch, CUDA starts once per process, and
+ * the callbacks torch and the interpreter call (the lazy-init queue, the OOM
+ * observer, the exception hooks, atexit) receive no module to find
+ * per-module state through. Every such variable is read and written with the
+ * GIL held; the native threads (monitor.c's watchdogs, summary.c's sampler)
+ * run without it and guard what they share with their own locks, and NVML
+ * (nvml.c) is loaded once behind pthread_once. Function-local statics are
+ * scratch buffers for one call under the GIL, or a variable read once
+ * (OUTOFCUDA_DEBUG). */
+
+/* oom.c's state, the one left shared while its report is reworked (common.c
+ * defines the one instance, oc_g); it moves into oom.c, and the count of
+ * OOMs behind a function of summary.c, with that work. */
 typedef struct {
-    /* ---- the hook (module.c, watcher.c) ---- */
-    int installed; /* install() put the finder on sys.meta_path */
-    int fired;     /* the torch callback ran */
-    int prepared;  /* pre-import work (config, allocator env) done */
-    int config_loaded;
-    oc_config cfg;
-    PyObject *engine_module; /* borrowed: lives in sys.modules as long as the engine */
-    PyObject *proxy_type;
-    /* torch, fully loaded, that importlib dropped from sys.modules when an
-     * interrupt in a thread other than the main one was raised from its
-     * import (watcher.c); the next import hands it back. */
-    PyObject *torch_dropped;
-    PyObject *error;         /* str or NULL: what went wrong inside outofcuda */
-    PyObject *torch_version; /* str or NULL */
-
-    /* ---- torch about to load, from its version.py (bridge.c) ---- */
-    struct {
-        long ver;       /* oc_torch_version_number; 0 unknown */
-        int cuda_build; /* torch.version.cuda is not None */
-        int hip_build;
-        int known;
-    } build;
-
-    /* ---- the allocator variable (bridge.c) ---- */
-    char alloc_value[OC_ALLOC_CONF_MAX];
-    char alloc_reason[1000];
-    int alloc_applied;
-    int alloc_by_setter; /* the merge went to torch's runtime setter alone */
-    int alloc_generic; /* the user's PYTORCH_ALLOC_CONF, which 2.9 and 2.10 ignore, went to torch */
-    /* The variable as the user left it, given back once torch has read
-     * outofcuda's value: children inherit the user's environment. */
-    struct {
-        int written; /* outofcuda changed the variable and has not restored it */
-        int had;     /* the user had set it (possibly empty) */
-        char name[32];
-        char value[OC_ALLOC_CONF_MAX];
-    } alloc_saved;
-    double pending_fraction; /* for the fraction step, when armed */
-
-    /* ---- frameworks that own GPU memory (bridge.c decides, report.c shows) ---- */
-    struct {
-        char left_to[32];  /* the one outofcuda left GPU memory to, "" none */
-        char why[600];     /* why it owns GPU memory */
-        char decided[700]; /* what was decided, when and why */
-    } framework;
-
-    /* What is armed for CUDA's start: one bit per oc_cuda_step, set at
-     * import through oc_cuda_step_arm, cleared by the callback as each step
-     * completes (an interrupted step stays armed and runs again when torch
-     * runs its queue again), and cleared whole when the callback cannot be
-     * queued. Beside it, the steps that completed, and those whose last run
-     * was interrupted (status()["cuda_init"]). */
-    unsigned cuda_init_steps, cuda_init_done, cuda_init_interrupted;
-
-    /* ---- known bugs (knownbugs.c) ---- */
-    struct {
-        int decided;                  /* the import-time step ran */
-        int state[OC_KB_MAX_ENTRIES]; /* OC_KB_* per entry */
-        int done[OC_KB_MAX_ENTRIES];  /* the action was taken */
-        char reason[OC_KB_MAX_ENTRIES][400];
-        long cudnn; /* -1 until read */
-    } kb;
-
     /* ---- out of memory (oom.c) ---- */
     struct {
         PyObject *prev_sys_hook, *prev_thread_hook, *type;
@@ -755,42 +699,41 @@ typedef struct {
         oc_oom_seen seen;
     } oom;
     /* Events of this process, for the exit summary. */
-    unsigned long oom_events;    /* CUDA OOMs torch's observer reported */
-    long long microbatch_splits; /* splits auto_microbatch made */
-
-    /* ---- where the exit summary goes (summary.c): resolved once ---- */
-    struct {
-        int resolved;
-        oc_summary_mode mode;
-        char json_path[PATH_MAX];
-        /* atexit.register ran in this process or the parent it was forked
-         * from (a child inherits the registration too). */
-        int atexit_registered;
-    } summary_out;
-
-    /* ---- the platform's defaults (platform.c) ---- */
-    struct {
-        int defaults_changed; /* changed for this platform at the last preparation */
-        /* Test door: a kernel release that replaces uname()'s. */
-        int simulated;
-        char simulated_release[128];
-    } platform;
-
-    /* ---- the Python API (api.c) ---- */
-    /* Autograd node types seen without a `variable` (all but AccumulateGrad):
-     * a failed look-up builds an exception that every node of every step
-     * would pay, so a type is asked once. */
-    PyObject *no_variable_types;
-    int shm_warned; /* the shared-memory warning was given */
+    unsigned long oom_events; /* CUDA OOMs torch's observer reported */
 } oc_state;
 
 extern oc_state oc_g;
-/* Arms a step: the callback runs it when CUDA starts (common.c). */
-void oc_cuda_step_arm(oc_cuda_step step);
+
+/* What is armed for CUDA's start (common.c): one bit per oc_cuda_step, set
+ * at import by the file that owns the step, cleared by bridge.c's callback as
+ * each step completes (an interrupted step stays armed and runs again when
+ * torch runs its queue again), and cleared whole when the callback cannot be
+ * queued. */
+void oc_cuda_step_arm(oc_cuda_step step); /* the callback runs it when CUDA starts */
+unsigned oc_cuda_steps_armed(void);       /* bit i: step i armed */
+void oc_cuda_steps_set_armed(unsigned steps);
+/* A run of the step ended: completed (done, no longer armed), or
+ * interrupted (it stays as the caller left the armed steps). */
+void oc_cuda_step_ran(oc_cuda_step step, int interrupted);
+/* Where a step stands, with the word status()["cuda_init"] gives it: off
+ * (nothing to do when CUDA starts), queued (armed, waiting for CUDA's
+ * start), interrupted (its last run was; it runs again when torch next runs
+ * its queue), done (it ran to the end). */
+#define OC_STEP_STATES(X)                                                                          \
+    X(OFF, "off")                                                                                  \
+    X(QUEUED, "queued")                                                                            \
+    X(INTERRUPTED, "interrupted")                                                                  \
+    X(DONE, "done")
+#define OC_STEP_STATE_ENUM(id, name) OC_STEP_IS_##id,
+typedef enum { OC_STEP_STATES(OC_STEP_STATE_ENUM) OC_STEP_STATE_COUNT } oc_step_state;
+#undef OC_STEP_STATE_ENUM
+oc_step_state oc_cuda_step_state(oc_cuda_step step);
 
 /* common.c */
 const oc_config *oc_config_get(void); /* loads once, emits warnings */
 void oc_warn(const char *msg);        /* one warning; never raises */
+/* The configuration when it has been loaded, else NULL (loads nothing). */
+const oc_config *oc_config_if_loaded(void);
 /* Writes through sys.stderr only: nothing when it is None or closed. */
 void oc_stderr_write(const char *text);
 /* text with the rank label before each line starting in it (malloc'd), or
@@ -802,6 +745,8 @@ void oc_stderr_printf(const char *fmt, ...)
 #endif
     ;
 void oc_set_error(const char *where); /* keeps the current exception text */
+/* The first error oc_set_error kept (a str, borrowed), or NULL. */
+PyObject *oc_error(void);
 /* Swallows the current exception, leaving a trace under OUTOFCUDA_DEBUG=1
  * that names why (NULL: an error given up); a KeyboardInterrupt or
  * SystemExit is set aside instead. Every exception the engine swallows goes
@@ -920,6 +865,8 @@ void oc_bridge_after_torch(PyObject *torch);
 /* An `import torch` failed: restores the user's allocator variable and lets
  * the next attempt prepare afresh (it may load another copy of torch). */
 void oc_bridge_import_failed(void);
+/* 1 when oc_bridge_before_torch ran for this import attempt. */
+int oc_bridge_prepared(void);
 
 /* frameworks.c: packages that size GPU memory and choose code paths from
  * the allocator variable themselves; outofcuda leaves both to them. */
@@ -929,8 +876,6 @@ typedef struct {
     const char *owns;    /* what it manages itself */
     const char *evidence;
 } oc_framework;
-/* The table's rows, NULL-terminated. */
-extern const oc_framework oc_frameworks[];
 /* The name of the framework this process runs under, or NULL: one whose package is in
  * sys.modules (also while its own import is in progress, as when it imports
  * torch), or torch_memory_saver's library preloaded through LD_PRELOAD
@@ -938,6 +883,27 @@ extern const oc_framework oc_frameworks[];
  * merely installed is not in use. Fills why with what was seen and why
  * outofcuda steps back. Never raises. */
 const char *oc_framework_in_use(char *why, size_t whysz);
+/* What outofcuda decided about frameworks (bridge.c decides, status()
+ * shows): the one it left GPU memory to and why that one owns GPU memory,
+ * and what was decided, when and why. */
+typedef struct {
+    char left_to[32];  /* the one outofcuda left GPU memory to, "" none */
+    char why[600];     /* why it owns GPU memory */
+    char decided[700]; /* what was decided, when and why */
+} oc_framework_choice;
+const oc_framework_choice *oc_framework_choice_get(void);
+/* GPU memory left to the framework name (why: why it owns it), or to none
+ * (NULL: the one it was left to is gone; why is kept). */
+void oc_framework_leave_to(const char *name, const char *why);
+/* Writes what was decided (printf format), or appends to it. */
+void oc_framework_decided(int append, const char *fmt, ...)
+#ifdef __GNUC__
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+/* A step at CUDA's start that was interrupted puts back the choice it kept
+ * (a copy of *oc_framework_choice_get()) before it ran. */
+void oc_framework_choice_put_back(const oc_framework_choice *kept);
 
 /* platform.c: where one of outofcuda's defaults cannot work. The allocator
  * defaults for this machine: `defaults` itself, or (when they are
@@ -956,6 +922,12 @@ extern PyMethodDef oc_platform_testing_methods[];
 
 /* report.c */
 void oc_report_verbose(void);
+/* What status() shows of the hook, told by the files that decide it: the
+ * finder is on sys.meta_path; the torch callback ran; torch's __version__
+ * as str (the report keeps its own reference; NULL: unknown). */
+void oc_report_hook_installed(void);
+void oc_report_hook_fired(void);
+void oc_report_torch_version(PyObject *version);
 extern PyMethodDef oc_report_methods[];
 
 /* nvml.c */
@@ -1027,6 +999,8 @@ const char *oc_amp_cuda_dtype(const oc_config *cfg, char *reason, size_t sz);
 /* The num_workers smart_dataloader picks (OUTOFCUDA_NUM_WORKERS capped at the
  * usable cores); *cpus: those cores (affinity mask, cgroup quota). */
 long oc_loader_suggestion(long *cpus);
+/* The splits auto_microbatch made in this process. */
+long long oc_api_microbatch_splits(void);
 
 /* facts.c */
 extern PyMethodDef oc_facts_methods[];
@@ -1112,9 +1086,15 @@ int oc_thread_join(pthread_t thread, int limit_s);
 double oc_thread_now(void); /* CLOCK_MONOTONIC, in seconds */
 
 /* summary.c: OUTOFCUDA_SUMMARY, what the GPU did, printed at exit */
+/* What the summary says of torch and its allocator, as bridge.c read them. */
+typedef struct {
+    int cuda_build, hip_build; /* torch's build: why no GPU was sampled */
+    int expandable;            /* the allocator string turns expandable segments on */
+} oc_summary_torch;
 /* With torch imported: starts the stack sampler when the summary is on, and
- * arms its CUDA-init step where cuda_queue says CUDA's start can be queued. */
-void oc_summary_prepare(int cuda_queue);
+ * arms its CUDA-init step where cuda_queue says CUDA's start can be queued;
+ * keeps *torch for the block at exit. */
+void oc_summary_prepare(int cuda_queue, const oc_summary_torch *torch);
 void oc_summary_at_cuda_init(void); /* a step of the CUDA-init callback */
 extern PyMethodDef oc_summary_methods[];
 

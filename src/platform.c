@@ -28,6 +28,14 @@
     "native Windows: torch's Windows builds have no expandable segments and warn "                 \
     "\"expandable_segments not supported on this platform\""
 
+/* platform.c's own state (process-wide, under the GIL: see oc.h). */
+static struct {
+    int defaults_changed; /* changed for this platform at the last preparation */
+    /* Test door: a kernel release that replaces uname()'s. */
+    int simulated;
+    char simulated_release[128];
+} platform;
+
 /* The kernel's release (or the tests' stand-in) as printable ASCII, what
  * every kernel writes: any other byte reads as '?', so the text is safe in a
  * str, a report and a terminal. */
@@ -38,11 +46,11 @@ static const char *kernel_release(void)
     size_t i;
 #ifndef _WIN32
     struct utsname u;
-    if (!oc_g.platform.simulated && uname(&u) == 0)
+    if (!platform.simulated && uname(&u) == 0)
         raw = u.release;
 #endif
-    if (oc_g.platform.simulated)
-        raw = oc_g.platform.simulated_release;
+    if (platform.simulated)
+        raw = platform.simulated_release;
     for (i = 0; i < sizeof release - 1 && raw[i] != '\0'; i++) {
         unsigned char c = (unsigned char)raw[i];
         release[i] = c >= 0x20 && c < 0x7f ? (char)c : '?';
@@ -57,7 +65,7 @@ static const char *no_expandable_why(void)
     static char why[300];
     const char *rel;
 #ifdef _WIN32
-    if (!oc_g.platform.simulated)
+    if (!platform.simulated)
         return WINDOWS_WHY;
 #endif
     rel = kernel_release();
@@ -97,7 +105,7 @@ const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas,
                                        size_t outsz)
 {
     const char *r = platform_defaults(defaults, are_outofcudas, out, outsz);
-    oc_g.platform.defaults_changed = r != defaults;
+    platform.defaults_changed = r != defaults;
     return r;
 }
 
@@ -108,9 +116,9 @@ void oc_platform_note(char *reason, size_t reasonsz, const char *value)
         oc_alloc_expandable(value)
             ? "the user's expandable_segments:True kept, though on this platform"
             : "expandable_segments left out of outofcuda's defaults on this platform";
-    if (oc_g.platform.defaults_changed && len < reasonsz)
+    if (platform.defaults_changed && len < reasonsz)
         snprintf(reason + len, reasonsz - len, "; %s: %s", what, no_expandable_why());
-    oc_g.platform.defaults_changed = 0; /* said once, for the preparation that changed them */
+    platform.defaults_changed = 0; /* said once, for the preparation that changed them */
 }
 
 int oc_platform_no_expandable(void)
@@ -142,16 +150,16 @@ static PyObject *py_simulate_kernel_release(PyObject *self, PyObject *arg)
     PyObject *bytes;
     (void)self;
     if (arg == Py_None) {
-        oc_g.platform.simulated = 0;
+        platform.simulated = 0;
         Py_RETURN_NONE;
     }
     bytes = oc_arg_bytes(arg, "simulate_kernel_release expects a str or None");
     if (bytes == NULL)
         return NULL;
-    snprintf(oc_g.platform.simulated_release, sizeof oc_g.platform.simulated_release, "%s",
+    snprintf(platform.simulated_release, sizeof platform.simulated_release, "%s",
              PyBytes_AsString(bytes));
     Py_DECREF(bytes);
-    oc_g.platform.simulated = 1;
+    platform.simulated = 1;
     Py_RETURN_NONE;
 }
 

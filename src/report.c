@@ -6,6 +6,32 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* What status() shows of the hook, told by the files above that decide it:
+ * the finder is on sys.meta_path (watcher.c), the torch callback ran
+ * (watcher.c), and torch's __version__ as str (bridge.c), or NULL. */
+static struct {
+    int installed, fired;
+    PyObject *torch_version;
+} hook;
+
+void oc_report_hook_installed(void)
+{
+    hook.installed = 1;
+}
+
+void oc_report_hook_fired(void)
+{
+    hook.fired = 1;
+}
+
+void oc_report_torch_version(PyObject *version)
+{
+    PyObject *old = hook.torch_version;
+    Py_XINCREF(version);
+    hook.torch_version = version;
+    Py_XDECREF(old);
+}
+
 /* Returns 1 when sys.modules holds a torch that finished importing. Reads
  * sys.modules and the module's dict only: an attribute lookup (including
  * PyImport_GetModule's own look at __spec__) would execute a torch that
@@ -32,12 +58,12 @@ static int torch_imported(void)
 /* Why nothing is recorded yet (the sentence; *code the code). */
 static const char *pending_reason(oc_rec_code *code)
 {
-    if (oc_g.installed && !oc_g.fired && torch_imported()) {
+    if (hook.installed && !hook.fired && torch_imported()) {
         *code = OC_CODE_IMPORT_BYPASSED;
         return "torch was imported without passing outofcuda's import watcher (a finder ahead "
                "of it on sys.meta_path loaded torch): nothing was applied";
     }
-    if (oc_g.installed && !oc_g.fired) {
+    if (hook.installed && !hook.fired) {
         *code = OC_CODE_NOT_IMPORTED;
         return "torch has not been imported in this process yet";
     }
@@ -281,15 +307,15 @@ static PyObject *optimizations(void)
  * settings were in effect before it came. */
 static PyObject *framework_status(void)
 {
-    char why[600], text[sizeof oc_g.framework.decided + 300];
+    const oc_framework_choice *choice = oc_framework_choice_get();
+    char why[600], text[sizeof choice->decided + 300];
     const char *now = oc_framework_in_use(why, sizeof why);
-    const char *left_to = oc_g.framework.left_to[0] ? oc_g.framework.left_to : NULL;
+    const char *left_to = choice->left_to[0] ? choice->left_to : NULL;
     snprintf(text, sizeof text, "%s",
-             oc_g.framework.decided[0]
-                 ? oc_g.framework.decided
-                 : "nothing decided: torch was not imported through the hook");
+             choice->decided[0] ? choice->decided
+                                : "nothing decided: torch was not imported through the hook");
     /* The framework step ran: what was decided then still holds. */
-    if (now != NULL && left_to == NULL && (oc_g.cuda_init_done & (1u << OC_STEP_FRAMEWORK)))
+    if (now != NULL && left_to == NULL && oc_cuda_step_state(OC_STEP_FRAMEWORK) == OC_STEP_IS_DONE)
         snprintf(text + strlen(text), sizeof text - strlen(text),
                  "; now: %s is in use, imported after CUDA started: outofcuda's allocator "
                  "settings and memory fraction were already in effect (OUTOFCUDA_DISABLE=1, or "
@@ -299,21 +325,16 @@ static PyObject *framework_status(void)
 }
 
 /* status()'s "cuda_init": each step of the CUDA-init callback (bridge.c) by
- * name: "queued" (armed, waiting for CUDA's start), "interrupted" (its last
- * run was interrupted; it runs again when torch next runs its queue), "done"
- * (it ran to the end) or "off" (nothing to do when CUDA starts). */
+ * name, with where it stands (oc_step_state's word). */
 static PyObject *cuda_init_status(void)
 {
 #define OC_STEP_NAME(id, name) name,
     static const char *const names[] = {OC_CUDA_STEPS(OC_STEP_NAME)};
+    static const char *const states[] = {OC_STEP_STATES(OC_STEP_NAME)};
 #undef OC_STEP_NAME
     PyObject *d = PyDict_New(), *v;
     for (int i = 0; d != NULL && i < OC_STEP_COUNT; i++) {
-        unsigned bit = 1u << i;
-        v = PyUnicode_FromString((oc_g.cuda_init_done & bit)          ? "done"
-                                 : !(oc_g.cuda_init_steps & bit)      ? "off"
-                                 : (oc_g.cuda_init_interrupted & bit) ? "interrupted"
-                                                                      : "queued");
+        v = PyUnicode_FromString(states[oc_cuda_step_state((oc_cuda_step)i)]);
         if (v == NULL || PyDict_SetItemString(d, names[i], v) < 0)
             Py_CLEAR(d);
         Py_XDECREF(v);
@@ -323,7 +344,8 @@ static PyObject *cuda_init_status(void)
 
 static PyObject *py_status(PyObject *self, PyObject *unused)
 {
-    PyObject *opts, *warnings, *res, *bugs, *framework, *cuda_init;
+    const oc_config *cfg = oc_config_if_loaded();
+    PyObject *opts, *warnings, *res, *bugs, *framework, *cuda_init, *error = oc_error();
     (void)self;
     (void)unused;
     opts = optimizations();
@@ -334,9 +356,9 @@ static PyObject *py_status(PyObject *self, PyObject *unused)
         Py_DECREF(opts);
         return NULL;
     }
-    for (int i = 0; oc_g.config_loaded && i < oc_g.cfg.n_warnings; i++) {
-        PyObject *s = PyUnicode_DecodeUTF8(oc_g.cfg.warnings[i],
-                                           (Py_ssize_t)strlen(oc_g.cfg.warnings[i]), "replace");
+    for (int i = 0; cfg != NULL && i < cfg->n_warnings; i++) {
+        PyObject *s =
+            PyUnicode_DecodeUTF8(cfg->warnings[i], (Py_ssize_t)strlen(cfg->warnings[i]), "replace");
         if (s == NULL || PyList_Append(warnings, s) < 0) {
             Py_XDECREF(s);
             Py_DECREF(opts);
@@ -367,11 +389,11 @@ static PyObject *py_status(PyObject *self, PyObject *unused)
         return NULL;
     }
     res = Py_BuildValue("{s:s,s:{s:O,s:O,s:O},s:O,s:N,s:N,s:N,s:N,s:N}", "version", OC_VERSION,
-                        "hook", "installed", oc_g.installed ? Py_True : Py_False, "fired",
-                        oc_g.fired ? Py_True : Py_False, "error", oc_g.error ? oc_g.error : Py_None,
-                        "torch", oc_g.torch_version ? oc_g.torch_version : Py_None, "optimizations",
-                        opts, "config_warnings", warnings, "known_bugs", bugs, "framework",
-                        framework, "cuda_init", cuda_init);
+                        "hook", "installed", hook.installed ? Py_True : Py_False, "fired",
+                        hook.fired ? Py_True : Py_False, "error", error ? error : Py_None, "torch",
+                        hook.torch_version ? hook.torch_version : Py_None, "optimizations", opts,
+                        "config_warnings", warnings, "known_bugs", bugs, "framework", framework,
+                        "cuda_init", cuda_init);
     return res;
 }
 
@@ -532,9 +554,9 @@ static void write_known_bugs_row(void)
             used += (size_t)snprintf(ids + used, sizeof ids - used, "%s%s", i ? ", " : "", id);
     }
     oc_stderr_printf("  %-20s %-8s ", "known_bugs",
-                     done                                                ? "yes"
-                     : oc_g.cuda_init_steps & (1u << OC_STEP_KNOWN_BUGS) ? "queued"
-                                                                         : "no");
+                     done                                                 ? "yes"
+                     : oc_cuda_steps_armed() & (1u << OC_STEP_KNOWN_BUGS) ? "queued"
+                                                                          : "no");
     write_wrapped(ids, TABLE_WIDTH - VALUE_COL, VALUE_COL);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *e = PyList_GetItem(bugs, i);
@@ -555,7 +577,7 @@ void oc_report_verbose(void)
      * read as one more rank's. Each worker prints its own, labelled. */
     if (oc_torchrun_launcher())
         return;
-    value_text(oc_g.torch_version, tv, sizeof tv);
+    value_text(hook.torch_version, tv, sizeof tv);
     oc_stderr_printf("outofcuda %s: torch %s imported\n", OC_VERSION, tv);
     oc_stderr_printf("  %-20s %-8s %s\n", "optimisation", "applied", "value (reason below)");
     for (int i = 0; i < OC_OPT_COUNT; i++) {
@@ -574,8 +596,8 @@ void oc_report_verbose(void)
         write_wrapped(reason, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
     }
     write_known_bugs_row();
-    if (oc_g.error != NULL) {
-        value_text(oc_g.error, reason, sizeof reason);
+    if (oc_error() != NULL) {
+        value_text(oc_error(), reason, sizeof reason);
         oc_stderr_printf("  error: ");
         write_wrapped(reason, TABLE_WIDTH - 9, 9);
     }

@@ -53,8 +53,9 @@ typedef struct {
     long long peak_allocated, peak_reserved; /* -1: unknown */
 } sum_device;
 
-/* The sampler thread's state: outside oc_state (oc.h) because the thread
- * reads and writes it without the GIL, under th.lock. */
+/* The sampler thread's state: the thread reads and writes it without the
+ * GIL, under th.lock, and a summary that starts afresh clears it whole (what
+ * the GIL-held state below keeps outlives that). */
 static struct {
     oc_thread th; /* th.lock guards the aggregates, n, frames_on and stop_requested */
     int started, running, stop_requested;
@@ -73,6 +74,19 @@ static struct {
     long waited_workers; /* num_workers of the DataLoader last seen waited in; -1 unknown */
     unsigned rng;        /* the jitter's state, the thread's alone */
 } S;
+
+/* Where the summary goes, resolved once (GIL held). */
+static struct {
+    int resolved;
+    oc_summary_mode mode;
+    char json_path[PATH_MAX];
+    /* atexit.register ran in this process or the parent it was forked
+     * from (a child inherits the registration too). */
+    int atexit_registered;
+} output;
+
+/* What bridge.c read of torch and its allocator (oc_summary_prepare). */
+static oc_summary_torch torch_facts;
 
 /* ---- the sampler thread: no Python object, no GIL ---- */
 
@@ -275,23 +289,23 @@ static oc_summary_mode resolve_output(void)
 {
     const oc_config *cfg = oc_config_get();
     char dir[OC_SUMMARY_PATH_MAX], msg[OC_WARN_LEN + 2 * OC_SUMMARY_PATH_MAX];
-    if (oc_g.summary_out.resolved)
-        return oc_g.summary_out.mode;
-    oc_g.summary_out.resolved = 1;
-    oc_g.summary_out.mode = cfg->summary;
-    if (oc_g.summary_out.mode != OC_SUMMARY_JSON)
-        return oc_g.summary_out.mode;
-    if (oc_resolve_file_path(cfg->summary_path, dir, sizeof dir, oc_g.summary_out.json_path,
-                             sizeof oc_g.summary_out.json_path) != 0) {
+    if (output.resolved)
+        return output.mode;
+    output.resolved = 1;
+    output.mode = cfg->summary;
+    if (output.mode != OC_SUMMARY_JSON)
+        return output.mode;
+    if (oc_resolve_file_path(cfg->summary_path, dir, sizeof dir, output.json_path,
+                             sizeof output.json_path) != 0) {
         snprintf(msg, sizeof msg,
                  "outofcuda: ignoring OUTOFCUDA_SUMMARY=%.300s: the directory %.300s does not "
                  "exist; no summary will be written",
                  cfg->summary_path, dir);
         oc_warn(msg);
-        oc_g.summary_out.json_path[0] = '\0';
-        oc_g.summary_out.mode = OC_SUMMARY_OFF;
+        output.json_path[0] = '\0';
+        output.mode = OC_SUMMARY_OFF;
     }
-    return oc_g.summary_out.mode;
+    return output.mode;
 }
 
 /* ---- starting ---- */
@@ -347,7 +361,7 @@ static int summary_begin(long interval_ms)
     S.frames_on = S.main_ident != 0;
     S.t0 = oc_thread_now();
     S.started = 1;
-    if (oc_register_at_exit(&at_exit_def, &oc_g.summary_out.atexit_registered) < 0)
+    if (oc_register_at_exit(&at_exit_def, &output.atexit_registered) < 0)
         return -1;
     return S.frames_on ? start_thread() : 0;
 }
@@ -417,8 +431,9 @@ void oc_summary_at_cuda_init(void)
     OC_CLEAR();
 }
 
-void oc_summary_prepare(int cuda_queue)
+void oc_summary_prepare(int cuda_queue, const oc_summary_torch *torch)
 {
+    torch_facts = *torch;
     if (oc_config_get()->summary == OC_SUMMARY_OFF || resolve_output() == OC_SUMMARY_OFF)
         return;
     if (summary_begin(DEFAULT_INTERVAL_MS) < 0)
@@ -581,7 +596,7 @@ static int make_hints(const sum_device *d, const proc_figs *p, oc_summary_figure
     f->frame_waits = p->frame_waits;
     f->cpus = p->cpus;
     f->suggested_workers = p->suggested_workers;
-    f->expandable = oc_alloc_expandable(oc_g.alloc_value);
+    f->expandable = torch_facts.expandable;
     f->no_expandable_here = oc_platform_no_expandable();
     return oc_summary_hints(f, h, HINTS_MAX + 1);
 }
@@ -732,11 +747,11 @@ static PyObject *wait_dict(const proc_figs *p, const oc_summary_figures *f, cons
 /* "x.json" -> "x.rank3.json" so that ranks do not overwrite each other. */
 static void json_target(long rank, char *path, size_t sz)
 {
-    size_t n = strlen(oc_g.summary_out.json_path);
+    size_t n = strlen(output.json_path);
     if (rank < 0)
-        snprintf(path, sz, "%s", oc_g.summary_out.json_path);
+        snprintf(path, sz, "%s", output.json_path);
     else
-        snprintf(path, sz, "%.*s.rank%ld.json", (int)(n - 5), oc_g.summary_out.json_path, rank);
+        snprintf(path, sz, "%.*s.rank%ld.json", (int)(n - 5), output.json_path, rank);
 }
 
 /* Writes the JSON form (through a temporary file, renamed into place).
@@ -810,7 +825,7 @@ static PyObject *json_doc(const proc_figs *p, PyObject *devices, PyObject *hints
 static void emit(const proc_figs *p, const sum_device *dev, int n)
 {
     text t = {malloc(65536), 0, 65536};
-    int json = oc_g.summary_out.mode == OC_SUMMARY_JSON;
+    int json = output.mode == OC_SUMMARY_JSON;
     PyObject *devices = json ? PyList_New(0) : NULL, *hints = json ? PyList_New(0) : NULL;
     PyObject *wait = NULL;
     oc_summary_figures f;
@@ -867,9 +882,9 @@ done:
 /* Why a process has no GPU part. */
 static const char *no_gpu_reason(void)
 {
-    if (oc_g.build.hip_build)
+    if (torch_facts.hip_build)
         return "torch is a ROCm build, whose GPU the summary does not sample";
-    return oc_g.build.cuda_build ? "CUDA was not initialised" : "torch is a CPU build";
+    return torch_facts.cuda_build ? "CUDA was not initialised" : "torch is a CPU build";
 }
 
 /* 1 in a process that multiprocessing started (a DataLoader worker by spawn
@@ -892,7 +907,7 @@ static void nothing_to_report(const proc_figs *p)
 {
     oc_stderr_printf("outofcuda summary: nothing to report: %s%s\n",
                      p->no_gpu != NULL ? p->no_gpu : "no CUDA device was used",
-                     oc_g.summary_out.mode == OC_SUMMARY_JSON ? " (no JSON written)" : "");
+                     output.mode == OC_SUMMARY_JSON ? " (no JSON written)" : "");
 }
 
 /* atexit callback: join the sampler, gather, print or write. Never raises. */
@@ -928,7 +943,7 @@ static PyObject *py_summary_at_exit(PyObject *self, PyObject *unused)
     p.since_import = now - S.t0;
     p.rank = oc_job_rank();
     p.ooms = oc_g.oom_events;
-    p.splits = oc_g.microbatch_splits;
+    p.splits = oc_api_microbatch_splits();
     p.suggested_workers = oc_loader_suggestion(&p.cpus);
     if (cuda)
         torch_figures(dev, &n);
@@ -939,10 +954,10 @@ static PyObject *py_summary_at_exit(PyObject *self, PyObject *unused)
     /* Without CUDA, only a process that iterated data has something to say
      * (not torchrun's launcher, not a program that only imports torch); a
      * DataLoader worker never does. */
-    if (oc_g.summary_out.mode != OC_SUMMARY_OFF && !in_worker &&
+    if (output.mode != OC_SUMMARY_OFF && !in_worker &&
         (cuda || p.frame_waits > 0 || p.workers >= 0))
         emit(&p, dev, cuda ? n : 0);
-    else if (oc_g.summary_out.mode != OC_SUMMARY_OFF && !in_worker && !oc_torchrun_launcher() &&
+    else if (output.mode != OC_SUMMARY_OFF && !in_worker && !oc_torchrun_launcher() &&
              !multiprocessing_child())
         nothing_to_report(&p);
     OC_CLEAR();
@@ -992,9 +1007,9 @@ static PyObject *py_summary_start(PyObject *self, PyObject *args)
     }
     if (oc_config_get()->summary != OC_SUMMARY_OFF && resolve_output() == OC_SUMMARY_OFF)
         Py_RETURN_FALSE;
-    if (!oc_g.summary_out.resolved || oc_g.summary_out.mode == OC_SUMMARY_OFF) {
-        oc_g.summary_out.resolved = 1;
-        oc_g.summary_out.mode = OC_SUMMARY_STDERR;
+    if (!output.resolved || output.mode == OC_SUMMARY_OFF) {
+        output.resolved = 1;
+        output.mode = OC_SUMMARY_STDERR;
     }
     if (summary_begin(interval_ms) < 0)
         return NULL;

@@ -12,6 +12,15 @@ typedef struct {
     PyObject *module; /* a torch that already ran, handed back by this loader, or NULL */
 } proxy_object;
 
+/* The watcher's own state (process-wide, under the GIL: see oc.h). */
+static PyObject *engine_module; /* borrowed: lives in sys.modules as long as the engine */
+static PyObject *proxy_type;
+static int fired; /* the torch callback ran: it runs once per process */
+/* torch, fully loaded, that importlib dropped from sys.modules when an
+ * interrupt in a thread other than the main one was raised from its import;
+ * the next import hands it back. */
+static PyObject *torch_dropped;
+
 static const char guard_key[] = "outofcuda.finding_torch";
 
 /* Returns 1 when this thread is already inside find_spec("torch"). */
@@ -128,9 +137,10 @@ static void restore_loader(PyObject *self, PyObject *module, PyObject *loader)
 static void fire(PyObject *fallback_module)
 {
     PyObject *torch;
-    if (oc_g.fired)
+    if (fired)
         return;
-    oc_g.fired = 1;
+    fired = 1;
+    oc_report_hook_fired();
     /* torch may have replaced itself in sys.modules; prefer that object. */
     torch = oc_sys_module("torch");
     if (torch == NULL) {
@@ -162,7 +172,7 @@ static void fire(PyObject *fallback_module)
  * In another thread, no signal is ever raised: a KeyboardInterrupt there
  * was raised by code, and a SystemExit ends that thread alone. Handing it to
  * the main thread would move it, so it stays with its thread and is raised
- * from that thread's import; torch is kept (oc_g.torch_dropped) and the next
+ * from that thread's import; torch is kept (torch_dropped) and the next
  * `import torch`, in any thread, gets that same module back through the
  * watcher instead of running torch's __init__ a second time. */
 
@@ -225,10 +235,10 @@ static int interrupt_after_exec(PyObject *module)
         Py_XDECREF(carried);
         OC_CLEAR(); /* no room for the pending call: raised from the import, as below */
     }
-    if (oc_g.torch_dropped == NULL) {
-        oc_g.torch_dropped = oc_sys_module("torch");
-        if (oc_g.torch_dropped == NULL) {
-            oc_g.torch_dropped = module;
+    if (torch_dropped == NULL) {
+        torch_dropped = oc_sys_module("torch");
+        if (torch_dropped == NULL) {
+            torch_dropped = module;
             Py_INCREF(module);
         }
     }
@@ -246,12 +256,11 @@ static PyObject *py_exec_module(PyObject *self, PyObject *module)
     if (OC_FIELDS(proxy_object, self)->module != NULL) {
         /* torch dropped by an interrupt in another thread, back in sys.modules */
         Py_CLEAR(OC_FIELDS(proxy_object, self)->module);
-        Py_CLEAR(oc_g.torch_dropped);
+        Py_CLEAR(torch_dropped);
         Py_DECREF(loader);
         Py_RETURN_NONE;
     }
-    if (!oc_g.prepared) {
-        oc_g.prepared = 1;
+    if (!oc_bridge_prepared()) {
         spec = PyObject_GetAttrString(module, "__spec__");
         if (spec == NULL)
             OC_CLEAR();
@@ -375,12 +384,12 @@ static PyType_Spec proxy_spec = {
 static PyObject *make_proxy(PyObject *loader, PyObject *module)
 {
     PyObject *p;
-    if (oc_g.proxy_type == NULL) {
-        oc_g.proxy_type = PyType_FromSpec(&proxy_spec);
-        if (oc_g.proxy_type == NULL)
+    if (proxy_type == NULL) {
+        proxy_type = PyType_FromSpec(&proxy_spec);
+        if (proxy_type == NULL)
             return NULL;
     }
-    p = PyType_GenericAlloc((PyTypeObject *)oc_g.proxy_type, 0);
+    p = PyType_GenericAlloc((PyTypeObject *)proxy_type, 0);
     if (p == NULL)
         return NULL;
     Py_INCREF(loader);
@@ -440,7 +449,7 @@ static PyObject *find_with_others(PyObject *self, PyObject *name, PyObject *path
 }
 
 /* The spec that hands back the torch an interrupt in another thread made
- * importlib drop (oc_g.torch_dropped): its own spec, with a loader whose
+ * importlib drop (torch_dropped): its own spec, with a loader whose
  * create_module returns that module and whose exec_module runs nothing. */
 static PyObject *dropped_torch_spec(void)
 {
@@ -448,18 +457,18 @@ static PyObject *dropped_torch_spec(void)
     PyObject *now = PyDict_GetItemString(PyImport_GetModuleDict(), "torch"); /* borrowed */
     if (now != NULL) {
         /* imported again some other way: that one stands */
-        Py_CLEAR(oc_g.torch_dropped);
+        Py_CLEAR(torch_dropped);
         Py_RETURN_NONE;
     }
-    spec = PyObject_GetAttrString(oc_g.torch_dropped, "__spec__");
+    spec = PyObject_GetAttrString(torch_dropped, "__spec__");
     loader = spec && spec != Py_None ? PyObject_GetAttrString(spec, "loader") : NULL;
-    proxy = loader ? make_proxy(loader, oc_g.torch_dropped) : NULL;
+    proxy = loader ? make_proxy(loader, torch_dropped) : NULL;
     Py_XDECREF(loader);
     if (proxy == NULL || PyObject_SetAttrString(spec, "loader", proxy) < 0) {
         oc_set_error("handing back the torch an interrupt left out of sys.modules");
         Py_XDECREF(proxy);
         Py_XDECREF(spec);
-        Py_CLEAR(oc_g.torch_dropped); /* the import system finds torch as it would */
+        Py_CLEAR(torch_dropped); /* the import system finds torch as it would */
         Py_RETURN_NONE;
     }
     Py_DECREF(proxy);
@@ -475,14 +484,14 @@ static PyObject *py_find_torch_spec(PyObject *module, PyObject *args, PyObject *
     static char *kwlist[] = {"finder", "fullname", "path", "target", NULL};
     PyObject *self, *name, *path = Py_None, *target = Py_None, *spec, *loader, *proxy;
     (void)module;
-    if (oc_g.fired && oc_g.torch_dropped == NULL)
+    if (fired && torch_dropped == NULL)
         Py_RETURN_NONE;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OU|OO:find_spec", kwlist, &self, &name, &path,
                                      &target))
         return NULL;
     if (PyUnicode_CompareWithASCIIString(name, "torch") != 0)
         Py_RETURN_NONE;
-    if (oc_g.fired)
+    if (fired)
         return dropped_torch_spec();
     if (guard_enter())
         Py_RETURN_NONE;
@@ -534,11 +543,11 @@ static PyObject *boot_module(void)
         return mod;
     }
     mod = NULL;
-    if (oc_g.engine_module == NULL) {
+    if (engine_module == NULL) {
         PyErr_SetString(PyExc_ImportError, "outofcuda's engine was not initialised");
         return NULL;
     }
-    mod = oc_load_sibling(oc_g.engine_module, OC_ENGINE_NAME, OC_BOOT_NAME);
+    mod = oc_load_sibling(engine_module, OC_ENGINE_NAME, OC_BOOT_NAME);
     if (mod != NULL && PyDict_GetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME) == NULL &&
         PyDict_SetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME, mod) < 0)
         Py_CLEAR(mod);
@@ -550,7 +559,7 @@ static PyObject *boot_module(void)
 int oc_watcher_init(PyObject *module)
 {
     PyObject *boot = PyDict_GetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME), *f;
-    oc_g.engine_module = module;
+    engine_module = module;
     if (boot == NULL || !PyObject_HasAttrString(boot, "_finder"))
         return 0;
     f = PyObject_CallMethod(boot, "_finder", NULL);
@@ -559,7 +568,7 @@ int oc_watcher_init(PyObject *module)
         return 0;
     }
     if (f != Py_None)
-        oc_g.installed = 1;
+        oc_report_hook_installed();
     Py_DECREF(f);
     return 0;
 }
@@ -574,6 +583,7 @@ int oc_watcher_install(void)
     if (f == NULL)
         return -1;
     Py_DECREF(f);
+    oc_report_hook_installed();
     return 0;
 }
 
