@@ -14,8 +14,6 @@
 
 extern char **environ;
 
-oc_state oc_g;
-
 /* The steps of the CUDA-init callback: armed at import by the file that owns
  * each step, run and marked by bridge.c's callback, shown by report.c; here,
  * below all of them. One bit per oc_cuda_step in each mask. */

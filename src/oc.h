@@ -657,19 +657,6 @@ static inline PySlot *oc_export(PySlot *slots)
 typedef enum { OC_CUDA_STEPS(OC_STEP_ENUM) OC_STEP_COUNT } oc_cuda_step;
 #undef OC_STEP_ENUM
 
-/* The last OOM the observer saw; seq 0: none yet, and nothing else
- * here is read. */
-typedef struct {
-    unsigned long seq;
-    double when;
-    long device;
-    unsigned long long request, limit, device_free;
-    PyObject *stats;      /* torch.cuda.memory_stats(device) at the OOM, or NULL */
-    int autocast;         /* 1 on, 0 off, -1 unknown */
-    int snapshot_written; /* the snapshot file was written for this OOM */
-    char snapshot_error[300];
-} oc_oom_seen;
-
 /* The engine's state. Each file keeps its own, in file-level statics beside
  * the code that uses it, and what another file needs is behind a function of
  * the lower of the two (a file above tells a file below, or asks it):
@@ -684,25 +671,6 @@ typedef struct {
  * (nvml.c) is loaded once behind pthread_once. Function-local statics are
  * scratch buffers for one call under the GIL, or a variable read once
  * (OUTOFCUDA_DEBUG). */
-
-/* oom.c's state, the one left shared while its report is reworked (common.c
- * defines the one instance, oc_g); it moves into oom.c, and the count of
- * OOMs behind a function of summary.c, with that work. */
-typedef struct {
-    /* ---- out of memory (oom.c) ---- */
-    struct {
-        PyObject *prev_sys_hook, *prev_thread_hook, *type;
-        /* The observer: attached (or to be) with observer_state saying when,
-         * or none with observer_none saying why (static storage). */
-        const char *observer_state, *observer_none;
-        char snapshot_path[PATH_MAX]; /* OUTOFCUDA_OOM_SNAPSHOT made absolute, "" off */
-        oc_oom_seen seen;
-    } oom;
-    /* Events of this process, for the exit summary. */
-    unsigned long oom_events; /* CUDA OOMs torch's observer reported */
-} oc_state;
-
-extern oc_state oc_g;
 
 /* What is armed for CUDA's start (common.c): one bit per oc_cuda_step, set
  * at import by the file that owns the step, cleared by bridge.c's callback as
@@ -1095,6 +1063,8 @@ typedef struct {
  * arms its CUDA-init step where cuda_queue says CUDA's start can be queued;
  * keeps *torch for the block at exit. */
 void oc_summary_prepare(int cuda_queue, const oc_summary_torch *torch);
+/* One more CUDA OOM torch's observer reported (oom.c), for the summary. */
+void oc_summary_note_oom(void);
 void oc_summary_at_cuda_init(void); /* a step of the CUDA-init callback */
 extern PyMethodDef oc_summary_methods[];
 

@@ -27,6 +27,30 @@
  * each entry holds a stack trace of several KB of host memory. */
 #define SNAPSHOT_MAX_ENTRIES 100000
 
+/* The last OOM the observer saw; seq 0: none yet, and nothing else
+ * here is read. */
+typedef struct {
+    unsigned long seq;
+    double when;
+    long device;
+    unsigned long long request, limit, device_free;
+    PyObject *stats;      /* torch.cuda.memory_stats(device) at the OOM, or NULL */
+    int autocast;         /* 1 on, 0 off, -1 unknown */
+    int snapshot_written; /* the snapshot file was written for this OOM */
+    char snapshot_error[300];
+} oc_oom_seen;
+
+/* The handler's state: the hooks it chains to, the observer, the snapshot
+ * file and the last OOM seen. */
+static struct {
+    PyObject *prev_sys_hook, *prev_thread_hook, *type;
+    /* The observer: attached (or to be) with observer_state saying when, or
+     * none with observer_none saying why (static storage). */
+    const char *observer_state, *observer_none;
+    char snapshot_path[PATH_MAX]; /* OUTOFCUDA_OOM_SNAPSHOT made absolute, "" off */
+    oc_oom_seen seen;
+} oom;
+
 /* Copies the current exception's text into buf and clears it. */
 static void take_error(char *buf, size_t sz, const char *what)
 {
@@ -64,13 +88,12 @@ static int autocast_enabled(PyObject *torch)
     return on;
 }
 
-/* Writes the allocator history to oc_g.oom.snapshot_path; records failure text. */
+/* Writes the allocator history to oom.snapshot_path; records failure text. */
 static void dump_snapshot(PyObject *torch)
 {
-    oc_oom_seen *seen = &oc_g.oom.seen;
+    oc_oom_seen *seen = &oom.seen;
     PyObject *mem = oc_getattr_chain(torch, "cuda.memory");
-    PyObject *r =
-        mem ? PyObject_CallMethod(mem, "_dump_snapshot", "s", oc_g.oom.snapshot_path) : NULL;
+    PyObject *r = mem ? PyObject_CallMethod(mem, "_dump_snapshot", "s", oom.snapshot_path) : NULL;
     if (r == NULL) {
         if (PyErr_Occurred())
             take_error(seen->snapshot_error, sizeof seen->snapshot_error, "dumping the snapshot");
@@ -96,7 +119,7 @@ static void ipython_install(void);
  * that raises. */
 static PyObject *py_oom_observer(PyObject *self, PyObject *args)
 {
-    oc_oom_seen *seen = &oc_g.oom.seen;
+    oc_oom_seen *seen = &oom.seen;
     PyObject *torch = NULL, *stats = NULL;
     long device = -1;
     unsigned long long request = 0, limit = 0, device_free = 0;
@@ -108,7 +131,7 @@ static PyObject *py_oom_observer(PyObject *self, PyObject *args)
         goto done;
     }
     seen->seq++;
-    oc_g.oom_events = seen->seq;
+    oc_summary_note_oom();
     seen->when = (double)time(NULL);
     seen->device = device;
     seen->request = request;
@@ -130,7 +153,7 @@ static PyObject *py_oom_observer(PyObject *self, PyObject *args)
     }
     seen->stats = stats;
     seen->autocast = autocast_enabled(torch);
-    if (oc_g.oom.snapshot_path[0])
+    if (oom.snapshot_path[0])
         dump_snapshot(torch);
     /* A shell started after CUDA (IPython.embed()) gets the handler before
      * the OOM reaches it. */
@@ -189,9 +212,8 @@ static void install_hooks(void);
 void oc_oom_at_cuda_init(PyObject *torch)
 {
     PyObject *attach = NULL, *obs = NULL, *r = NULL;
-    int attached =
-        oc_g.oom.observer_state != NULL && strcmp(oc_g.oom.observer_state, "attached") == 0;
-    if (!attached && oc_g.oom.snapshot_path[0] && start_history(torch) < 0) {
+    int attached = oom.observer_state != NULL && strcmp(oom.observer_state, "attached") == 0;
+    if (!attached && oom.snapshot_path[0] && start_history(torch) < 0) {
         char msg[400];
         if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) ||
             PyErr_ExceptionMatches(PyExc_SystemExit)) {
@@ -201,7 +223,7 @@ void oc_oom_at_cuda_init(PyObject *torch)
         take_error(msg, sizeof msg,
                    "OUTOFCUDA_OOM_SNAPSHOT: recording the allocator history "
                    "failed; no snapshot will be written");
-        oc_g.oom.snapshot_path[0] = '\0';
+        oom.snapshot_path[0] = '\0';
         oc_warn(msg);
     }
     attach = attached ? NULL : oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
@@ -214,10 +236,10 @@ void oc_oom_at_cuda_init(PyObject *torch)
         /* attached by an interrupted run */
     } else if (r == NULL) {
         oc_set_error("attaching the CUDA OOM observer");
-        oc_g.oom.observer_state = NULL;
-        oc_g.oom.observer_none = "attaching it at CUDA initialisation failed";
+        oom.observer_state = NULL;
+        oom.observer_none = "attaching it at CUDA initialisation failed";
     } else {
-        oc_g.oom.observer_state = "attached";
+        oom.observer_state = "attached";
     }
     OC_CLEAR();
     Py_XDECREF(r);
@@ -227,7 +249,7 @@ void oc_oom_at_cuda_init(PyObject *torch)
         install_hooks();
 }
 
-/* Reads OUTOFCUDA_OOM_SNAPSHOT into oc_g.oom.snapshot_path (absolute). The value is a
+/* Reads OUTOFCUDA_OOM_SNAPSHOT into oom.snapshot_path (absolute). The value is a
  * file path and nothing else; a bad one gets one warning and is ignored.
  * Returns 1 when set and usable. */
 static int read_snapshot_env(void)
@@ -237,7 +259,7 @@ static int read_snapshot_env(void)
     const char *base, *slash;
     struct stat st;
     int resolved;
-    oc_g.oom.snapshot_path[0] = '\0';
+    oom.snapshot_path[0] = '\0';
     /* An off word is off, as for every setting, never a file named "0". */
     if (v == NULL || v[0] == '\0' || oc_parse_off(v))
         return 0;
@@ -252,8 +274,8 @@ static int read_snapshot_env(void)
         oc_warn(msg);
         return 0;
     }
-    resolved = oc_resolve_file_path(v, dir, sizeof dir, oc_g.oom.snapshot_path,
-                                    sizeof oc_g.oom.snapshot_path);
+    resolved =
+        oc_resolve_file_path(v, dir, sizeof dir, oom.snapshot_path, sizeof oom.snapshot_path);
     if (resolved == -1) {
         snprintf(msg, sizeof msg,
                  "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: its directory %.200s does "
@@ -262,12 +284,12 @@ static int read_snapshot_env(void)
         oc_warn(msg);
         return 0;
     }
-    if (resolved != 0 || (stat(oc_g.oom.snapshot_path, &st) == 0 && S_ISDIR(st.st_mode))) {
+    if (resolved != 0 || (stat(oom.snapshot_path, &st) == 0 && S_ISDIR(st.st_mode))) {
         snprintf(msg, sizeof msg,
                  "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: it must name a file, not a "
                  "directory",
                  v);
-        oc_g.oom.snapshot_path[0] = '\0';
+        oom.snapshot_path[0] = '\0';
         oc_warn(msg);
         return 0;
     }
@@ -410,8 +432,8 @@ static PyObject *py_excepthook(PyObject *self, PyObject *args)
         return NULL;
     if (is_oom(type))
         handle_uncaught(value);
-    if (oc_g.oom.prev_sys_hook != NULL)
-        return PyObject_CallObject(oc_g.oom.prev_sys_hook, args);
+    if (oom.prev_sys_hook != NULL)
+        return PyObject_CallObject(oom.prev_sys_hook, args);
     Py_RETURN_NONE;
 }
 
@@ -428,8 +450,8 @@ static PyObject *py_threading_excepthook(PyObject *self, PyObject *hook_args)
         Py_XDECREF(value);
     }
     Py_XDECREF(type);
-    if (oc_g.oom.prev_thread_hook != NULL)
-        return PyObject_CallFunctionObjArgs(oc_g.oom.prev_thread_hook, hook_args, NULL);
+    if (oom.prev_thread_hook != NULL)
+        return PyObject_CallFunctionObjArgs(oom.prev_thread_hook, hook_args, NULL);
     Py_RETURN_NONE;
 }
 
@@ -665,9 +687,9 @@ static void ipython_install(void)
     n = custom != NULL && PyTuple_Check(custom) ? PyTuple_Size(custom) : -1;
     if (n > 0) {
         ipython_state = "user_handler_kept";
-    } else if (n == 0 && oc_g.oom.type != NULL) {
+    } else if (n == 0 && oom.type != NULL) {
         fn = PyCFunction_NewEx(&ipython_handler_def, NULL, NULL);
-        types = fn ? PyTuple_Pack(1, oc_g.oom.type) : NULL;
+        types = fn ? PyTuple_Pack(1, oom.type) : NULL;
         r = types ? PyObject_CallMethod(shell, "set_custom_exc", "OO", types, fn) : NULL;
         ipython_state = r != NULL ? "set" : "failed";
         if (r != NULL && oc_register_at_exit(&ipython_at_exit_def, &ipython_at_exit_registered) < 0)
@@ -695,12 +717,12 @@ static void record_value(const char *hooks)
     /* An IPython shell may come before torch: nothing is recorded yet. */
     if (hooks == NULL && oc_record_get(OC_OPT_OOM)->kind != OC_VAL_OOM)
         return;
-    if (oc_g.oom.observer_state != NULL)
-        snprintf(observer, sizeof observer, "%s", oc_g.oom.observer_state);
+    if (oom.observer_state != NULL)
+        snprintf(observer, sizeof observer, "%s", oom.observer_state);
     else
-        snprintf(observer, sizeof observer, "none%s%s", oc_g.oom.observer_none ? ": " : "",
-                 oc_g.oom.observer_none ? oc_g.oom.observer_none : "");
-    oc_record_oom(hooks, observer, oc_g.oom.snapshot_path, ipython_state);
+        snprintf(observer, sizeof observer, "none%s%s", oom.observer_none ? ": " : "",
+                 oom.observer_none ? oom.observer_none : "");
+    oc_record_oom(hooks, observer, oom.snapshot_path, ipython_state);
 }
 
 /* The handler's record: queued at import, applied once its hooks are set
@@ -744,12 +766,11 @@ static void install_hooks(void)
     console = PySys_GetObject("ps1") != NULL;
     sys = PyImport_ImportModule("sys");
     if (sys != NULL && !console)
-        sys_set = chain_hook(sys, "excepthook", &sys_hook_def, &oc_g.oom.prev_sys_hook);
+        sys_set = chain_hook(sys, "excepthook", &sys_hook_def, &oom.prev_sys_hook);
     /* threading is imported by torch already; this only looks it up. */
     threading = PyImport_ImportModule("threading");
     if (threading != NULL)
-        thread_set =
-            chain_hook(threading, "excepthook", &thread_hook_def, &oc_g.oom.prev_thread_hook);
+        thread_set = chain_hook(threading, "excepthook", &thread_hook_def, &oom.prev_thread_hook);
     OC_CLEAR();
     Py_XDECREF(threading);
     Py_XDECREF(sys);
@@ -768,8 +789,8 @@ void oc_oom_install(PyObject *torch, const char *no_queue)
 {
     PyObject *attach;
     int snapshot;
-    oc_g.oom.type = oc_getattr_chain(torch, "cuda.OutOfMemoryError");
-    if (oc_g.oom.type == NULL) {
+    oom.type = oc_getattr_chain(torch, "cuda.OutOfMemoryError");
+    if (oom.type == NULL) {
         OC_CLEAR();
         oc_record_set(OC_OPT_OOM, OC_REC_SKIPPED, OC_CODE_NO_OOM_TYPE,
                       "this torch has no torch.cuda.OutOfMemoryError");
@@ -780,18 +801,17 @@ void oc_oom_install(PyObject *torch, const char *no_queue)
     OC_CLEAR();
     /* Every CUDA (and ROCm) build has the observer; a CPU-only build has no
      * CUDA to report on. */
-    oc_g.oom.observer_state = attach == NULL || no_queue ? NULL : "attached when CUDA initialises";
-    oc_g.oom.observer_none =
-        attach == NULL ? "this torch build has no CUDA OOM observer" : no_queue;
+    oom.observer_state = attach == NULL || no_queue ? NULL : "attached when CUDA initialises";
+    oom.observer_none = attach == NULL ? "this torch build has no CUDA OOM observer" : no_queue;
     Py_XDECREF(attach);
-    if (oc_g.oom.observer_state == NULL) {
+    if (oom.observer_state == NULL) {
         if (snapshot) {
             char msg[OC_WARN_LEN];
             snprintf(msg, sizeof msg,
                      "outofcuda: OUTOFCUDA_OOM_SNAPSHOT is set but no snapshot "
                      "can be written (%s)",
-                     oc_g.oom.observer_none);
-            oc_g.oom.snapshot_path[0] = '\0';
+                     oom.observer_none);
+            oom.snapshot_path[0] = '\0';
             oc_warn(msg);
         }
         /* Nothing will ever run at CUDA initialisation: Python's exception
@@ -802,7 +822,7 @@ void oc_oom_install(PyObject *torch, const char *no_queue)
                           "Python's exception hooks left alone");
         else
             oc_record_set(OC_OPT_OOM, OC_REC_SKIPPED, OC_CODE_NO_QUEUE,
-                          "%s: Python's exception hooks left alone", oc_g.oom.observer_none);
+                          "%s: Python's exception hooks left alone", oom.observer_none);
         return;
     }
     oc_cuda_step_arm(OC_STEP_OOM);
@@ -1085,7 +1105,7 @@ static unsigned long reports_built;
  * with an exception set. */
 static PyObject *build_report(PyObject *py_text, int exhausted, unsigned long *seq)
 {
-    oc_oom_seen *seen = &oc_g.oom.seen;
+    oc_oom_seen *seen = &oom.seen;
     const char *text = NULL;
     int cuda_up = 0, use_seen, index = -1;
     long device = -1, msg_device;
@@ -1228,8 +1248,8 @@ static PyObject *build_report(PyObject *py_text, int exhausted, unsigned long *s
         f.expandable ? Py_True : Py_False, "memory_fraction",
         fraction > 0.0 ? PyFloat_FromDouble(fraction) : figure(-1), "autocast",
         autocast < 0 ? figure(-1) : PyBool_FromLong(autocast), "snapshot",
-        use_seen && seen->snapshot_written ? oc_g.oom.snapshot_path : NULL, "advice", advice,
-        "notes", notes);
+        use_seen && seen->snapshot_written ? oom.snapshot_path : NULL, "advice", advice, "notes",
+        notes);
 done:
     Py_XDECREF(advice);
     Py_XDECREF(others);
@@ -1365,7 +1385,7 @@ static PyObject *py_oom_note(PyObject *self, PyObject *exc)
  * for one the observer saw after the last report, or one a retry survived. */
 static PyObject *py_oom_last(PyObject *self, PyObject *unused)
 {
-    unsigned long observed = oc_g.oom.seen.seq, seq;
+    unsigned long observed = oom.seen.seq, seq;
     PyObject *pending = last.pending, *report;
     (void)self;
     (void)unused;

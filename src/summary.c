@@ -87,6 +87,13 @@ static struct {
 
 /* What bridge.c read of torch and its allocator (oc_summary_prepare). */
 static oc_summary_torch torch_facts;
+/* CUDA OOMs torch's observer reported in this process (oom.c tells). */
+static unsigned long oom_events;
+
+void oc_summary_note_oom(void)
+{
+    oom_events++;
+}
 
 /* ---- the sampler thread: no Python object, no GIL ---- */
 
@@ -942,7 +949,7 @@ static PyObject *py_summary_at_exit(PyObject *self, PyObject *unused)
     p.wall = now - (cuda ? S.t_cuda : S.t0);
     p.since_import = now - S.t0;
     p.rank = oc_job_rank();
-    p.ooms = oc_g.oom_events;
+    p.ooms = oom_events;
     p.splits = oc_api_microbatch_splits();
     p.suggested_workers = oc_loader_suggestion(&p.cpus);
     if (cuda)
