@@ -326,30 +326,76 @@ void oc_nvml_sort_procs(oc_gpu_proc *procs, int n)
         qsort(procs, (size_t)n, sizeof *procs, by_used_desc);
 }
 
+/* The length of the UTF-8 character at p (1 to 4), or 0 where the bytes
+ * there are not one (a stray continuation byte, an overlong form, a
+ * surrogate, a sequence cut short). */
+static size_t utf8_char(const unsigned char *p)
+{
+    unsigned int c = p[0];
+    unsigned char lo = 0x80, hi = 0xBF;
+    size_t n;
+    if (c < 0x80)
+        return 1;
+    if (c >= 0xC2 && c <= 0xDF)
+        n = 2;
+    else if (c >= 0xE0 && c <= 0xEF)
+        n = 3;
+    else if (c >= 0xF0 && c <= 0xF4)
+        n = 4;
+    else
+        return 0;
+    if (c == 0xE0)
+        lo = 0xA0;
+    else if (c == 0xED)
+        hi = 0x9F;
+    else if (c == 0xF0)
+        lo = 0x90;
+    else if (c == 0xF4)
+        hi = 0x8F;
+    if (p[1] < lo || p[1] > hi)
+        return 0;
+    for (size_t i = 2; i < n; i++)
+        if (p[i] < 0x80 || p[i] > 0xBF)
+            return 0;
+    return n;
+}
+
 void oc_escape_controls(char *buf, size_t sz)
 {
     char out[512];
-    size_t n = 0;
+    size_t n = 0, kept = 0;
     const unsigned char *p = (const unsigned char *)buf;
     if (sz == 0)
         return;
-    for (; *p != '\0' && n + 1 < sizeof out; p++) {
+    while (*p != '\0') {
         unsigned int c = *p;
+        size_t len = utf8_char(p);
         /* C0 controls, DEL, and C1 controls (U+0080..U+009F, 0xC2 0x80..0x9F
-         * in UTF-8: some terminals take U+009B as an escape on its own). */
+         * in UTF-8: some terminals take U+009B as an escape on its own). A
+         * byte that begins no UTF-8 character is escaped too: any process
+         * may name itself any bytes (prctl PR_SET_NAME), and the name has to
+         * become a Python str. */
         int c1 = c == 0xC2 && p[1] >= 0x80 && p[1] <= 0x9F;
-        if (c < 0x20 || c == 0x7F || c1) {
+        if (c < 0x20 || c == 0x7F || c1 || len == 0) {
             if (c1)
                 c = *++p;
             if (n + 5 >= sizeof out)
                 break;
             n += (size_t)snprintf(out + n, sizeof out - n, "\\x%02x", c);
+            p++;
         } else {
-            out[n++] = (char)c;
+            if (n + len >= sizeof out)
+                break;
+            memcpy(out + n, p, len);
+            n += len;
+            p += len;
         }
+        /* What fits the caller's buffer ends between characters. */
+        if (n < sz)
+            kept = n;
     }
-    out[n] = '\0';
-    snprintf(buf, sz, "%s", out);
+    out[kept] = '\0';
+    memcpy(buf, out, kept + 1);
 }
 
 int oc_proc_name(unsigned int pid, char *buf, size_t sz)

@@ -314,14 +314,22 @@ sys.stdin.read()
 """
 
 
-def test_other_processes_names_are_shown_escaped(venv, workdir, tmp_path, stub_nvml_libs):
+# Bytes that are no UTF-8 (a lone 0xff 0xfe, a three-byte sequence cut after
+# two): a name Python cannot decode must not cost the report.
+NOT_UTF8_NAME = b"\xff\xfegpu\xe2\x82"
+
+
+@pytest.mark.parametrize("name,escaped", [(HOSTILE_NAME, r"\x1b[2J\x1b]0;x\x07"),
+                                          (NOT_UTF8_NAME, r"\xff\xfegpu\xe2\x82")])
+def test_other_processes_names_are_shown_escaped(venv, workdir, tmp_path, stub_nvml_libs, name,
+                                                 escaped):
     import sys
     from conftest import stub_nvml_config, stub_nvml_device
-    child = subprocess.Popen([sys.executable, "-c", NAMED_CHILD.format(name=HOSTILE_NAME)],
+    child = subprocess.Popen([sys.executable, "-c", NAMED_CHILD.format(name=name)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline() == "named\n"
-        assert Path(f"/proc/{child.pid}/comm").read_bytes().rstrip(b"\n") == HOSTILE_NAME
+        assert Path(f"/proc/{child.pid}/comm").read_bytes().rstrip(b"\n") == name
         cfg = stub_nvml_config(tmp_path / "nvml.cfg",
                                [stub_nvml_device(total=80 << 30, used=79 << 30)],
                                procs=[(0, child.pid, 30 << 30)])
@@ -340,7 +348,6 @@ print(json.dumps([rep["cuda:0"]["processes"][0]["name"], oom["other_processes"][
         child.wait(timeout=60)
         child.stdout.close()
     assert report.returncode == 0 and api.returncode == 0, (report.stderr, api.stderr)
-    escaped = r"\x1b[2J\x1b]0;x\x07"
     for text in (report.stdout, api.stdout):
         assert "\x1b" not in text and "\x07" not in text
     assert escaped in report.stdout, report.stdout
