@@ -513,7 +513,6 @@ static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
     }
 }
 
-/* A step of the CUDA-init callback. */
 /* The step called torch's setter: a Ctrl-C that lands inside it, after the
  * flag is set, leaves the step armed, and its next run finds outofcuda's own
  * write. */
@@ -537,6 +536,7 @@ static int matmul_tf32_on(PyObject *c_mod)
     return on;
 }
 
+/* A step of the CUDA-init callback. */
 static void tf32_at_cuda_init(PyObject *torch)
 {
     char why[200];
@@ -977,13 +977,12 @@ static void fraction_at_cuda_init(PyObject *torch)
     oc_record_fraction(pending_fraction, device);
     goto done;
 error:
-    /* An interrupt is no failure: the step stays armed and its record is
-     * put back (step_undo). */
-    if (!oc_interrupt_waiting()) {
-        oc_set_error("memory fraction at CUDA initialisation");
+    /* oc_set_error sets an interrupt aside instead of recording it: no
+     * failure then, the step stays armed and step_undo puts its record back. */
+    oc_set_error("memory fraction at CUDA initialisation");
+    if (!oc_interrupt_waiting())
         oc_record_set(OC_OPT_FRACTION, OC_REC_FAILED, OC_CODE_ERROR,
                       "setting it when CUDA initialised failed (status()['error'])");
-    }
 done:
     OC_CLEAR();
     Py_XDECREF(r);

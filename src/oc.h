@@ -486,13 +486,6 @@ void oc_record_set(oc_opt opt, oc_rec_state state, oc_rec_code code, const char 
 void oc_record_off(oc_opt opt, const char *var);
 /* Every record: state, code and reason. */
 void oc_record_set_all(oc_rec_state state, oc_rec_code code, const char *reason);
-/* Appends to opt's sentence (printf format): the writer's own words only. */
-void oc_record_append(oc_opt opt, const char *fmt, ...)
-#ifdef __GNUC__
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
-void oc_record_state(oc_opt opt, oc_rec_state state, oc_rec_code code); /* sentence kept */
 void oc_record_bool(oc_opt opt, int value);
 void oc_record_matmul(int tf32);
 void oc_record_sdpa(int flash, int mem_efficient, int math);

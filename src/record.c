@@ -75,26 +75,6 @@ void oc_record_set_all(oc_rec_state state, oc_rec_code code, const char *reason)
         oc_record_set((oc_opt)i, state, code, "%s", reason);
 }
 
-void oc_record_append(oc_opt opt, const char *fmt, ...)
-{
-    va_list ap;
-    size_t len;
-    if (!valid(opt))
-        return;
-    len = strlen(records[opt].reason);
-    va_start(ap, fmt);
-    vsnprintf(records[opt].reason + len, sizeof records[opt].reason - len, fmt, ap);
-    va_end(ap);
-}
-
-void oc_record_state(oc_opt opt, oc_rec_state state, oc_rec_code code)
-{
-    if (!valid(opt))
-        return;
-    records[opt].state = state;
-    records[opt].code = code;
-}
-
 void oc_record_bool(oc_opt opt, int value)
 {
     if (!valid(opt))
