@@ -406,6 +406,9 @@ def main(argv=None):
         ap.error("--repeats must be at least 1")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="oc-startup-"))
     work.mkdir(parents=True, exist_ok=True)
+    if not args.workdir:
+        # Two environments with torch: about 2 GB each, of no use once measured.
+        atexit.register(shutil.rmtree, work, True)
     torch_spec = None if args.skip_torch else args.torch_spec
     # Paths of equal length: site's work and the recorded file names cost the same.
     if args.with_venv:
