@@ -51,11 +51,18 @@ static struct {
     oc_oom_seen seen;
 } oom;
 
-/* Copies the current exception's text into buf and clears it. */
+/* Copies the current exception's text into buf and clears it. A Ctrl-C or
+ * an exit() is the program's: set aside for the edge to raise, not text. */
 static void take_error(char *buf, size_t sz, const char *what)
 {
     PyObject *type, *value, *tb, *s = NULL;
     char text[240];
+    if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) ||
+        PyErr_ExceptionMatches(PyExc_SystemExit)) {
+        OC_CLEAR();
+        snprintf(buf, sz, "%s: interrupted", what);
+        return;
+    }
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
     s = value ? PyObject_Str(value) : NULL;
@@ -956,7 +963,11 @@ static void from_message(const char *text, long long *request, long *device)
             for (int i = 4; i >= 0; i--) {
                 size_t n = strlen(units[i]);
                 if (strncmp(end + 1, units[i], n) == 0) {
-                    *request = (long long)(x * (double)(1ull << (10 * i)));
+                    double bytes = x * (double)(1ull << (10 * i));
+                    /* Text from the program's exception: inf or 1e300
+                     * would not fit (undefined behaviour), so unknown. */
+                    if (bytes >= 0.0 && bytes < 9.0e18)
+                        *request = (long long)bytes;
                     break;
                 }
             }

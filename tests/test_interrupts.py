@@ -386,3 +386,28 @@ def test_a_ctrl_c_while_the_boot_loads_stops_start_up(venv, tmp_path):
     # The audit module itself changes nothing when the boot is not mapped.
     r = venv.run(code, env={"LD_AUDIT": str(so)}, cwd=tmp_path, args=("-S",))
     assert r.returncode == 0 and r.stdout == "the program ran\n", (r.stdout, r.stderr)
+
+
+# A Ctrl-C while the OOM observer writes OUTOFCUDA_OOM_SNAPSHOT's file (a
+# long dump): it reaches the program from the observer, not kept as the
+# snapshot's error text.
+IN_THE_SNAPSHOT = """
+import json, types, torch, _outofcuda
+def dump(path):
+    raise KeyboardInterrupt
+torch.cuda.memory = types.SimpleNamespace(_record_memory_history=lambda *a, **k: None,
+                                          _dump_snapshot=dump)
+torch.cuda._fake_cuda_init()
+try:
+    _outofcuda._oom_observer(0, 2 << 30, 80 << 30, 1 << 29)
+    reached = None
+except KeyboardInterrupt:
+    reached = "KeyboardInterrupt"
+print(json.dumps({"reached": reached, "error": _outofcuda.status()["hook"]["error"]}))
+"""
+
+
+def test_a_ctrl_c_while_the_snapshot_is_written_reaches_the_program(venv, tmp_path, sm90):
+    env = dict(sm90, OUTOFCUDA_OOM_SNAPSHOT=str(tmp_path / "oom.pickle"))
+    d = last_json(venv.run(IN_THE_SNAPSHOT, env=env, cwd=tmp_path, args=("-W", "error")))
+    assert d == {"reached": "KeyboardInterrupt", "error": None}, d
