@@ -1116,7 +1116,11 @@ static unsigned long reports_built;
  * with an exception set. */
 static PyObject *build_report(PyObject *py_text, int exhausted, unsigned long *seq)
 {
-    oc_oom_seen *seen = &oom.seen;
+    /* The observer's figures as they are when the report decides to use
+     * them: the build calls into torch, where another thread's OOM may
+     * run the observer again, and one report never mixes two OOMs. */
+    oc_oom_seen seen_then;
+    const oc_oom_seen *seen = &seen_then;
     const char *text = NULL;
     int cuda_up = 0, use_seen, index = -1;
     long device = -1, msg_device;
@@ -1150,6 +1154,7 @@ static PyObject *build_report(PyObject *py_text, int exhausted, unsigned long *s
     memset(&info, 0, sizeof info);
     from_message(text, &request, &msg_device);
     device = msg_device;
+    seen_then = oom.seen;
     use_seen = seen->seq > 0 && (double)time(NULL) - seen->when <= OBSERVER_WINDOW_S &&
                !(text != NULL && msg_device >= 0 && msg_device != seen->device);
     if (use_seen) {
