@@ -359,6 +359,12 @@ static int guard_after_blocks(PyObject *blocks)
 }
 
 /* Takes entry i's action. Returns 1 done, 0 not (reason appended). */
+/* The step called torch's cuDNN-attention setter: a Ctrl-C that lands
+ * inside it, after the write, leaves the step armed, and its next run finds
+ * cuDNN attention off by outofcuda's own hand, not already off. Not put
+ * back with the rows (kept across an interrupted run). */
+static int sdp_written;
+
 static int act(PyObject *torch, const oc_known_bug *b, size_t i)
 {
     size_t len = strlen(kb.reason[i]);
@@ -400,12 +406,13 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
         }
         Py_XDECREF(blocks);
     }
-    if (!on) {
+    if (!on && !sdp_written) {
         snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
                  "; cuDNN attention was already off");
         Py_DECREF(c_mod);
         return 1;
     }
+    sdp_written = 1;
     rc = oc_call_bool(c_mod, "_set_sdp_use_cudnn", 0);
     Py_DECREF(c_mod);
     OC_CLEAR();

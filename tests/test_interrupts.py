@@ -139,32 +139,40 @@ def test_a_step_cut_short_runs_again_when_torch_runs_its_queue_again(venv, tmp_p
     check_all_applied(d["end"])
 
 
-# A Ctrl-C that lands inside torch's TF32 setter after the flag is set (the
+# A Ctrl-C that lands inside a torch setter of a step after its write (the
 # stand-in's setter does its work, then raises): the step's next run finds
-# outofcuda's own write, not a choice of the program's, and applies.
+# outofcuda's own write, not a choice of the program's (TF32) or a flag
+# already off (the cuDNN-attention guard), and says what outofcuda did.
 AFTER_THE_WRITE = """
 import json, sys, torch, _outofcuda
 """ + OUTCOME + """
 C = torch._C
-real = C._set_cublas_allow_tf32
+real = getattr(C, %r)
 def set_then_interrupt(*args):
-    C._set_cublas_allow_tf32 = real
+    setattr(C, %r, real)
     real(*args)
     raise KeyboardInterrupt
-C._set_cublas_allow_tf32 = set_then_interrupt
+setattr(C, %r, set_then_interrupt)
+first = None
 try:
     torch.cuda._fake_cuda_init()
 except KeyboardInterrupt:
-    first = outcome()["records"]["tf32"]
+    first = outcome()["steps"]
 torch.cuda._fake_cuda_init()
-print(json.dumps({"first": first, "end": outcome()}))
+print(json.dumps({"first": first, "end": outcome(),
+                  "sdpa": _outofcuda.status()["optimizations"]["sdpa"]["reason"]}))
 """
 
 
-def test_a_ctrl_c_after_torchs_tf32_write_leaves_tf32_applied(venv, tmp_path, sm90):
-    d = last_json(venv.run(AFTER_THE_WRITE, env=sm90, cwd=tmp_path, args=("-W", "error")))
-    assert d["first"]["state"] == "interrupted", d["first"]
+@pytest.mark.parametrize("setter,step", [("_set_cublas_allow_tf32", "tf32"),
+                                         ("_set_sdp_use_cudnn", "known_bugs")])
+def test_a_ctrl_c_after_torchs_write_leaves_the_step_applied(venv, tmp_path, sm90, setter, step):
+    d = last_json(venv.run(AFTER_THE_WRITE % (setter, setter, setter), env=sm90, cwd=tmp_path,
+                           args=("-W", "error")))
+    assert d["first"] is not None and d["first"][step] == "interrupted", d["first"]
     check_all_applied(d["end"], once=False)
+    # The guard's words on the sdpa row: no typed field carries them.
+    assert f"turned off when CUDA started (known bug {BUG})" in d["sdpa"], d["sdpa"]
 
 
 # Real SIGINTs at random moments of CUDA's start. One interpreter imports
