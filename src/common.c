@@ -198,7 +198,10 @@ void oc_clear_at(const char *file, int line, const char *func, const char *why)
         name = PyObject_GetAttrString(type, "__name__");
     if (value != NULL)
         text = PyObject_Str(value);
-    PyErr_Clear(); /* a failing str() is its own "?" below */
+    /* A failing str() is its own "?" below; a Ctrl-C raised in it is the
+     * program's, set aside as any other. */
+    if (PyErr_Occurred() && !keep_interrupt())
+        PyErr_Clear();
     base = strrchr(file, '/');
     oc_stderr_printf("outofcuda debug: %s:%d %s%s%s%s: %s: %s\n", base ? base + 1 : file, line,
                      func, why ? " (" : "", why ? why : "", why ? ")" : "",
@@ -423,7 +426,7 @@ PyObject *oc_sys_module(const char *name)
     PyObject *mod = key ? PyImport_GetModule(key) : NULL;
     Py_XDECREF(key);
     if (mod == NULL)
-        OC_CLEAR_ABSENT(); /* not imported */
+        OC_CLEAR(); /* not imported sets nothing: only a real error is here */
     return mod;
 }
 

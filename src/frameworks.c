@@ -71,8 +71,7 @@ static int in_sys_modules(const char *name)
 {
     PyObject *modules = PySys_GetObject("modules"); /* borrowed */
     PyObject *m = modules && PyDict_Check(modules) ? PyDict_GetItemString(modules, name) : NULL;
-    /* Absence is the answer: PyDict_GetItemString sets nothing to record. */
-    OC_CLEAR_ABSENT(); /* see above */
+    /* Absence is the answer: PyDict_GetItemString sets nothing. */
     return m != NULL && m != Py_None;
 }
 

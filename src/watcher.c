@@ -482,7 +482,7 @@ static PyObject *dropped_torch_spec(void)
 static PyObject *py_find_torch_spec(PyObject *module, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"finder", "fullname", "path", "target", NULL};
-    PyObject *self, *name, *path = Py_None, *target = Py_None, *spec, *loader, *proxy;
+    PyObject *self, *name, *path = Py_None, *target = Py_None, *spec, *loader, *proxy, *exec_module;
     (void)module;
     if (fired && torch_dropped == NULL)
         Py_RETURN_NONE;
@@ -506,10 +506,15 @@ static PyObject *py_find_torch_spec(PyObject *module, PyObject *args, PyObject *
     }
     /* A namespace package has no loader; a loader without exec_module is one
      * the import system drives differently: leave both alone. */
-    if (loader == Py_None || !PyObject_HasAttrString(loader, "exec_module")) {
+    /* torch's loader is foreign code: PyObject_HasAttrString would swallow
+     * a Ctrl-C raised in its __getattr__, this sets it aside for the edge. */
+    exec_module = loader == Py_None ? NULL : PyObject_GetAttrString(loader, "exec_module");
+    if (exec_module == NULL) {
+        OC_CLEAR_ABSENT(); /* no exec_module */
         Py_DECREF(loader);
         return spec;
     }
+    Py_DECREF(exec_module);
     proxy = make_proxy(loader, NULL);
     Py_DECREF(loader);
     if (proxy == NULL || PyObject_SetAttrString(spec, "loader", proxy) < 0) {
