@@ -151,6 +151,13 @@ def test_the_record_table_reader_reads_what_it_should():
     """tests/kit.py's reader takes a table's names and stops at its end."""
     assert oc_h_table("OC_OPTIMISATIONS")[:2] == ["tf32", "cudnn_benchmark"]
     assert "framework" not in oc_h_table("OC_OPTIMISATIONS")  # a CUDA step, not an optimisation
+    # status()["cuda_init"]'s keys and status()["optimizations"]'s are public:
+    # spelled out here, so that a change in oc.h shows in a test.
+    assert oc_h_table("OC_CUDA_STEPS") == ["framework", "tf32", "memory_fraction", "known_bugs",
+                                           "oom_handler", "summary"]
+    assert oc_h_table("OC_OPTIMISATIONS") == ["tf32", "cudnn_benchmark", "cudnn_deterministic",
+                                              "allocator", "memory_fraction", "sdpa", "amp_dtype",
+                                              "oom_handler"]
 
 
 def doc_cuda_steps(text):
