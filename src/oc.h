@@ -887,7 +887,8 @@ void oc_report_verbose(void);
  * finder is on sys.meta_path; the torch callback ran; torch's __version__
  * as str (the report keeps its own reference; NULL: unknown). */
 void oc_report_hook_installed(void);
-void oc_report_hook_fired(void);
+int oc_report_hook_fired(void);     /* returns 1 when it had fired already */
+int oc_report_hook_has_fired(void); /* the torch callback ran */
 void oc_report_torch_version(PyObject *version);
 extern PyMethodDef oc_report_methods[];
 

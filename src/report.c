@@ -19,9 +19,16 @@ void oc_report_hook_installed(void)
     hook.installed = 1;
 }
 
-void oc_report_hook_fired(void)
+int oc_report_hook_fired(void)
 {
+    int was = hook.fired;
     hook.fired = 1;
+    return was;
+}
+
+int oc_report_hook_has_fired(void)
+{
+    return hook.fired;
 }
 
 void oc_report_torch_version(PyObject *version)
@@ -538,6 +545,7 @@ static void write_known_bugs_row(void)
     char ids[400], reason[720], id[100];
     size_t used = 0;
     int done = 0;
+    oc_step_state step;
     PyObject *bugs = oc_known_bugs_status();
     Py_ssize_t n = bugs ? PyList_Size(bugs) : -1;
     if (n <= 0) {
@@ -553,10 +561,11 @@ static void write_known_bugs_row(void)
         if (used < sizeof ids)
             used += (size_t)snprintf(ids + used, sizeof ids - used, "%s%s", i ? ", " : "", id);
     }
+    step = oc_cuda_step_state(OC_STEP_KNOWN_BUGS);
     oc_stderr_printf("  %-20s %-8s ", "known_bugs",
-                     done                                                 ? "yes"
-                     : oc_cuda_steps_armed() & (1u << OC_STEP_KNOWN_BUGS) ? "queued"
-                                                                          : "no");
+                     done                                                          ? "yes"
+                     : step == OC_STEP_IS_QUEUED || step == OC_STEP_IS_INTERRUPTED ? "queued"
+                                                                                   : "no");
     write_wrapped(ids, TABLE_WIDTH - VALUE_COL, VALUE_COL);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *e = PyList_GetItem(bugs, i);

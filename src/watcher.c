@@ -15,7 +15,6 @@ typedef struct {
 /* The watcher's own state (process-wide, under the GIL: see oc.h). */
 static PyObject *engine_module; /* borrowed: lives in sys.modules as long as the engine */
 static PyObject *proxy_type;
-static int fired; /* the torch callback ran: it runs once per process */
 /* torch, fully loaded, that importlib dropped from sys.modules when an
  * interrupt in a thread other than the main one was raised from its import;
  * the next import hands it back. */
@@ -137,10 +136,9 @@ static void restore_loader(PyObject *self, PyObject *module, PyObject *loader)
 static void fire(PyObject *fallback_module)
 {
     PyObject *torch;
-    if (fired)
+    /* The callback runs once per process: report.c keeps whether it ran. */
+    if (oc_report_hook_fired())
         return;
-    fired = 1;
-    oc_report_hook_fired();
     /* torch may have replaced itself in sys.modules; prefer that object. */
     torch = oc_sys_module("torch");
     if (torch == NULL) {
@@ -484,14 +482,14 @@ static PyObject *py_find_torch_spec(PyObject *module, PyObject *args, PyObject *
     static char *kwlist[] = {"finder", "fullname", "path", "target", NULL};
     PyObject *self, *name, *path = Py_None, *target = Py_None, *spec, *loader, *proxy, *exec_module;
     (void)module;
-    if (fired && torch_dropped == NULL)
+    if (oc_report_hook_has_fired() && torch_dropped == NULL)
         Py_RETURN_NONE;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OU|OO:find_spec", kwlist, &self, &name, &path,
                                      &target))
         return NULL;
     if (PyUnicode_CompareWithASCIIString(name, "torch") != 0)
         Py_RETURN_NONE;
-    if (fired)
+    if (oc_report_hook_has_fired())
         return dropped_torch_spec();
     if (guard_enter())
         Py_RETURN_NONE;
