@@ -235,6 +235,8 @@ static int shm_size(const char *path, unsigned long long *total)
     return 0;
 }
 
+static int shm_warned; /* the shared-memory warning was given, once per process */
+
 /* _api_loader_plan(cuda_available, num_workers=-1, shm_path="/dev/shm",
  * shm_min_bytes=512 MiB) -> dict: the DataLoader arguments outofcuda proposes
  * (num_workers: the caller's, or -1 for outofcuda's), the CPU count behind
@@ -242,8 +244,6 @@ static int shm_size(const char *path, unsigned long long *total)
  * shm_enough, shm_min_bytes: what smart_dataloader and `outofcuda doctor`
  * both go by) and, the first time workers meet a too-small /dev/shm, a
  * warning. */
-static int shm_warned; /* the shared-memory warning was given, once per process */
-
 static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"cuda_available", "num_workers", "shm_path", "shm_min_bytes", NULL};

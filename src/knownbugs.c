@@ -435,9 +435,10 @@ void oc_known_bugs_at_cuda_init(PyObject *torch)
     /* The rows as they were: a run that is interrupted puts them back, so
      * that its next run (when torch runs its queue again) decides and acts
      * from where this one began. */
-    kb_rows kept = kb;
+    kb_rows kept;
     if (!kb.decided || torch == NULL)
         return;
+    kept = kb;
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
     kb.cudnn = read_cudnn_version(torch);
