@@ -108,8 +108,9 @@ def _functions(text):
 
 
 def _strip_comments(text):
-    text = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
-    return re.sub(r"//[^\n]*", "", text)
+    """text without comments; string and character literals kept whole: a
+    "https://..." or a "/*" inside one begins no comment."""
+    return LITERALS.sub(lambda m: m[0] if m[0][0] in "\"'" else "\n" * m[0].count("\n"), text)
 
 
 def gil_problems(text):
@@ -705,3 +706,8 @@ def test_variable_name_rule_catches_violations():
         assert len(problems) == 1, (wrong, problems)
     assert not variable_name_problems({"settings.c": 'x = getenv(name);'}, table)[0]
     assert not variable_name_problems({"a.c": '/* "LOCAL_RANK" */'}, table)[0]
+    # A "//" or "/*" inside a literal begins no comment: what follows is read.
+    assert variable_name_problems({"a.c": 'int h(void)\n{\n    u = "https://x", v = "LOCAL_RANK";'
+                                          '\n}\n'}, table)[0]
+    assert bare_clears('static void f(void)\n{\n    g("a/*b");\n    PyErr_Clear();\n'
+                       '    h("*/");\n}\n')
