@@ -260,7 +260,13 @@ def version():
     return _VERSION
 '''
 
+# torch.cuda imports threading (its _initialization_lock), so a real torch
+# has it imported before CUDA starts: outofcuda's CUDA-init step only looks it
+# up. Importing it there for the first time would open a window no real
+# process has, in which CPython drops a Ctrl-C (raised inside importlib's
+# module-lock weakref callback, which can only report it as unraisable).
 _CUDA = '''
+import threading
 import torch
 _queued_calls = []
 class OutOfMemoryError(RuntimeError):
