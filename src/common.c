@@ -80,6 +80,43 @@ int oc_disabled_by_env(void)
  * no table to fill, and no thread id that a later thread could reuse. */
 static const char interrupt_key[] = "outofcuda.interrupt";
 
+/* An exit outranks a Ctrl-C; between two of a kind the first stays. */
+static int outranks(PyObject *value, PyObject *kept_value)
+{
+    return PyObject_IsInstance(value, PyExc_SystemExit) == 1 &&
+           PyObject_IsInstance(kept_value, PyExc_SystemExit) != 1;
+}
+
+/* Keeps the interrupt (its tuple, borrowed) in the thread's state
+ * (d, borrowed): 0, or -1 without room. Where one already waits, the one
+ * that outranks the other is kept and the other becomes the end of its
+ * __context__ chain, as an exception raised while another was handled: no
+ * interrupt that reached outofcuda is lost, however many arrive. */
+static int stash_interrupt(PyObject *d, PyObject *kept)
+{
+    PyObject *waiting = PyDict_GetItemString(d, interrupt_key); /* borrowed */
+    PyObject *win = kept, *lose = waiting, *end, *next;
+    int depth = 0;
+    if (waiting != NULL && !outranks(PyTuple_GetItem(kept, 1), PyTuple_GetItem(waiting, 1))) {
+        win = waiting;
+        lose = kept;
+    }
+    lose = lose != NULL ? PyTuple_GetItem(lose, 1) : NULL;
+    /* The chain's end: a bounded walk, since a chain may be a cycle. */
+    end = PyTuple_GetItem(win, 1);
+    while (lose != NULL && end != lose && PyExceptionInstance_Check(end) &&
+           (next = PyException_GetContext(end)) != NULL && depth++ < 64) {
+        Py_DECREF(next); /* still held by end */
+        end = next;
+    }
+    if (lose != NULL && end != lose && PyExceptionInstance_Check(end) &&
+        PyExceptionInstance_Check(lose)) {
+        Py_INCREF(lose);
+        PyException_SetContext(end, lose); /* steals */
+    }
+    return win == kept ? PyDict_SetItemString(d, interrupt_key, kept) : 0;
+}
+
 static int keep_interrupt(void)
 {
     PyObject *d, *type, *value, *tb, *kept;
@@ -88,17 +125,12 @@ static int keep_interrupt(void)
         return 0;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL)
+        PyException_SetTraceback(value, tb);
     d = PyThreadState_GetDict(); /* borrowed; NULL only without a thread state */
-    if (d != NULL && PyDict_GetItemString(d, interrupt_key) != NULL) {
-        /* A second one while the first waits: the first is raised. */
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-        return 1;
-    }
     kept =
         d != NULL ? Py_BuildValue("(OOO)", type, value ? value : Py_None, tb ? tb : Py_None) : NULL;
-    if (kept == NULL || PyDict_SetItemString(d, interrupt_key, kept) < 0) {
+    if (kept == NULL || stash_interrupt(d, kept) < 0) {
         /* No memory to keep it: it stays the current exception, which the
          * caller then raises or clears as an error of its own. */
         Py_XDECREF(kept);
@@ -149,7 +181,7 @@ static int interrupt_raise(PyObject *taken)
 int oc_interrupt_put_back(PyObject *taken)
 {
     PyObject *d = PyThreadState_GetDict();
-    if (d != NULL && PyDict_SetItemString(d, interrupt_key, taken) == 0) {
+    if (d != NULL && stash_interrupt(d, taken) == 0) {
         Py_DECREF(taken);
         return 0;
     }

@@ -419,3 +419,38 @@ def test_a_ctrl_c_while_the_snapshot_is_written_reaches_the_program(venv, tmp_pa
     env = dict(sm90, OUTOFCUDA_OOM_SNAPSHOT=str(tmp_path / "oom.pickle"))
     d = last_json(venv.run(IN_THE_SNAPSHOT, env=env, cwd=tmp_path, args=("-W", "error")))
     assert d == {"reached": "KeyboardInterrupt", "error": None}, d
+
+
+# ---- two interrupts in one call ----
+
+# A Ctrl-C, then the exit a SIGTERM handler makes (docker stop, a scheduler's
+# preemption), both real signals, land in one memory_report() over two GPUs:
+# each device's figures come from torch's memory_stats (a stand-in here),
+# the first raising the Ctrl-C, the second the exit.
+TWO_SIGNALS = """
+import json, signal, sys, torch, _outofcuda
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+torch.cuda._fake_cuda_init()
+torch.cuda.is_initialized = lambda: True
+def memory_stats(device=None):
+    signal.raise_signal(signal.SIGINT if device == 0 else signal.SIGTERM)
+    return {}
+torch.cuda.memory_stats = memory_stats
+try:
+    _outofcuda._api_memory_report()
+    seen = ["returned"]
+except BaseException as e:
+    seen = [type(e).__name__, getattr(e, "code", None), type(e.__context__).__name__]
+print(json.dumps(seen))
+"""
+
+
+def test_an_exit_outranks_a_ctrl_c_and_neither_is_lost(venv, tmp_path, stub_nvml):
+    cfg = stub_nvml_config(tmp_path / "nvml.cfg", [stub_nvml_device(), stub_nvml_device(
+        uuid="GPU-0a1b2c3d-0000-4000-8000-000000000001")])
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    env = {"LD_LIBRARY_PATH": str(stub_nvml), "STUB_NVML_CONFIG": str(cfg),
+           "PYTHONPATH": str(root)}
+    seen = last_json(venv.run(TWO_SIGNALS, env=env, cwd=tmp_path, args=("-W", "error")))
+    # The exit is raised; the Ctrl-C that came first is its context.
+    assert seen == ["SystemExit", 143, "KeyboardInterrupt"], seen
