@@ -156,10 +156,11 @@ def build_once(tmp_path_factory, name, build):
 def worker_copy(tmp_path_factory, master, name):
     """This worker's copy of the environment at master: hard links (cp -al),
     or a real copy where master lies on another filesystem. Without workers,
-    master itself."""
-    if not WORKER:
+    master itself when this run made it; a developer's reused environment is
+    copied too, so that two runs at once never install into one."""
+    if not WORKER and run_root(tmp_path_factory) in master.parents:
         return master
-    path = run_root(tmp_path_factory) / f"{name}-{WORKER}"
+    path = run_root(tmp_path_factory) / f"{name}-{WORKER or 'main'}"
     shutil.rmtree(path, ignore_errors=True)
     return hard_link_copy(master, path)
 
@@ -314,6 +315,14 @@ def pip_target(python, spec, reuse_var, tmp_path_factory):
                 f"pip install {spec} failed (exit {e.returncode})")
         (path / ".ready").write_text("ok")
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def matplotlib_dir(venv, tmp_path_factory):
+    """The real matplotlib, in a folder of its own (the shared environment
+    stays without it, as test_plot_without_matplotlib_says_how_to_get_it
+    needs). OUTOFCUDA_TEST_MATPLOTLIB_DIR reuses one."""
+    return pip_target(venv.python, "matplotlib", "OUTOFCUDA_TEST_MATPLOTLIB_DIR", tmp_path_factory)
 
 
 @pytest.fixture

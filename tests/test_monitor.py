@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import SANITIZE, _clean_env, _sanitizer_env, pip_target
+from conftest import SANITIZE, _clean_env, _sanitizer_env
 from kit import CHILD, last_json
 
 PRELUDE = CHILD + """
@@ -487,14 +487,6 @@ def test_plot_without_matplotlib_says_how_to_get_it(venv, workdir):
     # `outofcuda` on the package index (another project).
     assert f"{venv.python} -m pip install matplotlib" in err and "outofcuda[" not in err
     assert exists is False
-
-
-@pytest.fixture(scope="session")
-def matplotlib_dir(venv, tmp_path_factory):
-    """The real matplotlib, in a folder of its own (the shared environment
-    stays without it, as test_plot_without_matplotlib_says_how_to_get_it
-    needs). OUTOFCUDA_TEST_MATPLOTLIB_DIR reuses one."""
-    return pip_target(venv.python, "matplotlib", "OUTOFCUDA_TEST_MATPLOTLIB_DIR", tmp_path_factory)
 
 
 def test_plot_axes_start_at_zero_and_have_a_span(venv, workdir, matplotlib_dir):
