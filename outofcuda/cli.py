@@ -358,10 +358,18 @@ def _render_status(d):
     if d["cuda_initialized_by_import"] is not None:
         lines += _row("CUDA at import", "initialised (unexpected)"
                       if d["cuda_initialized_by_import"] else "not initialised")
+    # The known bugs that cannot apply here are one line together.
+    bugs = d.get("known_bugs", [])
+    unaffected = [b for b in bugs if b.get("applies") is False]
+    if unaffected:
+        lines += _row("known bugs", f"{len(unaffected)} of {len(bugs)} not affected here (each "
+                      "with its reason: outofcuda status --json)")
     lines.append("")
     lines += _render_optimizations(d["optimizations"])
-    for b in d.get("known_bugs", []):
-        state = {True: "applies", False: "not affected", None: "undecided"}[b.get("applies")]
+    for b in bugs:
+        if b.get("applies") is False:
+            continue
+        state = {True: "applies", None: "undecided"}[b.get("applies")]
         lines.append("")
         lines += _wrap(f"  known bug {b['id']}: {state}"
                        + (" (avoided)" if b.get("done") else ""), WIDTH, REASON_INDENT)

@@ -432,9 +432,16 @@ def test_status_text_fits_80_columns(venv, workdir):
     for f in st["hook"]["files"]:
         assert any(f["path"] in ln.split() for ln in lines), f["path"]
     assert _squash(st["nvml_error"]) in _squash(r.stdout)
-    # A known bug's verdict is said once, in its heading.
+    # The known bugs that cannot apply here are one line together; another
+    # one's verdict is said once, in its heading.
+    unaffected = [b for b in st["known_bugs"] if b["applies"] is False]
+    assert (f"known bugs      {len(unaffected)} of {len(st['known_bugs'])} not affected"
+            in r.stdout) is bool(unaffected)
     for b in st["known_bugs"]:
-        state = {True: "applies", False: "not affected", None: "undecided"}[b["applies"]]
+        if b["applies"] is False:
+            assert f"known bug {b['id']}:" not in r.stdout, b["id"]
+            continue
+        state = {True: "applies", None: "undecided"}[b["applies"]]
         block = r.stdout[r.stdout.index(f"known bug {b['id']}: {state}"):]
         block = block[:block.find("known bug ", 1)] if "known bug " in block[1:] else block
         assert block.count(state) == 1, block
