@@ -131,11 +131,14 @@ static void device_facts(oc_kb_facts *f)
 /* Decides every entry still undecided, from the torch facts first: NVML is
  * asked about the devices only when some entry still needs them, so that a
  * CPU-only build, or a torch outside every entry's releases, never loads
- * the driver's library at `import torch`. */
-static void decide_all(PyObject *torch, size_t n)
+ * the driver's library at `import torch`. A row turned off is decided too,
+ * for the facts alone (its verdict is not kept): which facts are read never
+ * depends on which rows are on. Returns 1 when a steer's row still waits for
+ * cuDNN's version (read when CUDA starts). */
+static int decide_all(PyObject *torch, size_t n)
 {
     oc_kb_facts f;
-    int need_devices = 0;
+    int need_devices = 0, need_cudnn = 0;
     facts_init(&f);
     torch_facts(torch, &f);
     f.cudnn = kb.cudnn;
@@ -146,15 +149,21 @@ static void decide_all(PyObject *torch, size_t n)
                 break;
             device_facts(&f);
         }
-        need_devices = 0;
+        need_devices = need_cudnn = 0;
         for (size_t i = 0; i < n; i++) {
             const oc_known_bug *b = oc_known_bug_at(i);
-            if (kb.state[i] != OC_KB_UNDECIDED || row_off(i))
-                continue;
-            kb.state[i] = oc_known_bug_decide(b, &f, kb.reason[i], sizeof kb.reason[i]);
-            need_devices |= kb.state[i] == OC_KB_UNDECIDED && !oc_range_any(b->cc);
+            int s = kb.state[i];
+            if (s == OC_KB_UNDECIDED)
+                s = oc_known_bug_decide(b, &f, row_off(i) ? NULL : kb.reason[i],
+                                        sizeof kb.reason[i]);
+            if (!row_off(i))
+                kb.state[i] = s;
+            need_devices |= s == OC_KB_UNDECIDED && !oc_range_any(b->cc);
+            need_cudnn |=
+                s == OC_KB_UNDECIDED && !oc_range_any(b->cudnn) && b->action != OC_KB_REPORT;
         }
     }
+    return need_cudnn;
 }
 
 /* Row i is still undecided for want of cuDNN's version alone. */
@@ -191,7 +200,7 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
 {
     const oc_config *cfg = oc_config_get();
     size_t n = oc_known_bug_count();
-    int pending = 0; /* something is left for CUDA's start */
+    int pending; /* something is left for CUDA's start */
     memset(&kb, 0, sizeof kb);
     kb.cudnn = -1;
     kb.decided = 1;
@@ -209,15 +218,12 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     }
     if (!cfg->known_bugs)
         return;
-    decide_all(torch, n);
+    /* Only cuDNN's version is read at CUDA's start, and only for a steer: a
+     * row that is only named would load cuDNN (+51 MiB of RSS) for nothing. */
+    pending = decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {
-        const oc_known_bug *b = oc_known_bug_at(i);
         if (kb.state[i] == OC_KB_YES)
-            act_at_import(b, i);
-        /* Only cuDNN's version is read at CUDA's start, and only for a steer:
-         * a row that waits for anything else (NVML), or one that is only
-         * named, would load cuDNN (+51 MiB of RSS) for nothing. */
-        pending |= waits_for_cudnn(i) && b->action != OC_KB_REPORT;
+            act_at_import(oc_known_bug_at(i), i);
     }
     for (size_t i = 0; i < n; i++) {
         size_t len = strlen(kb.reason[i]);
@@ -265,111 +271,38 @@ static long read_cudnn_version(PyObject *torch)
     return v;
 }
 
-/* ---- sdpa_kernel() blocks ----
+/* ---- the cuDNN-attention guard ----
  *
- * torch.nn.attention.sdpa_kernel() is a generator context manager: on entry
- * it saves the four SDPA flags in its local list `previous_backends`, sets
- * the block's `backends`, and on exit sets the saved list again. A flag the
- * guard writes while a block is open (CUDA's first use inside it) would
- * change the block's choice and be undone when the block exits. So when
- * blocks are open at CUDA's start nothing is written: cuDNN attention is
- * taken out of the list the outermost block restores, and the guard takes
- * effect when that block exits. An open block is a suspended generator of
- * sdpa_kernel's code, found among the code object's referrers (one pass of
- * the collector over tracked objects, only where the bug applies). */
+ * Only torch's flags are read and written: torch's own objects (an open
+ * sdpa_kernel() block's saved flags) are never searched. A block open when
+ * CUDA starts restores the flags it saved on entry when it exits, cuDNN
+ * attention on among them; status() reads the flag when asked, so that it
+ * says so (docs/known-bugs.md). */
 
-/* Open sdpa_kernel() blocks as a new list of (backends, previous_backends)
- * pairs, empty when there are none; NULL (no exception) when torch's
- * sdpa_kernel is not there or its blocks cannot be read. */
-static PyObject *open_sdpa_blocks(void)
+/* 1 when torch's SDPA getter says on, 0 off, -1 when it cannot be read. */
+static int sdp_flag(PyObject *c_mod, const char *getter)
 {
-    PyObject *attn = oc_sys_module("torch.nn.attention");
-    PyObject *code = attn ? oc_getattr_chain(attn, "sdpa_kernel.__wrapped__.__code__") : NULL;
-    PyObject *types = oc_sys_module("types");
-    PyObject *gen_type = types ? PyObject_GetAttrString(types, "GeneratorType") : NULL;
-    PyObject *gc = code && gen_type ? PyImport_ImportModule("gc") : NULL;
-    PyObject *refs = gc ? PyObject_CallMethod(gc, "get_referrers", "O", code) : NULL;
-    PyObject *out = refs && PyList_Check(refs) ? PyList_New(0) : NULL;
-    for (Py_ssize_t i = 0; out != NULL && i < PyList_Size(refs); i++) {
-        PyObject *g = PyList_GetItem(refs, i); /* borrowed */
-        PyObject *frame, *locals, *chosen, *saved, *pair;
-        if ((PyObject *)Py_TYPE(g) != gen_type)
-            continue;
-        frame = PyObject_GetAttrString(g, "gi_frame");
-        locals = frame && frame != Py_None ? PyObject_GetAttrString(frame, "f_locals") : NULL;
-        chosen = locals ? PyMapping_GetItemString(locals, "backends") : NULL;
-        saved = chosen ? PyMapping_GetItemString(locals, "previous_backends") : NULL;
-        /* A block not yet entered has no saved list: absence, skipped. */
-        OC_CLEAR_ABSENT(); /* see above */
-        pair = saved && PyList_Check(saved) ? PyTuple_Pack(2, chosen, saved) : NULL;
-        if (pair != NULL && PyList_Append(out, pair) < 0)
-            Py_CLEAR(out);
-        Py_XDECREF(pair);
-        Py_XDECREF(saved);
-        Py_XDECREF(chosen);
-        Py_XDECREF(locals);
-        Py_XDECREF(frame);
-    }
-    Py_XDECREF(refs);
-    Py_XDECREF(gc);
-    Py_XDECREF(gen_type);
-    Py_XDECREF(types);
-    Py_XDECREF(code);
-    Py_XDECREF(attn);
+    PyObject *r = oc_call_quiet(c_mod, getter, NULL, NULL);
+    int on = r ? PyObject_IsTrue(r) : -1;
+    Py_XDECREF(r);
     OC_CLEAR();
-    return out;
+    return on;
 }
 
-/* 1 when the two backend lists hold the same backends, 0 when not or when
- * they cannot be compared. */
-static int same_backends(PyObject *a, PyObject *b)
-{
-    PyObject *sa = PyFrozenSet_New(a), *sb = PyFrozenSet_New(b);
-    int eq = sa && sb ? PyObject_RichCompareBool(sa, sb, Py_EQ) : 0;
-    Py_XDECREF(sa);
-    Py_XDECREF(sb);
-    OC_CLEAR();
-    return eq == 1;
-}
-
-/* Takes cuDNN attention out of the list each outermost open block restores
- * on exit (a block is nested when the list it saved is another open block's
- * choice). Returns how many lists lost it. */
-static int guard_after_blocks(PyObject *blocks)
-{
-    PyObject *attn = oc_sys_module("torch.nn.attention");
-    PyObject *cudnn = attn ? oc_getattr_chain(attn, "SDPBackend.CUDNN_ATTENTION") : NULL;
-    Py_ssize_t n = PyList_Size(blocks);
-    int moved = 0;
-    for (Py_ssize_t i = 0; cudnn != NULL && i < n; i++) {
-        PyObject *saved = PyTuple_GetItem(PyList_GetItem(blocks, i), 1); /* borrowed */
-        int nested = 0;
-        for (Py_ssize_t j = 0; j < n && !nested; j++)
-            nested = j != i && same_backends(PyTuple_GetItem(PyList_GetItem(blocks, j), 0), saved);
-        for (Py_ssize_t k = nested ? -1 : PyList_Size(saved) - 1; k >= 0; k--) {
-            if (PyObject_RichCompareBool(PyList_GetItem(saved, k), cudnn, Py_EQ) == 1 &&
-                PySequence_DelItem(saved, k) == 0)
-                moved++;
-        }
-    }
-    Py_XDECREF(cudnn);
-    Py_XDECREF(attn);
-    OC_CLEAR();
-    return moved;
-}
-
-/* Takes entry i's action. Returns 1 done, 0 not (reason appended). */
 /* The step called torch's cuDNN-attention setter: a Ctrl-C that lands
  * inside it, after the write, leaves the step armed, and its next run finds
  * cuDNN attention off by outofcuda's own hand, not already off. Not put
  * back with the rows (kept across an interrupted run). */
 static int sdp_written;
 
+/* Takes entry i's action. Returns 1 done, 0 not (reason appended). */
 static int act(PyObject *torch, const oc_known_bug *b, size_t i)
 {
+    static const char *const others[] = {"_get_flash_sdp_enabled", "_get_mem_efficient_sdp_enabled",
+                                         "_get_math_sdp_enabled"};
     size_t len = strlen(kb.reason[i]);
-    PyObject *c_mod, *get, *r;
-    int on = 1, rc;
+    PyObject *c_mod;
+    int on, other = 0, rc;
     if (b->action != OC_KB_SDPA_NO_CUDNN)
         return 0;
     c_mod = PyObject_GetAttrString(torch, "_C");
@@ -377,35 +310,21 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
         OC_CLEAR();
         return 0;
     }
-    /* Already off (the program said so, or OUTOFCUDA was told): nothing to do. */
-    get = PyObject_GetAttrString(c_mod, "_get_cudnn_sdp_enabled");
-    r = get ? PyObject_CallObject(get, NULL) : NULL;
-    if (r != NULL)
-        on = PyObject_IsTrue(r) != 0;
-    Py_XDECREF(r);
-    Py_XDECREF(get);
-    OC_CLEAR();
-    {
-        PyObject *blocks = open_sdpa_blocks();
-        Py_ssize_t open = blocks ? PyList_Size(blocks) : 0;
-        if (open > 0) {
-            int moved = guard_after_blocks(blocks);
-            snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
-                     "; CUDA started inside %ld sdpa_kernel() block(s), whose choice stands "
-                     "there (cuDNN attention %s); %s",
-                     (long)open, on ? "on" : "off",
-                     moved ? "cuDNN attention is turned off when the outermost block exits"
-                           : "cuDNN attention stays off when the outermost block exits (the "
-                             "program had it off before)");
-            oc_record_sdpa_guard("cuDNN attention: an sdpa_kernel() block chose it when CUDA "
-                                 "started; off outside every block",
-                                 b->id);
-            Py_DECREF(blocks);
-            Py_DECREF(c_mod);
-            return 1;
-        }
-        Py_XDECREF(blocks);
+    /* Unread, cuDNN attention counts as on and another backend as off: a
+     * write is then made only where one is sure to be left. */
+    on = sdp_flag(c_mod, "_get_cudnn_sdp_enabled") != 0;
+    for (size_t k = 0; k < sizeof others / sizeof others[0]; k++)
+        other |= sdp_flag(c_mod, others[k]) == 1;
+    /* cuDNN attention alone on is a choice (an sdpa_kernel(CUDNN_ATTENTION)
+     * block CUDA starts in, say): off, no backend would be left to run. */
+    if (on && !other) {
+        snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
+                 "; not avoided: cuDNN attention was the only SDPA backend on when CUDA started "
+                 "(the program's or an sdpa_kernel() block's choice), left on");
+        Py_DECREF(c_mod);
+        return 0;
     }
+    /* Already off (the program said so, or OUTOFCUDA was told): nothing to do. */
     if (!on && !sdp_written) {
         snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
                  "; cuDNN attention was already off");
@@ -461,50 +380,27 @@ static PyObject *state_obj(int s)
     return PyBool_FromLong(s == OC_KB_YES);
 }
 
-/* What holds for a guard taken at CUDA's start at the moment status() is
- * called: "off" (the guard holds), "block" (inside an sdpa_kernel() block,
- * whose choice stands), "program" (turned on again outside every block: the
- * program's choice stands), or NULL when it cannot be read; words appended
- * to text. */
+/* Whether cuDNN attention is off at the moment status() is called, where
+ * its guard applies: "off" or "on" (a program's or an sdpa_kernel() block's
+ * choice, or a block open when CUDA started set it back on at its exit), or
+ * NULL when torch's flag cannot be read; words appended to text. */
 static const char *guard_now(const oc_known_bug *b, char *text, size_t sz)
 {
-    PyObject *torch, *c_mod, *r, *blocks;
-    Py_ssize_t open;
-    int on = -1;
+    PyObject *torch, *c_mod;
+    int on;
     size_t len = strlen(text);
     if (b->action != OC_KB_SDPA_NO_CUDNN)
         return NULL;
     torch = oc_sys_module("torch");
     c_mod = torch ? PyObject_GetAttrString(torch, "_C") : NULL;
     OC_CLEAR();
-    r = c_mod ? oc_call_quiet(c_mod, "_get_cudnn_sdp_enabled", NULL, NULL) : NULL;
-    if (r != NULL)
-        on = PyObject_IsTrue(r) == 1;
-    Py_XDECREF(r);
+    on = c_mod ? sdp_flag(c_mod, "_get_cudnn_sdp_enabled") : -1;
     Py_XDECREF(c_mod);
     Py_XDECREF(torch);
-    OC_CLEAR();
-    blocks = open_sdpa_blocks();
-    open = blocks ? PyList_Size(blocks) : 0;
-    Py_XDECREF(blocks);
-    if (open > 0) {
-        snprintf(text + len, sz - len,
-                 "; now: inside %ld sdpa_kernel() block(s), whose choice stands (cuDNN attention "
-                 "%s); off again outside every block",
-                 (long)open, on == 1 ? "on" : "off");
-        return "block";
-    }
-    if (on == 0) {
-        snprintf(text + len, sz - len, "; now: cuDNN attention is off (the guard holds)");
-        return "off";
-    }
-    if (on == 1) {
-        snprintf(text + len, sz - len,
-                 "; now: cuDNN attention is on outside every sdpa_kernel() block: the program "
-                 "turned it on again, and its choice stands");
-        return "program";
-    }
-    return NULL;
+    if (on < 0)
+        return NULL;
+    snprintf(text + len, sz - len, "; now: cuDNN attention is %s", on ? "on" : "off");
+    return on ? "on" : "off";
 }
 
 /* What outofcuda does about a row, in one word: "guard" (a steer the off
@@ -574,7 +470,7 @@ PyObject *oc_known_bugs_status(void)
                             : "undecided: torch has not been imported by the hook in this process");
         if (kb.decided) {
             state = decide_live(i, reason, sizeof reason);
-            if (kb.done[i])
+            if (state == OC_KB_YES)
                 now = guard_now(oc_known_bug_at(i), reason, sizeof reason);
         }
         list = append_entry(list, oc_known_bug_at(i), state, kb.done[i], reason, now);

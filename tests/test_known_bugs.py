@@ -229,72 +229,104 @@ def test_sm90_with_cudnn_before_the_fix_turns_cudnn_attention_off(venv, tmp_path
     assert "NaN" in e["title"] and d["error"] is None
 
 
-# CUDA's first use inside sdpa_kernel() blocks: the block's choice stands
-# there, the guard holds outside every block, status says which is the case.
+# CUDA's first use inside an sdpa_kernel() block. The guard reads and writes
+# torch's flags only (never torch's objects: gc.get_referrers is counted), so
+# the block puts cuDNN attention back on when it exits, and status() says so.
 BLOCKS = """
-import json, torch, _outofcuda
+import gc, json, torch, _outofcuda
 from torch.nn.attention import sdpa_kernel, SDPBackend as B
 C = torch._C
+walks = []
+real_get_referrers = gc.get_referrers
+gc.get_referrers = lambda *objs: walks.append(len(objs)) or real_get_referrers(*objs)
 def flags():
     return [bool(C._get_flash_sdp_enabled()), bool(C._get_mem_efficient_sdp_enabled()),
             bool(C._get_math_sdp_enabled()), bool(C._get_cudnn_sdp_enabled())]
-def entry():
+def row():
     e = _outofcuda.status()["known_bugs"][0]
-    return [e["now"], e["reason"], e["done"]]
+    return [e["applies"], e["done"], e["now"]]
 def start_cuda():
     %s
 out = {}
-with sdpa_kernel([B.FLASH_ATTENTION, B.MATH, B.CUDNN_ATTENTION]):
-    with sdpa_kernel([B.CUDNN_ATTENTION]):
-        start_cuda()                                  # CUDA's first use, two blocks deep
-        out["inner"], out["status_inner"] = flags(), entry()
-    out["outer"] = flags()
-out["after"], out["status_after"] = flags(), entry()
-with sdpa_kernel(B.CUDNN_ATTENTION):
+with sdpa_kernel(%s):
+    start_cuda()                                      # CUDA's first use, inside the block
+    out["inside"], out["row_inside"] = flags(), row()
+out["after"], out["row_after"] = flags(), row()
+C._set_sdp_use_cudnn(False)  # the documented way back: what enable_cudnn_sdp(False) does
+out["fixed"], out["row_fixed"] = flags(), row()
+with sdpa_kernel(B.CUDNN_ATTENTION):                  # a block entered after CUDA started
     out["again"] = flags()
 out["after_again"] = flags()
-C._set_sdp_use_cudnn(True)                            # the program's own choice, outside
-out["program"], out["status_program"] = flags(), entry()
-out["sdpa_row"] = _outofcuda.status()["optimizations"]["sdpa"]["reason"]
+out["walks"] = walks
 out["error"] = _outofcuda.status()["hook"]["error"]
 print(json.dumps(out))
 """
 FAKE_START = "torch.cuda._fake_cuda_init()"
+MIXED, CUDNN_ONLY = "[B.FLASH_ATTENTION, B.MATH, B.CUDNN_ATTENTION]", "B.CUDNN_ATTENTION"
 
 
-def check_blocks(d):
+def check_blocks(d, chosen):
     f, t = False, True
-    assert d["inner"] == [f, f, f, t]                 # exactly the inner block's choice
-    assert d["outer"] == [t, f, t, t]                 # exactly the outer block's choice
-    assert d["after"] == [t, t, t, f]                 # outside every block: the guard holds
+    if chosen == MIXED:
+        # The guard is written inside the block; the block's exit puts back the
+        # flags it saved on entry, cuDNN attention on among them.
+        assert d["inside"] == [t, f, t, f] and d["row_inside"] == [t, t, "off"]
+    else:
+        # cuDNN attention alone on: turning it off would leave no backend.
+        assert d["inside"] == [f, f, f, t] and d["row_inside"] == [t, f, "on"]
+    assert d["after"] == [t, t, t, t] and d["row_after"][2] == "on"
+    assert d["fixed"] == [t, t, t, f] and d["row_fixed"][2] == "off"
     assert d["again"] == [f, f, f, t] and d["after_again"] == [t, t, t, f]
-    assert d["program"] == [t, t, t, t]
-    now, reason, done = d["status_inner"]
-    assert now == "block" and done and "inside 2 sdpa_kernel() block(s)" in reason, reason
-    assert d["status_after"][0] == "off" and "the guard holds" in d["status_after"][1]
-    assert d["status_program"][0] == "program"
-    assert "the program turned it on again" in d["status_program"][1]
-    assert "off outside every block (known bug %s)" % BUG in d["sdpa_row"], d["sdpa_row"]
-    assert "left as torch has it" not in d["sdpa_row"]
+    assert d["walks"] == [], "the guard searched torch's objects"
     assert d["error"] is None
 
 
-def test_cuda_starting_inside_sdpa_kernel_blocks_keeps_their_choice(venv, tmp_path, nvml):
+@pytest.mark.parametrize("chosen", [MIXED, CUDNN_ONLY])
+def test_cuda_starting_inside_an_sdpa_kernel_block(venv, tmp_path, nvml, chosen):
     root = make_fake_torch(tmp_path / "fake", "2.14.1")
-    check_blocks(last_json(venv.run(BLOCKS % FAKE_START, env=dict(nvml("9.0"), PYTHONPATH=str(root)),
-                                    cwd=tmp_path, args=("-W", "error"))))
+    check_blocks(last_json(venv.run(BLOCKS % (FAKE_START, chosen),
+                                    env=dict(nvml("9.0"), PYTHONPATH=str(root)), cwd=tmp_path,
+                                    args=("-W", "error"))), chosen)
 
 
-def test_the_sdpa_row_says_the_guard_turned_cudnn_attention_off(venv, tmp_path, nvml):
+def test_status_reads_the_guard_from_torchs_flag_without_walking_the_heap(venv, tmp_path, nvml):
+    """status() with the guard taken costs what it costs on any GPU: torch's
+    flag is read, the collector is never asked for referrers."""
     root = make_fake_torch(tmp_path / "fake", "2.14.1")
-    st = last_json(venv.run("import json, torch, _outofcuda\ntorch.cuda._fake_cuda_init()\n"
-                            "print(json.dumps(_outofcuda.status()))",
-                            env=dict(nvml("9.0"), PYTHONPATH=str(root)), cwd=tmp_path,
-                            args=("-W", "error")))
-    reason = st["optimizations"]["sdpa"]["reason"]
+    d = last_json(venv.run("""
+import gc, json, torch, torch.nn.attention, _outofcuda  # real torch imports the latter itself
+torch.cuda._fake_cuda_init()
+calls = []
+gc.get_referrers = lambda *objs: calls.append(len(objs)) or []
+st = [_outofcuda.status() for _ in range(3)]
+torch._C._set_sdp_use_cudnn(True)                     # the program's own choice
+print(json.dumps({"calls": calls, "st": st[0], "now_on": _outofcuda.status()["known_bugs"][0]}))
+""", env=dict(nvml("9.0"), PYTHONPATH=str(root)), cwd=tmp_path, args=("-W", "error")))
+    assert d["calls"] == []
+    row = d["st"]["known_bugs"][0]
+    assert [row["applies"], row["done"], row["now"]] == [True, True, "off"]
+    assert [d["now_on"]["done"], d["now_on"]["now"]] == [True, "on"]
+    reason = d["st"]["optimizations"]["sdpa"]["reason"]
     assert "cuDNN attention turned off when CUDA started (known bug %s)" % BUG in reason, reason
     assert "left as torch has it" not in reason
-    assert st["known_bugs"][0]["now"] == "off"
+
+
+def test_turning_one_row_off_leaves_the_other_rows_as_they_were(venv, tmp_path, nvml):
+    """cuDNN's version is read for the facts, not for the rows that are on:
+    with the guard's row off, the sub-library row is decided as before."""
+    root = make_fake_torch(tmp_path / "fake", "2.14.1", cudnn=92000, cuda_version="13.0")
+    rows = {}
+    for off in (None, BUG):
+        env = dict(nvml("9.0"), PYTHONPATH=str(root), **({"OUTOFCUDA_KNOWN_BUGS": off} if off else {}))
+        rows[off] = last_json(venv.run(
+            "import json, torch, _outofcuda\ntorch.cuda._fake_cuda_init()\n"
+            "print(json.dumps({b['id']: [b['applies'], b['done'], b['now']]\n"
+            "                  for b in _outofcuda.status()['known_bugs']}))",
+            env=env, cwd=tmp_path))
+    assert rows[None].pop(BUG) == [True, True, "off"]
+    assert rows[BUG].pop(BUG) == [None, False, None]
+    assert rows[BUG] == rows[None]
+    assert rows[BUG]["cudnn-sublibrary-mismatch"] == [True, False, None]
 
 
 @pytest.mark.parametrize("release,cudnn,why", [("2.14.1", 92600, "cuDNN 92600 is outside"),
@@ -759,9 +791,10 @@ REAL_START = """C._cuda_getDeviceCount = lambda: 1
             fn()"""
 
 
-def test_real_cuda_build_inside_sdpa_kernel_blocks(cuda_venv, workdir, nvml):
-    check_blocks(last_json(cuda_venv.run(BLOCKS % REAL_START, env=nvml("9.0"), cwd=workdir,
-                                         args=("-W", "error"))))
+@pytest.mark.parametrize("chosen", [MIXED, CUDNN_ONLY])
+def test_real_cuda_build_inside_an_sdpa_kernel_block(cuda_venv, workdir, nvml, chosen):
+    check_blocks(last_json(cuda_venv.run(BLOCKS % (REAL_START, chosen), env=nvml("9.0"),
+                                         cwd=workdir, args=("-W", "error"))), chosen)
 
 
 def test_real_cuda_build_known_bugs_off(cuda_venv, workdir, nvml):
