@@ -27,7 +27,7 @@
  * each entry holds a stack trace of several KB of host memory. */
 #define SNAPSHOT_MAX_ENTRIES 100000
 
-/* The last OOM the observer saw; seq 0: none yet, and nothing else
+/* One OOM as the observer saw it; seq 0: none yet, and nothing else
  * here is read. */
 typedef struct {
     unsigned long seq;
@@ -40,15 +40,20 @@ typedef struct {
     char snapshot_error[300];
 } oc_oom_seen;
 
+/* OOMs kept, GPU n's last in slot n % OOMS_KEPT: eight GPUs running out
+ * together (DataParallel's threads) each keep their own. */
+#define OOMS_KEPT 8
+
 /* The handler's state: the hooks it chains to, the observer, the snapshot
- * file and the last OOM seen. */
+ * file and the last OOM seen on each GPU (seen[newest] the newest). */
 static struct {
     PyObject *prev_sys_hook, *prev_thread_hook, *type;
     /* The observer: attached (or to be) with observer_state saying when, or
      * none with observer_none saying why (static storage). */
     const char *observer_state, *observer_none;
     char snapshot_path[PATH_MAX]; /* OUTOFCUDA_OOM_SNAPSHOT made absolute, "" off */
-    oc_oom_seen seen;
+    oc_oom_seen seen[OOMS_KEPT];
+    int newest;
 } oom;
 
 /* Copies the current exception's text into buf and clears it. A Ctrl-C or
@@ -95,10 +100,10 @@ static int autocast_enabled(PyObject *torch)
     return on;
 }
 
-/* Writes the allocator history to oom.snapshot_path; records failure text. */
-static void dump_snapshot(PyObject *torch)
+/* Writes the allocator history to oom.snapshot_path; records in seen
+ * whether it did. */
+static void dump_snapshot(PyObject *torch, oc_oom_seen *seen)
 {
-    oc_oom_seen *seen = &oom.seen;
     PyObject *mem = oc_getattr_chain(torch, "cuda.memory");
     PyObject *r = mem ? PyObject_CallMethod(mem, "_dump_snapshot", "s", oom.snapshot_path) : NULL;
     if (r == NULL) {
@@ -126,48 +131,40 @@ static void ipython_install(void);
  * that raises. */
 static PyObject *py_oom_observer(PyObject *self, PyObject *args)
 {
-    oc_oom_seen *seen = &oom.seen;
-    PyObject *torch = NULL, *stats = NULL;
-    long device = -1;
-    unsigned long long request = 0, limit = 0, device_free = 0;
-    PyObject *type, *value, *tb;
+    /* Gathered apart and published whole: the calls into torch let other
+     * threads run, and their OOMs' observers publish theirs meanwhile. */
+    oc_oom_seen now, *slot;
+    PyObject *torch, *cuda, *old, *type, *value, *tb;
     (void)self;
+    memset(&now, 0, sizeof now);
     PyErr_Fetch(&type, &value, &tb);
-    if (!PyArg_ParseTuple(args, "lKKK", &device, &request, &limit, &device_free)) {
+    if (!PyArg_ParseTuple(args, "lKKK", &now.device, &now.request, &now.limit, &now.device_free)) {
         OC_CLEAR();
         goto done;
     }
-    seen->seq++;
     oc_summary_note_oom();
-    seen->when = (double)time(NULL);
-    seen->device = device;
-    seen->request = request;
-    seen->limit = limit;
-    seen->device_free = device_free;
-    seen->autocast = -1;
-    seen->snapshot_written = 0;
-    seen->snapshot_error[0] = '\0';
-    Py_CLEAR(seen->stats);
+    now.when = (double)time(NULL);
     torch = oc_sys_module("torch");
-    if (torch == NULL)
-        goto done;
-    {
-        PyObject *cuda = PyObject_GetAttrString(torch, "cuda");
-        stats = cuda ? PyObject_CallMethod(cuda, "memory_stats", "l", device) : NULL;
-        Py_XDECREF(cuda);
-        if (stats == NULL)
-            OC_CLEAR();
-    }
-    seen->stats = stats;
-    seen->autocast = autocast_enabled(torch);
-    if (oom.snapshot_path[0])
-        dump_snapshot(torch);
+    cuda = torch ? PyObject_GetAttrString(torch, "cuda") : NULL;
+    now.stats = cuda ? PyObject_CallMethod(cuda, "memory_stats", "l", now.device) : NULL;
+    OC_CLEAR();
+    now.autocast = torch ? autocast_enabled(torch) : -1;
+    if (torch && oom.snapshot_path[0])
+        dump_snapshot(torch, &now);
+    Py_XDECREF(cuda);
+    Py_XDECREF(torch);
+    /* No call into Python from here to the copy. */
+    now.seq = oom.seen[oom.newest].seq + 1;
+    oom.newest = (int)((unsigned long)now.device % OOMS_KEPT);
+    slot = &oom.seen[oom.newest];
+    old = slot->stats;
+    *slot = now;
+    Py_XDECREF(old);
     /* A shell started after CUDA (IPython.embed()) gets the handler before
      * the OOM reaches it. */
     ipython_install();
 done:
     OC_CLEAR();
-    Py_XDECREF(torch);
     PyErr_Restore(type, value, tb);
     Py_RETURN_NONE;
 }
@@ -1116,11 +1113,7 @@ static unsigned long reports_built;
  * with an exception set. */
 static PyObject *build_report(PyObject *py_text, int exhausted, unsigned long *seq)
 {
-    /* The observer's figures as they are when the report decides to use
-     * them: the build calls into torch, where another thread's OOM may
-     * run the observer again, and one report never mixes two OOMs. */
-    oc_oom_seen seen_then;
-    const oc_oom_seen *seen = &seen_then;
+    oc_oom_seen seen;
     const char *text = NULL;
     int cuda_up = 0, use_seen, index = -1;
     long device = -1, msg_device;
@@ -1154,14 +1147,19 @@ static PyObject *build_report(PyObject *py_text, int exhausted, unsigned long *s
     memset(&info, 0, sizeof info);
     from_message(text, &request, &msg_device);
     device = msg_device;
-    seen_then = oom.seen;
-    use_seen = seen->seq > 0 && (double)time(NULL) - seen->when <= OBSERVER_WINDOW_S &&
-               !(text != NULL && msg_device >= 0 && msg_device != seen->device);
+    /* The OOM of the message's GPU and size, else the newest, copied whole
+     * before the build calls into torch, where another thread's OOM may
+     * replace it: one report never mixes two OOMs. */
+    seen = oom.seen[msg_device >= 0 ? msg_device % OOMS_KEPT : oom.newest];
+    use_seen = seen.seq > 0 && (double)time(NULL) - seen.when <= OBSERVER_WINDOW_S &&
+               (msg_device < 0 || msg_device == seen.device) &&
+               (request < 0 ||
+                llabs(request - (long long)seen.request) <= (long long)(seen.request / 100));
     if (use_seen) {
-        device = seen->device;
-        request = (long long)seen->request;
-        limit = (long long)seen->limit;
-        stats = seen->stats;
+        device = seen.device;
+        request = (long long)seen.request;
+        limit = (long long)seen.limit;
+        stats = seen.stats;
         Py_XINCREF(stats);
     }
     notes = PyList_New(0);
@@ -1205,18 +1203,18 @@ static PyObject *build_report(PyObject *py_text, int exhausted, unsigned long *s
         if (add_note(notes, note) < 0)
             goto done;
         if (use_seen)
-            free_b = (long long)seen->device_free;
+            free_b = (long long)seen.device_free;
         others = PyList_New(0);
     }
     if (others == NULL)
         goto done;
     have_alloc = allocator_config(torch, alloc, sizeof alloc);
     fraction = fraction_set();
-    autocast = use_seen && seen->autocast >= 0 ? seen->autocast : autocast_enabled(torch);
+    autocast = use_seen && seen.autocast >= 0 ? seen.autocast : autocast_enabled(torch);
     if (!(use_seen && fraction > 0.0))
         limit = -1;
     f.request = request > 0 ? (unsigned long long)request : 0;
-    f.total = total > 0 ? (unsigned long long)total : use_seen ? seen->limit : 0;
+    f.total = total > 0 ? (unsigned long long)total : use_seen ? seen.limit : 0;
     f.limit = limit > 0 ? (unsigned long long)limit : 0;
     f.allocated = allocated > 0 ? (unsigned long long)allocated : 0;
     f.reserved = reserved > 0 ? (unsigned long long)reserved : 0;
@@ -1228,7 +1226,7 @@ static PyObject *build_report(PyObject *py_text, int exhausted, unsigned long *s
     f.exhausted = exhausted;
     advice = advice_list(&f);
     if (advice == NULL ||
-        (use_seen && seen->snapshot_error[0] && add_note(notes, seen->snapshot_error) < 0))
+        (use_seen && seen.snapshot_error[0] && add_note(notes, seen.snapshot_error) < 0))
         goto done;
     if (text != NULL) {
         /* The first line of the message, stripped; the type's name when empty. */
@@ -1264,7 +1262,7 @@ static PyObject *build_report(PyObject *py_text, int exhausted, unsigned long *s
         f.expandable ? Py_True : Py_False, "memory_fraction",
         fraction > 0.0 ? PyFloat_FromDouble(fraction) : figure(-1), "autocast",
         autocast < 0 ? figure(-1) : PyBool_FromLong(autocast), "snapshot",
-        use_seen && seen->snapshot_written ? oom.snapshot_path : NULL, "advice", advice, "notes",
+        use_seen && seen.snapshot_written ? oom.snapshot_path : NULL, "advice", advice, "notes",
         notes);
 done:
     Py_XDECREF(advice);
@@ -1276,7 +1274,7 @@ done:
     Py_XDECREF(py_utf8);
     Py_DECREF(torch);
     if (report != NULL) {
-        *seq = use_seen ? seen->seq : 0;
+        *seq = use_seen ? seen.seq : 0;
         reports_built++;
     }
     return report;
@@ -1401,7 +1399,7 @@ static PyObject *py_oom_note(PyObject *self, PyObject *exc)
  * for one the observer saw after the last report, or one a retry survived. */
 static PyObject *py_oom_last(PyObject *self, PyObject *unused)
 {
-    unsigned long observed = oom.seen.seq, seq;
+    unsigned long observed = oom.seen[oom.newest].seq, seq;
     PyObject *pending = last.pending, *report;
     (void)self;
     (void)unused;

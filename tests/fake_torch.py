@@ -279,6 +279,32 @@ def _fake_cuda_init():
         fn()
 def is_initialized():
     return False
+# torch.cuda.memory_stats(device) is Python (it flattens the nested dict of
+# torch._C._cuda_memoryStats(device)), so another thread can run while it
+# does. A test puts a device's figures in _fake_memory_stats.
+_fake_memory_stats = {}
+def memory_stats(device=None):
+    return dict(_fake_memory_stats.get(device, {}))
+def _format_size(n):
+    """c10's format_size, as the OOM message writes sizes."""
+    if n <= 1024:
+        return f"{n} bytes"
+    if n <= 1 << 20:
+        return f"{n / (1 << 10):.2f} KiB"
+    if n <= 1 << 30:
+        return f"{n / (1 << 20):.2f} MiB"
+    return f"{n / (1 << 30):.2f} GiB"
+def _fake_oom(device, request, total, free):
+    """What the caching allocator does when a request fails: in the
+    allocating thread, with its lock dropped, each attached observer gets
+    (device, request, memory-fraction limit or total, free); then torch
+    raises its OOM with this message."""
+    for call in torch._C.calls:
+        if call[0] == "_cuda_attach_out_of_memory_observer":
+            call[1](device, request, total, free)
+    raise OutOfMemoryError(
+        f"CUDA out of memory. Tried to allocate {_format_size(request)}. GPU {device} has a "
+        f"total capacity of {_format_size(total)} of which {_format_size(free)} is free.")
 '''
 
 

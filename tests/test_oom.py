@@ -683,6 +683,75 @@ def test_the_hook_reports_in_one_crossing(venv, tmp_path, workdir):
     assert out["carried"] is True and out["again"] is True
 
 
+def test_two_gpus_out_of_memory_at_once_keep_their_own_figures(venv, tmp_path, workdir):
+    """DataParallel's threads can run out of memory on two GPUs at once. The
+    observer of GPU 0's OOM is held inside torch.cuda.memory_stats while GPU
+    1's OOM runs its observer and its thread's report to the end; then GPU
+    0's goes on. Each report, the one built in its thread, the one built when
+    the main thread re-raises it as DataParallel does, and last_oom(),
+    carries the figures of its own GPU."""
+    r = _fake_cuda(venv, tmp_path, workdir, """
+        import io, outofcuda
+        torch.cuda._fake_cuda_init()
+        gib = 1 << 30
+        torch.cuda._fake_memory_stats.update({
+            0: {"allocated_bytes.all.current": 10 * gib, "reserved_bytes.all.current": 11 * gib},
+            1: {"allocated_bytes.all.current": 70 * gib, "reserved_bytes.all.current": 75 * gib}})
+        inside, go_on = threading.Event(), threading.Event()
+        stats = torch.cuda.memory_stats
+
+        def slow_stats(device=None):
+            if device == 0 and not go_on.is_set():
+                inside.set()
+                go_on.wait(60)
+            return stats(device)
+        torch.cuda.memory_stats = slow_stats
+        errors = {}
+
+        def replica(device, request, free):
+            try:
+                torch.cuda._fake_oom(device, request, 80 * gib, free)
+            except torch.cuda.OutOfMemoryError as e:
+                errors[device] = e
+                raise  # threading.excepthook reports it in this thread
+
+        def figures(rep):
+            return {k: rep[k] for k in ("source", "device", "request_bytes", "free_bytes",
+                                        "allocated_bytes", "reserved_bytes", "advice")}
+        real, sys.stderr = sys.stderr, io.StringIO()
+        a = threading.Thread(target=replica, args=(0, 2 * gib, gib))
+        a.start()
+        assert inside.wait(60), "GPU 0's observer never reached memory_stats"
+        b = threading.Thread(target=replica, args=(1, 4 * gib, 3 * gib))
+        b.start(); b.join()
+        go_on.set(); a.join()
+        out = {"thread": {d: figures(e.outofcuda_report) for d, e in errors.items()},
+               "last": figures(outofcuda.last_oom()), "main": {}}
+        # DataParallel raises a replica's error again in the main thread, as a
+        # new exception whose text carries the original's.
+        for d in (1, 0):
+            e = torch.cuda.OutOfMemoryError(
+                f"Caught OutOfMemoryError in replica {d} on device {d}.\\nOriginal Traceback "
+                f"(most recent call last):\\n  ...\\ntorch.OutOfMemoryError: {errors[d]}")
+            sys.excepthook(type(e), e, None)
+            out["main"][d] = figures(e.outofcuda_report)
+        sys.stderr = real
+        print(json.dumps(out))
+    """)
+    out = last_json(r)
+    gib = 1 << 30
+    want = {"0": {"source": "observer", "device": 0, "request_bytes": 2 * gib, "free_bytes": gib,
+                  "allocated_bytes": 10 * gib, "reserved_bytes": 11 * gib},
+            "1": {"source": "observer", "device": 1, "request_bytes": 4 * gib,
+                  "free_bytes": 3 * gib, "allocated_bytes": 70 * gib, "reserved_bytes": 75 * gib}}
+    for where in ("thread", "main"):
+        got = {d: {k: v for k, v in rep.items() if k != "advice"} for d, rep in out[where].items()}
+        assert got == want, (where, out)
+    # The ranked advice follows each OOM's own figures, wherever it is built.
+    assert out["main"] == out["thread"]
+    assert out["last"] == out["thread"]["0"]
+
+
 def test_report_bytes_are_written_by_the_engine(venv, workdir):
     """One writer of byte counts: the report's figures read as the advice's
     (whole MiB under a GiB, two decimals of GiB from there)."""
