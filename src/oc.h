@@ -9,9 +9,9 @@
  *   watcher.c  torch's spec and the loader proxy around its import
  *   bridge.c   what happens when torch has imported: the optimisations,
  *              and the one callback queued for CUDA initialisation
+ *   report.c   status dict (the IPython handler read from oom.c) and the verbose table
  *   oom.c      out-of-memory handler and report
  *   monitor.c  the native watchdog thread behind MemoryMonitor
- *   report.c   status dict and the verbose table
  *   facts.c    verdicts the Python layer asks for instead of parsing again
  *   summary.c  OUTOFCUDA_SUMMARY: input-wait and utilisation sampler, at-exit block
  *   api.c      decisions behind the Python API
@@ -461,7 +461,7 @@ typedef struct {
      * alloc-conf-generic-ignored avoided). */
     int alloc_generic;
     struct {
-        const char *hooks, *ipython; /* static text */
+        const char *hooks; /* static text */
         char observer[400];
         char snapshot[4096]; /* "" none */
     } oom;
@@ -493,8 +493,7 @@ void oc_record_text(oc_opt opt, const char *text);
 void oc_record_fraction(double fraction, long device);
 void oc_record_alloc_generic(int handed);
 /* The OOM handler's value; NULL leaves a field as it was. */
-void oc_record_oom(const char *hooks, const char *observer, const char *snapshot,
-                   const char *ipython);
+void oc_record_oom(const char *hooks, const char *observer, const char *snapshot);
 void oc_record_sdpa_guard(const char *what, const char *id);
 /* The sentence status() shows: the writer's, with the sdpa guard's words. */
 void oc_record_reason(oc_opt opt, char *buf, size_t sz);
@@ -941,6 +940,7 @@ void oc_oom_at_cuda_init(PyObject *torch); /* a step of the CUDA-init callback *
  * torch before 1.13; exc needed for the text). Never raises. */
 typedef enum { OC_OOM_NONE, OC_OOM_TYPE, OC_OOM_TEXT } oc_oom_kind;
 oc_oom_kind oc_oom_kind_of(PyObject *type, PyObject *exc);
+const char *oc_oom_ipython(void); /* status()'s "ipython", read from the shell */
 extern PyMethodDef oc_oom_methods[];
 extern PyMethodDef oc_oom_testing_methods[]; /* the test door's (module.c) */
 

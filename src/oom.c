@@ -307,26 +307,9 @@ static int read_snapshot_env(void)
  * notebook cell's), so the blocks the collection freed go back too. */
 static void oom_relief(void)
 {
-    PyObject *cuda = PyImport_ImportModule("torch.cuda");
-    PyObject *r = NULL, *init = NULL;
-    if (cuda == NULL) {
+    long long released;
+    if (oc_api_clear_cache(&released) < 0)
         OC_CLEAR();
-        return;
-    }
-    if (oc_config_get()->gc_collect) {
-        PyObject *gc = PyImport_ImportModule("gc");
-        r = gc ? PyObject_CallMethod(gc, "collect", NULL) : NULL;
-        Py_XDECREF(r);
-        Py_XDECREF(gc);
-        OC_CLEAR();
-    }
-    init = PyObject_CallMethod(cuda, "is_initialized", NULL);
-    r = init != NULL && PyObject_IsTrue(init) == 1 ? PyObject_CallMethod(cuda, "empty_cache", NULL)
-                                                   : NULL;
-    Py_XDECREF(init);
-    Py_XDECREF(r);
-    OC_CLEAR();
-    Py_DECREF(cuda);
 }
 
 oc_oom_kind oc_oom_kind_of(PyObject *type, PyObject *exc)
@@ -370,37 +353,6 @@ static int is_oom(PyObject *type)
 static PyObject *record_report(PyObject *exc, int exhausted, int refresh);
 static PyObject *render_report(PyObject *report);
 
-/* Flushes sys.stderr, as the program's own writes would be. Never raises. */
-static void flush_stderr(void)
-{
-    PyObject *err = PySys_GetObject("stderr"); /* borrowed */
-    PyObject *r = err && err != Py_None ? PyObject_CallMethod(err, "flush", NULL) : NULL;
-    Py_XDECREF(r);
-    OC_CLEAR();
-}
-
-/* Prints outofcuda's report for `value` (kept for last_oom() and attached to
- * it), in one write through sys.stderr, the stream's own error handler for
- * what it cannot encode. Returns 1 when it printed. */
-static int print_report(PyObject *value)
-{
-    PyObject *report = record_report(value, 0, 0);
-    PyObject *text = report ? render_report(report) : NULL;
-    PyObject *block = text ? PyUnicode_FromFormat("%U\n\n", text) : NULL;
-    PyObject *utf8 = block ? PyUnicode_AsEncodedString(block, "utf-8", "backslashreplace") : NULL;
-    int printed = utf8 != NULL;
-    if (printed) {
-        oc_stderr_write(PyBytes_AsString(utf8));
-        flush_stderr();
-    }
-    OC_CLEAR();
-    Py_XDECREF(utf8);
-    Py_XDECREF(block);
-    Py_XDECREF(text);
-    Py_XDECREF(report);
-    return printed;
-}
-
 /* The fallback when the report cannot be built: one line. */
 static void print_summary(void)
 {
@@ -421,10 +373,33 @@ static void print_summary(void)
     Py_XDECREF(cuda);
 }
 
+/* Prints outofcuda's report for `value` (kept for last_oom() and attached to
+ * it), in one write through sys.stderr, the stream's own error handler for
+ * what it cannot encode; the one-line summary where it cannot be built. */
+static void print_report(PyObject *value)
+{
+    PyObject *report = record_report(value, 0, 0);
+    PyObject *text = report ? render_report(report) : NULL;
+    PyObject *block = text ? PyUnicode_FromFormat("%U\n\n", text) : NULL;
+    PyObject *utf8 = block ? PyUnicode_AsEncodedString(block, "utf-8", "backslashreplace") : NULL;
+    PyObject *err;
+    OC_CLEAR();
+    if (utf8 != NULL)
+        oc_stderr_write(PyBytes_AsString(utf8));
+    else
+        print_summary();
+    err = PySys_GetObject("stderr"); /* borrowed; flushed as the program's writes would be */
+    Py_XDECREF(err && err != Py_None ? PyObject_CallMethod(err, "flush", NULL) : NULL);
+    OC_CLEAR();
+    Py_XDECREF(utf8);
+    Py_XDECREF(block);
+    Py_XDECREF(text);
+    Py_XDECREF(report);
+}
+
 static void handle_uncaught(PyObject *value)
 {
-    if (!print_report(value))
-        print_summary();
+    print_report(value);
     oom_relief();
 }
 
@@ -479,16 +454,15 @@ static PyMethodDef thread_hook_def =
  * what the failed cell holds and empties the cache. */
 
 /* What was decided for IPython, a stable code in status(): "pending" (CUDA
- * has not started), "no_shell", "set", "user_handler_kept" (the shell had
- * a custom exception handler: it is left alone), "failed". */
+ * has not started), "no_shell", "set" ("replaced": oc_oom_ipython),
+ * "user_handler_kept" (the shell had a custom exception handler: left alone), "failed". */
 static const char *ipython_state = "pending";
-/* A weak reference to the shell last decided for: one decision per shell. */
-static PyObject *ipython_decided;
+/* Weak references to the shell last decided for (one decision per shell)
+ * and to its CustomTB made of our handler (set_custom_exc makes a new one). */
+static PyObject *ipython_decided, *ipython_custom_tb;
 /* The OOM the handler reported last, compared by identity only (never
  * dereferenced): the at-exit report skips it. */
 static const PyObject *ipython_reported;
-
-static void record_value(const char *hooks);
 
 /* o.name (new ref, NULL when absent, no exception), releasing o: one step
  * along a traceback or an exception chain. */
@@ -501,8 +475,26 @@ static PyObject *follow(PyObject *o, const char *name)
     return next;
 }
 
+/* 1 when tb entry t's frame is a generator's or coroutine's (CO_GENERATOR,
+ * CO_COROUTINE, CO_ASYNC_GENERATOR) that ran on after the error passed: it
+ * caught it and may be suspended, and clear() closes a suspended generator
+ * (3.13+ refuses). One the error left stopped where the error passed. */
+static int went_on(PyObject *t, PyObject *frame)
+{
+    PyObject *flags = oc_getattr_chain(frame, "f_code.co_flags");
+    PyObject *at = oc_getattr_chain(frame, "f_lasti"), *passed = oc_getattr_chain(t, "tb_lasti");
+    int on = flags && at && passed && (PyLong_AsLong(flags) & 0x2a0) &&
+             PyObject_RichCompareBool(at, passed, Py_NE) == 1;
+    OC_CLEAR();
+    Py_XDECREF(flags);
+    Py_XDECREF(at);
+    Py_XDECREF(passed);
+    return on;
+}
+
 /* Clears the locals of every frame of tb that has finished, as
- * traceback.clear_frames does (an executing frame refuses and is skipped).
+ * traceback.clear_frames does (an executing frame refuses and is skipped;
+ * so is a generator's that went on running).
  * Before 3.13 a frame whose f_locals was read (IPython's verbose
  * traceback, a debugger) keeps a snapshot dict of its locals that clear()
  * leaves alone; reading f_locals again syncs it with the cleared frame. */
@@ -512,7 +504,8 @@ static void clear_frames(PyObject *tb)
     Py_XINCREF(t);
     while (t != NULL && t != Py_None) {
         PyObject *frame = PyObject_GetAttrString(t, "tb_frame");
-        PyObject *r = frame ? PyObject_CallMethod(frame, "clear", NULL) : NULL;
+        PyObject *r =
+            frame && !went_on(t, frame) ? PyObject_CallMethod(frame, "clear", NULL) : NULL;
         PyObject *locals = r ? PyObject_GetAttrString(frame, "f_locals") : NULL;
         if (r == NULL)
             OC_CLEAR_ABSENT(); /* the frame still runs (the handler's caller) */
@@ -530,17 +523,12 @@ static void clear_frames(PyObject *tb)
 static void drop_last_exception(PyObject *value)
 {
     static const char *const names[] = {"last_type", "last_value", "last_traceback", "last_exc"};
-    PyObject *last = PySys_GetObject("last_value"), *exc = PySys_GetObject("last_exc");
-    PyObject *sys;
-    if (last != value && exc != value)
+    if (PySys_GetObject("last_value") != value && PySys_GetObject("last_exc") != value)
         return;
-    sys = PyImport_ImportModule("sys");
-    for (int i = 0; sys != NULL && i < 4; i++) {
-        if (PyObject_HasAttrString(sys, names[i]) && PyObject_DelAttrString(sys, names[i]) < 0)
+    for (int i = 0; i < 4; i++) {
+        if (PySys_SetObject(names[i], NULL) < 0) /* deletes; an absent name is no error */
             OC_CLEAR();
     }
-    Py_XDECREF(sys);
-    OC_CLEAR();
 }
 
 /* Releases what the failed cell holds: the locals of the frames of the
@@ -571,47 +559,59 @@ static void release_cell(PyObject *value, PyObject *tb)
     drop_last_exception(value);
 }
 
-/* OUTOFCUDA_OOM_KEEP_FRAMES, read when a cell fails so that `%env
- * OUTOFCUDA_OOM_KEEP_FRAMES=1` works without restarting the kernel; a value
- * that is not a boolean word counts as the one read at start-up (which
- * warned about it). */
+/* OUTOFCUDA_OOM_KEEP_FRAMES, read when a cell fails so that `%env` sets it in
+ * a running kernel; a value that is not a boolean word counts as the one read
+ * at start-up (which warned about it). */
 static int keep_frames(void)
 {
     int b = oc_parse_bool(oc_env("OUTOFCUDA_OOM_KEEP_FRAMES"));
     return b >= 0 ? b : oc_config_get()->oom_keep_frames;
 }
 
+/* A Ctrl-C (or exit()) set aside while the handler ran, shown as IPython's
+ * showtraceback shows one during its display: raised, or re-sent as the
+ * handler returns, it would reach IPython's catch-all, which unregisters it. */
+static void show_interrupt(PyObject *shell)
+{
+    char line[300];
+    PyObject *taken = oc_interrupt_take();
+    PyObject *text = taken ? PyObject_CallMethod(shell, "get_exception_only", "(O)", taken) : NULL;
+    if (text != NULL)
+        oc_stderr_printf("\n%s\n", oc_utf8(text, line, sizeof line));
+    OC_CLEAR();
+    Py_XDECREF(text);
+    Py_XDECREF(taken);
+}
+
 /* The custom exception handler: (shell, etype, value, tb, tb_offset=None),
  * called by IPython for torch's OOM type only. Returns None: IPython adds
  * nothing of its own. A failing showtraceback is IPython's to report (its
- * wrapper then shows the original traceback). */
+ * wrapper then shows the original traceback). A Ctrl-C stops what is left
+ * of the handler's work and is shown, never raised (show_interrupt). */
 static PyObject *py_ipython_handler(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"shell", "etype", "value", "tb", "tb_offset", NULL};
-    PyObject *shell, *type, *value, *tb, *offset = Py_None;
-    PyObject *show, *call_args, *call_kw, *r;
+    PyObject *shell, *type, *value, *tb, *offset = Py_None, *r;
     (void)self;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|O:outofcuda_ipython_handler", kwlist, &shell,
                                      &type, &value, &tb, &offset))
         return NULL;
-    show = PyObject_GetAttrString(shell, "showtraceback");
-    call_args = show ? Py_BuildValue("((OOO))", type, value, tb) : NULL;
-    call_kw = call_args ? Py_BuildValue("{s:O}", "tb_offset", offset) : NULL;
-    r = call_kw ? PyObject_Call(show, call_args, call_kw) : NULL;
-    Py_XDECREF(call_kw);
-    Py_XDECREF(call_args);
-    Py_XDECREF(show);
-    if (r == NULL)
+    /* showtraceback(exc_tuple, filename, tb_offset): IPython's order */
+    r = PyObject_CallMethod(shell, "showtraceback", "(OOO)OO", type, value, tb, Py_None, offset);
+    if (r == NULL && !PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) &&
+        !PyErr_ExceptionMatches(PyExc_SystemExit))
         return NULL;
-    Py_DECREF(r);
+    Py_XDECREF(r);
+    OC_CLEAR(); /* an interrupt: set aside */
     if (is_oom(type)) {
         ipython_reported = value;
-        if (!print_report(value))
-            print_summary();
-        if (!keep_frames())
+        print_report(value);
+        if (!keep_frames() && !oc_interrupt_waiting())
             release_cell(value, tb);
-        oom_relief();
+        if (!oc_interrupt_waiting())
+            oom_relief();
     }
+    show_interrupt(shell);
     Py_RETURN_NONE;
 }
 
@@ -628,17 +628,14 @@ static PyMethodDef ipython_handler_def = OC_METHOD(
  * traceback as a cell's does. Never raises. */
 static PyObject *py_ipython_at_exit(PyObject *self, PyObject *unused)
 {
-    PyObject *value = PySys_GetObject("last_value"), *type;
+    PyObject *value = PySys_GetObject("last_value");
     (void)self;
     (void)unused;
     if (value == NULL || value == Py_None || value == ipython_reported)
         Py_RETURN_NONE;
     Py_INCREF(value);
-    type = PyObject_Type(value);
-    if (type != NULL && is_oom(type) && !print_report(value))
-        print_summary();
-    OC_CLEAR();
-    Py_XDECREF(type);
+    if (is_oom((PyObject *)Py_TYPE(value)))
+        print_report(value);
     Py_DECREF(value);
     Py_RETURN_NONE;
 }
@@ -654,13 +651,10 @@ static PyMethodDef ipython_at_exit_def =
 static PyObject *ipython_shell(void)
 {
     PyObject *mod = oc_sys_module("IPython.core.getipython");
-    PyObject *shell = mod ? PyObject_CallMethod(mod, "get_ipython", NULL) : NULL;
+    PyObject *shell = mod ? oc_call_quiet(mod, "get_ipython", NULL, NULL) : NULL;
     Py_XDECREF(mod);
-    if (shell == NULL || shell == Py_None) {
-        OC_CLEAR();
-        Py_XDECREF(shell);
-        return NULL;
-    }
+    if (shell == Py_None)
+        Py_CLEAR(shell);
     return shell;
 }
 
@@ -671,13 +665,11 @@ static PyObject *ipython_shell(void)
 static void ipython_install(void)
 {
     PyObject *shell = ipython_shell(), *decided, *custom = NULL, *fn = NULL, *types = NULL;
-    PyObject *r = NULL;
+    PyObject *r = NULL, *custom_tb;
     Py_ssize_t n;
     if (shell == NULL) {
-        if (ipython_decided == NULL && strcmp(ipython_state, "no_shell") != 0) {
+        if (ipython_decided == NULL)
             ipython_state = "no_shell";
-            record_value(NULL);
-        }
         return;
     }
     decided = ipython_decided ? PyObject_CallObject(ipython_decided, NULL) : NULL;
@@ -698,6 +690,10 @@ static void ipython_install(void)
         ipython_state = r != NULL ? "set" : "failed";
         if (r != NULL && oc_register_at_exit(&ipython_at_exit_def, &ipython_at_exit_registered) < 0)
             OC_CLEAR(); /* the shell's handler stands; only ipython script.py's report is lost */
+        custom_tb = r ? PyObject_GetAttrString(shell, "CustomTB") : NULL;
+        Py_XDECREF(ipython_custom_tb);
+        ipython_custom_tb = custom_tb ? PyWeakref_NewRef(custom_tb, NULL) : NULL;
+        Py_XDECREF(custom_tb);
     } else {
         ipython_state = "failed";
     }
@@ -710,34 +706,41 @@ static void ipython_install(void)
     ipython_decided = PyWeakref_NewRef(shell, NULL);
     OC_CLEAR();
     Py_DECREF(shell);
-    record_value(NULL);
 }
 
-/* The handler's value in its record: `hooks` (static text) says which hooks
- * are set, NULL keeps what it said. */
-static void record_value(const char *hooks)
+/* What was decided for IPython, and for "set" whether the shell's handler
+ * is still ours, read from the shell when status() asks: a program that calls
+ * set_custom_exc replaces it, and so does IPython after a handler raised. */
+const char *oc_oom_ipython(void)
+{
+    PyObject *mine, *custom;
+    int ours;
+    if (strcmp(ipython_state, "set") != 0 || ipython_custom_tb == NULL)
+        return ipython_state;
+    mine = PyObject_CallObject(ipython_custom_tb, NULL); /* None once the shell let it go */
+    custom = mine ? oc_getattr_chain(mine, "__self__.CustomTB") : NULL;
+    ours = mine == NULL || custom == mine;
+    OC_CLEAR();
+    Py_XDECREF(custom);
+    Py_XDECREF(mine);
+    return ours ? ipython_state : "replaced";
+}
+
+/* The handler's record: queued at import, applied once its hooks are set
+ * when CUDA initialises; `hooks` (static text) says which hooks are set. */
+static void record_status(oc_rec_state state, const char *hooks)
 {
     char observer[400];
-    /* An IPython shell may come before torch: nothing is recorded yet. */
-    if (hooks == NULL && oc_record_get(OC_OPT_OOM)->kind != OC_VAL_OOM)
-        return;
+    oc_record_set(OC_OPT_OOM, state, OC_CODE_AT_CUDA_INIT,
+                  "once CUDA initialises, on a CUDA OOM: record the figures (observer), print a "
+                  "report and ranked actions before the traceback of an uncaught one, then empty "
+                  "the cache");
     if (oom.observer_state != NULL)
         snprintf(observer, sizeof observer, "%s", oom.observer_state);
     else
         snprintf(observer, sizeof observer, "none%s%s", oom.observer_none ? ": " : "",
                  oom.observer_none ? oom.observer_none : "");
-    oc_record_oom(hooks, observer, oom.snapshot_path, ipython_state);
-}
-
-/* The handler's record: queued at import, applied once its hooks are set
- * when CUDA initialises. */
-static void record_status(oc_rec_state state, const char *hooks)
-{
-    oc_record_set(OC_OPT_OOM, state, OC_CODE_AT_CUDA_INIT,
-                  "once CUDA initialises, on a CUDA OOM: record the figures (observer), print a "
-                  "report and ranked actions before the traceback of an uncaught one, then empty "
-                  "the cache");
-    record_value(hooks);
+    oc_record_oom(hooks, observer, oom.snapshot_path);
 }
 
 /* Sets `name` (an attribute of `owner`) to a new hook made from `def`,

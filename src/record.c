@@ -119,15 +119,12 @@ void oc_record_alloc_generic(int handed)
     records[OC_OPT_ALLOCATOR].alloc_generic = handed != 0;
 }
 
-void oc_record_oom(const char *hooks, const char *observer, const char *snapshot,
-                   const char *ipython)
+void oc_record_oom(const char *hooks, const char *observer, const char *snapshot)
 {
     oc_record *r = &records[OC_OPT_OOM];
     r->kind = OC_VAL_OOM;
     if (hooks != NULL)
         r->oom.hooks = hooks;
-    if (ipython != NULL)
-        r->oom.ipython = ipython;
     if (observer != NULL)
         snprintf(r->oom.observer, sizeof r->oom.observer, "%s", observer);
     if (snapshot != NULL)

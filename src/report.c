@@ -103,7 +103,7 @@ static PyObject *record_value(const oc_record *r)
     case OC_VAL_OOM:
         return Py_BuildValue(
             "{s:z,s:s,s:z,s:z}", "hooks", r->oom.hooks, "observer", r->oom.observer, "snapshot",
-            r->oom.snapshot[0] ? r->oom.snapshot : NULL, "ipython", r->oom.ipython);
+            r->oom.snapshot[0] ? r->oom.snapshot : NULL, "ipython", oc_oom_ipython());
     case OC_VAL_NONE:
         break;
     }

@@ -184,6 +184,15 @@ with contextlib.redirect_stderr(err):
 out.update(late=oc_status()["ipython"], late_alive=refs[-1]() is not None,
            late_report=err.getvalue().count("outofcuda: CUDA out of memory on cuda:0"))
 
+# The program sets its own handler once outofcuda's is the shell's.
+theirs = []
+sh.set_custom_exc((torch.cuda.OutOfMemoryError,), lambda *a, **k: theirs.append(a[1].__name__))
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    sh.run_cell("fill(10)")
+out.update(replaced=oc_status()["ipython"], theirs=theirs,
+           replaced_report="outofcuda" in err.getvalue())
+
 InteractiveShell.clear_instance()
 sh = InteractiveShell.instance()
 sh.push({"fill": fill, "_outofcuda": _outofcuda})
@@ -205,6 +214,117 @@ def test_shell_started_after_cuda_and_a_users_handler(cuda_venv, notebook_dir, t
                          cwd=tmp_path)
     assert out["before"] == "no_shell"
     assert out["late"] == "set" and out["late_report"] == 1 and out["late_alive"] is False
+    # Replaced by the program: status() reads the shell's handler when asked.
+    assert out["replaced"] == "replaced" and out["theirs"] == ["OutOfMemoryError"]
+    assert out["replaced_report"] is False
     # The user's handler is the shell's one: kept, called, and no report.
     assert out["user"] == "user_handler_kept" and out["seen"] == ["OutOfMemoryError"]
     assert out["user_report"] is False and out["custom"] == ["OutOfMemoryError"]
+
+
+# A Ctrl-C while the handler runs: a real SIGINT raised from C by a finaliser
+# that only the handler's gc.collect() finds (no Python frame of its own, so
+# the signal is pending when the collection returns, as a Ctrl-C during a long
+# collection is). IPython unregisters a handler that raises anything; this one
+# shows the interrupt as IPython's showtraceback shows one during its display.
+INTERRUPTED = FAKE_CUDA_START + """
+import _outofcuda, contextlib, ctypes, functools, gc, io, signal
+from IPython.core.interactiveshell import InteractiveShell
+sh = InteractiveShell.instance()
+sh.push({"fill": fill})
+_outofcuda._oom_observer(0, 2 << 30, 0, 1 << 30)  # gives the new shell the handler
+ours = sh.CustomTB
+
+
+class CtrlC:
+    __del__ = staticmethod(functools.partial(getattr(ctypes.CDLL(None), "raise"),
+                                             signal.SIGINT))
+
+
+def cell(code):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        r = sh.run_cell(code)
+    return {"out": out.getvalue(), "err": err.getvalue(),
+            "error": type(r.error_in_exec).__name__ if r.error_in_exec else None}
+
+
+gc.disable()  # the handler's collection is the one that finds it
+c = CtrlC()
+c.cycle = c
+del c
+res = {"first": cell("fill(10)"), "ours": sh.CustomTB is ours, "status": oc_status()["ipython"],
+       "shown": sh.get_exception_only((KeyboardInterrupt, KeyboardInterrupt(), None)),
+       "first_alive": refs[-1]() is not None}
+res.update(second=cell("fill(10)"), second_alive=refs[-1]() is not None,
+           after=cell("went_on = 1"), still_ours=sh.CustomTB is ours)
+print("INT=" + json.dumps(res))
+"""
+
+
+def test_ctrl_c_during_the_handler_keeps_it_registered(cuda_venv, notebook_dir, tmp_path):
+    out = cuda_venv.json(INTERRUPTED, "INT=", env=_jupyter_env(tmp_path, notebook_dir),
+                         cwd=tmp_path)
+    first, second = out["first"], out["second"]
+    report = "outofcuda: CUDA out of memory on cuda:0"
+    # The cell fails with its OOM, IPython's traceback shown once; the report,
+    # then the interrupt as IPython shows one that comes during its display.
+    assert first["error"] == "OutOfMemoryError" and first["out"].count("OutOfMemoryError") == 2
+    assert "Custom TB Handler failed" not in first["out"] + first["err"], first
+    assert first["err"].count(report) == 1 and first["err"].index(report) == 0, first["err"]
+    assert first["err"].endswith("\n" + out["shown"] + "\n"), first["err"]
+    assert out["shown"].startswith("KeyboardInterrupt")
+    assert out["first_alive"] is False  # the frames were released before the collection
+    # The handler stays the shell's: the next OOM gets the report, its frames go.
+    assert out["ours"] and out["still_ours"] and out["status"] == "set"
+    assert second["error"] == "OutOfMemoryError" and second["err"].count(report) == 1
+    assert "KeyboardInterrupt" not in second["err"] and out["second_alive"] is False
+    # Nothing of the interrupt is left over for a later cell.
+    assert out["after"] == {"out": "", "err": "", "error": None}
+
+
+# A generator that caught the OOM and yielded it is suspended with its frame
+# in the traceback; clearing that frame would close it (before 3.13). One the
+# OOM left (raised inside it) is finished: its frame is cleared.
+GENERATORS = FAKE_CUDA_START + """
+import _outofcuda, contextlib, io
+from IPython.core.interactiveshell import InteractiveShell
+sh = InteractiveShell.instance()
+_outofcuda._oom_observer(0, 2 << 30, 0, 1 << 30)  # gives the new shell the handler
+
+
+def paused():
+    try:
+        fill(10)
+    except torch.cuda.OutOfMemoryError as e:
+        yield e
+    yield "went on"
+
+
+def failing():
+    held = torch.ones(10)
+    refs.append(weakref.ref(held))
+    yield 1
+    fill(10)
+
+
+sh.push({"paused": paused(), "failing": failing()})
+with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+    sh.run_cell("next(failing)")
+    errors = [type(sh.run_cell(c).error_in_exec).__name__
+              for c in ("raise next(paused)", "next(failing)", "after = next(paused)")]
+print("GEN=" + json.dumps({"errors": errors, "after": sh.user_ns.get("after"),
+                           "alive": [r() is not None for r in refs],
+                           "status": oc_status()["ipython"]}))
+"""
+
+
+def test_generator_in_the_traceback_goes_on(cuda_venv, notebook_dir, tmp_path):
+    out = cuda_venv.json(GENERATORS, "GEN=", env=_jupyter_env(tmp_path, notebook_dir),
+                         cwd=tmp_path)
+    assert out["status"] == "set"
+    assert out["errors"] == ["OutOfMemoryError", "OutOfMemoryError", "NoneType"], out
+    # The suspended generator goes on, as without outofcuda.
+    assert out["after"] == "went on"
+    # paused's fill frame, failing's own frame and its fill frame: released.
+    assert out["alive"] == [False, False, False], out
