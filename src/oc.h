@@ -1042,9 +1042,9 @@ struct timespec oc_thread_deadline(long long seconds, long nanoseconds);
 /* With t's lock held: sleeps until *stop_requested is set or the deadline
  * passes (or the wait fails); returns with the lock held. */
 void oc_thread_wait(oc_thread *t, const int *stop_requested, const struct timespec *deadline);
-/* Joins thread, waiting at most limit_s seconds where glibc can bound the
- * wait (0: no bound). Returns 1 when joined. Call without the GIL. */
-int oc_thread_join(pthread_t thread, int limit_s);
+/* Joins thread, waiting at most limit_ms milliseconds where glibc can bound
+ * the wait (0: no bound). Returns 1 when joined. Call without the GIL. */
+int oc_thread_join(pthread_t thread, long limit_ms);
 double oc_thread_now(void); /* CLOCK_MONOTONIC, in seconds */
 
 /* summary.c: OUTOFCUDA_SUMMARY, what the GPU did, printed at exit */

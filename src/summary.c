@@ -24,6 +24,7 @@
 #include "oc.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -39,7 +40,8 @@
 #define MAX_INTERVAL_MS 60000
 #define HINTS_MAX 3
 #define LOW_UTIL OC_SUMMARY_LOW_UTIL
-#define JOIN_LIMIT_S 5
+#define JOIN_LIMIT_MS 5000
+#define JOIN_SLICE_MS 50    /* how soon a Ctrl-C ends the wait for the sampler */
 #define MAX_STACK_DEPTH 256 /* frames looked at per sample, innermost first */
 
 typedef struct {
@@ -274,14 +276,21 @@ static void *sampler(void *arg)
  * join). A forked copy has no thread: only the owner joins. */
 static void sampler_stop(void)
 {
-    int joined;
+    int joined = 0;
     if (!S.running || oc_thread_inherited(&S.th) || pthread_equal(pthread_self(), S.th.thread))
         return;
     oc_thread_request_stop(&S.th, &S.stop_requested);
-    /* At most JOIN_LIMIT_S: an NVML call can hang in a broken driver. */
-    Py_BEGIN_ALLOW_THREADS
-    joined = oc_thread_join(S.th.thread, JOIN_LIMIT_S);
-    Py_END_ALLOW_THREADS
+    /* At most JOIN_LIMIT_MS (an NVML call can hang in a broken driver), in
+     * slices with the signals handled between them: a Ctrl-C ends the wait,
+     * set aside for the edge to raise. */
+    for (int ms = 0; !joined && ms < JOIN_LIMIT_MS && !oc_interrupt_waiting();
+         ms += JOIN_SLICE_MS) {
+        Py_BEGIN_ALLOW_THREADS
+        joined = oc_thread_join(S.th.thread, JOIN_SLICE_MS);
+        Py_END_ALLOW_THREADS
+        if (!joined && PyErr_CheckSignals() < 0)
+            OC_CLEAR();
+    }
     /* A thread stuck in a driver call is left behind rather than hang the
      * exit; it writes only to this static state, under the lock. */
     S.running = joined ? 0 : S.running;
@@ -289,14 +298,15 @@ static void sampler_stop(void)
 
 /* ---- where the summary goes ---- */
 
-/* Resolves OUTOFCUDA_SUMMARY's JSON path to an absolute one now (the working
- * directory may change before exit). A directory that does not exist gets one
- * warning and turns the feature off. Returns the mode. */
-static oc_summary_mode resolve_output(void)
+/* Resolves OUTOFCUDA_SUMMARY's JSON path to an absolute one in the working
+ * directory of now (it may change before exit): at `import torch`, and again
+ * (again: 1) when CUDA starts, whose answer stands. A directory that does not
+ * exist gets one warning and turns the feature off. Returns the mode. */
+static oc_summary_mode resolve_output(int again)
 {
     const oc_config *cfg = oc_config_get();
     char dir[OC_SUMMARY_PATH_MAX], msg[OC_WARN_LEN + 2 * OC_SUMMARY_PATH_MAX];
-    if (output.resolved)
+    if (output.resolved && !(again && output.mode == OC_SUMMARY_JSON))
         return output.mode;
     output.resolved = 1;
     output.mode = cfg->summary;
@@ -339,16 +349,10 @@ static unsigned long main_thread_ident(void)
  * is said in S.why). */
 static int start_thread(void)
 {
-    int rc;
-    if (S.running)
-        return 0;
-    /* Named before start returns, so `top -H` and tests see it at once. */
-    rc = oc_thread_start(&S.th, sampler, NULL, "oc-summary");
-    if (rc != 0) {
+    int rc = S.running ? 0 : oc_thread_start(&S.th, sampler, NULL, "oc-summary");
+    if (rc != 0)
         snprintf(S.why, sizeof S.why, "the sampling thread could not start (%s)", strerror(rc));
-        return 0;
-    }
-    S.running = 1;
+    S.running = rc == 0;
     return 0;
 }
 
@@ -431,9 +435,9 @@ static int choose_devices(int *torch_index)
 void oc_summary_at_cuda_init(void)
 {
     int devices[SUMMARY_MAX_DEVICES] = {0};
-    int n;
-    n = choose_devices(devices);
-    if (summary_begin(DEFAULT_INTERVAL_MS) < 0 || devices_begin(devices, n) < 0)
+    int n = choose_devices(devices);
+    if (resolve_output(1) != OC_SUMMARY_OFF &&
+        (summary_begin(DEFAULT_INTERVAL_MS) < 0 || devices_begin(devices, n) < 0))
         oc_set_error("starting the exit summary");
     OC_CLEAR();
 }
@@ -441,7 +445,7 @@ void oc_summary_at_cuda_init(void)
 void oc_summary_prepare(int cuda_queue, const oc_summary_torch *torch)
 {
     torch_facts = *torch;
-    if (oc_config_get()->summary == OC_SUMMARY_OFF || resolve_output() == OC_SUMMARY_OFF)
+    if (oc_config_get()->summary == OC_SUMMARY_OFF || resolve_output(0) == OC_SUMMARY_OFF)
         return;
     if (summary_begin(DEFAULT_INTERVAL_MS) < 0)
         oc_set_error("starting the exit summary");
@@ -701,17 +705,24 @@ static PyObject *none_or_double(int known, double x)
     return PyFloat_FromDouble(x);
 }
 
+/* The hints' texts (a new list, or NULL). */
+static PyObject *hint_list(const oc_advice_item *h, int nh)
+{
+    PyObject *list = PyList_New(0);
+    for (int i = 0; list != NULL && i < nh; i++) {
+        PyObject *s = PyUnicode_FromString(h[i].text);
+        if (s == NULL || PyList_Append(list, s) < 0)
+            Py_CLEAR(list);
+        Py_XDECREF(s);
+    }
+    return list;
+}
+
 /* One device's entry of the JSON form (new reference or NULL). */
 static PyObject *device_dict(const sum_device *d, const oc_advice_item *h, int nh)
 {
-    PyObject *hints = PyList_New(0);
+    PyObject *hints = hint_list(h, nh);
     int u = d->util_samples > 0, m = d->mem_samples > 0;
-    for (int i = 0; hints != NULL && i < nh; i++) {
-        PyObject *s = PyUnicode_FromString(h[i].text);
-        if (s == NULL || PyList_Append(hints, s) < 0)
-            Py_CLEAR(hints);
-        Py_XDECREF(s);
-    }
     if (hints == NULL)
         return NULL;
     return Py_BuildValue(
@@ -761,35 +772,33 @@ static void json_target(long rank, char *path, size_t sz)
         snprintf(path, sz, "%.*s.rank%ld.json", (int)(n - 5), output.json_path, rank);
 }
 
-/* Writes the JSON form (through a temporary file, renamed into place).
- * Returns 0, or -1 with the reason in err. */
+/* Writes the JSON form through a temporary file renamed into place. The
+ * temporary file is made new (O_EXCL, never through a link) under a name
+ * with the clock's nanoseconds in it: a name another user planted in a
+ * shared directory is never written through, and rename() replaces a final
+ * name that is a link. Returns 0, or -1 with the reason in err. */
 static int write_json(PyObject *doc, long rank, char *err, size_t errsz)
 {
     char path[PATH_MAX + 32], tmp[PATH_MAX + 64];
     PyObject *json = PyImport_ImportModule("json");
     PyObject *s = json ? PyObject_CallMethod(json, "dumps", "O", doc) : NULL;
     PyObject *b = s ? PyUnicode_AsUTF8String(s) : NULL;
-    FILE *f;
-    int rc = -1;
+    int rc = -1, fd, written;
     json_target(rank, path, sizeof path);
-    snprintf(tmp, sizeof tmp, "%s.tmp%ld", path, (long)getpid());
+    snprintf(tmp, sizeof tmp, "%s.tmp%ld.%ld", path, (long)getpid(),
+             oc_thread_deadline(0, 0).tv_nsec);
     if (b == NULL) {
         snprintf(err, errsz, "the JSON could not be built");
         goto done;
     }
-    f = fopen(tmp, "w");
-    if (f == NULL) {
+    fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    if (fd < 0) {
         snprintf(err, errsz, "%s: %s", tmp, strerror(errno));
         goto done;
     }
-    if (fwrite(PyBytes_AsString(b), 1, (size_t)PyBytes_Size(b), f) != (size_t)PyBytes_Size(b) ||
-        fputc('\n', f) == EOF) {
-        snprintf(err, errsz, "%s: %s", tmp, strerror(errno));
-        fclose(f);
-        remove(tmp);
-        goto done;
-    }
-    if (fclose(f) != 0 || rename(tmp, path) != 0) {
+    written = write(fd, PyBytes_AsString(b), (size_t)PyBytes_Size(b)) == PyBytes_Size(b) &&
+              write(fd, "\n", 1) == 1;
+    if (close(fd) != 0 || !written || rename(tmp, path) != 0) {
         snprintf(err, errsz, "%s: %s", path, strerror(errno));
         remove(tmp);
         goto done;
@@ -801,19 +810,6 @@ done:
     Py_XDECREF(s);
     Py_XDECREF(json);
     return rc;
-}
-
-/* Appends one hint text per item to list (0, or -1 with an exception set). */
-static int append_hints(PyObject *list, const oc_advice_item *h, int nh)
-{
-    for (int i = 0; i < nh; i++) {
-        PyObject *x = PyUnicode_FromString(h[i].text);
-        int rc = x ? PyList_Append(list, x) : -1;
-        Py_XDECREF(x);
-        if (rc < 0)
-            return -1;
-    }
-    return 0;
 }
 
 /* The JSON document (new reference or NULL). */
@@ -833,19 +829,17 @@ static void emit(const proc_figs *p, const sum_device *dev, int n)
 {
     text t = {malloc(65536), 0, 65536};
     int json = output.mode == OC_SUMMARY_JSON;
-    PyObject *devices = json ? PyList_New(0) : NULL, *hints = json ? PyList_New(0) : NULL;
-    PyObject *wait = NULL;
+    PyObject *devices = json ? PyList_New(0) : NULL, *hints = NULL, *wait = NULL;
     oc_summary_figures f;
     oc_advice_item h[HINTS_MAX + 1];
     char err[PATH_MAX + 200];
-    int nh;
+    int nh = 0;
     if (p->no_gpu != NULL) {
         nh = make_hints(NULL, p, &f, h);
         nh = nh < HINTS_MAX ? nh : HINTS_MAX;
         format_no_gpu(&t, p, h, nh);
-        if (hints != NULL && append_hints(hints, h, nh) < 0)
-            Py_CLEAR(hints);
     }
+    hints = json ? hint_list(h, nh) : NULL; /* the top level's: a block without a GPU part */
     for (int i = 0; i < n; i++) {
         nh = make_hints(&dev[i], p, &f, h);
         nh = nh < HINTS_MAX ? nh : HINTS_MAX;
@@ -917,14 +911,15 @@ static void nothing_to_report(const proc_figs *p)
                      output.mode == OC_SUMMARY_JSON ? " (no JSON written)" : "");
 }
 
-/* atexit callback: join the sampler, gather, print or write. Never raises. */
+/* atexit callback: join the sampler, gather, print or write. Raises only
+ * the program's Ctrl-C or exit, through its edge (one that ended the wait
+ * for the sampler skips the summary). */
 static PyObject *py_summary_at_exit(PyObject *self, PyObject *unused)
 {
     proc_figs p;
     sum_device dev[SUMMARY_MAX_DEVICES];
     int n, cuda, in_worker;
     double now;
-    PyObject *type, *value, *tb;
     (void)self;
     (void)unused;
     /* A forked child inherits the registration but not the thread or the
@@ -932,9 +927,10 @@ static PyObject *py_summary_at_exit(PyObject *self, PyObject *unused)
     if (!S.started || oc_thread_inherited(&S.th))
         Py_RETURN_NONE;
     S.started = 0;
-    PyErr_Fetch(&type, &value, &tb);
     now = oc_thread_now();
     sampler_stop();
+    if (oc_interrupt_waiting())
+        Py_RETURN_NONE;
     memset(&p, 0, sizeof p);
     /* A copy: a thread that could not be joined may still write S. */
     pthread_mutex_lock(&S.th.lock);
@@ -968,7 +964,6 @@ static PyObject *py_summary_at_exit(PyObject *self, PyObject *unused)
              !multiprocessing_child())
         nothing_to_report(&p);
     OC_CLEAR();
-    PyErr_Restore(type, value, tb);
     Py_RETURN_NONE;
 }
 
@@ -1012,7 +1007,7 @@ static PyObject *py_summary_start(PyObject *self, PyObject *args)
         }
         devices[n++] = (int)x;
     }
-    if (oc_config_get()->summary != OC_SUMMARY_OFF && resolve_output() == OC_SUMMARY_OFF)
+    if (oc_config_get()->summary != OC_SUMMARY_OFF && resolve_output(1) == OC_SUMMARY_OFF)
         Py_RETURN_FALSE;
     if (!output.resolved || output.mode == OC_SUMMARY_OFF) {
         output.resolved = 1;

@@ -88,17 +88,19 @@ void oc_thread_wait(oc_thread *t, const int *stop_requested, const struct timesp
             break;
 }
 
-int oc_thread_join(pthread_t thread, int limit_s)
+int oc_thread_join(pthread_t thread, long limit_ms)
 {
 #ifdef __GLIBC__
     struct timespec limit;
-    if (limit_s > 0) {
+    if (limit_ms > 0) {
         clock_gettime(CLOCK_REALTIME, &limit);
-        limit.tv_sec += limit_s;
+        limit.tv_nsec += limit_ms % 1000 * 1000000L;
+        limit.tv_sec += limit_ms / 1000 + limit.tv_nsec / 1000000000L;
+        limit.tv_nsec %= 1000000000L;
         return pthread_timedjoin_np(thread, NULL, &limit) == 0;
     }
 #else
-    (void)limit_s;
+    (void)limit_ms;
 #endif
     return pthread_join(thread, NULL) == 0;
 }

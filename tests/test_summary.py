@@ -12,6 +12,7 @@ import json
 import os
 import re
 import textwrap
+import time
 
 import pytest
 
@@ -165,6 +166,48 @@ def test_json_path_form_resolved_at_start_and_rank_file(venv, workdir, stub_nvml
     """, env)
     assert "outofcuda summary" not in r.stderr
     assert json.loads((workdir / "out" / "run.rank3.json").read_text())["rank"] == 3
+
+
+def test_json_is_never_written_through_a_link(venv, workdir, stub_nvml):
+    """The temporary file is made new, never opened through a name planted in
+    the directory (planted here by the same user: enough to show that no link
+    is followed), and a final name that is a link is replaced, not written
+    through."""
+    out = workdir / "out"
+    out.mkdir()
+    (workdir / "victim").write_text("kept\n")
+    (workdir / "target").write_text("kept too\n")
+    (out / "run.json").symlink_to(workdir / "target")
+    env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 30 +", OUTOFCUDA_SUMMARY="out/run.json")
+    run(venv, workdir, """
+        _outofcuda._testing.summary_start([0], 10)
+        # The name a predictable temporary file would have: <path>.tmp<pid>.
+        os.symlink(os.path.abspath("victim"), f"out/run.json.tmp{os.getpid()}")
+        need(lambda: samples()["util_samples"] >= 1, "1 sample", **SAMPLED)
+    """, env)
+    assert (workdir / "victim").read_text() == "kept\n"
+    assert (workdir / "target").read_text() == "kept too\n"
+    final = out / "run.json"
+    assert not final.is_symlink() and json.loads(final.read_text())["version"] == 1
+    # Only the file it made is gone from the directory; the planted link stays.
+    (planted,) = [p for p in out.iterdir() if p != final]
+    assert planted.is_symlink() and planted.readlink() == workdir / "victim"
+
+
+def test_a_relative_json_path_is_resolved_when_cuda_starts(venv, workdir, stub_nvml, tmp_path):
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    (workdir / "later").mkdir()
+    env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 30 +", OUTOFCUDA_SUMMARY="run.json",
+               PYTHONPATH=str(root))
+    run(venv, workdir, """
+        import torch
+        os.chdir("later")  # a launcher's step between `import torch` and CUDA's start
+        torch.cuda._fake_cuda_init()
+        os.chdir("/")
+        need(lambda: samples()["util_samples"] >= 1, "1 sample", **SAMPLED)
+    """, env)
+    assert not (workdir / "run.json").exists()
+    assert json.loads((workdir / "later" / "run.json").read_text())["devices"][0]["device"] == 0
 
 
 def test_every_line_carries_the_rank_under_torchrun(venv, workdir, stub_nvml):
@@ -413,6 +456,39 @@ def test_a_driver_call_that_never_returns_does_not_hang_the_exit(venv, workdir, 
     """, env, timeout=60)
     (b,) = blocks(r.stderr)
     assert "  utilisation    mean 50.0 %; under 50 % in 50.0 % of 2 samples (every 10 ms" in b[1]
+
+
+def test_a_ctrl_c_while_the_exit_waits_on_a_stuck_driver_call_skips_the_summary(
+        venv, workdir, stub_nvml):
+    """The wait for the sampler at exit handles signals between short slices:
+    a Ctrl-C ends it at the next slice, the summary is skipped, and the
+    KeyboardInterrupt comes out of the atexit callback, which Python reports
+    without changing the exit status (as for any atexit callback)."""
+    env = gpus(stub_nvml, workdir, f"{GIB} {8 * GIB} 40 hang", OUTOFCUDA_SUMMARY="run.json")
+    r = run(venv, workdir, """
+        import ctypes
+        guard(60)
+        _outofcuda._testing.summary_start([0], 10)
+        need(lambda: os.path.exists(os.environ["STUB_NVML_CONFIG"] + ".hanging"), "the stuck call",
+             **SAMPLED)
+        # Callbacks run last registered first: the time is noted, then libc's
+        # kill() sends the Ctrl-C (called through ctypes, no Python code runs
+        # after it, so no handler runs before the summary's callback) and the
+        # summary's callback is next, its sampler stuck in the driver.
+        def note_time():
+            with open("sent", "w") as f:
+                f.write(repr(time.monotonic()))
+
+        atexit.register(ctypes.CDLL(None).kill, os.getpid(), signal.SIGINT)
+        atexit.register(note_time)
+    """, env, timeout=60)
+    ended = time.monotonic()
+    assert "outofcuda summary" not in r.stderr and not (workdir / "run.json").exists(), r.stderr
+    assert not list(workdir.glob("run.json.tmp*"))
+    last = r.stderr.splitlines()[-1]
+    assert "outofcuda_summary_at_exit" in r.stderr and last.startswith("KeyboardInterrupt"), r.stderr
+    # One 50 ms slice, not the join's whole 5 s bound (a wide margin: busy machine).
+    assert ended - float((workdir / "sent").read_text()) < 3.0
 
 
 def test_without_nvml_the_block_says_why(venv, workdir):
