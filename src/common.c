@@ -452,6 +452,18 @@ const oc_config *oc_config_if_loaded(void)
     return config_loaded ? &cfg : NULL;
 }
 
+PyObject *oc_advice_texts(const oc_advice_item *items, int n)
+{
+    PyObject *list = PyList_New(0);
+    for (int i = 0; list != NULL && i < n; i++) {
+        PyObject *s = PyUnicode_FromString(items[i].text);
+        if (s == NULL || PyList_Append(list, s) < 0)
+            Py_CLEAR(list);
+        Py_XDECREF(s);
+    }
+    return list;
+}
+
 PyObject *oc_sys_module(const char *name)
 {
     PyObject *key = PyUnicode_FromString(name);

@@ -870,15 +870,7 @@ static int kw_tristate(PyObject *kw, const char *key)
 static PyObject *advice_list(const oc_oom_figures *f)
 {
     oc_advice_item items[ADVICE_MAX];
-    int n = oc_oom_advise(f, items, ADVICE_MAX);
-    PyObject *list = PyList_New(0);
-    for (int i = 0; list != NULL && i < n; i++) {
-        PyObject *s = PyUnicode_FromString(items[i].text);
-        if (s == NULL || PyList_Append(list, s) < 0)
-            Py_CLEAR(list);
-        Py_XDECREF(s);
-    }
-    return list;
+    return oc_advice_texts(items, oc_oom_advise(f, items, ADVICE_MAX));
 }
 
 /* _oom_advice(**figures) -> list of str, most useful first. Keys (all

@@ -705,23 +705,10 @@ static PyObject *none_or_double(int known, double x)
     return PyFloat_FromDouble(x);
 }
 
-/* The hints' texts (a new list, or NULL). */
-static PyObject *hint_list(const oc_advice_item *h, int nh)
-{
-    PyObject *list = PyList_New(0);
-    for (int i = 0; list != NULL && i < nh; i++) {
-        PyObject *s = PyUnicode_FromString(h[i].text);
-        if (s == NULL || PyList_Append(list, s) < 0)
-            Py_CLEAR(list);
-        Py_XDECREF(s);
-    }
-    return list;
-}
-
 /* One device's entry of the JSON form (new reference or NULL). */
 static PyObject *device_dict(const sum_device *d, const oc_advice_item *h, int nh)
 {
-    PyObject *hints = hint_list(h, nh);
+    PyObject *hints = oc_advice_texts(h, nh);
     int u = d->util_samples > 0, m = d->mem_samples > 0;
     if (hints == NULL)
         return NULL;
@@ -839,7 +826,7 @@ static void emit(const proc_figs *p, const sum_device *dev, int n)
         nh = nh < HINTS_MAX ? nh : HINTS_MAX;
         format_no_gpu(&t, p, h, nh);
     }
-    hints = json ? hint_list(h, nh) : NULL; /* the top level's: a block without a GPU part */
+    hints = json ? oc_advice_texts(h, nh) : NULL; /* the top level's: a block without a GPU part */
     for (int i = 0; i < n; i++) {
         nh = make_hints(&dev[i], p, &f, h);
         nh = nh < HINTS_MAX ? nh : HINTS_MAX;

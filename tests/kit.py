@@ -58,6 +58,28 @@ def assert_records(optimizations):
         assert e.get("queued", False) is (e["state"] in ("queued", "interrupted")), (name, e)
 
 
+def flags_script(extra):
+    """A scenario that imports torch and prints, after `FLAGS=`, the flags
+    outofcuda may change as torch's public getters read them, with extra
+    (source of more `'key': value,` entries)."""
+    return """
+import json, os, sys, torch
+b = torch.backends
+print('FLAGS=' + json.dumps({
+    'matmul_tf32': b.cuda.matmul.allow_tf32,
+    'matmul_precision': torch.get_float32_matmul_precision(),
+    'cudnn_tf32': b.cudnn.allow_tf32,
+    'benchmark': b.cudnn.benchmark,
+    'deterministic': b.cudnn.deterministic,
+    'flash': b.cuda.flash_sdp_enabled(),
+    'mem_efficient': b.cuda.mem_efficient_sdp_enabled(),
+    'math': b.cuda.math_sdp_enabled(),
+    'cudnn_sdp': b.cuda.cudnn_sdp_enabled(),
+    'cuda_initialized': torch.cuda.is_initialized(),
+""" + extra + """}))
+"""
+
+
 CHILD = r'''
 import faulthandler, os, signal, sys, time
 

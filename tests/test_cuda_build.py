@@ -13,31 +13,18 @@ from pathlib import Path
 import pytest
 
 from conftest import _unavailable
+from kit import flags_script
 
 # outofcuda's allocator defaults (OUTOFCUDA_ALLOC_CONF unset): no max_split_size_mb
 # beside expandable segments (pytorch issue 123548)
 DEFAULTS = "garbage_collection_threshold:0.8,expandable_segments:True"
 
-FLAGS = """
-import json, os, sys, torch
-b = torch.backends
-print('FLAGS=' + json.dumps({
-    'matmul_tf32': b.cuda.matmul.allow_tf32,
-    'matmul_precision': torch.get_float32_matmul_precision(),
-    'cudnn_tf32': b.cudnn.allow_tf32,
-    'benchmark': b.cudnn.benchmark,
-    'deterministic': b.cudnn.deterministic,
-    'flash': b.cuda.flash_sdp_enabled(),
-    'mem_efficient': b.cuda.mem_efficient_sdp_enabled(),
-    'math': b.cuda.math_sdp_enabled(),
-    'cudnn_sdp': b.cuda.cudnn_sdp_enabled(),
+FLAGS = flags_script("""
     'allocator': torch._C._accelerator_getAllocatorSettings(),
     'backend': torch._C._cuda_getAllocatorBackend(),
     'alloc_env': {k: v for k, v in os.environ.items() if k.startswith('PYTORCH_') and k.endswith('ALLOC_CONF')},
     'queued': [getattr(fn, '__name__', '') for fn, _stack in torch.cuda._queued_calls],
-    'cuda_initialized': torch.cuda.is_initialized(),
-}))
-"""
+""")
 
 # torch 2.14.1's own values, read with OUTOFCUDA_DISABLE=1 on this build.
 TORCH_DEFAULTS = {"matmul_tf32": False, "matmul_precision": "highest", "cudnn_tf32": True,

@@ -4,24 +4,12 @@ On a CPU-only build every flag stays torch's default; the CUDA build's flags are
 checked in tests/test_cuda_build.py."""
 import json
 
-FLAGS = """
-import json, os, sys, torch
-b = torch.backends
-print('FLAGS=' + json.dumps({
-    'matmul_tf32': b.cuda.matmul.allow_tf32,
-    'cudnn_tf32': b.cudnn.allow_tf32,
-    'benchmark': b.cudnn.benchmark,
-    'deterministic': b.cudnn.deterministic,
-    'flash': b.cuda.flash_sdp_enabled(),
-    'mem_efficient': b.cuda.mem_efficient_sdp_enabled(),
-    'math': b.cuda.math_sdp_enabled(),
+from kit import flags_script
+
+FLAGS = flags_script("""
     'excepthook': getattr(sys.excepthook, '__name__', ''),
-    'cuda_initialized': torch.cuda.is_initialized(),
-    'cudnn_sdp': b.cuda.cudnn_sdp_enabled(),
-    'matmul_precision': torch.get_float32_matmul_precision(),
     'alloc_env': sorted(k for k in os.environ if k.startswith('PYTORCH_')),
-}))
-"""
+""")
 
 
 def flags(venv, workdir, env=None):
