@@ -40,8 +40,17 @@ static void check_config(const oc_config *c)
     if (c->n_warnings < 0 || c->n_warnings > OC_WARN_MAX)
         abort();
     for (int i = 0; i < c->n_warnings; i++) {
-        if (memchr(c->warnings[i], '\0', OC_WARN_LEN) == NULL)
+        const unsigned char *w = (const unsigned char *)c->warnings[i];
+        if (memchr(w, '\0', OC_WARN_LEN) == NULL)
             abort();
+        /* Escaped for a terminal: no control character (C0, DEL, C1), no
+         * bidi override or isolate (U+202A-U+202E, U+2066-U+2069). */
+        for (; *w != '\0'; w++) {
+            if (*w < 0x20 || *w == 0x7f || (w[0] == 0xc2 && w[1] >= 0x80 && w[1] <= 0x9f) ||
+                (w[0] == 0xe2 && w[1] == 0x80 && w[2] >= 0xaa && w[2] <= 0xae) ||
+                (w[0] == 0xe2 && w[1] == 0x81 && w[2] >= 0xa6 && w[2] <= 0xa9))
+                abort();
+        }
     }
     if (memchr(c->alloc_conf, '\0', sizeof c->alloc_conf) == NULL ||
         memchr(c->compile_mode, '\0', sizeof c->compile_mode) == NULL)

@@ -215,6 +215,30 @@ def _torch_tuple(version):
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+# What the engine escapes in text from outside the process (oc_escape_text,
+# src/config.c): control characters as \xNN, characters that reorder or hide
+# the text around them (bidi controls, zero-width ones) as \uXXXX, and the
+# bytes os.environ could not decode (surrogate escapes) as \xNN.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u180e\u200b-\u200f\u2028-\u202e"
+                     "\u2060-\u206f\ufeff\ufff9-\ufffb\udc80-\udcff]")
+
+
+def _escape(m):
+    c = ord(m.group())
+    c = c - 0xdc00 if c >= 0xdc80 else c
+    return ("\\x%02x" if c < 0x100 else "\\u%04x") % c
+
+
+def escaped(text):
+    r"""text as a terminal may get it: a variable's name or value, a path,
+    anything outofcuda did not write itself.
+
+    >>> escaped("OUTOFCUDA_X\x1b[2J\u202e")
+    'OUTOFCUDA_X\\x1b[2J\\u202e'
+    """
+    return _UNSAFE.sub(_escape, str(text))
+
+
 # ---------------------------------------------------------------- status
 
 
@@ -227,7 +251,7 @@ def status_data():
     hook = st.get("hook") or {}
     optimizations = st.get("optimizations") or {}
     known_bugs = st.get("known_bugs") or []
-    state, ok, message, _fix = _hook_verdict(files, pr)
+    state, ok, message, _fix, _command = _hook_verdict(files, pr)
     if pr.get("torch") is None and pr.get("torch_error"):
         # The probe's import failed: "not imported yet", what the engine can
         # say from inside, would contradict the header's "not importable".
@@ -388,11 +412,14 @@ def _render_status(d):
 # ---------------------------------------------------------------- doctor
 
 
-def _check(name, ok, message, fix="", code=None):
+def _check(name, ok, message, fix="", code=None, commands=()):
     """One check: ``code`` is the verdict in a word, for machines (the
-    hook_file check always has one)."""
-    return {"name": name, "ok": bool(ok), "message": message, "fix": "" if ok else fix,
-            "code": code}
+    hook_file check always has one); ``commands`` are the shell commands the
+    fix gives, each written whole in it, which the text prints on lines of
+    their own. Text from outside (paths, values) is escaped."""
+    return {"name": name, "ok": bool(ok), "message": escaped(message),
+            "fix": "" if ok else escaped(fix), "code": code,
+            "commands": [] if ok else [escaped(c) for c in commands if c]}
 
 
 def _hook_kinds():
@@ -405,27 +432,31 @@ def _hook_kinds():
 
 
 def _reinstall(build_env=""):
-    """How to reinstall this copy from where it came from (PEP 610), with
-    build_env (e.g. ``OUTOFCUDA_BUILD_HOOK_FILE=pth``) before the command where
-    it is built from source."""
+    """(fix, command): how to reinstall this copy from where it came from
+    (PEP 610), and the shell command that ends it (None where there is
+    none), with build_env (e.g. ``OUTOFCUDA_BUILD_HOOK_FILE=pth``) before the
+    command where it is built from source."""
     o = _origin.origin()
-    if o["command"] and build_env:
+    command = _origin.join(o["command"]) if o["command"] else None
+    if command and build_env:
         if o["source"] in ("editable", "folder", "vcs") or str(o["path"] or "").endswith(
                 (".tar.gz", ".zip")):
-            return (f"reinstall outofcuda from {o['path'] or o['url']}: {build_env} "
-                    + _origin.join(o['command']))
+            command = f"{build_env} {command}"
+            return f"reinstall outofcuda from {o['path'] or o['url']}: {command}", command
         return ("install the cp39-abi3 wheel (built without OUTOFCUDA_BUILD_HOOK_FILE=start) "
-                "instead of " + (o["path"] or o["url"]))
-    return o["advice"]
+                "instead of " + (o["path"] or o["url"])), None
+    return o["advice"], command
 
 
 def _hook_verdict(files, pr):
-    """(code, ok, message, fix) of the hook file: what site would run at the
-    next start of this Python and whether the hook would install."""
+    """(code, ok, message, fix, command) of the hook file: what site would run
+    at the next start of this Python and whether the hook would install; the
+    fix's shell command or None."""
     if sys.flags.no_site:
         return ("site_disabled", False, "site is disabled (Python runs with -S): this "
                 "interpreter runs no hook file, whichever is installed",
-                "start Python without -S, or call `outofcuda.apply()` before importing torch")
+                "start Python without -S, or call `outofcuda.apply()` before importing torch",
+                None)
     kinds = _hook_kinds()
     name = START_NAME if kinds == ("start",) else HOOK_NAME
     runs = [f for f in files if f["kind"] in kinds and f["site_dir"]]
@@ -437,52 +468,54 @@ def _hook_verdict(files, pr):
                     f"{unread[0]} is installed, but Python {version} never runs a .start file "
                     "(3.15 and later do): it was built with OUTOFCUDA_BUILD_HOOK_FILE=start, "
                     "so the hook never loads",
-                    _reinstall("OUTOFCUDA_BUILD_HOOK_FILE=pth"))
+                    *_reinstall("OUTOFCUDA_BUILD_HOOK_FILE=pth"))
         if unread:
             return ("pth_file_unread", False,
                     f"{unread[0]} is installed, but Python {version} runs no import line of a "
                     ".pth file: it needs the .start kind (the cp318-abi3 wheel)",
-                    _reinstall("OUTOFCUDA_BUILD_HOOK_FILE=start"))
+                    *_reinstall("OUTOFCUDA_BUILD_HOOK_FILE=start"))
         elsewhere = [f["path"] for f in files if f["kind"] in kinds]
         where = (f" (only in {elsewhere[0]}, where site does not run hook files)"
                  if elsewhere else "")
         return ("missing", False, f"{name} is not in any site-packages directory{where}",
-                _reinstall())
+                *_reinstall())
     bad = [f for f in runs if not f["loadable"]]
     if bad:
         what = "one module:function entry" if bad[0]["kind"] == "start" else "one import line"
-        return ("damaged", False, f"{bad[0]['path']} is damaged (not {what})", _reinstall())
+        return ("damaged", False, f"{bad[0]['path']} is damaged (not {what})", *_reinstall())
     for f in runs:
         boot = f.get("boot")
         if boot and boot["size"] is None:
             return ("boot_missing", False, f"the boot {boot['path']} that {f['path']} loads is "
-                    "missing, so the hook loads nothing", _reinstall())
+                    "missing, so the hook loads nothing", *_reinstall())
         if boot and boot["size"] != boot["expected_size"]:
             return ("boot_size_changed", False,
                     f"the boot's size changed: {boot['path']} is {boot['size']} bytes, and "
                     f"{f['path']} loads it only at {boot['expected_size']} bytes (the C files "
                     "were rebuilt or replaced after the install), so the hook loads nothing "
                     "until outofcuda is installed again",
-                    _reinstall())
+                    *_reinstall())
     if core._disabled_by_env():
         return ("disabled_by_env", True, f"{runs[0]['path']} is installed and turned off by "
-                "OUTOFCUDA_DISABLE: torch imports as without outofcuda", "")
+                "OUTOFCUDA_DISABLE: torch imports as without outofcuda", "", None)
     st = pr.get("status") or {}
     if not (st.get("hook") or {}).get("installed"):
+        fix, command = _reinstall()
         return ("not_installed", False,
                 f"{runs[0]['path']} is present but the hook did not install in a fresh "
-                "interpreter", "run `outofcuda status` for the error; " + _reinstall())
-    return ("fires", True, f"{runs[0]['path']} loads and installs the watcher", "")
+                "interpreter", "run `outofcuda status` for the error; " + fix, command)
+    return ("fires", True, f"{runs[0]['path']} loads and installs the watcher", "", None)
 
 
 def _check_hook(files, pr):
-    code, ok, message, fix = _hook_verdict(files, pr)
-    return _check("hook_file", ok, message, fix, code=code)
+    code, ok, message, fix, command = _hook_verdict(files, pr)
+    return _check("hook_file", ok, message, fix, code=code, commands=[command])
 def _check_extension(pr):
     if pr.get("extension_error") or pr.get("error"):
+        fix, command = _reinstall()
         return _check("extension", False, "the C extension does not load in a fresh "
-                      f"interpreter: {pr.get('extension_error') or pr.get('error')}",
-                      _reinstall())
+                      f"interpreter: {pr.get('extension_error') or pr.get('error')}", fix,
+                      commands=[command])
     err = ((pr.get("status") or {}).get("hook") or {}).get("error")
     if err:
         return _check("extension", False, f"outofcuda recorded an error: {err}",
@@ -689,11 +722,12 @@ def older_package_leftovers():
 def _check_older_package():
     found = older_package_leftovers()
     if found:
+        remove = "rm -r " + " ".join(shlex.quote(f) for f in found)
+        fix, command = _reinstall()
         return _check("older_package", False,
                       "files of an older, unrelated `outofcuda` package (0.1.0, pure Python) "
                       f"are left beside this one: {', '.join(found)}",
-                      "rm -r " + " ".join(shlex.quote(f) for f in found)
-                      + "; then " + _reinstall())
+                      f"{remove}; then {fix}", commands=[remove, command])
     return _check("older_package", True, "no files of the older `outofcuda` package")
 
 
@@ -836,12 +870,47 @@ def _scope(pr, devices):
     return None
 
 
+# A word of a shell command: what a shell keeps together (quotes included).
+_SHELL_WORD = re.compile(r"""(?:[^\s'"\\]+|'[^']*'|"(?:[^"\\]|\\.)*"|\\.)+""")
+
+
+def _command_lines(command, indent):
+    """A shell command on lines of its own, from column indent: broken only
+    at blanks outside quotes, each line but the last ending in ` \\`, so that
+    pasted into a shell the lines run as the one command (a word longer
+    than a line stands alone on its line)."""
+    words = _SHELL_WORD.findall(command)
+    lines = [" " * indent + words[0]] if words else []
+    for word in words[1:]:
+        if len(lines[-1]) + len(word) + 3 <= WIDTH:  # room for " word \\"
+            lines[-1] += " " + word
+        else:
+            lines[-1] += " \\"
+            lines.append(" " * (indent + 2) + word)
+    return lines
+
+
+def _fix_lines(fix, commands):
+    """A check's fix from column 27: its words wrapped, each of its commands
+    on lines of its own (never wrapped into the sentence around it)."""
+    lines, rest, label = [], fix, "fix:"
+    for command in commands + [None]:
+        before, found, rest = rest.partition(command) if command else (rest, "", "")
+        text = before.strip(" ;")
+        if text or label:
+            lines += _wrap(f"{'':<27}{label:<5}{text}".rstrip(), WIDTH, 32)
+            label = ""
+        if found:
+            lines += _command_lines(found, 32)
+    return lines
+
+
 def _render_doctor(d):
     lines = []
     for c in d["checks"]:
         lines += _wrap(f"{'ok' if c['ok'] else 'FIX':<5}{c['name']:<22}{c['message']}", WIDTH, 27)
         if c["fix"]:
-            lines += _wrap(f"{'':<27}fix: {c['fix']}", WIDTH, 32)
+            lines += _fix_lines(c["fix"], c.get("commands") or [])
     lines.append("")
     if not d["healthy"]:
         lines.append("something needs attention (exit code 1)")
@@ -1072,7 +1141,8 @@ def _render_bug_report(d):
         state = "worked around" if b["done"] else "applies" if b["applies"] else "no"
         lines.append(f"  known bug {b['id']}: {state}: {b['reason']}")
     env = d["environment"]
-    lines.append("environment: " + (" ".join(f"{k}={v}" for k, v in env.items()) or "none set"))
+    lines.append("environment: " + (" ".join(f"{escaped(k)}={escaped(v)}" for k, v in env.items())
+                                    or "none set"))
     if d["error"]:
         lines.append(f"error: {d['error']}")
     lines.append("```")
@@ -1083,7 +1153,9 @@ def _emit(args, data, text):
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True, default=str))
     else:
-        print(text)
+        # Whatever reached the text from outside is escaped by now; this is
+        # the last guard for the terminal.
+        print("\n".join(escaped(line) for line in text.split("\n")))
 
 
 def _bench(args):

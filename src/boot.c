@@ -339,9 +339,17 @@ static PyObject *boot_install_raw(PyObject *self, PyObject *unused)
  * handed to the engine at once. */
 static PyObject *boot_install(PyObject *self, PyObject *unused)
 {
+    static int said_off;
     PyObject *res, *none;
-    if (disabled_by_env())
+    if (disabled_by_env()) {
+        /* One line, so that "turned off" is told from "not installed"; the
+         * .start entry calls this once more after the module's init. */
+        if (!said_off && env_yes(OC_VAR("OUTOFCUDA_VERBOSE")) && stderr_usable())
+            PySys_WriteStderr("outofcuda: installed and turned off by OUTOFCUDA_DISABLE: torch "
+                              "imports as without outofcuda\n");
+        said_off = 1;
         Py_RETURN_NONE;
+    }
     res = boot_install_raw(self, unused);
     if (res == NULL) {
         BOOT_CLEAR();

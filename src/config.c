@@ -1,5 +1,5 @@
-/* config.c - OUTOFCUDA_* environment -> oc_config. Pure C: no Python here, so
- * the parser can be unit-tested and fuzzed on its own. */
+/* config.c - OUTOFCUDA_* environment -> oc_config, and oc_escape_text. Pure
+ * C: no Python here, so the parser can be unit-tested and fuzzed on its own. */
 #define OC_PURE_C
 #include "oc.h"
 
@@ -42,38 +42,54 @@ static size_t utf8_len(const unsigned char *s)
     return n;
 }
 
-/* Copies the start of a value for a message: printable text as it is,
- * control characters and bytes that are not UTF-8 as \xNN, so that the
- * message is valid UTF-8 whatever the environment held and a 10 kB value
- * still yields a short warning. */
-static void shorten(const char *value, char *out, size_t outsz)
+/* Whether a terminal must not get code point c as it is: C0 and C1 controls
+ * and DEL (escape sequences, and U+009B is one on its own), and characters
+ * that reorder or hide the text around them (bidi controls and isolates, the
+ * Arabic letter mark, zero-width and invisible format characters, the line
+ * and paragraph separators, the byte order mark). */
+static int unsafe_char(unsigned long c)
 {
-    const unsigned char *v = (const unsigned char *)value;
-    size_t i = 0, j = 0, shown = 0;
-    while (v[i] != '\0' && shown < 40) {
-        size_t n = utf8_len(v + i);
-        if (n == 1 && v[i] >= 0x20 && v[i] != 0x7f) {
-            if (j + 1 >= outsz)
-                break;
-            out[j++] = (char)v[i];
-        } else if (n > 1) {
-            if (j + n >= outsz)
-                break;
-            memcpy(out + j, v + i, n);
-            j += n;
-        } else {
-            if (j + 4 >= outsz)
-                break;
-            snprintf(out + j, outsz - j, "\\x%02x", v[i]);
-            j += 4;
-            n = 1;
+    return c < 0x20 || (c >= 0x7f && c <= 0x9f) || c == 0x061c || c == 0x180e ||
+           (c >= 0x200b && c <= 0x200f) || (c >= 0x2028 && c <= 0x202e) ||
+           (c >= 0x2060 && c <= 0x206f) || c == 0xfeff || (c >= 0xfff9 && c <= 0xfffb);
+}
+
+void oc_escape_text(const char *text, char *out, size_t outsz, size_t max)
+{
+    const unsigned char *p = (const unsigned char *)text;
+    size_t j = 0;
+    if (outsz == 0)
+        return;
+    for (; *p != '\0' && max > 0; max--) {
+        size_t n = utf8_len(p), len = n;
+        unsigned long c = n > 1 ? p[0] & (0x7fu >> n) : p[0];
+        const char *piece = (const char *)p;
+        char esc[8];
+        for (size_t i = 1; i < n; i++)
+            c = c << 6 | (p[i] & 0x3fu);
+        if (n == 0 || unsafe_char(c)) {
+            len = (size_t)snprintf(esc, sizeof esc, c > 0xff ? "\\u%04lx" : "\\x%02lx", c);
+            piece = esc;
+            n = n > 0 ? n : 1;
         }
-        i += n;
-        shown++;
+        if (j + len >= outsz)
+            break; /* cut between characters */
+        memcpy(out + j, piece, len);
+        j += len;
+        p += n;
     }
     out[j] = '\0';
-    if (v[i] != '\0' && j + 3 < outsz)
+    if (*p != '\0' && max == 0 && j + 3 < outsz)
         memcpy(out + j, "...", 4);
+}
+
+void oc_escape_controls(char *buf, size_t sz)
+{
+    char out[512];
+    if (sz == 0)
+        return;
+    oc_escape_text(buf, out, sz < sizeof out ? sz : sizeof out, (size_t)-1);
+    memcpy(buf, out, strlen(out) + 1);
 }
 
 static void add_warning(oc_config *cfg, const oc_setting *s, const char *value)
@@ -81,7 +97,7 @@ static void add_warning(oc_config *cfg, const oc_setting *s, const char *value)
     char shown[200];
     if (cfg->n_warnings >= OC_WARN_MAX)
         return;
-    shorten(value, shown, sizeof shown);
+    oc_escape_text(value, shown, sizeof shown, 40);
     snprintf(cfg->warnings[cfg->n_warnings++], OC_WARN_LEN,
              "outofcuda: ignoring %s='%s': expected %s%s; using the default", s->name, shown,
              s->accepts, s->kind == OC_SET_BOOL ? "" : ", or " OC_OFF_WORDS " (off)");
@@ -288,14 +304,27 @@ static int parse_off(oc_config *cfg, const oc_setting *s, const char *v)
 }
 
 /* OUTOFCUDA_KNOWN_BUGS: a boolean word (every row on or off), or the ids of
- * the rows to turn off, separated by commas (src/kbtable.c's table). */
+ * the rows to turn off, separated by commas (src/kbtable.c's table). An
+ * entry that is no row id gets one warning naming it and the ids; the
+ * list's other ids still turn their rows off. */
 static int parse_known_bugs(oc_config *cfg, const oc_setting *s, const char *v)
 {
+    char unknown[200], shown[200], *w;
     unsigned long off = 0;
     int b = oc_parse_bool(v);
-    (void)s;
-    if (b < 0 && oc_known_bugs_parse_off(v, &off) != 0)
-        return -1;
+    size_t n;
+    if (b < 0 && oc_known_bugs_parse_off(v, &off, unknown, sizeof unknown) > 0 &&
+        cfg->n_warnings < OC_WARN_MAX) {
+        oc_escape_text(unknown, shown, sizeof shown, 60);
+        w = cfg->warnings[cfg->n_warnings++];
+        n = (size_t)snprintf(w, OC_WARN_LEN,
+                             "outofcuda: ignoring '%s' in %s: no row has that id; "
+                             "expected %s:",
+                             shown, s->name, s->accepts);
+        for (size_t i = 0; i < oc_known_bug_count() && n < OC_WARN_LEN; i++)
+            n += (size_t)snprintf(w + n, OC_WARN_LEN - n, "%s %s", i ? "," : "",
+                                  oc_known_bug_at(i)->id);
+    }
     cfg->known_bugs = b < 0 ? 1 : b;
     cfg->known_bugs_off = off;
     return 0;
@@ -355,7 +384,7 @@ void oc_config_check_names(oc_config *cfg, char *const *env)
 {
     static const char prefix[] = "OUTOFCUDA_";
     for (; env != NULL && *env != NULL; env++) {
-        char name[128] = "", shown[128], hint[96] = "";
+        char name[128] = "", shown[200], hint[96] = "";
         const char *eq = strchr(*env, '='), *closest = NULL;
         size_t len = eq ? (size_t)(eq - *env) : strlen(*env), best = 4;
         if (strncmp(*env, prefix, sizeof prefix - 1) != 0 || cfg->n_warnings >= OC_WARN_MAX)
@@ -364,15 +393,14 @@ void oc_config_check_names(oc_config *cfg, char *const *env)
          * never at run time: a shell that exports them is not mistaken. */
         if (strncmp(*env, "OUTOFCUDA_BUILD_", 16) == 0 || strncmp(*env, "OUTOFCUDA_TEST_", 15) == 0)
             continue;
-        if (len >= sizeof name) {
-            shorten(*env, shown, sizeof shown);
-        } else {
+        if (len < sizeof name) {
             memcpy(name, *env, len);
             name[len] = '\0';
             if (oc_setting_named(name) != NULL)
                 continue;
-            snprintf(shown, sizeof shown, "%s", name);
         }
+        /* A name is any bytes but '=': escaped as values are. */
+        oc_escape_text(len < sizeof name ? name : *env, shown, sizeof shown, 60);
         /* The closest name of the one table, when a typo is likely (at most
          * three edits away). */
         for (size_t i = 0; len < sizeof name && i < oc_setting_count(); i++) {

@@ -212,37 +212,35 @@ int oc_known_bug_index(const char *id, size_t len)
     return -1;
 }
 
-int oc_known_bugs_parse_off(const char *value, unsigned long *off)
+int oc_known_bugs_parse_off(const char *value, unsigned long *off, char *unknown, size_t sz)
 {
     unsigned long bits = 0;
-    const char *p = value;
-    int n = 0;
+    size_t used = 0;
+    int bad = 0;
     if (value == NULL)
         return -1;
-    while (*p) {
-        const char *start, *end;
+    if (sz > 0)
+        unknown[0] = '\0';
+    for (const char *p = value;; p++) {
+        const char *start = p + strspn(p, " \t"), *end;
         int i;
-        while (*p == ' ' || *p == '\t')
-            p++;
-        start = p;
-        while (*p && *p != ',')
-            p++;
-        end = p;
+        p = end = start + strcspn(start, ",");
         while (end > start && (end[-1] == ' ' || end[-1] == '\t'))
             end--;
-        if (end == start || (i = oc_known_bug_index(start, (size_t)(end - start))) < 0)
-            return -1;
-        bits |= 1ul << i;
-        n++;
-        if (*p == ',')
-            p++;
-        if (*p == '\0' && p[-1] == ',')
-            return -1; /* a trailing comma: an empty id */
+        i = end > start ? oc_known_bug_index(start, (size_t)(end - start)) : -1;
+        if (i >= 0) {
+            bits |= 1ul << i;
+        } else {
+            if (used < sz)
+                used += (size_t)snprintf(unknown + used, sz - used, "%s%.*s", bad ? "," : "",
+                                         (int)(end - start), start);
+            bad++;
+        }
+        if (*p == '\0')
+            break;
     }
-    if (n == 0)
-        return -1;
     *off = bits;
-    return 0;
+    return bad;
 }
 
 int oc_kb_foreign_device(long local_rank, int n_visible, const int *ctx, int n)

@@ -26,10 +26,11 @@
  *              the CUDA-init steps armed, interrupts set aside, small helpers
  *   record.c   the typed record of every optimisation (pure C, no Python)
  *   advice.c   ranked advice: OOM actions and summary hints (pure C, no Python)
- *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python)
+ *   nvml.c     NVML loaded with dlopen at run time
+ *   config.c   OUTOFCUDA_* environment -> oc_config (pure C, no Python), and the
+ *              one escape of outside text for terminals
  *   kbtable.c  the known-bugs table and its lookup (pure C, no Python)
  *   allocconf.c allocator-string parse and merge (pure C, no Python)
- *   nvml.c     NVML loaded with dlopen at run time
  *   settings.c the table of every environment variable read, and oc_env()
  * (tests/test_static.py holds this order against the calls in the code)
  * (below: which file owns each shared function)
@@ -52,7 +53,7 @@
 
 #define OC_ALLOC_CONF_MAX 1024
 #define OC_WARN_MAX 24
-#define OC_WARN_LEN 320
+#define OC_WARN_LEN 512
 
 /* OC_AMP_OFF: OUTOFCUDA_AMP_DTYPE set to an off word (torch's own dtype). */
 typedef enum { OC_AMP_OFF = -1, OC_AMP_AUTO = 0, OC_AMP_FLOAT16, OC_AMP_BFLOAT16 } oc_amp_dtype;
@@ -172,6 +173,17 @@ void oc_config_load(oc_config *cfg, oc_getenv_fn getenv_fn, void *ctx);
 /* Adds a warning to cfg for every OUTOFCUDA_* name in env (environ's
  * layout) that the table of settings does not have, naming the closest one. */
 void oc_config_check_names(oc_config *cfg, char *const *env);
+
+/* Copies at most max characters of text that came from outside the process
+ * (a variable's name or value, another process's name, a driver's answer)
+ * into out, so that no renderer hands a terminal an escape sequence or text
+ * that reorders what follows: control characters and bytes that begin no
+ * UTF-8 character as \xNN, bidi controls and zero-width or invisible
+ * characters as \uXXXX, the rest as it is; "..." after it when more than
+ * max characters were there; cut between characters to fit outsz. oc_escape_controls does it in
+ * place (up to 511 bytes). */
+void oc_escape_text(const char *text, char *out, size_t outsz, size_t max);
+void oc_escape_controls(char *buf, size_t sz);
 
 /* Parses a boolean word (1, true, yes, on; or an off word of OC_OFF_WORDS;
  * any case, spaces around allowed). Returns 1 or 0, or -1 when the word is
@@ -306,9 +318,10 @@ const oc_known_bug *oc_known_bug_at(size_t i); /* NULL past the end */
 /* The row called id (exactly, or up to len characters when len > 0), or -1. */
 int oc_known_bug_index(const char *id, size_t len);
 /* OUTOFCUDA_KNOWN_BUGS as a list of row ids separated by commas (blanks
- * around each allowed): the rows it turns off as bits in *off. Returns 0, or
- * -1 (nothing stored) when an id is not a row or the list is empty. */
-int oc_known_bugs_parse_off(const char *value, unsigned long *off);
+ * around each allowed): the rows it names as bits in *off, and the entries
+ * that name no row (an empty one too) in unknown, separated by commas (cut
+ * to fit sz). Returns how many entries name no row; -1 for NULL. */
+int oc_known_bugs_parse_off(const char *value, unsigned long *off, char *unknown, size_t sz);
 
 #define OC_KB_MAX_DEVICES 64
 #define OC_KB_MAX_ENTRIES 16
@@ -912,10 +925,6 @@ int oc_nvml_process_list(int index, oc_gpu_proc **out);
 void oc_nvml_sort_procs(oc_gpu_proc *procs, int n);
 #define OC_NVML_NOT_AVAILABLE 0xFFFFFFFFFFFFFFFFull
 int oc_proc_name(unsigned int pid, char *buf, size_t sz); /* /proc name: 0, or -1 */
-/* Rewrites, in place, every control character of text that came from outside
- * the process (another process's name, a driver's answer) as \xNN, so that
- * no renderer hands a terminal an escape sequence; cut to fit sz. */
-void oc_escape_controls(char *buf, size_t sz);
 #define OC_NVML_MAX_DEVICES 64
 /* NVML indices of the devices CUDA shows this process, in torch's order
  * (CUDA_VISIBLE_DEVICES as indices, GPU-UUID prefixes or MIG instances,

@@ -120,17 +120,21 @@ static PyObject *record_entry(oc_opt opt)
     char reason[OC_REASON_LEN + 300];
     const char *text = reason;
     oc_rec_code code = r->code;
+    oc_rec_state state = r->state;
     PyObject *e, *value, *said;
     int rc = 0;
     if (r->state == OC_REC_PENDING)
         text = pending_reason(&code);
     else
         oc_record_reason(opt, reason, sizeof reason);
+    /* Turned off by OUTOFCUDA_DISABLE: skipped, not waiting for torch. */
+    if (code == OC_CODE_DISABLED)
+        state = OC_REC_SKIPPED;
     value = record_value(r);
     said = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
     e = value && said ? Py_BuildValue("{s:O,s:s,s:s,s:O,s:O,s:z}", "applied",
                                       r->state == OC_REC_APPLIED ? Py_True : Py_False, "state",
-                                      oc_rec_state_name(r->state), "code", oc_rec_code_name(code),
+                                      oc_rec_state_name(state), "code", oc_rec_code_name(code),
                                       "value", value, "reason", said, "off_by", r->off_by)
                       : NULL;
     Py_XDECREF(value);
@@ -353,6 +357,9 @@ static PyObject *py_status(PyObject *self, PyObject *unused)
 {
     const oc_config *cfg = oc_config_if_loaded();
     PyObject *opts, *warnings, *res, *bugs, *framework, *cuda_init, *error = oc_error();
+    PyObject *boot = PyDict_GetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME); /* borrowed */
+    /* Turned off by OUTOFCUDA_DISABLE where the hook ran: installed, not missing. */
+    int installed = hook.installed || (boot != NULL && oc_disabled_by_env());
     (void)self;
     (void)unused;
     opts = optimizations();
@@ -396,7 +403,7 @@ static PyObject *py_status(PyObject *self, PyObject *unused)
         return NULL;
     }
     res = Py_BuildValue("{s:s,s:{s:O,s:O,s:O},s:O,s:N,s:N,s:N,s:N,s:N}", "version", OC_VERSION,
-                        "hook", "installed", hook.installed ? Py_True : Py_False, "fired",
+                        "hook", "installed", installed ? Py_True : Py_False, "fired",
                         hook.fired ? Py_True : Py_False, "error", error ? error : Py_None, "torch",
                         hook.torch_version ? hook.torch_version : Py_None, "optimizations", opts,
                         "config_warnings", warnings, "known_bugs", bugs, "framework", framework,

@@ -685,3 +685,88 @@ def test_report_bug_block_has_what_collect_env_does_not(venv, cuda_venv, workdir
     assert "allocator" in d["skipped"] and d["cuda"] is None
     text = cli(venv, "report", "--bug", cwd=workdir).stdout
     assert text.startswith("```\n") and text.rstrip().endswith("```")
+
+
+def _shell_commands(text):
+    """The argument lists of the commands a shell runs when text is pasted
+    into it: a line each, a line ending in a backslash joined to the next;
+    lines a shell could not read (unbalanced quotes in prose) left out."""
+    import shlex
+
+    out = []
+    for line in text.replace("\\\n", "").splitlines():
+        try:
+            out.append(shlex.split(line))
+        except ValueError:
+            pass
+    return out
+
+
+def test_doctors_reinstall_command_pastes_into_a_shell_whole(venv, workdir):
+    """A checkout whose path has a blank, installed as a folder, whose hook
+    file is the .start kind Python before 3.15 never runs: doctor's fix is
+    the reinstall with OUTOFCUDA_BUILD_HOOK_FILE=pth. Pasted into a shell, its
+    text runs that one command: the path whole, the assignment on the same
+    command (a line of its own would set an unexported shell variable)."""
+    import shlex
+
+    if venv.run("import sys; print(sys.version_info >= (3, 15))").stdout.strip() == "True":
+        pytest.skip("3.15 and later run the .start file")
+    checkout = workdir / "a checkout with a long name" / "and a blank in it"
+    checkout.mkdir(parents=True)
+    (info,) = [i for i in venv.site.glob("outofcuda-*.dist-info")
+               if "_outofcuda." in (i / "RECORD").read_text()]
+    url, pth = info / "direct_url.json", venv.site / "outofcuda_hook.pth"
+    saved_url, saved_pth = url.read_bytes() if url.exists() else None, pth.read_bytes()
+    start = venv.site / "outofcuda_hook.start"
+    try:
+        # Files of this environment's copy are replaced, never written into
+        # (the copy shares them with the master environment).
+        url.unlink(missing_ok=True)
+        url.write_text(json.dumps({"url": checkout.as_uri(), "dir_info": {}}))
+        pth.unlink()
+        start.write_text("outofcuda_hook:install\n")
+        text = cli(venv, "doctor", cwd=workdir)
+        d = json.loads(cli(venv, "doctor", "--json", cwd=workdir).stdout)
+    finally:
+        start.unlink(missing_ok=True)
+        pth.write_bytes(saved_pth)
+        url.unlink(missing_ok=True)
+        if saved_url is not None:
+            url.write_bytes(saved_url)
+    argv = ["OUTOFCUDA_BUILD_HOOK_FILE=pth", str(venv.python), "-m", "pip", "install",
+            "--force-reinstall", "--no-deps", str(checkout)]
+    hook = {c["name"]: c for c in d["checks"]}["hook_file"]
+    assert (text.returncode, hook["code"], hook["commands"]) == (1, "start_file_unread",
+                                                                [shlex.join(argv)]), hook
+    assert argv in _shell_commands(text.stdout), text.stdout
+    # On lines of its own, broken at blanks outside quotes (within 80
+    # columns where its words allow), each line but the last ending in " \\".
+    lines = text.stdout.splitlines()
+    first = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith(argv[0]))
+    last = next(i for i in range(first, len(lines)) if not lines[i].endswith(" \\"))
+    assert last > first and all(len(ln) <= 80 or len(shlex.split(ln.removesuffix(" \\"))) == 1
+                                for ln in lines[first:last + 1]), lines[first:last + 1]
+
+
+def test_names_and_values_from_the_environment_reach_the_terminal_escaped(venv, workdir):
+    """An OUTOFCUDA_* name outofcuda does not read, and its value, may hold
+    any bytes but '=': the import warning, doctor and `report --bug` (made
+    for pasting) show the same escaped text, a terminal gets no escape
+    sequence and no character that turns the text after it around."""
+    name = "OUTOFCUDA_X\x1b]0;owned\x07\u202eY"
+    env = {name: "v\x1b[2J\u2066", "OUTOFCUDA_TF32": "maybe\x1b[31m\u200b"}
+    name_shown = "OUTOFCUDA_X\\x1b]0;owned\\x07\\u202eY"
+    hostile = {"\x1b", "\x07", "\u202e", "\u2066", "\u200b"}
+    r = venv.run("import torch", env=env, cwd=workdir)
+    doctor = cli(venv, "doctor", env=env, cwd=workdir)
+    bug = cli(venv, "report", "--bug", env=env, cwd=workdir)
+    status = cli(venv, "status", env=env, cwd=workdir)
+    for out in (r.stderr, doctor.stdout, bug.stdout, status.stdout):
+        assert not hostile & set(out), out
+    assert f"ignoring {name_shown}:" in r.stderr, r.stderr
+    assert "OUTOFCUDA_TF32='maybe\\x1b[31m\\u200b'" in r.stderr, r.stderr
+    for out in (doctor.stdout, status.stdout):
+        assert f"ignoring {name_shown}:" in " ".join(out.split()), out
+    assert f"{name_shown}=v\\x1b[2J\\u2066" in bug.stdout, bug.stdout
+    assert "OUTOFCUDA_TF32=maybe\\x1b[31m\\u200b" in bug.stdout, bug.stdout

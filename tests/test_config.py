@@ -303,27 +303,51 @@ def test_known_bugs_switch(venv, word, value):
     assert c["known_bugs"] is value and c["warnings"] == []
 
 
+def _known_bug_ids(venv):
+    r = venv.run("import json, _outofcuda; "
+                 "print(json.dumps([b['id'] for b in _outofcuda.status()['known_bugs']]))")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
 def test_known_bugs_bad_value_warns_and_keeps_the_guard(venv):
     (c,) = parse_many(venv, [{"OUTOFCUDA_KNOWN_BUGS": "maybe"}])
     assert c["known_bugs"] is True and c["known_bugs_off"] == []
-    assert len(c["warnings"]) == 1 and "OUTOFCUDA_KNOWN_BUGS='maybe'" in c["warnings"][0]
+    assert len(c["warnings"]) == 1 and "'maybe' in OUTOFCUDA_KNOWN_BUGS" in c["warnings"][0]
 
 
 def test_known_bugs_takes_the_ids_of_rows_to_turn_off(venv):
     """A list of row ids (src/kbtable.c) turns those rows off, the others
-    stay on; an id that is no row rejects the whole value (a warning naming
-    it, every row on)."""
-    good, spaced, typo, empty = parse_many(venv, [
+    stay on."""
+    good, spaced = parse_many(venv, [
         {"OUTOFCUDA_KNOWN_BUGS": "tf32-mixed-api"},
-        {"OUTOFCUDA_KNOWN_BUGS": " cudnn-sdpa-nan-grad-sm90 , alloc-conf-generic-ignored"},
-        {"OUTOFCUDA_KNOWN_BUGS": "tf32-mixed-api,cudnn-sdpa-nan-grad"},
-        {"OUTOFCUDA_KNOWN_BUGS": ","}])
+        {"OUTOFCUDA_KNOWN_BUGS": " cudnn-sdpa-nan-grad-sm90 , alloc-conf-generic-ignored"}])
     assert good["known_bugs"] is True and good["known_bugs_off"] == ["tf32-mixed-api"]
     assert spaced["known_bugs_off"] == ["cudnn-sdpa-nan-grad-sm90", "alloc-conf-generic-ignored"]
     assert good["warnings"] == spaced["warnings"] == []
-    for bad in (typo, empty):
-        assert bad["known_bugs"] is True and bad["known_bugs_off"] == []
-        assert len(bad["warnings"]) == 1 and "ids of the rows to turn off" in bad["warnings"][0]
+
+
+@pytest.mark.parametrize("value,off,named", [
+    ("tf32-mixed-api,cudnn-sdpa-nan-grad", ["tf32-mixed-api"], "cudnn-sdpa-nan-grad"),
+    ("cudnn-sdpa-nan-grad-sm9, torchrun-gpu0-context,fsdp2", ["torchrun-gpu0-context"],
+     "cudnn-sdpa-nan-grad-sm9,fsdp2"),
+    ("tf32-mixed-api,", ["tf32-mixed-api"], ""),
+    (",", [], ","),
+    # a terminal gets no escape sequence and no text turned right to left
+    ("tf32-mixed-api,\x1b[2J\u202eirg", ["tf32-mixed-api"], "\\x1b[2J\\u202eirg"),
+])
+def test_a_misspelt_known_bug_id_is_named_and_the_others_still_turn_off(venv, value, off, named):
+    """An entry that is no row id leaves the rows the list does name off
+    (a typo must not undo the rest of the list), and gets one warning that
+    names the entry, escaped, and every id of the table (the off words once)."""
+    (c,) = parse_many(venv, [{"OUTOFCUDA_KNOWN_BUGS": value}])
+    assert (c["known_bugs"], c["known_bugs_off"]) == (True, off)
+    (w,) = c["warnings"]
+    assert f"'{named}' in OUTOFCUDA_KNOWN_BUGS" in w, w
+    ids = _known_bug_ids(venv)
+    assert len(ids) >= 8 and w.endswith(": " + ", ".join(ids)), w
+    assert w.count("on/off") == 1 and "no or none" not in w, w
+    assert "\x1b" not in w and "\u202e" not in w
 
 
 # ---- the one table of variables (src/settings.c) ----

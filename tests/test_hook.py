@@ -59,6 +59,32 @@ def test_disable_skips_even_loading_the_extension(venv, workdir):
         assert status_of(r)["hook"]["fired"] is True, value
 
 
+def test_disabled_is_told_from_not_installed(venv, workdir):
+    """OUTOFCUDA_DISABLE=1: status() says the hook is installed and every step
+    skipped with the code `disabled` (not pending, as if torch were still to
+    come), and OUTOFCUDA_VERBOSE=1 prints one line saying so; without the hook
+    (python -S) it is not installed."""
+    code = """
+        import json, sys, torch, outofcuda
+        st = outofcuda.status()
+        print(json.dumps([st["hook"], sorted({(e["state"], e["code"])
+                                              for e in st["optimizations"].values()})]))
+    """
+    env = {"OUTOFCUDA_DISABLE": "1", "OUTOFCUDA_VERBOSE": "1"}
+    r = venv.check(code, env=env, cwd=workdir)
+    hook, states = json.loads(r.stdout)
+    assert hook == {"installed": True, "fired": False, "error": None}
+    assert states == [["skipped", "disabled"]]
+    (line,) = r.stderr.splitlines()
+    assert line.startswith("outofcuda: ") and "OUTOFCUDA_DISABLE" in line, r.stderr
+    quiet = venv.check(code, env={"OUTOFCUDA_DISABLE": "1"}, cwd=workdir)
+    assert quiet.stdout == r.stdout and quiet.stderr == ""
+    bare = venv.check(code, args=("-S",), env=dict(env, PYTHONPATH=str(venv.site)), cwd=workdir)
+    hook, states = json.loads(bare.stdout)
+    assert hook == {"installed": False, "fired": False, "error": None}
+    assert states == [["skipped", "disabled"]] and bare.stderr == ""
+
+
 def test_disable_with_blanks_is_honoured_by_the_c_check(venv, workdir):
     # The .pth fast path compares the exact word; the C side trims blanks and
     # still refuses to install.

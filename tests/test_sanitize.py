@@ -139,6 +139,10 @@ def test_config_parse_with_bad_values(san, tmp_path):
         "OUTOFCUDA_AMP_DTYPE": "\u00e9" * 100, "OUTOFCUDA_COMPILE_MODE": " " * 50,
         "OUTOFCUDA_ALLOC_CONF": "a:[" * 300, "OUTOFCUDA_VERBOSE": "x" * 5000,
         "OUTOFCUDA_OOM_SNAPSHOT": "/nonexistent/dir/x.pickle",
+        # entries that name no row, escaped into the warning, and a name that
+        # is no variable, escaped too
+        "OUTOFCUDA_KNOWN_BUGS": ",".join(["\u202e\x1b\xff" * 30] * 40) + ",tf32-mixed-api",
+        "OUTOFCUDA_\u2066\x1b" * 30: "1",
     }
     r = _run(san, r"""
         import json, _outofcuda

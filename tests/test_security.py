@@ -319,8 +319,15 @@ sys.stdin.read()
 NOT_UTF8_NAME = b"\xff\xfegpu\xe2\x82"
 
 
+# Characters that turn or hide the text after them: a right-to-left override
+# (the rest of the line reads backwards), a zero-width space, a left-to-right
+# isolate and a byte order mark; 15 bytes, the most a name may have.
+BIDI_NAME = "\u202egpu\u200b\u2066\ufeff".encode()
+
+
 @pytest.mark.parametrize("name,escaped", [(HOSTILE_NAME, r"\x1b[2J\x1b]0;x\x07"),
-                                          (NOT_UTF8_NAME, r"\xff\xfegpu\xe2\x82")])
+                                          (NOT_UTF8_NAME, r"\xff\xfegpu\xe2\x82"),
+                                          (BIDI_NAME, r"\u202egpu\u200b\u2066\ufeff")])
 def test_other_processes_names_are_shown_escaped(venv, workdir, tmp_path, stub_nvml_libs, name,
                                                  escaped):
     import sys
@@ -350,6 +357,7 @@ print(json.dumps([rep["cuda:0"]["processes"][0]["name"], oom["other_processes"][
     assert report.returncode == 0 and api.returncode == 0, (report.stderr, api.stderr)
     for text in (report.stdout, api.stdout):
         assert "\x1b" not in text and "\x07" not in text
+        assert not {"\u202e", "\u200b", "\u2066", "\ufeff"} & set(text)
     assert escaped in report.stdout, report.stdout
     mem_name, oom_name, advice, formatted = json.loads(api.stdout)
     assert mem_name == oom_name == escaped

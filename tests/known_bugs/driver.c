@@ -3,7 +3,7 @@
  *   facts TORCH CUDA_BUILD CUDA CUDNN LOCAL_RANK FOREIGN N_CC CC... ENV
  * where ENV is "-" (nothing set) or NAME=VALUE pairs joined by ';'; one line
  * out per case and row: "<row id> <decision> <why>".
- *   off VALUE          -> "<rc> <bits>" (oc_known_bugs_parse_off)
+ *   off VALUE          -> "<rc> <bits> <unknown>" (oc_known_bugs_parse_off)
  *   foreign RANK NVIS N CTX... -> "<device>" (oc_kb_foreign_device)
  *   rows               -> one line per row: "<id> <needs> <action>" */
 #include "../../src/oc.h"
@@ -68,8 +68,9 @@ int main(void)
             facts(line + 6);
         } else if (strncmp(line, "off ", 4) == 0) {
             unsigned long bits = 7;
-            int rc = oc_known_bugs_parse_off(line + 4, &bits);
-            printf("%d %lu\n", rc, bits);
+            char unknown[64];
+            int rc = oc_known_bugs_parse_off(line + 4, &bits, unknown, sizeof unknown);
+            printf("%d %lu %s\n", rc, bits, unknown);
         } else if (strncmp(line, "foreign ", 8) == 0) {
             long rank;
             int nvis, n, ctx[64], used;
