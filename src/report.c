@@ -356,59 +356,37 @@ static PyObject *cuda_init_status(void)
 static PyObject *py_status(PyObject *self, PyObject *unused)
 {
     const oc_config *cfg = oc_config_if_loaded();
-    PyObject *opts, *warnings, *res, *bugs, *framework, *cuda_init, *error = oc_error();
+    PyObject *opts, *warnings, *bugs, *framework, *cuda_init, *error = oc_error();
     PyObject *boot = PyDict_GetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME); /* borrowed */
     /* Turned off by OUTOFCUDA_DISABLE where the hook ran: installed, not missing. */
     int installed = hook.installed || (boot != NULL && oc_disabled_by_env());
     (void)self;
     (void)unused;
     opts = optimizations();
-    if (opts == NULL)
-        return NULL;
-    warnings = PyList_New(0);
-    if (warnings == NULL) {
-        Py_DECREF(opts);
-        return NULL;
-    }
-    for (int i = 0; cfg != NULL && i < cfg->n_warnings; i++) {
+    warnings = opts ? PyList_New(0) : NULL;
+    for (int i = 0; warnings != NULL && cfg != NULL && i < cfg->n_warnings; i++) {
         PyObject *s =
             PyUnicode_DecodeUTF8(cfg->warnings[i], (Py_ssize_t)strlen(cfg->warnings[i]), "replace");
-        if (s == NULL || PyList_Append(warnings, s) < 0) {
-            Py_XDECREF(s);
-            Py_DECREF(opts);
-            Py_DECREF(warnings);
-            return NULL;
-        }
-        Py_DECREF(s);
+        if (s == NULL || PyList_Append(warnings, s) < 0)
+            Py_CLEAR(warnings);
+        Py_XDECREF(s);
     }
-    bugs = oc_known_bugs_status();
-    if (bugs == NULL) {
-        Py_DECREF(opts);
-        Py_DECREF(warnings);
-        return NULL;
-    }
-    framework = framework_status();
-    if (framework == NULL) {
-        Py_DECREF(opts);
-        Py_DECREF(warnings);
-        Py_DECREF(bugs);
-        return NULL;
-    }
-    cuda_init = cuda_init_status();
+    bugs = warnings ? oc_known_bugs_status() : NULL;
+    framework = bugs ? framework_status() : NULL;
+    cuda_init = framework ? cuda_init_status() : NULL;
     if (cuda_init == NULL) {
-        Py_DECREF(opts);
-        Py_DECREF(warnings);
-        Py_DECREF(bugs);
-        Py_DECREF(framework);
+        Py_XDECREF(opts);
+        Py_XDECREF(warnings);
+        Py_XDECREF(bugs);
+        Py_XDECREF(framework);
         return NULL;
     }
-    res = Py_BuildValue("{s:s,s:{s:O,s:O,s:O},s:O,s:N,s:N,s:N,s:N,s:N}", "version", OC_VERSION,
-                        "hook", "installed", installed ? Py_True : Py_False, "fired",
-                        hook.fired ? Py_True : Py_False, "error", error ? error : Py_None, "torch",
-                        hook.torch_version ? hook.torch_version : Py_None, "optimizations", opts,
-                        "config_warnings", warnings, "known_bugs", bugs, "framework", framework,
-                        "cuda_init", cuda_init);
-    return res;
+    return Py_BuildValue("{s:s,s:{s:O,s:O,s:O},s:O,s:N,s:N,s:N,s:N,s:N}", "version", OC_VERSION,
+                         "hook", "installed", installed ? Py_True : Py_False, "fired",
+                         hook.fired ? Py_True : Py_False, "error", error ? error : Py_None, "torch",
+                         hook.torch_version ? hook.torch_version : Py_None, "optimizations", opts,
+                         "config_warnings", warnings, "known_bugs", bugs, "framework", framework,
+                         "cuda_init", cuda_init);
 }
 
 /* The verbose table fits 80 columns: name and applied, then the value from
