@@ -330,6 +330,13 @@ def _mib(n):
     return f"{n / 2**20:,.0f} MiB"
 
 
+def applied_word(e):
+    """An optimisation's "applied" word in every table: the rule of the
+    engine's verbose table (src/report.c), from the record's state and code."""
+    return ("queued" if e.get("queued") else "yes" if e.get("applied")
+            else "off" if e.get("code") == "off" else "no")
+
+
 def _render_optimizations(opts):
     reasons = {e.get("reason", "") for e in opts.values()}
     shared = len(reasons) == 1 and len(opts) > 1
@@ -337,8 +344,7 @@ def _render_optimizations(opts):
              + ("value" if shared else "value (reason below)")]
     for name, e in opts.items():
         value = _value_lines(e.get("value"))
-        applied = ("queued" if e.get("queued") else "yes" if e.get("applied")
-                   else "off" if e.get("off_by") else "no")
+        applied = applied_word(e)
         lines.append(f"  {name:<20} {applied:<8} {value[0]}")
         lines += value[1:]
         if not shared:
@@ -1130,10 +1136,10 @@ def _render_bug_report(d):
         f"cuDNN: enabled={val('cudnn.enabled')} benchmark={val('cudnn.benchmark')} "
         f"deterministic={val('cudnn.deterministic')}",
         f"autocast dtype: cuda={val('autocast_dtype.cuda')} cpu={val('autocast_dtype.cpu')}",
-        "outofcuda's decisions (applied / queued for CUDA's start / no):",
+        "outofcuda's decisions (yes / queued for CUDA's start / off / no):",
     ]
     for name, e in d["optimizations"].items():
-        state = "queued" if e.get("queued") else "yes" if e.get("applied") else "no"
+        state = applied_word(e)
         reason = str(e.get("reason"))
         lines.append(f"  {name}: {reason}" if reason.startswith(state + ":") else
                      f"  {name}: {state}: {reason}")

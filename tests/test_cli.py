@@ -7,6 +7,7 @@ import pytest
 
 from conftest import ROOT
 from fake_torch import make_fake_torch
+from kit import oc_h_table
 
 STATUS_KEYS = {"version", "python", "executable", "hook", "torch", "torch_error", "cuda",
                "cuda_initialized_by_import", "optimizations", "config_warnings", "gpus",
@@ -770,3 +771,33 @@ def test_names_and_values_from_the_environment_reach_the_terminal_escaped(venv, 
         assert f"ignoring {name_shown}:" in " ".join(out.split()), out
     assert f"{name_shown}=v\\x1b[2J\\u2066" in bug.stdout, bug.stdout
     assert "OUTOFCUDA_TF32=maybe\\x1b[31m\\u200b" in bug.stdout, bug.stdout
+
+
+# ---- one word for each optimisation's state, in every table ----
+
+OFF_SWITCHES = {"OUTOFCUDA_TF32": "0", "OUTOFCUDA_CUDNN_BENCHMARK": "off",
+                "OUTOFCUDA_ALLOC_CONF": "off", "OUTOFCUDA_MEMORY_FRACTION": "off",
+                "OUTOFCUDA_AMP_DTYPE": "off"}
+
+
+@pytest.mark.parametrize("switches", [{}, OFF_SWITCHES], ids=["defaults", "off"])
+def test_the_three_tables_say_the_same_word(venv, workdir, switches):
+    """The verbose table, `outofcuda status` and `report --bug` give each
+    optimisation the same applied word, on the stand-in CUDA build."""
+    names = oc_h_table("OC_OPTIMISATIONS")
+    env = dict(switches, PYTHONPATH=str(make_fake_torch(workdir / "fake", "2.14.1")))
+
+    def words(text, row):
+        found = {m[1]: m[2] for m in re.finditer(row, text, re.M) if m[1] in names}
+        assert sorted(found) == sorted(names), text
+        return found
+    table = r"^  (\w+) +(yes|no|queued|off) "
+    verbose = words(venv.check("import torch", env=dict(env, OUTOFCUDA_VERBOSE="1"),
+                               cwd=workdir).stderr, table)
+    status = words(cli(venv, "status", env=env, cwd=workdir).stdout, table)
+    bug = words(cli(venv, "report", "--bug", env=env, cwd=workdir).stdout,
+                r"^  (\w+): (yes|no|queued|off):")
+    assert verbose == status == bug, (verbose, status, bug)
+    offs = {n for n, w in verbose.items() if w == "off"}
+    assert offs == ({"tf32", "cudnn_benchmark", "allocator", "memory_fraction", "amp_dtype"}
+                    if switches else set()), verbose
