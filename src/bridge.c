@@ -942,13 +942,10 @@ static int fraction_left_to_program(PyObject *c_mod, const char *what, const cha
     return 1;
 }
 
-/* OUTOFCUDA_MEMORY_FRACTION=auto: the share of cuda:device's memory that
- * leaves 2 % of it, at least 768 MiB and at most 2 GiB (never over a
- * quarter), to what lives outside torch's caching allocator: the CUDA
- * context, kernels loaded on first use, NCCL's buffers, library handles
- * (docs/what-it-changes.md, "The memory cap"). NVML gives the board's total;
- * where it cannot (no NVML; a MIG instance, whose NVML figures are the whole
- * GPU's) the share is a fixed 0.95. sized says which, for the record. */
+/* OUTOFCUDA_MEMORY_FRACTION=auto: leaves 2 % of cuda:device's memory (NVML's
+ * total), 768 MiB to 2 GiB and at most a quarter, to what lives outside torch's
+ * allocator (docs/what-it-changes.md, "The memory cap"); 0.95 where NVML cannot
+ * tell (no NVML; a MIG instance, whose NVML figures are the GPU's). */
 static double auto_fraction(long device, char *sized, size_t sz)
 {
     const char *vis = oc_env("CUDA_VISIBLE_DEVICES");

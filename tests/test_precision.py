@@ -11,6 +11,18 @@ import pytest
 
 from fake_torch import RELEASES, make_fake_torch
 
+# What torch runs at CUDA initialisation: outofcuda's queued callback, with
+# stand-ins for the device calls.
+CUDA_START = """
+C._cuda_getDeviceCount = lambda: 1
+C._cuda_getDevice = lambda: 0
+C._cuda_setMemoryFraction = lambda fraction, device: None
+C._cuda_attach_out_of_memory_observer = lambda fn: None
+for fn, _stack in list(torch.cuda._queued_calls):
+    if getattr(fn, "__name__", "") == "outofcuda_at_cuda_init":
+        fn()
+"""
+
 # Runs `{action}` (the program's choice, before CUDA starts), then what torch
 # runs at CUDA initialisation, reading torch's getters at each stage.
 PROGRAM = """
@@ -31,14 +43,7 @@ def read():
 stages = [read()]
 {action}
 stages.append(read())
-C._cuda_getDeviceCount = lambda: 1
-C._cuda_getDevice = lambda: 0
-C._cuda_setMemoryFraction = lambda fraction, device: None
-C._cuda_attach_out_of_memory_observer = lambda fn: None
-for fn, _stack in list(torch.cuda._queued_calls):
-    if getattr(fn, "__name__", "") == "outofcuda_at_cuda_init":
-        fn()
-stages.append(read())
+""" + CUDA_START + """stages.append(read())
 {after}
 stages.append(read())
 st = None
@@ -110,14 +115,7 @@ x = torch.randn(4, 4)
 g(x)
 before = counters["stats"]["unique_graphs"]
 saved = C._cuda_getDeviceCount, C._cuda_getDevice
-C._cuda_getDeviceCount = lambda: 1
-C._cuda_getDevice = lambda: 0
-C._cuda_setMemoryFraction = lambda fraction, device: None
-C._cuda_attach_out_of_memory_observer = lambda fn: None
-for fn, _stack in list(torch.cuda._queued_calls):
-    if getattr(fn, "__name__", "") == "outofcuda_at_cuda_init":
-        fn()
-C._cuda_getDeviceCount, C._cuda_getDevice = saved
+""" + CUDA_START + """C._cuda_getDeviceCount, C._cuda_getDevice = saved
 g(x)
 print(json.dumps([before, counters["stats"]["unique_graphs"]]))
 """
