@@ -215,6 +215,18 @@ print(json.dumps(_outofcuda.status()["optimizations"]["amp_dtype"]))
     for way in BF16_CONV["ways_back"]:
         assert (way in table) == (cost is not None), table
         assert (way in entry["reason"]) == (cost is not None), entry
+    # doctor and report --bug render the same record.
+    # (doctor's exit says whether other checks want attention: not this test's)
+    r = venv.run(None, args=["-m", "outofcuda", "doctor", "--json"], env=env, cwd=tmp_path,
+                 timeout=300)
+    assert r.stdout, r.stderr
+    doctor = json.loads(r.stdout)
+    (check,) = [c for c in doctor["checks"] if c["name"] == "amp_dtype"]
+    assert check["ok"] is True and check["code"] == (cost or {}).get("id"), check
+    assert check["message"].endswith(entry["reason"])
+    bug = json.loads(venv.check(None, args=["-m", "outofcuda", "report", "--bug", "--json"],
+                                env=env, cwd=tmp_path, timeout=300).stdout)
+    assert bug["optimizations"]["amp_dtype"].get("cost") == cost
 
 
 def auto_fraction(total):
