@@ -56,10 +56,12 @@ static void check_config(const oc_config *c)
         memchr(c->compile_mode, '\0', sizeof c->compile_mode) == NULL)
         abort();
     /* A setting given an off word holds what leaves torch's default: a
-     * fraction of 0, OC_AMP_OFF, a prefetch factor of 0; only then. */
+     * fraction of 0, OC_AMP_OFF, a prefetch factor of 0; only then. A
+     * fraction is otherwise auto or in (0, 1]. */
     if (oc_config_off(c, "OUTOFCUDA_MEMORY_FRACTION")
             ? c->memory_fraction != 0.0
-            : !(c->memory_fraction > 0.0 && c->memory_fraction <= 1.0))
+            : !(c->memory_fraction == OC_FRACTION_AUTO ||
+                (c->memory_fraction > 0.0 && c->memory_fraction <= 1.0)))
         abort();
     /* Only rows of the known-bugs table can be turned off. */
     if (c->known_bugs_off >> oc_known_bug_count() != 0 ||

@@ -622,6 +622,14 @@ def _check_tf32_override():
                   "not set" if v is None else f"NVIDIA_TF32_OVERRIDE={v} (does not force off)")
 
 
+def _check_amp_dtype(pr):
+    # The autocast dtype the hook chose, in the record's own words (its cost
+    # and the ways back among them); information, never a fault.
+    e = ((pr.get("status") or {}).get("optimizations") or {}).get("amp_dtype") or {}
+    return _check("amp_dtype", True, f"{e.get('value') or 'not set'}: {e.get('reason', '-')}",
+                  code=(e.get("cost") or {}).get("id"))
+
+
 def _check_visible_devices():
     # The engine reads the variable as CUDA does (nvml.c): CUDA stops at the
     # first entry it cannot resolve and shows only the devices before it.
@@ -852,6 +860,7 @@ def doctor_data():
         _check_no_site(),
         _check_config(pr),
         _check_known_bugs(pr),
+        _check_amp_dtype(pr),
     ]
     return {"healthy": all(c["ok"] for c in checks), "checks": checks,
             "scope": _scope(pr, devices),

@@ -942,11 +942,39 @@ static int fraction_left_to_program(PyObject *c_mod, const char *what, const cha
     return 1;
 }
 
+/* OUTOFCUDA_MEMORY_FRACTION=auto: leaves 2 % of cuda:device's memory (NVML's
+ * total), 768 MiB to 2 GiB and at most a quarter, to what lives outside torch's
+ * allocator (docs/what-it-changes.md, "The memory cap"); 0.95 where NVML cannot
+ * tell (no NVML; a MIG instance, whose NVML figures are the GPU's). */
+static double auto_fraction(long device, char *sized, size_t sz)
+{
+    const char *vis = oc_env("CUDA_VISIBLE_DEVICES");
+    double total, headroom;
+    char a[32], b[32];
+    oc_gpu_info g;
+    if ((vis != NULL && strstr(vis, "MIG-") != NULL) ||
+        oc_nvml_device_info(oc_nvml_index((int)device), &g) != 0 || g.total == 0) {
+        snprintf(sized, sz, " (auto: the board's size unknown, 0.95 of it)");
+        return 0.95;
+    }
+    total = (double)g.total;
+    headroom = total / 50.0 < 768.0 * (1 << 20) ? 768.0 * (1 << 20)
+               : total / 50.0 > OC_GIB * 2.0    ? OC_GIB * 2.0
+                                                : total / 50.0;
+    headroom = headroom > total / 4.0 ? total / 4.0 : headroom;
+    oc_fmt_bytes((unsigned long long)headroom, a, sizeof a);
+    oc_fmt_bytes(g.total, b, sizeof b);
+    snprintf(sized, sz, " (auto: %s of its %s left outside torch's allocator)", a, b);
+    return 1.0 - headroom / total;
+}
+
 /* A step of the CUDA-init callback: this process's device only. */
 static void fraction_at_cuda_init(PyObject *torch)
 {
     PyObject *c_mod = NULL, *n = NULL, *dev = NULL, *r = NULL;
     long rank = oc_env_rank("LOCAL_RANK"), count = 0, device = 0;
+    double fraction = pending_fraction;
+    char sized[120] = "";
     if (oc_framework_choice_get()->left_to[0]) {
         /* The framework step (first) left the fraction to a framework. */
         return;
@@ -968,13 +996,15 @@ static void fraction_at_cuda_init(PyObject *torch)
             goto error;
         device = PyLong_AsLong(dev);
     }
-    r = PyObject_CallMethod(c_mod, "_cuda_setMemoryFraction", "dl", pending_fraction, device);
+    if (fraction < 0.0)
+        fraction = auto_fraction(device, sized, sizeof sized);
+    r = PyObject_CallMethod(c_mod, "_cuda_setMemoryFraction", "dl", fraction, device);
     if (r == NULL)
         goto error;
     oc_record_set(OC_OPT_FRACTION, OC_REC_APPLIED, OC_CODE_AT_CUDA_INIT,
-                  "applied to cuda:%ld when CUDA initialised%s", device,
-                  rank >= 0 && rank == device ? " (LOCAL_RANK)" : "");
-    oc_record_fraction(pending_fraction, device);
+                  "applied to cuda:%ld when CUDA initialised%s%s", device,
+                  rank >= 0 && rank == device ? " (LOCAL_RANK)" : "", sized);
+    oc_record_fraction(fraction, device);
     goto done;
 error:
     /* oc_set_error sets an interrupt aside instead of recording it: no
@@ -1017,7 +1047,8 @@ static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
     pending_fraction = cfg->memory_fraction;
     oc_cuda_step_arm(OC_STEP_FRACTION);
     oc_record_set(OC_OPT_FRACTION, OC_REC_QUEUED, OC_CODE_AT_CUDA_INIT,
-                  "queued: applied to this process's device when CUDA initialises");
+                  "queued: applied to this process's device when CUDA initialises%s",
+                  pending_fraction < 0.0 ? ", sized by its memory" : "");
     oc_record_fraction(cfg->memory_fraction, -1);
 }
 
@@ -1257,6 +1288,8 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
                   cfg->amp_dtype == OC_AMP_AUTO ? OC_CODE_DEFAULT : OC_CODE_USER_SETTING, "%s",
                   reason);
     oc_record_text(OC_OPT_AMP_DTYPE, dtype_name);
+    if (cfg->amp_dtype == OC_AMP_AUTO && strcmp(dtype_name, "bfloat16") == 0)
+        oc_record_cost(OC_OPT_AMP_DTYPE, OC_COST_BF16_CONV);
 }
 
 /* Hands torch the merged string through its runtime setter, then gives the

@@ -182,20 +182,24 @@ static int parse_bool(oc_config *cfg, const oc_setting *s, const char *v)
 }
 
 /* A whole number from s->lo to s->hi (OC_SET_LONG, a long field), or a
- * fraction f with 0 < f <= 1 (OC_SET_FRACTION, a double field). */
+ * fraction f with 0 < f <= 1 or auto (OC_SET_FRACTION, a double field). */
 static int parse_number(oc_config *cfg, const oc_setting *s, const char *v)
 {
     char buf[32], *end;
     long whole = 0;
-    double f = 0.0;
+    double f = OC_FRACTION_AUTO;
     int ok;
-    if (trim_copy(v, buf, sizeof buf, 0) == NULL || buf[0] == '\0')
+    if (trim_copy(v, buf, sizeof buf, 1) == NULL || buf[0] == '\0')
         return -1;
     errno = 0;
     if (s->kind == OC_SET_LONG)
         whole = strtol(buf, &end, 10);
-    else
+    else if (strcmp(buf, "auto") != 0)
         f = strtod(buf, &end);
+    else {
+        STORE(cfg, s, f); /* OC_FRACTION_AUTO */
+        return 0;
+    }
     /* isfinite() also refuses "nan" and "inf", which strtod accepts. */
     ok = errno == 0 && *end == '\0' &&
          (s->kind == OC_SET_LONG ? whole >= s->lo && whole <= s->hi

@@ -49,7 +49,7 @@ static PyObject *setting_value(const oc_config *c, const oc_setting *s)
         return PyLong_FromLong(l_val);
     case OC_SET_FRACTION:
         memcpy(&d_val, base, sizeof d_val);
-        return PyFloat_FromDouble(d_val);
+        return d_val < 0.0 ? PyUnicode_FromString("auto") : PyFloat_FromDouble(d_val);
     case OC_SET_WORD:
         memcpy(&i_val, base, sizeof i_val);
         for (size_t i = 0; s->values != NULL && s->words[i] != NULL; i++) {

@@ -61,6 +61,7 @@ typedef enum { OC_AMP_OFF = -1, OC_AMP_AUTO = 0, OC_AMP_FLOAT16, OC_AMP_BFLOAT16
 /* The off words, the same for every OUTOFCUDA_* setting (any case, blanks
  * around): a boolean's false, and for every other setting the value that
  * leaves torch's own default (no step, no argument). */
+#define OC_FRACTION_AUTO (-1.0)
 #define OC_OFF_WORDS "0, off, false, no or none"
 #define OC_WORD_MAX 32
 
@@ -78,7 +79,7 @@ typedef struct {
     char compile_mode[OC_WORD_MAX];
     int compile_fullgraph;
     oc_amp_dtype amp_dtype;
-    double memory_fraction;
+    double memory_fraction; /* OC_FRACTION_AUTO: sized by the headroom (bridge.c) */
     char alloc_conf[OC_ALLOC_CONF_MAX];
     /* Defaults that join only where expandable segments end up off; empty
      * when OUTOFCUDA_ALLOC_CONF replaced outofcuda's defaults. */
@@ -456,9 +457,18 @@ typedef enum {
     OC_VAL_OOM,      /* {"hooks", "observer", "snapshot", "ipython"}: oom */
 } oc_rec_value;
 
+/* A known cost of a choice: a stable id, its words, and the two ways back
+ * (status()'s "cost": {"id", "ways_back"}); the record's sentence ends with
+ * the words and the ways back. */
+typedef struct {
+    const char *id, *words, *ways_back[2];
+} oc_cost;
+typedef enum { OC_COST_NONE, OC_COST_BF16_CONV } oc_cost_id;
+
 #define OC_REASON_LEN 2000
 typedef struct {
     const char *off_by; /* the OUTOFCUDA_* variable of OC_CODE_OFF (static), else NULL */
+    oc_cost_id cost;    /* a known cost of the choice (oc_record_cost) */
     /* The sdpa record: what the cuDNN-attention guard did (static text) and
      * the known bug's id, or NULL: cuDNN attention left as torch has it. */
     const char *guard, *guard_id;
@@ -508,6 +518,8 @@ void oc_record_alloc_generic(int handed);
 /* The OOM handler's value; NULL leaves a field as it was. */
 void oc_record_oom(const char *hooks, const char *observer, const char *snapshot);
 void oc_record_sdpa_guard(const char *what, const char *id);
+void oc_record_cost(oc_opt opt, oc_cost_id cost);
+const oc_cost *oc_cost_get(oc_cost_id cost); /* NULL for OC_COST_NONE */
 /* The sentence status() shows: the writer's, with the sdpa guard's words. */
 void oc_record_reason(oc_opt opt, char *buf, size_t sz);
 /* A step at CUDA's start keeps the records it may write before it runs and

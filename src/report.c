@@ -97,6 +97,8 @@ static PyObject *record_value(const oc_record *r)
     case OC_VAL_TEXT:
         return PyUnicode_DecodeUTF8(r->text, (Py_ssize_t)strlen(r->text), "replace");
     case OC_VAL_FRACTION:
+        if (r->fraction < 0.0) /* auto: sized when CUDA starts */
+            return Py_BuildValue("{s:O,s:O}", "fraction", Py_None, "device", Py_None);
         if (r->device < 0)
             return Py_BuildValue("{s:d,s:O}", "fraction", r->fraction, "device", Py_None);
         return Py_BuildValue("{s:d,s:l}", "fraction", r->fraction, "device", r->device);
@@ -143,6 +145,13 @@ static PyObject *record_entry(oc_opt opt)
         rc = PyDict_SetItemString(e, "queued", Py_True);
     if (e != NULL && rc == 0 && r->state == OC_REC_INTERRUPTED)
         rc = PyDict_SetItemString(e, "interrupted", Py_True);
+    if (e != NULL && rc == 0 && oc_cost_get(r->cost) != NULL) {
+        const oc_cost *c = oc_cost_get(r->cost);
+        PyObject *cost = Py_BuildValue("{s:s,s:[ss]}", "id", c->id, "ways_back", c->ways_back[0],
+                                       c->ways_back[1]);
+        rc = cost ? PyDict_SetItemString(e, "cost", cost) : -1;
+        Py_XDECREF(cost);
+    }
     if (rc < 0)
         Py_CLEAR(e);
     return e;

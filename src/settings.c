@@ -44,7 +44,7 @@ static const oc_setting settings[] = {
      NULL},
     {"OUTOFCUDA_AMP_DTYPE", OC_SET_WORD, "auto", "auto, float16 (fp16, half) or bfloat16 (bf16)",
      F(amp_dtype), 0, 0, amp_words, amp_values},
-    {"OUTOFCUDA_MEMORY_FRACTION", OC_SET_FRACTION, "0.95", "a number f with 0 < f <= 1",
+    {"OUTOFCUDA_MEMORY_FRACTION", OC_SET_FRACTION, "auto", "auto or a number f with 0 < f <= 1",
      F(memory_fraction), 0, 0, NULL, NULL},
     {"OUTOFCUDA_ALLOC_CONF", OC_SET_ALLOC, OC_DEFAULT_ALLOC_CONF,
      "a PyTorch allocator string such as 'expandable_segments:True' (key:value pairs separated "

@@ -42,7 +42,7 @@ def test_bench_smoke_runs_from_an_installed_copy(venv, workdir):
 
     r = bench("--out", str(workdir / "text"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "GPU gains were NOT measured" in r.stdout
+    assert "This run measured NO GPU gains" in r.stdout
     assert "vs defaults" not in r.stdout.split("No \"vs defaults\" ratios")[1]
     assert not re.search(r"\d\.\d\dx", r.stdout), r.stdout
     assert "No \"vs defaults\" ratios: a ratio needs 3 repeats" in r.stdout

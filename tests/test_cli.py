@@ -14,7 +14,7 @@ STATUS_KEYS = {"version", "python", "executable", "hook", "torch", "torch_error"
                "nvml_error", "known_bugs"}
 CHECKS = ["hook_file", "extension", "torch", "alloc_conf", "nvidia_tf32_override",
           "cuda_visible_devices", "dev_shm", "multiple_installs", "older_package", "python_no_site",
-          "outofcuda_env", "known_bugs"]
+          "outofcuda_env", "known_bugs", "amp_dtype"]
 
 
 def cli(venv, *args, env=None, cwd=None):

@@ -24,7 +24,7 @@ def test_defaults_match_the_product_table(venv):
         "disable": False, "verbose": False, "tf32": True, "cudnn_benchmark": True,
         "cudnn_deterministic": False, "channels_last": True, "compile": False,
         "compile_mode": "reduce-overhead", "compile_fullgraph": False, "amp_dtype": "auto",
-        "memory_fraction": 0.95,
+        "memory_fraction": "auto",  # sized by the device's memory when CUDA starts
         # no max_split_size_mb beside expandable segments (pytorch issue 123548):
         # it joins only where they end up off
         "alloc_conf": "garbage_collection_threshold:0.8,expandable_segments:True",
@@ -76,6 +76,8 @@ def test_good_values_are_taken(venv):
     assert c["alloc_conf"].startswith("roundup_power2_divisions:[256:1")
     assert c["alloc_conf_no_expandable"] == ""  # the user's string replaces every default
     assert c["warnings"] == []
+    (c,) = parse_many(venv, [{"OUTOFCUDA_MEMORY_FRACTION": " Auto "}])
+    assert c["memory_fraction"] == "auto" and c["warnings"] == []
 
 
 OFF_WORDS = ["0", "off", "OFF", " none ", "False", "no"]

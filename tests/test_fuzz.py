@@ -94,11 +94,12 @@ def test_seed_corpus_replays_clean(fuzzers, target):
 
 def test_fuzzer_detects_a_broken_invariant(fuzzers, tmp_path):
     """The harness can fail: the config target rebuilt with an invariant that
-    the defaults break (fraction < 0.96, while the default is 0.95) must
-    report a crash on its first input."""
+    the defaults break (fraction < 0.96, while the default is auto, held
+    as -1) must report a crash on its first input."""
     src = tmp_path / "broken.c"
     text = (FUZZ / "fuzz_config.c").read_text()
-    good = ": !(c->memory_fraction > 0.0 && c->memory_fraction <= 1.0))"
+    good = (": !(c->memory_fraction == OC_FRACTION_AUTO ||\n"
+            "                (c->memory_fraction > 0.0 && c->memory_fraction <= 1.0)))")
     assert good in text
     src.write_text(text.replace(good, ": c->memory_fraction < 0.96)").replace(
         '#include "../src/oc.h"', f'#include "{ROOT}/src/oc.h"'))
@@ -167,7 +168,8 @@ def _check_config(cfg, env):
             return False
         assert env.get(f"OUTOFCUDA_{key.upper()}", "").strip().lower() in OFF_WORDS, (key, env)
         return True
-    assert off("memory_fraction") or 0 < cfg["memory_fraction"] <= 1
+    assert off("memory_fraction") or cfg["memory_fraction"] == "auto" or (
+        0 < cfg["memory_fraction"] <= 1)
     assert 0 <= cfg["num_workers"] <= 1024
     assert off("prefetch_factor") or 1 <= cfg["prefetch_factor"] <= 1024
     assert off("amp_dtype") or cfg["amp_dtype"] in ("auto", "float16", "bfloat16")

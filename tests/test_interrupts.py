@@ -62,7 +62,8 @@ def outcome():
 """ % BUG
 
 
-WANT_CALLS = {"_set_cublas_allow_tf32": [True], "_cuda_setMemoryFraction": [0.95, 0],
+# 0.98: the cap's headroom on the stand-in's 80 GiB board (1.6 GiB, 2 % of it).
+WANT_CALLS = {"_set_cublas_allow_tf32": [True], "_cuda_setMemoryFraction": [0.98, 0],
               "_set_sdp_use_cudnn": [False], "_cuda_attach_out_of_memory_observer": ["fn"]}
 
 

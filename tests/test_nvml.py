@@ -189,6 +189,95 @@ print(json.dumps([_outofcuda.status()["optimizations"]["amp_dtype"],
         assert calls == [["set_autocast_dtype", "cuda", f"torch.{dtype}"]]
 
 
+BF16_CONV = {"id": "bf16_conv", "ways_back": ["OUTOFCUDA_AMP_DTYPE=float16", "channels_last"]}
+
+
+@pytest.mark.parametrize("cc,amp,cost", [("9.0", None, BF16_CONV), ("8.0", None, BF16_CONV),
+                                         ("7.5", None, None), ("9.0", "bf16", None)])
+def test_autocast_bfloat16_default_names_its_cost_on_convolution_networks(venv, tmp_path, nvml,
+                                                                          cc, amp, cost):
+    """Where outofcuda itself makes bfloat16 the autocast dtype (auto, compute
+    capability 8.0 or more), its record carries the typed cost (slower on
+    eager NCHW convolution networks) with the two ways back, and the verbose
+    table shows them; a dtype the user asked for, or float16, carries none."""
+    root = make_fake_torch(tmp_path / "fake", "2.11.0")
+    cfg = config(tmp_path / "nvml.cfg", [device(cc=cc)])
+    env = nvml(cfg, PYTHONPATH=str(root), OUTOFCUDA_VERBOSE="1")
+    if amp:
+        env["OUTOFCUDA_AMP_DTYPE"] = amp
+    r = venv.run("""
+import json, torch, _outofcuda
+print(json.dumps(_outofcuda.status()["optimizations"]["amp_dtype"]))
+""", env=env, cwd=tmp_path)
+    entry = last_json(r)
+    assert entry["applied"] is True and entry.get("cost") == cost, entry
+    table = r.stderr[r.stderr.index("  amp_dtype "):r.stderr.index("  oom_handler ")]
+    for way in BF16_CONV["ways_back"]:
+        assert (way in table) == (cost is not None), table
+        assert (way in entry["reason"]) == (cost is not None), entry
+    # doctor and report --bug render the same record.
+    # (doctor's exit says whether other checks want attention: not this test's)
+    r = venv.run(None, args=["-m", "outofcuda", "doctor", "--json"], env=env, cwd=tmp_path,
+                 timeout=300)
+    assert r.stdout, r.stderr
+    doctor = json.loads(r.stdout)
+    (check,) = [c for c in doctor["checks"] if c["name"] == "amp_dtype"]
+    assert check["ok"] is True and check["code"] == (cost or {}).get("id"), check
+    assert check["message"].endswith(entry["reason"])
+    bug = json.loads(venv.check(None, args=["-m", "outofcuda", "report", "--bug", "--json"],
+                                env=env, cwd=tmp_path, timeout=300).stdout)
+    assert bug["optimizations"]["amp_dtype"].get("cost") == cost
+
+
+def auto_fraction(total):
+    """The rule docs/what-it-changes.md states for OUTOFCUDA_MEMORY_FRACTION=auto."""
+    headroom = min(max(total / 50, 768 * MIB), 2 * GIB, total / 4)
+    return 1.0 - headroom / total
+
+
+FRACTION = """
+import json, torch, _outofcuda
+queued = _outofcuda.status()["optimizations"]["memory_fraction"]
+torch.cuda._fake_cuda_init()
+print(json.dumps([queued, _outofcuda.status()["optimizations"]["memory_fraction"],
+                  [c[1:] for c in torch._C.calls if c[0] == "_cuda_setMemoryFraction"]]))
+"""
+
+
+@pytest.mark.parametrize("gib", [2, 8, 24, 80, 141, 192])
+def test_memory_cap_leaves_a_headroom_sized_by_what_lives_outside_the_allocator(
+        venv, tmp_path, nvml, gib):
+    """OUTOFCUDA_MEMORY_FRACTION=auto (the default): the cap set when CUDA
+    starts leaves 2 % of the board, at least 768 MiB and at most 2 GiB (never
+    over a quarter of it), outside torch's caching allocator; NVML gives the
+    board's size. Until CUDA starts the fraction reads None."""
+    root = make_fake_torch(tmp_path / "fake", "2.11.0")
+    cfg = config(tmp_path / "nvml.cfg", [device(total=gib * GIB)])
+    queued, entry, calls = last_json(venv.run(FRACTION, env=nvml(cfg, PYTHONPATH=str(root)),
+                                              cwd=tmp_path))
+    assert queued["state"] == "queued" and queued["value"] == {"fraction": None, "device": None}
+    want = auto_fraction(gib * GIB)
+    assert entry["applied"] is True and entry["value"] == {"fraction": want, "device": 0}, entry
+    assert calls == [[want, 0]]
+    withheld = {2: 0.5, 8: 0.75, 24: 0.75, 80: 1.6, 141: 2, 192: 2}[gib]
+    assert gib * (1 - want) == pytest.approx(withheld)
+
+
+@pytest.mark.parametrize("more,want", [
+    ({"OUTOFCUDA_MEMORY_FRACTION": "0.9"}, 0.9),           # the user's own value wins
+    ({"OUTOFCUDA_MEMORY_FRACTION": "auto"}, auto_fraction(80 * GIB)),
+    ({"CUDA_VISIBLE_DEVICES": MIG1}, 0.95),                # a MIG instance: NVML's total is the GPU's
+    ({"STUB_NVML_CONFIG": "/nonexistent"}, 0.95),          # the board's size unknown
+])
+def test_memory_cap_where_the_board_does_not_size_it(venv, tmp_path, nvml, more, want):
+    root = make_fake_torch(tmp_path / "fake", "2.11.0")
+    cfg = config(tmp_path / "nvml.cfg", [device(total=80 * GIB)], migs=[(MIG1, 0)])
+    _, entry, calls = last_json(venv.run(FRACTION, env=nvml(cfg, PYTHONPATH=str(root), **more),
+                                         cwd=tmp_path))
+    assert entry["value"] == {"fraction": want, "device": 0}, entry
+    assert calls == [[want, 0]]
+
+
 def test_real_cpu_torch_hook_leaves_autocast_alone(venv, workdir, tmp_path, nvml):
     """torch 2.13 CPU build: the hook sets no CUDA autocast dtype and says why;
     the decision for autocast_context() still comes from NVML."""

@@ -11,6 +11,18 @@ import pytest
 
 from fake_torch import RELEASES, make_fake_torch
 
+# What torch runs at CUDA initialisation: outofcuda's queued callback, with
+# stand-ins for the device calls.
+CUDA_START = """
+C._cuda_getDeviceCount = lambda: 1
+C._cuda_getDevice = lambda: 0
+C._cuda_setMemoryFraction = lambda fraction, device: None
+C._cuda_attach_out_of_memory_observer = lambda fn: None
+for fn, _stack in list(torch.cuda._queued_calls):
+    if getattr(fn, "__name__", "") == "outofcuda_at_cuda_init":
+        fn()
+"""
+
 # Runs `{action}` (the program's choice, before CUDA starts), then what torch
 # runs at CUDA initialisation, reading torch's getters at each stage.
 PROGRAM = """
@@ -31,14 +43,7 @@ def read():
 stages = [read()]
 {action}
 stages.append(read())
-C._cuda_getDeviceCount = lambda: 1
-C._cuda_getDevice = lambda: 0
-C._cuda_setMemoryFraction = lambda fraction, device: None
-C._cuda_attach_out_of_memory_observer = lambda fn: None
-for fn, _stack in list(torch.cuda._queued_calls):
-    if getattr(fn, "__name__", "") == "outofcuda_at_cuda_init":
-        fn()
-stages.append(read())
+""" + CUDA_START + """stages.append(read())
 {after}
 stages.append(read())
 st = None
@@ -92,6 +97,42 @@ def test_a_program_that_chose_ends_as_without_outofcuda(cuda_venv, action):
     else:
         assert with_oc[2] == without[2], (with_oc, without)
         assert not st["applied"] and (st["state"], st["code"]) == ("skipped", "program_chose"), st
+
+
+# torch.compile before CUDA starts: dynamo guards global state, allow_tf32
+# among it, so TF32 set at CUDA's start recompiles a graph compiled before
+# (docs/what-it-changes.md, "TF32 and torch.compile"). The CPU backend of the
+# CUDA build; the device stand-ins are put back after the callback, so that
+# dynamo (which saves CUDA's RNG state where CUDA looks available) finds no
+# device afterwards.
+COMPILED_FIRST = """
+import json, torch
+from torch._dynamo.utils import counters
+C = torch._C
+{choice}
+g = torch.compile(lambda x: x @ x + 1, backend="eager")
+x = torch.randn(4, 4)
+g(x)
+before = counters["stats"]["unique_graphs"]
+saved = C._cuda_getDeviceCount, C._cuda_getDevice
+""" + CUDA_START + """C._cuda_getDeviceCount, C._cuda_getDevice = saved
+g(x)
+print(json.dumps([before, counters["stats"]["unique_graphs"]]))
+"""
+
+
+@pytest.mark.parametrize("choice,env,graphs", [
+    ("", {}, 2),                                              # TF32 at CUDA's start: once more
+    ("", {"OUTOFCUDA_TF32": "0"}, 1),                         # the way out
+    ("torch.set_float32_matmul_precision('high')", {}, 1),    # a precision chosen first
+    ("torch.backends.fp32_precision = 'ieee'", {}, 1),
+    ("", {"OUTOFCUDA_DISABLE": "1"}, 1),                      # as without outofcuda
+])
+def test_a_graph_compiled_before_cuda_starts_recompiles_once_unless_precision_was_chosen(
+        cuda_venv, choice, env, graphs):
+    before, after = cuda_venv.json(COMPILED_FIRST.format(choice=choice), env=env,
+                                   args=("-W", "error"))
+    assert (before, after) == (1, graphs)
 
 
 # The program turns TF32 off after CUDA started, in each of torch's four ways.
