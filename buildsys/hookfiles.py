@@ -8,7 +8,10 @@ Which hook file serves which Python (PEP 829):
   process of the environment site's pkgutil.resolve_name and the 27 modules it
   imports, so this wheel (cp39-abi3) carries no `.start`.
 - 3.18 and later ignore import lines: `outofcuda_hook.start` names the entry
-  point. That wheel is tagged cp318-abi3, which pip prefers there.
+  point, install() of `outofcuda_hook_start.py`, a module that runs the .pth
+  line (so both read OUTOFCUDA_DISABLE and the boot's size before loading it:
+  importing the boot by name would map it first). That wheel is tagged
+  cp318-abi3, which pip prefers there.
 """
 import os
 import sys
@@ -19,6 +22,7 @@ BOOT = "outofcuda_hook"
 BOOT_FILE = BOOT + ".abi3.so"
 PTH = BOOT + ".pth"
 START = BOOT + ".start"
+START_MODULE = BOOT + "_start"  # the .start file's entry: START_MODULE:install
 STUBS = "_outofcuda.pyi"
 START_FROM = (3, 18)
 # The first Python whose site runs a .start file at all (PEP 829).
@@ -73,11 +77,24 @@ def pth_line(boot_size, boot_dir=None):
     return text
 
 
+def start_module(boot_size, boot_dir=None):
+    """The module the .start file names: its install() runs the .pth line,
+    with the names that line takes from site (sitedir, os, sys) its own."""
+    entry = (ROOT / START).read_text().strip()
+    assert entry == START_MODULE + ":install", f"{START} names {entry!r}"
+    return (f'"""outofcuda\'s start-up hook on Python {START_FROM[0]}.{START_FROM[1]} and later, which '
+            f'run no .pth\nimport line: {START} names install() (PEP 829), which runs the\n'
+            f'line of {PTH} (written at build time)."""\n'
+            "import os\nimport sys\n\nsitedir = os.path.dirname(__file__)\n\n\n"
+            "def install():\n    " + pth_line(boot_size, boot_dir))
+
+
 def root_files(boot_size, start, boot_dir=None):
     """{name: text} of the files at the wheel's root."""
     files = {STUBS: (ROOT / STUBS).read_text()}
     if start:
         files[START] = (ROOT / START).read_text()
+        files[START_MODULE + ".py"] = start_module(boot_size, boot_dir)
     else:
         files[PTH] = pth_line(boot_size, boot_dir)
     return files
@@ -86,7 +103,7 @@ def root_files(boot_size, start, boot_dir=None):
 def write(build_lib, boot_size, start):
     """Puts the root files into build_lib, removing the other kind's hook file
     a previous build left there."""
-    for name in (PTH, START):
+    for name in (PTH, START, START_MODULE + ".py"):
         (build_lib / name).unlink(missing_ok=True)
     for name, text in root_files(boot_size, start).items():
         (build_lib / name).write_text(text)

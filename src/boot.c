@@ -29,38 +29,38 @@ static PyObject *finder;      /* strong; the one instance on sys.meta_path */
 static PyObject *engine;      /* strong; _outofcuda once loaded */
 static int engine_unusable;   /* loading it failed once: never retried */
 
+/* Py_FinalizeEx calls this once the interpreter has ended (no Python may run
+ * here: nothing is released). An embedding application's next Py_Initialize
+ * loads this file again, still mapped with these statics: its interpreter gets
+ * a finder and an engine of its own, not the ended one's emptied objects. */
+static void boot_forget(void)
+{
+    boot_module = finder = engine = NULL;
+    engine_unusable = 0;
+}
+
 static int is_blank(char c)
 {
     /* isspace() in the C locale, as config.c trims */
     return c == ' ' || c == '\t' || c == '\n' || c == '\v' || c == '\f' || c == '\r';
 }
 
-/* OUTOFCUDA_DISABLE as a boolean word: the words oc_parse_bool (config.c)
- * accepts for "yes", any case, blanks around. The boot links nothing of the
- * engine, so it reads the one variable it needs itself. */
+/* A variable set to a word oc_parse_bool (config.c) accepts for "yes", any
+ * case, blanks around. The boot links nothing of the engine, so it reads the
+ * two variables it needs itself (OUTOFCUDA_DISABLE, OUTOFCUDA_DEBUG). */
 static int env_yes(const char *name)
 {
     static const char *const yes[] = {"1", "true", "yes", "on"};
-    const char *v = getenv(name);
-    char word[8];
-    size_t n = 0;
-    if (v == NULL)
-        return 0;
-    while (is_blank(*v))
-        v++;
-    while (*v != '\0' && !is_blank(*v)) {
-        if (n + 1 >= sizeof word)
-            return 0;
-        word[n++] = (char)(*v >= 'A' && *v <= 'Z' ? *v - 'A' + 'a' : *v);
-        v++;
-    }
-    while (is_blank(*v))
-        v++;
-    word[n] = '\0';
-    if (*v != '\0')
-        return 0;
-    for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++) {
-        if (strcmp(word, yes[i]) == 0)
+    const char *v = getenv(name), *w, *y;
+    for (; v != NULL && is_blank(*v); v++)
+        ;
+    for (size_t k = 0; v != NULL && k < sizeof yes / sizeof yes[0]; k++) {
+        /* the word (a capital letter for its small one), then only blanks */
+        for (w = v, y = yes[k]; *y != '\0' && (*w == *y || (*y >= 'a' && *w == *y - 32)); w++, y++)
+            ;
+        for (; *y == '\0' && is_blank(*w); w++)
+            ;
+        if (*y == '\0' && *w == '\0')
             return 1;
     }
     return 0;
@@ -138,19 +138,12 @@ static PyObject *get_engine(void)
     PyObject *mod = PyDict_GetItemString(modules, OC_ENGINE_NAME);
     if (engine != NULL)
         return engine;
-    if (mod != NULL && PyObject_HasAttrString(mod, OC_ENGINE_FIND_SPEC)) {
+    if (mod != NULL && PyObject_HasAttrString(mod, OC_ENGINE_FIND_SPEC))
         Py_INCREF(mod);
-        engine = mod;
-        return engine;
-    }
-    mod = oc_load_sibling(boot_module, OC_BOOT_NAME, OC_ENGINE_NAME);
-    if (mod == NULL)
-        return NULL;
-    if (PyDict_GetItemString(modules, OC_ENGINE_NAME) == NULL &&
-        PyDict_SetItemString(modules, OC_ENGINE_NAME, mod) < 0) {
-        Py_DECREF(mod);
-        return NULL;
-    }
+    else if ((mod = oc_load_sibling(boot_module, OC_BOOT_NAME, OC_ENGINE_NAME)) != NULL &&
+             PyDict_GetItemString(modules, OC_ENGINE_NAME) == NULL &&
+             PyDict_SetItemString(modules, OC_ENGINE_NAME, mod) < 0)
+        Py_CLEAR(mod);
     engine = mod;
     return engine;
 }
@@ -186,25 +179,18 @@ static PyObject *call_engine(const char *name, PyObject *args, PyObject *kw)
  * answered before anything else. The torch lookup is the engine's. */
 static PyObject *finder_find_spec(PyObject *self, PyObject *args, PyObject *kw)
 {
-    PyObject *first = PyTuple_Size(args) > 0 ? PyTuple_GetItem(args, 0) : NULL, *full, *res;
-    Py_ssize_t n;
+    PyObject *first = PyTuple_Size(args) > 0 ? PyTuple_GetItem(args, 0) : NULL, *head, *full, *res;
     if (first != NULL && PyUnicode_Check(first) &&
         PyUnicode_CompareWithASCIIString(first, "torch") != 0)
         Py_RETURN_NONE;
     if (first == NULL)
         BOOT_CLEAR();
     /* engine._find_torch_spec(finder, *args, **kw) */
-    n = PyTuple_Size(args);
-    full = PyTuple_New(n + 1);
+    head = PyTuple_Pack(1, self);
+    full = head != NULL ? PySequence_Concat(head, args) : NULL;
+    Py_XDECREF(head);
     if (full == NULL)
         return NULL;
-    Py_INCREF(self);
-    PyTuple_SetItem(full, 0, self);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *a = PyTuple_GetItem(args, i);
-        Py_INCREF(a);
-        PyTuple_SetItem(full, i + 1, a);
-    }
     res = call_engine(OC_ENGINE_FIND_SPEC, full, kw);
     Py_DECREF(full);
     return res;
@@ -423,9 +409,16 @@ static PyMethodDef boot_methods[] = {
 static PyObject *boot_start(PyObject *m)
 {
     PyObject *modules = PyImport_GetModuleDict(); /* borrowed */
+    /* One watcher per process; a subinterpreter gets none. */
+    if (PyInterpreterState_GetID(PyInterpreterState_Get()) != 0) {
+        PyErr_SetString(PyExc_ImportError,
+                        "outofcuda's extension supports only the main interpreter");
+        return NULL;
+    }
     if (boot_module == NULL) {
         Py_INCREF(m);
         boot_module = m;
+        (void)Py_AtExit(boot_forget); /* a full table (32): kept as before */
     }
     if (PyDict_GetItemString(modules, OC_BOOT_NAME) == NULL &&
         PyDict_SetItemString(modules, OC_BOOT_NAME, m) < 0)
@@ -457,18 +450,12 @@ PyMODINIT_FUNC PyInit_outofcuda_hook(void)
         PyErr_SetString(PyExc_ImportError, OC_FREE_THREADED_REFUSAL);
         return NULL;
     }
-    /* One watcher per process; a subinterpreter gets none. */
-    if (PyInterpreterState_GetID(PyInterpreterState_Get()) != 0) {
-        PyErr_SetString(PyExc_ImportError,
-                        "outofcuda's extension supports only the main interpreter");
-        return NULL;
-    }
     m = PyModule_Create(&boot_def);
     if (m == NULL)
         return NULL;
     res = boot_start(m);
     if (res == NULL) {
-        Py_DECREF(m); /* only a Ctrl-C or exit() gets here: it propagates */
+        Py_DECREF(m); /* a subinterpreter, a Ctrl-C or exit(): it propagates */
         return NULL;
     }
     Py_DECREF(res);
@@ -480,13 +467,7 @@ PyMODINIT_FUNC PyInit_outofcuda_hook(void)
  * creating it (_imp.exec_dynamic). */
 static int boot_exec(PyObject *m)
 {
-    PyObject *res;
-    if (PyInterpreterState_GetID(PyInterpreterState_Get()) != 0) {
-        PyErr_SetString(PyExc_ImportError,
-                        "outofcuda's extension supports only the main interpreter");
-        return -1;
-    }
-    res = boot_start(m);
+    PyObject *res = boot_start(m);
     Py_XDECREF(res);
     return res != NULL ? 0 : -1;
 }

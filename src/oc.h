@@ -1121,26 +1121,18 @@ static inline int oc_elf_complete(const char *path)
  * exception. Here, inline, because the boot links nothing of the engine. */
 static inline PyObject *oc_load_sibling(PyObject *self, const char *from, const char *to)
 {
-    PyObject *file = PyModule_GetFilenameObject(self), *name, *head, *tail, *path = NULL;
+    PyObject *file = PyModule_GetFilenameObject(self), *name, *parts, *path = NULL;
     PyObject *util, *spec = NULL, *loader = NULL, *mod = NULL, *res = NULL;
-    Py_ssize_t len, at;
-    if (file == NULL)
-        return NULL;
-    len = PyUnicode_GetLength(file);
-    name = PyUnicode_FromString(from);
-    at = name ? PyUnicode_Find(file, name, 0, len, -1) : -2;
-    Py_XDECREF(name);
-    if (at >= 0) {
-        head = PyUnicode_Substring(file, 0, at);
-        tail = PyUnicode_Substring(file, at + (Py_ssize_t)strlen(from), len);
-        if (head != NULL && tail != NULL)
-            path = PyUnicode_FromFormat("%U%s%U", head, to, tail);
-        Py_XDECREF(head);
-        Py_XDECREF(tail);
-    } else if (at == -1) {
+    name = file != NULL ? PyUnicode_FromString(from) : NULL;
+    parts = name != NULL ? PyUnicode_RSplit(file, name, 1) : NULL; /* at the last `from` */
+    if (parts != NULL && PyList_Size(parts) == 2)
+        path =
+            PyUnicode_FromFormat("%U%s%U", PyList_GetItem(parts, 0), to, PyList_GetItem(parts, 1));
+    else if (parts != NULL)
         PyErr_Format(PyExc_ImportError, "%U is not named %s*", file, from);
-    }
-    Py_DECREF(file);
+    Py_XDECREF(parts);
+    Py_XDECREF(name);
+    Py_XDECREF(file);
     if (path == NULL)
         return NULL;
     res = PyUnicode_EncodeFSDefault(path);

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 /* What status() shows of the hook, told by the files above that decide it:
  * the finder is on sys.meta_path (watcher.c), the torch callback ran
@@ -362,14 +363,38 @@ static PyObject *cuda_init_status(void)
     return d;
 }
 
+/* Turned off by OUTOFCUDA_DISABLE where the hook ran: installed, not missing.
+ * The boot refused to install, or (OUTOFCUDA_DISABLE=1) the hook file's line
+ * stopped before loading it: site ran (no -S) and a hook file lies beside
+ * the engine (module). */
+static int installed_and_off(PyObject *module)
+{
+    PyObject *flags = PySys_GetObject("flags"); /* borrowed */
+    PyObject *no_site = flags ? PyObject_GetAttrString(flags, "no_site") : NULL;
+    PyObject *path =
+        no_site && !PyObject_IsTrue(no_site) ? PyModule_GetFilenameObject(module) : NULL;
+    PyObject *bytes = path ? PyUnicode_EncodeFSDefault(path) : NULL;
+    const char *p = bytes ? PyBytes_AsString(bytes) : NULL, *slash = p ? strrchr(p, '/') : NULL;
+    char file[PATH_MAX];
+    struct stat st;
+    int found = PyDict_GetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME) != NULL;
+    for (int i = 0; !found && slash != NULL && i < 2; i++) {
+        snprintf(file, sizeof file, "%.*s/" OC_BOOT_NAME "%s", (int)(slash - p), p,
+                 i ? ".start" : ".pth");
+        found = stat(file, &st) == 0;
+    }
+    OC_CLEAR(); /* unreadable: not found */
+    Py_XDECREF(bytes);
+    Py_XDECREF(path);
+    Py_XDECREF(no_site);
+    return found && oc_disabled_by_env();
+}
+
 static PyObject *py_status(PyObject *self, PyObject *unused)
 {
     const oc_config *cfg = oc_config_if_loaded();
     PyObject *opts, *warnings, *bugs, *framework, *cuda_init, *error = oc_error();
-    PyObject *boot = PyDict_GetItemString(PyImport_GetModuleDict(), OC_BOOT_NAME); /* borrowed */
-    /* Turned off by OUTOFCUDA_DISABLE where the hook ran: installed, not missing. */
-    int installed = hook.installed || (boot != NULL && oc_disabled_by_env());
-    (void)self;
+    int installed = hook.installed || installed_and_off(self);
     (void)unused;
     opts = optimizations();
     warnings = opts ? PyList_New(0) : NULL;

@@ -6,10 +6,13 @@
  * module its real loader back before it runs. */
 #include "oc.h"
 
+#include <structmember.h>
+
 typedef struct {
     OC_OBJECT_HEAD
-    PyObject *loader; /* torch's real loader */
-    PyObject *module; /* a torch that already ran, handed back by this loader, or NULL */
+    PyObject *loader;   /* torch's real loader */
+    PyObject *module;   /* a torch that already ran, handed back by this loader, or NULL */
+    PyObject *weakrefs; /* weakref.ref(spec.loader) works, as for the loader itself */
 } proxy_object;
 
 /* The watcher's own state (process-wide, under the GIL: see oc.h). */
@@ -69,6 +72,8 @@ static void proxy_dealloc(PyObject *self)
     PyTypeObject *tp = Py_TYPE(self);
     freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     PyObject_GC_UnTrack(self);
+    if (OC_FIELDS(proxy_object, self)->weakrefs != NULL)
+        PyObject_ClearWeakRefs(self);
     proxy_clear(self);
     tp_free(self);
     Py_DECREF(tp);
@@ -335,6 +340,14 @@ static PyGetSetDef proxy_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+/* copy.copy, copy.deepcopy and pickle reduce the proxy as the real loader:
+ * what they make is a copy of that loader (its class, its state), unwatched. */
+static PyObject *py_reduce_ex(PyObject *self, PyObject *protocol)
+{
+    return PyObject_CallMethod(OC_FIELDS(proxy_object, self)->loader, "__reduce_ex__", "O",
+                               protocol);
+}
+
 static PyObject *proxy_repr(PyObject *self)
 {
     return PyUnicode_FromFormat("<outofcuda loader proxy for %R>",
@@ -343,11 +356,22 @@ static PyObject *proxy_repr(PyObject *self)
 
 OC_EDGE_O(py_create_module)
 OC_EDGE_O(py_exec_module)
+OC_EDGE_O(py_reduce_ex)
 
 static PyMethodDef proxy_methods[] = {
     OC_METHOD("create_module", py_create_module, NULL),
     OC_METHOD("exec_module", py_exec_module, NULL),
+    OC_METHOD("__reduce_ex__", py_reduce_ex, NULL),
     {NULL, NULL, 0, NULL},
+};
+
+/* The abi3t build keeps the fields in the type's data, where no member can
+ * name them: its proxy takes no weak reference. */
+static PyMemberDef proxy_members[] = {
+#ifndef OC_ABI3T
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(proxy_object, weakrefs), READONLY, NULL},
+#endif
+    {NULL, 0, 0, 0, NULL},
 };
 
 OC_EDGE_GETATTRO(proxy_getattro)
@@ -368,6 +392,7 @@ static PyType_Slot proxy_slots[] = {
     OC_SLOT(proxy_hash),
     OC_SLOT(proxy_repr),
     {Py_tp_methods, proxy_methods},
+    {Py_tp_members, proxy_members},
     {0, NULL},
 };
 

@@ -159,3 +159,28 @@ def rel_err(a, b):
     return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
                for x, y in zip(a, b))
 '''
+
+
+def damage_code(path, how):
+    """Damages the code (the .text section) of the ELF file at path and keeps
+    its size, as bit rot or a copy overwritten in place would: "zero" clears
+    the section, "flip" inverts its first 40 bytes (code the loader runs when
+    it maps the file). A size check cannot tell the result from the file."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    (table,) = struct.unpack_from("<Q", data, 0x28)  # e_shoff
+    entry, count, names_at = struct.unpack_from("<HHH", data, 0x3A)
+
+    def section(i):  # sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size
+        return struct.unpack_from("<IIQQQQ", data, table + i * entry)
+
+    names = section(names_at)[4]
+    for i in range(count):
+        name, _, _, _, offset, size = section(i)
+        if data[names + name:names + name + 6] == b".text\0":
+            end = offset + (size if how == "zero" else 40)
+            data[offset:end] = bytes(0 if how == "zero" else b ^ 0xFF for b in data[offset:end])
+            path.write_bytes(bytes(data))
+            return
+    raise AssertionError(f"{path} has no .text section")

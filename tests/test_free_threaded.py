@@ -227,7 +227,7 @@ def test_abi3t_build_loads_and_works_on_gil_enabled_315(tmp_path):
         # also gives the module its file (where the engine is found) and runs
         # it (the abi3t boot is a multi-phase module).
         line = (ROOT / "outofcuda_hook.pth").read_text().replace("abi3.so", "abi3t.so")
-        create = "_imp.create_dynamic(type(sys.implementation)(name='outofcuda_hook',origin=p))"
+        create = "_imp.create_dynamic(sys.implementation.__class__(name='outofcuda_hook',origin=p))"
         assert create in line
         (work / "outofcuda_hook.pth").write_text(
             line.replace(create, f"m={create};m.__file__=p;_imp.exec_dynamic(m)"))

@@ -177,7 +177,7 @@ def test_wheel_built_by_the_newest_python_and_gcc(chroot, version):
     with zipfile.ZipFile(b["start_wheel"]) as zf:
         root = {n for n in zf.namelist() if "/" not in n}
     assert root == {"outofcuda_hook.abi3.so", "_outofcuda.abi3.so", "outofcuda_hook.start",
-                    "_outofcuda.pyi"}, root
+                    "outofcuda_hook_start.py", "_outofcuda.pyi"}, root
 
 
 @pytest.mark.parametrize("version", NEWEST)

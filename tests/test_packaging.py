@@ -21,6 +21,7 @@ from conftest import ROOT, WERROR, _clean_env
 # site-packages; the .start file is only in the cp318-abi3 one.
 HOOK_FILES = {"outofcuda_hook.pth"}
 START = "outofcuda_hook.start"
+START_MODULE = "outofcuda_hook_start.py"  # the module the .start file names
 WATCHING = ("import sys, _outofcuda; print(sum(type(f).__name__ == 'TorchImportWatcher' "
             "for f in sys.meta_path), _outofcuda.status()['hook']['installed'])")
 
@@ -118,9 +119,55 @@ def test_start_wheel_is_cp318_with_the_start_file_alone(start_wheel):
         root = {n for n in zf.namelist() if "/" not in n}
         record = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))).decode()
         start = zf.read(START).decode()
-    assert root == {START, "outofcuda_hook.abi3.so", "_outofcuda.abi3.so", "_outofcuda.pyi"}, root
-    assert start == (ROOT / START).read_text() and start.strip() == "outofcuda_hook:install"
-    assert any(line.startswith(START + ",sha256=") for line in record.splitlines())
+    assert root == {START, START_MODULE, "outofcuda_hook.abi3.so", "_outofcuda.abi3.so",
+                    "_outofcuda.pyi"}, root
+    assert start == (ROOT / START).read_text() and start.strip() == "outofcuda_hook_start:install"
+    for name in (START, START_MODULE):
+        assert any(line.startswith(name + ",sha256=") for line in record.splitlines()), name
+
+
+START_ENTRY = """
+import importlib, json, sys
+sys.path.append(SITE)
+module, func = open(SITE + '/outofcuda_hook.start').read().strip().split(':')
+for _ in range(2):
+    getattr(importlib.import_module(module), func)()
+boot = sys.modules.get('outofcuda_hook')
+print(json.dumps([getattr(boot, '__file__', None),
+                  sum(type(f).__name__ == 'TorchImportWatcher' for f in sys.meta_path)]))
+"""
+
+
+def test_start_entry_reads_disable_and_the_size_before_it_loads_the_boot(start_wheel, tmp_path):
+    """The .start wheel's entry point (site calls it on 3.15+; here site's
+    call under -S on 3.11, the wheel installed under a cp311 name) loads the
+    boot as the .pth line does: by path, once however often it is called,
+    only at the size it was built with, and not with OUTOFCUDA_DISABLE=1, so
+    that a boot damaged at its size leaves that way out on 3.18+ too."""
+    from kit import damage_code
+
+    renamed = tmp_path / start_wheel.name.replace("-cp318-", "-cp311-")
+    shutil.copy(start_wheel, renamed)
+    py = make_venv(pyenv_python("3.11"), tmp_path / "v")
+    pip(py, "install", "--no-deps", str(renamed))
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                "['purelib'])"], check=True, capture_output=True,
+                               text=True).stdout.strip())
+    boot = site / "outofcuda_hook.abi3.so"
+    good = boot.read_bytes()
+
+    def entry(**env):
+        r = subprocess.run([str(py), "-S", "-c", START_ENTRY.replace("SITE", repr(str(site)))],
+                           capture_output=True, text=True, env=_clean_env(env), cwd=tmp_path)
+        assert (r.returncode, r.stderr) == (0, ""), (r.returncode, r.stderr)
+        return json.loads(r.stdout)
+
+    assert entry() == [str(boot), 1]
+    assert entry(OUTOFCUDA_DISABLE="1") == [None, 0]
+    damage_code(boot, "zero")
+    assert entry(OUTOFCUDA_DISABLE="1") == [None, 0]
+    boot.write_bytes(good[:8000])
+    assert entry() == [None, 0]
 
 
 def test_pip_picks_the_pth_wheel_before_318_and_the_start_wheel_after(wheel, start_wheel):

@@ -204,7 +204,7 @@ def test_pth_and_start_are_constant_and_short(venv, wheel):
     for name, text in files.items():
         assert text == expected[name], f"installed {name} differs from the checkout"
         assert len(text) <= 300 and text.count("\n") <= 1, f"{name} is not one short line"
-    assert files["outofcuda_hook.start"].strip() == "outofcuda_hook:install"
+    assert files["outofcuda_hook.start"].strip() == "outofcuda_hook_start:install"
     pth = files["outofcuda_hook.pth"].strip()
     assert pth.startswith("import ")
     # Every exec/eval/compile/__import__ in the line takes a constant: no
@@ -227,7 +227,7 @@ def test_pth_and_start_are_constant_and_short(venv, wheel):
         assert not any(isinstance(n, ast.Name) and n.id in ("eval", "exec", "compile")
                        for n in ast.walk(inner))
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert imported <= {"os", "sys"}
+    assert imported <= {"_imp", "os", "sys"}
     # Inside the guard: the boot by path from the .pth file's own directory
     # (`sitedir`, site's variable), by name only when that fails (editable).
     inner_imports = {a.name for c in calls for n in ast.walk(ast.parse(c.args[0].value))
