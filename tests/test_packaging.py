@@ -76,18 +76,26 @@ def test_install_then_uninstall_leaves_nothing(wheel, tmp_path):
     assert site_files(py) == before
 
 
-def test_editable_install_has_the_hook_and_uninstalls_clean(tmp_path):
-    src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".git", "build", "dist", "*.egg-info", "*.so", ".venv*", "__pycache__", ".pytest_cache"))
+def install_watching(tmp_path, *spec):
+    """A fresh venv with `pip install *spec`: the .pth hook files land (no
+    .start) and the finder is watching once. Returns (python, site files
+    before the install)."""
     py = make_venv(sys.executable, tmp_path / "v")
     before = site_files(py)
-    pip(py, "install", "-e", str(src))
+    pip(py, "install", *spec)
     added = site_files(py) - before
     assert HOOK_FILES <= added and START not in added, added
     r = subprocess.run([str(py), "-c", WATCHING], capture_output=True, text=True,
                        env=_clean_env(), cwd=tmp_path)
     assert r.stdout.split() == ["1", "True"], r.stderr
+    return py, before
+
+
+def test_editable_install_has_the_hook_and_uninstalls_clean(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "*.so", ".venv*", "__pycache__", ".pytest_cache"))
+    py, before = install_watching(tmp_path, "-e", str(src))
     pip(py, "uninstall", "-y", "outofcuda")
     assert site_files(py) == before
     # No private setuptools API: the root files come from the in-tree PEP 517
@@ -263,14 +271,7 @@ def test_sdist_builds_installs_and_hooks(tmp_path):
             "buildsys/backend.py", "buildsys/hookfiles.py"} <= names
     # tests/test_docs.py, which the sdist carries, reads the reference and the changelog.
     assert {"CHANGELOG.md", "docs/README.md", "docs/environment.md", "docs/layout.md"} <= names
-    py = make_venv(sys.executable, tmp_path / "v")
-    before = site_files(py)
-    pip(py, "install", "--no-deps", str(sdist))
-    added = site_files(py) - before
-    assert HOOK_FILES <= added and START not in added, added
-    r = subprocess.run([str(py), "-c", WATCHING], capture_output=True, text=True,
-                       env=_clean_env(), cwd=tmp_path)
-    assert r.stdout.split() == ["1", "True"], r.stderr
+    install_watching(tmp_path, "--no-deps", str(sdist))
 
 
 def _asan_symbols(wheel_dir, tmp):
