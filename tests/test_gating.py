@@ -103,7 +103,7 @@ def test_the_legacy_precision_getters_are_never_read_where_the_new_api_exists(
     assert ["_get_fp32_precision_getter", "cuda", "matmul"] in rep["calls"]
 
 
-@pytest.mark.parametrize("release,var", [("2.4.0", "PYTORCH_CUDA_ALLOC_CONF"),
+@pytest.mark.parametrize("release,var", [("2.4.1", "PYTORCH_CUDA_ALLOC_CONF"),
                                          ("2.11.0", "PYTORCH_ALLOC_CONF"),
                                          ("2.14.1", "PYTORCH_CUDA_ALLOC_CONF")])
 def test_user_allocator_keys_win(venv, tmp_path, release, var):
@@ -122,7 +122,7 @@ def test_user_allocator_keys_win(venv, tmp_path, release, var):
     assert "user's keys kept" in alloc["reason"]
 
 
-@pytest.mark.parametrize("release", ["2.4.0", "2.14.1"])
+@pytest.mark.parametrize("release", ["2.4.1", "2.14.1"])
 def test_an_empty_variable_counts_as_set(venv, tmp_path, release):
     # torch >= 2.11 stops at the first variable that is set, empty or not; up
     # to 2.10 only PYTORCH_CUDA_ALLOC_CONF is read.
@@ -136,7 +136,7 @@ def test_an_empty_variable_counts_as_set(venv, tmp_path, release):
     assert rep["env_at_load"]["PYTORCH_ALLOC_CONF"] is None
 
 
-@pytest.mark.parametrize("release", ["2.4.0", "2.14.1"])
+@pytest.mark.parametrize("release", ["2.4.1", "2.14.1"])
 @pytest.mark.parametrize("env", [
     {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},   # the user's choice of backend
     {"OUTOFCUDA_ALLOC_CONF": "backend:cudaMallocAsync,max_split_size_mb:128"},
@@ -151,14 +151,14 @@ def test_cuda_malloc_async_gets_no_native_keys(venv, tmp_path, release, env):
 
 
 def test_unknown_keys_are_left_out_and_named(venv, tmp_path):
-    rep, _ = run_release(venv, tmp_path, "2.4.0",
+    rep, _ = run_release(venv, tmp_path, "2.4.1",
                          env={"OUTOFCUDA_ALLOC_CONF": "per_process_memory_fraction:0.5,backend:native"})
     assert rep["conf_read"] == "backend:native"
     assert "per_process_memory_fraction" in rep["status"]["optimizations"]["allocator"]["reason"]
 
 
 def test_malformed_user_variable_is_left_whole(venv, tmp_path):
-    rep, _ = run_release(venv, tmp_path, "2.4.0", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments"},
+    rep, _ = run_release(venv, tmp_path, "2.4.1", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments"},
                          code=REPORT.replace("import json, os, torch", "import json, os\ntry:\n import torch\nexcept RuntimeError: raise SystemExit(3)\nimport torch"))
     assert rep["env_at_load"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments"
     alloc = rep["status"]["optimizations"]["allocator"]
@@ -271,9 +271,9 @@ print('REPORT=' + json.dumps({'status': _outofcuda.status(), 'conf_read': torch.
 
 
 def test_a_retried_import_reads_the_good_torchs_facts(venv, tmp_path):
-    # A broken copy first on the path (here a CPU-only 2.4.0 whose __init__
+    # A broken copy first on the path (here a CPU-only 2.4.1 whose __init__
     # raises), then the real one: outofcuda must judge the one that imported.
-    broken = make_fake_torch(tmp_path / "broken", "2.4.0", cuda=False)
+    broken = make_fake_torch(tmp_path / "broken", "2.4.1", cuda=False)
     init = broken / "torch" / "__init__.py"
     init.write_text(init.read_text() + "\nraise RuntimeError('broken copy')\n")
     good = make_fake_torch(tmp_path / "good", "2.14.1")
@@ -505,3 +505,44 @@ def test_an_off_word_turns_each_step_off_and_status_says_by_what(venv, tmp_path,
 def test_without_off_words_nothing_says_off(venv, tmp_path):
     rep, _ = run_release(venv, tmp_path, "2.14.1")
     assert {e["off_by"] for e in rep["status"]["optimizations"].values()} == {None}
+
+
+# ---- the stand-ins against what was recorded from the real wheels ----
+
+RECORD_PROBE = """
+import json, warnings, torch
+warnings.simplefilter("ignore")  # 2.4+'s deprecated autocast getter is only looked up
+try:
+    import torch.distributed.fsdp as fsdp
+    fsdp = getattr(fsdp, "FSDPModule", None)
+except ImportError:
+    fsdp = None
+print('REPORT=' + json.dumps({
+    'allocator': sorted(n for n in dir(torch._C) if n in (%r)),
+    'cudnn': torch.backends.cudnn.version(),
+    'fsdp': None if fsdp is None else (
+        'divide_factor' if hasattr(fsdp, 'set_reduce_scatter_divide_factor')
+        else 'no_divide_factor'),
+    'autocast_getter': 'get_autocast_dtype' if hasattr(torch, 'get_autocast_dtype')
+                       else 'get_autocast_gpu_dtype' if hasattr(torch, 'get_autocast_gpu_dtype')
+                       else None,
+}))
+"""
+ALLOCATOR_FNS = ("_cuda_cudaCachingAllocator_set_allocator_settings", ACCEL,
+                 "_accelerator_getAllocatorSettings")
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_each_stand_in_is_what_its_release_was_recorded_as(tmp_path, release):
+    import subprocess
+    import sys
+    from fake_torch import RECORDS, record_of
+    root = make_fake_torch(tmp_path / "fake", release)
+    r = subprocess.run([sys.executable, "-W", "error", "-c", RECORD_PROBE % (ALLOCATOR_FNS,)],
+                       env={"PYTHONPATH": str(root)}, cwd=tmp_path, capture_output=True,
+                       text=True)
+    got = last_json(r, "REPORT=")
+    rec = record_of(release)
+    assert got == {k: (sorted(rec[k]) if k == "allocator" else rec[k])
+                   for k in ("allocator", "cudnn", "fsdp", "autocast_getter")}, (release, got)
+    assert RECORDS["recorded"] == "2026-12-07" and "real CUDA wheels" in RECORDS["source"]

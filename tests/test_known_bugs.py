@@ -544,13 +544,13 @@ def test_nothing_outofcuda_sets_makes_a_tf32_read_raise(venv, tmp_path, release,
 
 def test_the_tf32_row_says_outofcuda_avoids_the_trap(venv, tmp_path):
     rows = {}
-    for release in ("2.4.0", "2.9.0", "2.15.0"):
+    for release in ("2.4.1", "2.9.0", "2.15.0"):
         root = make_fake_torch(tmp_path / release, release)
         st = last_json(venv.run("import json, torch, _outofcuda; print(json.dumps("
                                 "_outofcuda.status()['known_bugs']))",
                                 env={"PYTHONPATH": str(root)}, cwd=tmp_path))
         (rows[release],) = [b for b in st if b["id"] == "tf32-mixed-api"]
-    assert rows["2.4.0"]["applies"] is False
+    assert rows["2.4.1"]["applies"] is False
     for release in ("2.9.0", "2.15.0"):
         assert rows[release]["applies"] is True and rows[release]["done"] is True
         assert "_set_cublas_allow_tf32" in rows[release]["reason"]
