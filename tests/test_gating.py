@@ -32,6 +32,13 @@ def run_release(venv, tmp_path, release, env=None, cuda=True, code=REPORT, args=
     return last_json(r, "REPORT="), r
 
 
+def setter_configures(release):
+    """From 2.9 the allocator string goes to torch's runtime setter (the CUDA
+    one up to 2.9.x, the accelerator one from 2.10) and the variable is never
+    written; before, it is written while torch imports."""
+    return tuple(int(x) for x in release.split(".")[:2]) >= (2, 9)
+
+
 def names(report):
     return [c[0] for c in report["calls"]]
 
@@ -78,12 +85,12 @@ def test_every_release_applies_without_warning(venv, tmp_path, release):
     expandable = "expandable_segments" in RELEASES[release]["keys"]
     assert ("expandable_segments" in keys) == expandable
     assert ("max_split_size_mb" in keys) == (not expandable)
-    # Handed to the release's runtime setter; from 2.9 (the accelerator
-    # setter) the environment is never written, before that it holds the
+    # Handed to the release's runtime setter; from 2.9 the environment is
+    # never written, before that it holds the
     # string while torch's libraries load and is given back afterwards: the
     # configuration holds it, children inherit the user's environment.
     written = rep["env_at_load"][RELEASES[release]["env"][-1]]
-    assert written == (None if ACCEL in RELEASES[release]["c"] else conf)
+    assert written == (None if setter_configures(release) else conf)
     setter = [c for c in rep["calls"] if c[0] in ("_accelerator_setAllocatorSettings",
                                                   "_cuda_cudaCachingAllocator_set_allocator_settings")]
     legacy = "_cuda_cudaCachingAllocator_set_allocator_settings" in RELEASES[release]["c"]
@@ -114,10 +121,10 @@ def test_user_allocator_keys_win(venv, tmp_path, release, var):
     assert conf.count("max_split_size_mb") == 1
     assert "garbage_collection_threshold:0.8" in conf  # outofcuda's default fills the gap
     assert "expandable_segments" not in conf           # not beside the user's max_split_size_mb
-    assert rep["env_at_load"][var] == (user if ACCEL in RELEASES[release]["c"] else conf)
+    assert rep["env_at_load"][var] == (user if setter_configures(release) else conf)
     assert rep["env_now"][var] == user                 # given back as the user set it
     alloc = rep["status"]["optimizations"]["allocator"]
-    assert alloc["code"] == ("runtime_setter" if ACCEL in RELEASES[release]["c"] else "env_written")
+    assert alloc["code"] == ("runtime_setter" if setter_configures(release) else "env_written")
     # What the codes cannot say: that the user's keys were kept.
     assert "user's keys kept" in alloc["reason"]
 
@@ -379,17 +386,20 @@ def test_the_users_per_process_memory_fraction_wins(venv, tmp_path, release, var
     assert rep["status"]["hook"]["error"] is None
 
 
-def test_a_fraction_the_program_gives_torch_before_cuda_starts_wins(venv, tmp_path):
-    # Through the runtime setter after import: read again when CUDA starts.
-    code = REPORT.replace("torch.cuda._fake_cuda_init()", "torch._C.allocator_settings = "
-                          "'per_process_memory_fraction:0.25'\n"
-                          "torch._C._accelerator_getAllocatorSettings = "
-                          "lambda: torch._C.allocator_settings\ntorch.cuda._fake_cuda_init()")
-    rep, _ = run_release(venv, tmp_path, "2.14.1", code=code)
+@pytest.mark.parametrize("release", FRACTION_KEY)
+def test_a_fraction_the_program_gives_torch_before_cuda_starts_wins(venv, tmp_path, release):
+    # Through the runtime setter after import, on releases with the settings
+    # getter (2.12+) and without it (2.10, 2.11): the fraction torch's
+    # allocator took when it started is read at CUDA's start.
+    code = REPORT.replace("torch.cuda._fake_cuda_init()",
+                          "torch._C._accelerator_setAllocatorSettings("
+                          "'per_process_memory_fraction:0.25')\ntorch.cuda._fake_cuda_init()")
+    rep, r = run_release(venv, tmp_path, release, code=code)
+    assert r.stderr == ""
     assert "_cuda_setMemoryFraction" not in names(rep)
     frac = rep["status"]["optimizations"]["memory_fraction"]
     assert (frac["state"], frac["code"]) == ("skipped", "program_chose"), frac
-    assert "torch's allocator settings hold per_process_memory_fraction:0.25" in frac["reason"]
+    assert "0.25" in frac["reason"], frac
 
 
 # ---- children spawned while torch imports ----
@@ -417,7 +427,7 @@ def test_the_environment_is_never_written_where_a_runtime_setter_configures(venv
     assert r.stderr == ""
     alloc = rep["status"]["optimizations"]["allocator"]
     assert alloc["applied"] and rep["conf_read"] == alloc["value"]
-    if ACCEL in RELEASES[release]["c"]:
+    if setter_configures(release):
         assert rep["seen"] == [], rep["seen"]
         assert alloc["code"] == "runtime_setter"
     else:
@@ -522,6 +532,7 @@ print('REPORT=' + json.dumps({
     'cudnn': torch.backends.cudnn.version(),
     'fsdp': None if fsdp is None else (
         'divide_factor' if hasattr(fsdp, 'set_reduce_scatter_divide_factor')
+        or hasattr(fsdp, 'set_gradient_divide_factor')
         else 'no_divide_factor'),
     'autocast_getter': 'get_autocast_dtype' if hasattr(torch, 'get_autocast_dtype')
                        else 'get_autocast_gpu_dtype' if hasattr(torch, 'get_autocast_gpu_dtype')

@@ -58,7 +58,7 @@ ROWS = {
     "alloc-conf-generic-ignored": dict(torch=(20900, 21100), needs="alloc"),
     "torchrun-gpu0-context": dict(needs="ctx"),
     "cudnn-sublibrary-mismatch": dict(cuda=(1300, 1400), cudnn=(92000, 92300)),
-    "fsdp2-bf16-premul-sum": dict(),
+    "fsdp2-bf16-premul-sum": dict(torch=(20500, None)),
     "avg-pool2d-channels-last-grad": dict(),
     "tf32-mixed-api": dict(torch=(20900, None)),
     "cudnn-sdpa-nan-dkdv-sq1": dict(torch=(21100, None), cudnn=(92501, 92700), cc=(90, 100),
