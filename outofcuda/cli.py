@@ -964,7 +964,7 @@ try:
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if getter is not None:
         read("allocator_settings", getter)
-    read("float32_matmul_precision", torch.get_float32_matmul_precision)
+    read("float32_matmul_precision", lambda: torch.get_float32_matmul_precision())
     read("cuda.matmul.allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32)
     read("cudnn.allow_tf32", lambda: torch.backends.cudnn.allow_tf32)
     read("cudnn.enabled", lambda: torch.backends.cudnn.enabled)
