@@ -594,9 +594,11 @@ def test_a_rank_with_a_context_on_device_0_is_named(two_gpus):
 
 def test_outofcuda_never_touches_device_0_on_another_rank(two_gpus):
     """LOCAL_RANK=1: every device call outofcuda makes at CUDA's start names
-    device 1 (the memory fraction), none device 0 or the current device."""
+    device 1 (the fraction torch's allocator holds, then outofcuda's), none
+    device 0 or the current device."""
     d = last_json(two_gpus([(1, "self", 900 << 20)], LOCAL_RANK="1"))
-    assert d["calls"] == [["_cuda_getDeviceCount"], ["_cuda_setMemoryFraction", 0.95, 1],
+    assert d["calls"] == [["_cuda_getDeviceCount"], ["_cuda_getMemoryFraction", 1],
+                          ["_cuda_setMemoryFraction", 0.95, 1],
                           ["_cuda_attach_out_of_memory_observer"]], d["calls"]
     assert d["fraction"]["device"] == 1
     assert d["row"][0] is False and "no visible device but LOCAL_RANK 1's" in d["row"][2]
