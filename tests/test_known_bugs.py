@@ -556,6 +556,19 @@ def test_the_tf32_row_says_outofcuda_avoids_the_trap(venv, tmp_path):
         assert "_set_cublas_allow_tf32" in rows[release]["reason"]
 
 
+def test_the_fsdp2_row_needs_fsdp2s_divide_factor_setter(venv, tmp_path):
+    # Stand-ins from the records: no FSDPModule before 2.4, one without the
+    # divide-factor setter in 2.4.1, the setter from 2.5 (a 2.9.1 reporting 2.5.0).
+    rows = {}
+    for release, version in (("2.0.1", None), ("2.4.1", None), ("2.9.1", "2.5.0")):
+        root = make_fake_torch(tmp_path / release, release, version=version)
+        st = last_json(venv.run("import json, torch, _outofcuda; print(json.dumps("
+                                "_outofcuda.status()['known_bugs']))",
+                                env={"PYTHONPATH": str(root)}, cwd=tmp_path))
+        (rows[release],) = [b for b in st if b["id"] == "fsdp2-bf16-premul-sum"]
+    assert [rows[r]["applies"] for r in ("2.0.1", "2.4.1", "2.9.1")] == [False, False, True], rows
+
+
 # ---- GPU-0 contexts under torchrun (pytorch issue 135279) ----
 
 GPU0 = """
