@@ -899,13 +899,14 @@ static void framework_at_cuda_init(PyObject *torch)
  * where in `where`, when the user's allocator variable holds the key or, at
  * CUDA's start (c_mod given), torch's settings getter (2.12+) shows it or
  * `device`'s allocator holds a fraction below 1 (a runtime setter's on 2.10
- * and 2.11, which have no getter). */
+ * and 2.11, which have no getter) other than outofcuda's own (set by a run of
+ * this step a Ctrl-C cut short, the queue then run again). */
 static int program_fraction(PyObject *c_mod, long device, char *where, size_t sz)
 {
     const char *name, *user;
     char v[64], conf[OC_ALLOC_CONF_MAX];
     PyObject *live;
-    double held = 1.0;
+    double held;
     name = user_alloc_var(&user);
     if (oc_alloc_value(user, "per_process_memory_fraction", v, sizeof v) == 1)
         return snprintf(where, sz, "%s sets per_process_memory_fraction:%s", name, v) > 0;
@@ -915,14 +916,13 @@ static int program_fraction(PyObject *c_mod, long device, char *where, size_t sz
     oc_utf8(live != NULL && PyUnicode_Check(live) ? live : NULL, conf, sizeof conf);
     Py_XDECREF(live);
     if (oc_alloc_value(conf, "per_process_memory_fraction", v, sizeof v) == 1)
-        return snprintf(where, sz, "torch's allocator settings hold per_process_memory_fraction:%s",
-                        v) > 0;
+        return snprintf(where, sz, "torch's settings hold per_process_memory_fraction:%s", v) > 0;
     live = PyObject_CallMethod(c_mod, "_cuda_getMemoryFraction", "l", device);
-    if (live != NULL && PyFloat_Check(live))
-        held = PyFloat_AsDouble(live);
+    held = live != NULL && PyFloat_Check(live) ? PyFloat_AsDouble(live) : 1.0;
     OC_CLEAR_ABSENT(); /* a torch without the reader holds none */
     Py_XDECREF(live);
     return held > 0.0 && held < 1.0 &&
+           (held - pending_fraction) * (held - pending_fraction) > 1e-12 &&
            snprintf(where, sz, "torch's allocator holds a memory fraction of %.2f for cuda:%ld",
                     held, device) > 0;
 }

@@ -402,6 +402,28 @@ def test_a_fraction_the_program_gives_torch_before_cuda_starts_wins(venv, tmp_pa
     assert "0.25" in frac["reason"], frac
 
 
+def test_outofcuda_s_own_fraction_is_not_taken_for_the_program_s(venv, tmp_path):
+    # A Ctrl-C inside torch's setter after it set outofcuda's fraction: the
+    # step runs again when torch runs its queue again, and the fraction torch
+    # holds then is outofcuda's own, not one the program chose.
+    code = REPORT.replace("torch.cuda._fake_cuda_init()", """
+C = torch._C
+real = C._cuda_setMemoryFraction
+def cut_short(fraction, device):
+    real(fraction, device)
+    C._cuda_setMemoryFraction = real
+    raise KeyboardInterrupt
+C._cuda_setMemoryFraction = cut_short
+try:
+    torch.cuda._fake_cuda_init()
+except KeyboardInterrupt:
+    pass
+torch.cuda._fake_cuda_init()""")
+    rep, r = run_release(venv, tmp_path, "2.11.0", code=code)
+    frac = rep["status"]["optimizations"]["memory_fraction"]
+    assert (frac["state"], frac["code"]) == ("applied", "at_cuda_init"), frac
+
+
 # ---- children spawned while torch imports ----
 
 # Every import inside `import torch` passes this audit hook, on the importing
