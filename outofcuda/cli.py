@@ -544,7 +544,9 @@ def _check_torch(pr):
     return _check("torch", True, f"torch {version} is supported")
 
 
-def _check_alloc_conf(torch_version=None):
+def _check_alloc_conf(torch_version=None, allocator=None):
+    # allocator: status()'s allocator record from the probe, whose value is
+    # the string outofcuda gave this torch (its defaults as this release takes them)
     cfg = _config()
     platform = core._platform()
     # outofcuda's defaults as this platform has them (none of expandable
@@ -607,7 +609,9 @@ def _check_alloc_conf(torch_version=None):
                       "avoid most fragmentation), or set expandable_segments:False there if you "
                       "need max_split_size_mb")
     if read not in os.environ:
-        effective = core._merge_alloc_conf(own, "", no_expandable=no_expandable)[0]
+        effective = (allocator or {}).get("value")
+        if not isinstance(effective, str):
+            effective = core._merge_alloc_conf(own, "", no_expandable=no_expandable)[0]
         notes.insert(0, f"no user allocator settings (defaults: {effective or 'none'})")
     return _check("alloc_conf", True, "; ".join(notes))
 
@@ -851,7 +855,8 @@ def doctor_data():
         _check_hook(hook_files(), pr),
         _check_extension(pr),
         _check_torch(pr),
-        _check_alloc_conf(pr.get("torch")),
+        _check_alloc_conf(pr.get("torch"),
+                          ((pr.get("status") or {}).get("optimizations") or {}).get("allocator")),
         _check_tf32_override(),
         _check_visible_devices(),
         _check_shm(bool(devices)),
@@ -1051,14 +1056,16 @@ try:
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if getter is not None:
         read("allocator_settings", getter)
-    read("float32_matmul_precision", torch.get_float32_matmul_precision)
+    read("float32_matmul_precision", lambda: torch.get_float32_matmul_precision())
     read("cuda.matmul.allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32)
     read("cudnn.allow_tf32", lambda: torch.backends.cudnn.allow_tf32)
     read("cudnn.enabled", lambda: torch.backends.cudnn.enabled)
     read("cudnn.benchmark", lambda: torch.backends.cudnn.benchmark)
     read("cudnn.deterministic", lambda: torch.backends.cudnn.deterministic)
-    read("autocast_dtype.cuda", lambda: torch.get_autocast_dtype("cuda"))
-    read("autocast_dtype.cpu", lambda: torch.get_autocast_dtype("cpu"))
+    # 2.4+ has one getter; before it, one per device type
+    get = getattr(torch, "get_autocast_dtype", None)
+    read("autocast_dtype.cuda", lambda: get("cuda") if get else torch.get_autocast_gpu_dtype())
+    read("autocast_dtype.cpu", lambda: get("cpu") if get else torch.get_autocast_cpu_dtype())
     out["cuda_initialized"] = bool(torch.cuda.is_initialized())
 except BaseException as e:
     out["torch_error"] = "%s: %s" % (type(e).__name__, e)

@@ -242,9 +242,8 @@ static int framework_owns_memory(const oc_config *cfg, char *override_note, size
  * runtime setter after `import torch`, before CUDA starts, so the variable
  * need not be written at all: a child spawned while torch imports (a
  * thread's subprocess.run) then inherits the user's environment, never
- * outofcuda's string. 2.9 added torch._C._accelerator_setAllocatorSettings
- * (2.13.0 and 2.14.1 have it, measured); every key but `backend` is parsed
- * on the allocator's first use or at the setter's call, and the setter parses
+ * outofcuda's string. From 2.9 on (call_setter) every key but `backend` is
+ * parsed on the allocator's first use or at the setter's call, and the setter parses
  * the whole string. `backend` alone is read while torch's libraries load:
  * where outofcuda's string adds one the user's does not hold, the variable
  * is still written, for the import alone (restored by settle_allocator).
@@ -735,10 +734,9 @@ static void apply_sdpa(const oc_config *cfg, PyObject *c_mod)
 
 /* ---- torch's runtime allocator setter ---- */
 
-/* Hands `conf` to torch's runtime setter. The CUDA setter first: on 2.9 and
- * 2.10 the CUDA allocator still keeps its own configuration beside the
- * accelerator one. Returns 1 done, 0 when this torch has no setter, -1 when
- * the setter raised (exception left set); *used names the setter tried. */
+/* Hands `conf` to torch's runtime setter (the CUDA one up to 2.9.x, the
+ * accelerator one from 2.10): 1 done, 0 when this torch has none, -1 when it
+ * raised (exception left set); *used names the setter tried. */
 static int call_setter(PyObject *c_mod, const char *conf, const char **used)
 {
     static const char *const setters[] = {"_cuda_cudaCachingAllocator_set_allocator_settings",
@@ -895,45 +893,46 @@ static void framework_at_cuda_init(PyObject *torch)
 
 /* ---- memory fraction, deferred to CUDA initialisation ---- */
 
-/* torch's allocator key per_process_memory_fraction (2.10+) is the
- * program's own memory fraction: torch applies it when CUDA initialises,
- * before the lazy-init queue runs, so a fraction set from the queue would
- * overwrite it. Returns 1 when the user's allocator variable (as this release
- * reads it) or torch's live allocator settings (a runtime setter the program
- * called) hold the key, with where in `where`; 0 otherwise. A release
- * without the key rejects a string holding it, so its presence is the whole
- * test, on every release. */
-static int program_fraction(PyObject *c_mod, char *where, size_t sz)
+/* torch's allocator key per_process_memory_fraction (2.10+) is the program's
+ * own fraction: torch's allocator takes it when it starts, before the
+ * lazy-init queue runs, where outofcuda's would overwrite it. Returns 1, with
+ * where in `where`, when the user's allocator variable holds the key or, at
+ * CUDA's start (c_mod given), torch's settings getter (2.12+) shows it or
+ * `device`'s allocator holds a fraction below 1 (a runtime setter's on 2.10
+ * and 2.11, which have no getter) other than outofcuda's own (set by a run of
+ * this step a Ctrl-C cut short, the queue then run again: own). */
+static int program_fraction(PyObject *c_mod, long device, double own, char *where, size_t sz)
 {
     const char *name, *user;
-    char v[64];
+    char v[64], conf[OC_ALLOC_CONF_MAX];
     PyObject *live;
+    double held;
     name = user_alloc_var(&user);
-    if (oc_alloc_value(user, "per_process_memory_fraction", v, sizeof v) == 1) {
-        snprintf(where, sz, "%s sets per_process_memory_fraction:%s", name, v);
-        return 1;
-    }
-    live = c_mod ? oc_call_quiet(c_mod, "_accelerator_getAllocatorSettings", NULL, NULL) : NULL;
-    if (live != NULL && PyUnicode_Check(live)) {
-        char conf[OC_ALLOC_CONF_MAX];
-        if (oc_alloc_value(oc_utf8(live, conf, sizeof conf), "per_process_memory_fraction", v,
-                           sizeof v) == 1) {
-            snprintf(where, sz, "torch's allocator settings hold per_process_memory_fraction:%s",
-                     v);
-            Py_DECREF(live);
-            return 1;
-        }
-    }
+    if (oc_alloc_value(user, "per_process_memory_fraction", v, sizeof v) == 1)
+        return snprintf(where, sz, "%s sets per_process_memory_fraction:%s", name, v) > 0;
+    if (c_mod == NULL)
+        return 0;
+    live = oc_call_quiet(c_mod, "_accelerator_getAllocatorSettings", NULL, NULL);
+    oc_utf8(live != NULL && PyUnicode_Check(live) ? live : NULL, conf, sizeof conf);
     Py_XDECREF(live);
-    return 0;
+    if (oc_alloc_value(conf, "per_process_memory_fraction", v, sizeof v) == 1)
+        return snprintf(where, sz, "torch's settings hold per_process_memory_fraction:%s", v) > 0;
+    live = PyObject_CallMethod(c_mod, "_cuda_getMemoryFraction", "l", device);
+    held = live != NULL && PyFloat_Check(live) ? PyFloat_AsDouble(live) : 1.0;
+    OC_CLEAR_ABSENT(); /* a torch without the reader holds none */
+    Py_XDECREF(live);
+    return held > 0.0 && held < 1.0 && (held - own) * (held - own) > 1e-12 &&
+           snprintf(where, sz, "torch's allocator holds a memory fraction of %.2f for cuda:%ld",
+                    held, device) > 0;
 }
 
 /* Records the memory fraction as left to the program's own and returns 1
  * when program_fraction finds one; 0 otherwise. */
-static int fraction_left_to_program(PyObject *c_mod, const char *what, const char *torch_does)
+static int fraction_left_to_program(PyObject *c_mod, long device, double own, const char *what,
+                                    const char *torch_does)
 {
     char where[200];
-    if (!program_fraction(c_mod, where, sizeof where))
+    if (!program_fraction(c_mod, device, own, where, sizeof where))
         return 0;
     oc_record_set(OC_OPT_FRACTION, OC_REC_SKIPPED, OC_CODE_PROGRAM_CHOSE,
                   "%s: %s, which torch %s (the user's fraction wins over "
@@ -982,8 +981,6 @@ static void fraction_at_cuda_init(PyObject *torch)
     c_mod = PyObject_GetAttrString(torch, "_C");
     if (c_mod == NULL)
         goto error;
-    if (fraction_left_to_program(c_mod, "not set when CUDA initialised", "applied then"))
-        goto done;
     n = PyObject_CallMethod(c_mod, "_cuda_getDeviceCount", NULL);
     if (n == NULL)
         goto error;
@@ -998,6 +995,9 @@ static void fraction_at_cuda_init(PyObject *torch)
     }
     if (fraction < 0.0)
         fraction = auto_fraction(device, sized, sizeof sized);
+    if (fraction_left_to_program(c_mod, device, fraction, "not set when CUDA initialised",
+                                 "applied then"))
+        goto done;
     r = PyObject_CallMethod(c_mod, "_cuda_setMemoryFraction", "dl", fraction, device);
     if (r == NULL)
         goto error;
@@ -1042,7 +1042,7 @@ static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
                       fw->left_to, fw->why);
         return;
     }
-    if (fraction_left_to_program(NULL, "not set", "applies when CUDA initialises"))
+    if (fraction_left_to_program(NULL, 0, 0.0, "not set", "applies when CUDA initialises"))
         return;
     pending_fraction = cfg->memory_fraction;
     oc_cuda_step_arm(OC_STEP_FRACTION);

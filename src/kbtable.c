@@ -106,9 +106,9 @@ static const oc_known_bug table[] = {
         "fsdp2-bf16-premul-sum",
         "NCCL PREMUL_SUM over bfloat16 reads the factor as zero for powers of two: FSDP2 with a "
         "custom gradient_divide_factor (2, 4, 8, ...) and bf16 reduce_dtype gives zero gradients",
-        /* Fixed on main by pytorch PR 190747 (2026-07); the first release
-         * holding it is not confirmed, so no upper bound. */
-        {0, 0},
+        /* FSDPModule's divide-factor setter arrived in 2.5; fixed on main by
+         * pytorch PR 190747 (2026-07), no release confirmed: no upper bound. */
+        {20500, 0},
         {0, 0},
         {0, 0},
         NULL,

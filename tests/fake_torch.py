@@ -3,8 +3,11 @@ builds of 2.0 ... newest). Each package exposes exactly the `torch._C` names,
 allocator variables and warnings that release has, as read from its sources
 and wheels; every call is recorded so a test can see what outofcuda did.
 
-RELEASES is the table the issue asks for: which `_C` names and allocator keys
-exist in 2.0, 2.1, 2.4, 2.9.0, 2.9.1, 2.11 and the newest release checked.
+RELEASES names the stand-ins. What was recorded from the real wheels
+(tests/releases.json: the allocator functions of `torch._C`, the bundled
+cuDNN, FSDPModule and the autocast getters of each series) is taken from the
+record of the stand-in's series, never written here; the allocator keys,
+variables, warnings and the other `_C` names are read from torch's sources.
 
 Where this stand-in and the real CUDA build of torch 2.14.1 disagreed, the real
 build was followed (tests/test_cuda_build.py runs the same checks on it):
@@ -22,6 +25,7 @@ build was followed (tests/test_cuda_build.py runs the same checks on it):
 - `torch.nn.attention.sdpa_kernel()` (releases with cuDNN attention) is a
   generator context manager that saves the flags in `previous_backends`.
 """
+import json
 import textwrap
 from pathlib import Path
 
@@ -44,46 +48,61 @@ KEYS_29 = KEYS_24 | {"max_non_split_rounding_mb", "pinned_use_background_threads
 KEYS_211 = KEYS_29 | {"large_segment_size_mb", "pinned_reserve_segment_size_mb",
                       "per_process_memory_fraction"}
 
-LEGACY_SETTER = "_cuda_cudaCachingAllocator_set_allocator_settings"  # CUDA builds, until 2.10
-ACCEL_SETTER = "_accelerator_setAllocatorSettings"                    # from 2.9
+LEGACY_SETTER = "_cuda_cudaCachingAllocator_set_allocator_settings"
+ACCEL_SETTER = "_accelerator_setAllocatorSettings"
+ACCEL_GETTER = "_accelerator_getAllocatorSettings"
 CUDA_ONLY_VAR = ("PYTORCH_CUDA_ALLOC_CONF",)
 VARS_211 = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+# torch's allocator key per_process_memory_fraction arrived in 2.10 (PR 161035).
+KEYS_210 = KEYS_29 | {"per_process_memory_fraction"}
+
+# What was recorded from the real wheels, one record per release series
+# (tests/releases.json): the allocator functions, the bundled cuDNN,
+# FSDPModule and the autocast getters of each stand-in come from there.
+RECORDS = json.loads((Path(__file__).with_name("releases.json")).read_text())
+
+
+def record_of(release):
+    """The record of the series `release` (e.g. "2.9.1") belongs to."""
+    return RECORDS["releases"][".".join(release.split(".")[:2])]
 
 
 # 2.9+: the fp32_precision API beside the legacy one.
 FP32_API = {"_get_fp32_precision_getter", "_set_fp32_precision_setter"}
+# _cuda_getMemoryFraction (torch.cuda.get_per_process_memory_fraction), 2.8+.
+GET_FRACTION = {"_cuda_getMemoryFraction"}
 
 
-def _release(c, keys, modern, env, warns=frozenset(), cudnn=None):
-    # modern: 2.4+ (set_autocast_dtype, annotated version.py); cudnn: what
-    # torch.backends.cudnn.version() reports on the CUDA build (None: not
-    # checked on a real build, a test passes its own)
+def _release(name, c, keys, env, warns=frozenset()):
+    # c: the hand-written names beside the recorded ones; the record gives
+    # the allocator functions, cuDNN (what torch.backends.cudnn.version()
+    # reports on the CUDA build), FSDPModule and the autocast getters
+    # (2.4+: get_autocast_dtype, set_autocast_dtype, annotated version.py).
+    rec = record_of(name)
     if "_set_sdp_use_cudnn" in c:
         c = c | {"_get_cudnn_sdp_enabled"}
-    return dict(c=BASE_C | c, keys=keys, autocast_new=modern, annotated_version=modern,
-                warns=set(warns), env=env, cudnn=cudnn)
+    modern = rec["autocast_getter"] == "get_autocast_dtype"
+    return dict(c=BASE_C | c | set(rec["allocator"]), keys=keys, autocast_new=modern,
+                annotated_version=modern, warns=set(warns), env=env, cudnn=rec["cudnn"],
+                fsdp=rec["fsdp"], autocast_getter=rec["autocast_getter"])
 
 
+SDPA_CUDNN = {"_set_sdp_use_cudnn"}
 RELEASES = {
-    "2.0.0": _release({LEGACY_SETTER}, KEYS_20, False, CUDA_ONLY_VAR),
-    "2.1.0": _release({LEGACY_SETTER}, KEYS_21, False, CUDA_ONLY_VAR),
-    "2.4.0": _release({"_set_sdp_use_cudnn", LEGACY_SETTER}, KEYS_24, True, CUDA_ONLY_VAR),
-    # 2.9.0 alone warns on the cuDNN TF32 setter and the legacy getters.
+    "2.0.1": _release("2.0.1", set(), KEYS_20, CUDA_ONLY_VAR),
+    "2.1.0": _release("2.1.0", set(), KEYS_21, CUDA_ONLY_VAR),
+    "2.4.1": _release("2.4.1", SDPA_CUDNN, KEYS_24, CUDA_ONLY_VAR),
     # 2.9.0 alone warns on the cuDNN TF32 setter, setFloat32MatmulPrecision
     # and the legacy getters (PR 158209).
-    "2.9.0": _release({"_set_sdp_use_cudnn", LEGACY_SETTER, ACCEL_SETTER} | FP32_API, KEYS_29,
-                      True, CUDA_ONLY_VAR,
+    "2.9.0": _release("2.9.0", SDPA_CUDNN | FP32_API | GET_FRACTION, KEYS_29, CUDA_ONLY_VAR,
                       {"_set_cudnn_allow_tf32", "_get_cublas_allow_tf32", "_get_cudnn_allow_tf32",
                        "_set_float32_matmul_precision", "_get_float32_matmul_precision"}),
-    "2.9.1": _release({"_set_sdp_use_cudnn", LEGACY_SETTER, ACCEL_SETTER} | FP32_API, KEYS_29,
-                      True, CUDA_ONLY_VAR),
-    "2.11.0": _release({"_set_sdp_use_cudnn", ACCEL_SETTER} | FP32_API, KEYS_211, True,
-                       VARS_211),
-    "2.14.1": _release({"_set_sdp_use_cudnn", ACCEL_SETTER} | FP32_API, KEYS_211, True,
-                       VARS_211, cudnn=92400),
-    # Bundles cuDNN 9.26 (the CUDA 13.2 build on PyPI).
-    "2.15.0": _release({"_set_sdp_use_cudnn", ACCEL_SETTER} | FP32_API, KEYS_211, True,
-                       VARS_211, cudnn=92600),
+    "2.9.1": _release("2.9.1", SDPA_CUDNN | FP32_API | GET_FRACTION, KEYS_29, CUDA_ONLY_VAR),
+    "2.10.0": _release("2.10.0", SDPA_CUDNN | FP32_API | GET_FRACTION, KEYS_210, CUDA_ONLY_VAR),
+    "2.11.0": _release("2.11.0", SDPA_CUDNN | FP32_API | GET_FRACTION, KEYS_211, VARS_211),
+    "2.12.1": _release("2.12.1", SDPA_CUDNN | FP32_API | GET_FRACTION, KEYS_211, VARS_211),
+    "2.14.1": _release("2.14.1", SDPA_CUDNN | FP32_API | GET_FRACTION, KEYS_211, VARS_211),
+    "2.15.0": _release("2.15.0", SDPA_CUDNN | FP32_API | GET_FRACTION, KEYS_211, VARS_211),
 }
 
 _INIT = '''
@@ -119,23 +138,47 @@ def _record(name, *args):
 from torch import backends, cuda
 '''
 
-_AUTOCAST_NEW = '''
+# torch's autocast dtypes (its defaults until a setter runs).
+_AUTOCAST = '''
+_autocast = {"cuda": float16, "cpu": bfloat16}
+'''
+_AUTOCAST_NEW = _AUTOCAST + '''
 def set_autocast_dtype(device, dtype):
     _record("set_autocast_dtype", device, dtype)
+    _autocast[device] = dtype
+
+def get_autocast_dtype(device):
+    return _autocast[device]
 
 def set_autocast_gpu_dtype(dtype):
     warnings.warn("torch.set_autocast_gpu_dtype is deprecated", DeprecationWarning)
     _record("set_autocast_gpu_dtype", dtype)
+    _autocast["cuda"] = dtype
+
+def get_autocast_gpu_dtype():
+    warnings.warn("torch.get_autocast_gpu_dtype is deprecated", DeprecationWarning)
+    return _autocast["cuda"]
 '''
-_AUTOCAST_OLD = '''
+# Before 2.4: a getter and a setter per device type.
+_AUTOCAST_OLD = _AUTOCAST + '''
 def set_autocast_gpu_dtype(dtype):
     _record("set_autocast_gpu_dtype", dtype)
+    _autocast["cuda"] = dtype
+
+def get_autocast_gpu_dtype():
+    return _autocast["cuda"]
+
+def get_autocast_cpu_dtype():
+    return _autocast["cpu"]
 '''
 
 _C_MODULE = '''
 import warnings
 calls = []
 allocator_settings = None
+# The caching allocator's memory fraction (1.0: no limit), as
+# _cuda_getMemoryFraction reads it.
+fraction = [1.0]
 ALLOC_KEYS = {keys!r}
 _WARNS = {warns!r}
 # torch's defaults, what the getters return until a setter runs.
@@ -224,6 +267,13 @@ def _make(name):
         if name in ("_accelerator_setAllocatorSettings",
                     "_cuda_cudaCachingAllocator_set_allocator_settings"):
             _parse_alloc_conf(args[0])
+        if name == "_accelerator_getAllocatorSettings":
+            import torch
+            return torch._alloc_conf()
+        if name == "_cuda_setMemoryFraction":
+            fraction[0] = args[0]
+        if name == "_cuda_getMemoryFraction":
+            return fraction[0]
         if name in _SDP:
             _state[_SDP[name]] = args[0]
         elif name.startswith("_set_"):
@@ -274,7 +324,13 @@ class OutOfMemoryError(RuntimeError):
 def _lazy_call(callable, **kwargs):
     _queued_calls.append((callable, ["(stack where it was queued)"]))
 def _fake_cuda_init():
-    """What torch.cuda._lazy_init does with the queue once CUDA is up."""
+    """What torch.cuda._lazy_init does once CUDA is up: the caching
+    allocator starts, with per_process_memory_fraction from its settings
+    (c10's DeviceCachingAllocator constructor), then the queue runs."""
+    if "per_process_memory_fraction" in torch._C.ALLOC_KEYS:
+        for item in torch._alloc_conf().split(","):
+            if item.startswith("per_process_memory_fraction:"):
+                torch._C.fraction[0] = float(item.split(":")[1])
     for fn, _stack in _queued_calls:
         fn()
 def is_initialized():
@@ -342,6 +398,18 @@ def sdpa_kernel(backends):
 '''
 
 
+# torch.distributed.fsdp's FSDPModule (2.4+); its divide-factor setter (2.5+).
+_FSDP = '''
+class FSDPModule:
+    def reshard(self):
+        pass
+'''
+_FSDP_DIVIDE = '''
+    def set_reduce_scatter_divide_factor(self, factor):
+        self._divide_factor = factor
+'''
+
+
 def make_fake_torch(root: Path, release: str, cuda: bool = True, cudnn=None,
                     version: str = None, cuda_version: str = "12.1") -> Path:
     """Writes a fake torch `release` under root and returns the directory to
@@ -372,6 +440,11 @@ def make_fake_torch(root: Path, release: str, cuda: bool = True, cudnn=None,
     (pkg / "backends" / "__init__.py").write_text(_BACKENDS)
     (pkg / "backends" / "cudnn.py").write_text(_CUDNN.format(cudnn=cudnn))
     (pkg / "cuda" / "__init__.py").write_text(_CUDA)
+    if spec["fsdp"]:
+        (pkg / "distributed" / "fsdp").mkdir(parents=True)
+        (pkg / "distributed" / "__init__.py").write_text("")
+        (pkg / "distributed" / "fsdp" / "__init__.py").write_text(
+            _FSDP + (_FSDP_DIVIDE if spec["fsdp"] == "divide_factor" else ""))
     if "_set_sdp_use_cudnn" in spec["c"]:
         (pkg / "nn" / "attention").mkdir(parents=True)
         (pkg / "nn" / "__init__.py").write_text("")

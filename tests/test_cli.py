@@ -801,3 +801,33 @@ def test_the_three_tables_say_the_same_word(venv, workdir, switches):
     offs = {n for n, w in verbose.items() if w == "off"}
     assert offs == ({"tf32", "cudnn_benchmark", "allocator", "memory_fraction", "amp_dtype"}
                     if switches else set()), verbose
+
+
+# ---- the CLI on stand-ins of old releases (tests/releases.json) ----
+
+@pytest.mark.parametrize("release", ["2.0.1", "2.14.1"])
+def test_doctor_names_the_allocator_defaults_this_torch_got(venv, workdir, release):
+    # 2.0 has no expandable segments: outofcuda gives it max_split_size_mb
+    # instead, and doctor says what status() says was given.
+    root = make_fake_torch(workdir / f"fake-{release}", release)
+    env = {"PYTHONPATH": str(root)}
+    status = json.loads(cli(venv, "status", "--json", env=env, cwd=workdir).stdout)
+    given = status["optimizations"]["allocator"]["value"]
+    assert ("expandable_segments" in given) == (release != "2.0.1"), given
+    check = {c["name"]: c for c in json.loads(cli(venv, "doctor", "--json", env=env,
+                                                  cwd=workdir).stdout)["checks"]}["alloc_conf"]
+    assert check["message"].startswith(f"no user allocator settings (defaults: {given})"), check
+
+
+@pytest.mark.parametrize("release,version", [("2.0.1", None), ("2.1.0", "2.3.1"),
+                                             ("2.4.1", None)])
+def test_report_bug_reads_the_autocast_dtype_with_the_releases_getter(venv, workdir, release,
+                                                                      version):
+    # get_autocast_dtype(device) from 2.4; before it get_autocast_gpu_dtype()
+    # and get_autocast_cpu_dtype().
+    root = make_fake_torch(workdir / f"fake-{release}", release, version=version)
+    d = json.loads(cli(venv, "report", "--bug", "--json", env={
+        "PYTHONPATH": str(root), "OUTOFCUDA_AMP_DTYPE": "bfloat16"}, cwd=workdir).stdout)
+    assert d["torch"] == (version or release)
+    assert d["settings"]["autocast_dtype.cuda"] == "torch.bfloat16", d["settings"]
+    assert d["settings"]["autocast_dtype.cpu"] == "torch.bfloat16", d["settings"]

@@ -196,6 +196,7 @@ queued = {getattr(fn, '__name__', ''): fn for fn, _stack in torch.cuda._queued_c
 C._cuda_getDeviceCount = lambda: 4
 C._cuda_getDevice = lambda: 1
 C._cuda_setMemoryFraction = lambda fraction, device: calls.append([fraction, device])
+C._cuda_getMemoryFraction = lambda device: 1.0  # torch's: no limit held
 C._cuda_attach_out_of_memory_observer = lambda fn: calls.append(['observer'])
 queued['outofcuda_at_cuda_init']()
 print('FRACTION=' + json.dumps({

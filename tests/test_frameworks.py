@@ -74,7 +74,7 @@ def test_own_alloc_conf_replaces_every_default(venv, tmp_path):
 
 
 @pytest.mark.parametrize("release,fraction,idle", [("2.14.1", "1", True), ("2.14.1", "0.9", False),
-                                                   ("2.4.0", "1", False)])
+                                                   ("2.4.1", "1", False)])
 def test_status_says_when_gc_threshold_cannot_act(venv, tmp_path, release, fraction, idle):
     # From 2.11 a fraction of 1 leaves torch's allocator without a limit, and
     # it collects cached blocks only under one; before, any fraction set one.
@@ -85,7 +85,7 @@ def test_status_says_when_gc_threshold_cannot_act(venv, tmp_path, release, fract
 
 # ---- frameworks imported before torch: their import imports torch ----
 
-@pytest.mark.parametrize("release", ["2.0.0", "2.9.1", "2.14.1"])
+@pytest.mark.parametrize("release", ["2.0.1", "2.9.1", "2.14.1"])
 @pytest.mark.parametrize("framework", sorted(FILES))
 def test_framework_importing_torch_keeps_allocator_and_fraction(venv, tmp_path, release,
                                                                 framework):
@@ -134,7 +134,7 @@ def after(framework):
      ["expandable_segments:False", "garbage_collection_threshold:0.6"]),
     ("2.14.1", "expandable_segments:True", ["expandable_segments:True"]),
     ("2.9.1", None, ["expandable_segments:False", ""]),
-    ("2.0.0", None, [""]),                    # no expandable segments to undo
+    ("2.0.1", None, [""]),                    # no expandable segments to undo
 ])
 def test_framework_imported_after_torch_gets_the_users_allocator(venv, tmp_path, release, user,
                                                                 handed):

@@ -32,6 +32,13 @@ def run_release(venv, tmp_path, release, env=None, cuda=True, code=REPORT, args=
     return last_json(r, "REPORT="), r
 
 
+def setter_configures(release):
+    """From 2.9 the allocator string goes to torch's runtime setter (the CUDA
+    one up to 2.9.x, the accelerator one from 2.10) and the variable is never
+    written; before, it is written while torch imports."""
+    return tuple(int(x) for x in release.split(".")[:2]) >= (2, 9)
+
+
 def names(report):
     return [c[0] for c in report["calls"]]
 
@@ -78,12 +85,12 @@ def test_every_release_applies_without_warning(venv, tmp_path, release):
     expandable = "expandable_segments" in RELEASES[release]["keys"]
     assert ("expandable_segments" in keys) == expandable
     assert ("max_split_size_mb" in keys) == (not expandable)
-    # Handed to the release's runtime setter; from 2.9 (the accelerator
-    # setter) the environment is never written, before that it holds the
+    # Handed to the release's runtime setter; from 2.9 the environment is
+    # never written, before that it holds the
     # string while torch's libraries load and is given back afterwards: the
     # configuration holds it, children inherit the user's environment.
     written = rep["env_at_load"][RELEASES[release]["env"][-1]]
-    assert written == (None if ACCEL in RELEASES[release]["c"] else conf)
+    assert written == (None if setter_configures(release) else conf)
     setter = [c for c in rep["calls"] if c[0] in ("_accelerator_setAllocatorSettings",
                                                   "_cuda_cudaCachingAllocator_set_allocator_settings")]
     legacy = "_cuda_cudaCachingAllocator_set_allocator_settings" in RELEASES[release]["c"]
@@ -103,7 +110,7 @@ def test_the_legacy_precision_getters_are_never_read_where_the_new_api_exists(
     assert ["_get_fp32_precision_getter", "cuda", "matmul"] in rep["calls"]
 
 
-@pytest.mark.parametrize("release,var", [("2.4.0", "PYTORCH_CUDA_ALLOC_CONF"),
+@pytest.mark.parametrize("release,var", [("2.4.1", "PYTORCH_CUDA_ALLOC_CONF"),
                                          ("2.11.0", "PYTORCH_ALLOC_CONF"),
                                          ("2.14.1", "PYTORCH_CUDA_ALLOC_CONF")])
 def test_user_allocator_keys_win(venv, tmp_path, release, var):
@@ -114,15 +121,15 @@ def test_user_allocator_keys_win(venv, tmp_path, release, var):
     assert conf.count("max_split_size_mb") == 1
     assert "garbage_collection_threshold:0.8" in conf  # outofcuda's default fills the gap
     assert "expandable_segments" not in conf           # not beside the user's max_split_size_mb
-    assert rep["env_at_load"][var] == (user if ACCEL in RELEASES[release]["c"] else conf)
+    assert rep["env_at_load"][var] == (user if setter_configures(release) else conf)
     assert rep["env_now"][var] == user                 # given back as the user set it
     alloc = rep["status"]["optimizations"]["allocator"]
-    assert alloc["code"] == ("runtime_setter" if ACCEL in RELEASES[release]["c"] else "env_written")
+    assert alloc["code"] == ("runtime_setter" if setter_configures(release) else "env_written")
     # What the codes cannot say: that the user's keys were kept.
     assert "user's keys kept" in alloc["reason"]
 
 
-@pytest.mark.parametrize("release", ["2.4.0", "2.14.1"])
+@pytest.mark.parametrize("release", ["2.4.1", "2.14.1"])
 def test_an_empty_variable_counts_as_set(venv, tmp_path, release):
     # torch >= 2.11 stops at the first variable that is set, empty or not; up
     # to 2.10 only PYTORCH_CUDA_ALLOC_CONF is read.
@@ -136,7 +143,7 @@ def test_an_empty_variable_counts_as_set(venv, tmp_path, release):
     assert rep["env_at_load"]["PYTORCH_ALLOC_CONF"] is None
 
 
-@pytest.mark.parametrize("release", ["2.4.0", "2.14.1"])
+@pytest.mark.parametrize("release", ["2.4.1", "2.14.1"])
 @pytest.mark.parametrize("env", [
     {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},   # the user's choice of backend
     {"OUTOFCUDA_ALLOC_CONF": "backend:cudaMallocAsync,max_split_size_mb:128"},
@@ -151,14 +158,14 @@ def test_cuda_malloc_async_gets_no_native_keys(venv, tmp_path, release, env):
 
 
 def test_unknown_keys_are_left_out_and_named(venv, tmp_path):
-    rep, _ = run_release(venv, tmp_path, "2.4.0",
+    rep, _ = run_release(venv, tmp_path, "2.4.1",
                          env={"OUTOFCUDA_ALLOC_CONF": "per_process_memory_fraction:0.5,backend:native"})
     assert rep["conf_read"] == "backend:native"
     assert "per_process_memory_fraction" in rep["status"]["optimizations"]["allocator"]["reason"]
 
 
 def test_malformed_user_variable_is_left_whole(venv, tmp_path):
-    rep, _ = run_release(venv, tmp_path, "2.4.0", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments"},
+    rep, _ = run_release(venv, tmp_path, "2.4.1", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments"},
                          code=REPORT.replace("import json, os, torch", "import json, os\ntry:\n import torch\nexcept RuntimeError: raise SystemExit(3)\nimport torch"))
     assert rep["env_at_load"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments"
     alloc = rep["status"]["optimizations"]["allocator"]
@@ -271,9 +278,9 @@ print('REPORT=' + json.dumps({'status': _outofcuda.status(), 'conf_read': torch.
 
 
 def test_a_retried_import_reads_the_good_torchs_facts(venv, tmp_path):
-    # A broken copy first on the path (here a CPU-only 2.4.0 whose __init__
+    # A broken copy first on the path (here a CPU-only 2.4.1 whose __init__
     # raises), then the real one: outofcuda must judge the one that imported.
-    broken = make_fake_torch(tmp_path / "broken", "2.4.0", cuda=False)
+    broken = make_fake_torch(tmp_path / "broken", "2.4.1", cuda=False)
     init = broken / "torch" / "__init__.py"
     init.write_text(init.read_text() + "\nraise RuntimeError('broken copy')\n")
     good = make_fake_torch(tmp_path / "good", "2.14.1")
@@ -379,17 +386,42 @@ def test_the_users_per_process_memory_fraction_wins(venv, tmp_path, release, var
     assert rep["status"]["hook"]["error"] is None
 
 
-def test_a_fraction_the_program_gives_torch_before_cuda_starts_wins(venv, tmp_path):
-    # Through the runtime setter after import: read again when CUDA starts.
-    code = REPORT.replace("torch.cuda._fake_cuda_init()", "torch._C.allocator_settings = "
-                          "'per_process_memory_fraction:0.25'\n"
-                          "torch._C._accelerator_getAllocatorSettings = "
-                          "lambda: torch._C.allocator_settings\ntorch.cuda._fake_cuda_init()")
-    rep, _ = run_release(venv, tmp_path, "2.14.1", code=code)
+@pytest.mark.parametrize("release", FRACTION_KEY)
+def test_a_fraction_the_program_gives_torch_before_cuda_starts_wins(venv, tmp_path, release):
+    # Through the runtime setter after import, on releases with the settings
+    # getter (2.12+) and without it (2.10, 2.11): the fraction torch's
+    # allocator took when it started is read at CUDA's start.
+    code = REPORT.replace("torch.cuda._fake_cuda_init()",
+                          "torch._C._accelerator_setAllocatorSettings("
+                          "'per_process_memory_fraction:0.25')\ntorch.cuda._fake_cuda_init()")
+    rep, r = run_release(venv, tmp_path, release, code=code)
+    assert r.stderr == ""
     assert "_cuda_setMemoryFraction" not in names(rep)
     frac = rep["status"]["optimizations"]["memory_fraction"]
     assert (frac["state"], frac["code"]) == ("skipped", "program_chose"), frac
-    assert "torch's allocator settings hold per_process_memory_fraction:0.25" in frac["reason"]
+    assert "0.25" in frac["reason"], frac
+
+
+def test_outofcuda_s_own_fraction_is_not_taken_for_the_program_s(venv, tmp_path):
+    # A Ctrl-C inside torch's setter after it set outofcuda's fraction: the
+    # step runs again when torch runs its queue again, and the fraction torch
+    # holds then is outofcuda's own, not one the program chose.
+    code = REPORT.replace("torch.cuda._fake_cuda_init()", """
+C = torch._C
+real = C._cuda_setMemoryFraction
+def cut_short(fraction, device):
+    real(fraction, device)
+    C._cuda_setMemoryFraction = real
+    raise KeyboardInterrupt
+C._cuda_setMemoryFraction = cut_short
+try:
+    torch.cuda._fake_cuda_init()
+except KeyboardInterrupt:
+    pass
+torch.cuda._fake_cuda_init()""")
+    rep, r = run_release(venv, tmp_path, "2.11.0", code=code)
+    frac = rep["status"]["optimizations"]["memory_fraction"]
+    assert (frac["state"], frac["code"]) == ("applied", "at_cuda_init"), frac
 
 
 # ---- children spawned while torch imports ----
@@ -417,7 +449,7 @@ def test_the_environment_is_never_written_where_a_runtime_setter_configures(venv
     assert r.stderr == ""
     alloc = rep["status"]["optimizations"]["allocator"]
     assert alloc["applied"] and rep["conf_read"] == alloc["value"]
-    if ACCEL in RELEASES[release]["c"]:
+    if setter_configures(release):
         assert rep["seen"] == [], rep["seen"]
         assert alloc["code"] == "runtime_setter"
     else:
@@ -505,3 +537,45 @@ def test_an_off_word_turns_each_step_off_and_status_says_by_what(venv, tmp_path,
 def test_without_off_words_nothing_says_off(venv, tmp_path):
     rep, _ = run_release(venv, tmp_path, "2.14.1")
     assert {e["off_by"] for e in rep["status"]["optimizations"].values()} == {None}
+
+
+# ---- the stand-ins against what was recorded from the real wheels ----
+
+RECORD_PROBE = """
+import json, warnings, torch
+warnings.simplefilter("ignore")  # 2.4+'s deprecated autocast getter is only looked up
+try:
+    import torch.distributed.fsdp as fsdp
+    fsdp = getattr(fsdp, "FSDPModule", None)
+except ImportError:
+    fsdp = None
+print('REPORT=' + json.dumps({
+    'allocator': sorted(n for n in dir(torch._C) if n in (%r)),
+    'cudnn': torch.backends.cudnn.version(),
+    'fsdp': None if fsdp is None else (
+        'divide_factor' if hasattr(fsdp, 'set_reduce_scatter_divide_factor')
+        or hasattr(fsdp, 'set_gradient_divide_factor')
+        else 'no_divide_factor'),
+    'autocast_getter': 'get_autocast_dtype' if hasattr(torch, 'get_autocast_dtype')
+                       else 'get_autocast_gpu_dtype' if hasattr(torch, 'get_autocast_gpu_dtype')
+                       else None,
+}))
+"""
+ALLOCATOR_FNS = ("_cuda_cudaCachingAllocator_set_allocator_settings", ACCEL,
+                 "_accelerator_getAllocatorSettings")
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_each_stand_in_is_what_its_release_was_recorded_as(tmp_path, release):
+    import subprocess
+    import sys
+    from fake_torch import RECORDS, record_of
+    root = make_fake_torch(tmp_path / "fake", release)
+    r = subprocess.run([sys.executable, "-W", "error", "-c", RECORD_PROBE % (ALLOCATOR_FNS,)],
+                       env={"PYTHONPATH": str(root)}, cwd=tmp_path, capture_output=True,
+                       text=True)
+    got = last_json(r, "REPORT=")
+    rec = record_of(release)
+    assert got == {k: (sorted(rec[k]) if k == "allocator" else rec[k])
+                   for k in ("allocator", "cudnn", "fsdp", "autocast_getter")}, (release, got)
+    assert RECORDS["recorded"] == "2026-12-07" and "real CUDA wheels" in RECORDS["source"]

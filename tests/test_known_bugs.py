@@ -58,7 +58,7 @@ ROWS = {
     "alloc-conf-generic-ignored": dict(torch=(20900, 21100), needs="alloc"),
     "torchrun-gpu0-context": dict(needs="ctx"),
     "cudnn-sublibrary-mismatch": dict(cuda=(1300, 1400), cudnn=(92000, 92300)),
-    "fsdp2-bf16-premul-sum": dict(),
+    "fsdp2-bf16-premul-sum": dict(torch=(20500, None)),
     "avg-pool2d-channels-last-grad": dict(),
     "tf32-mixed-api": dict(torch=(20900, None)),
     "cudnn-sdpa-nan-dkdv-sq1": dict(torch=(21100, None), cudnn=(92501, 92700), cc=(90, 100),
@@ -576,16 +576,29 @@ def test_nothing_outofcuda_sets_makes_a_tf32_read_raise(venv, tmp_path, release,
 
 def test_the_tf32_row_says_outofcuda_avoids_the_trap(venv, tmp_path):
     rows = {}
-    for release in ("2.4.0", "2.9.0", "2.15.0"):
+    for release in ("2.4.1", "2.9.0", "2.15.0"):
         root = make_fake_torch(tmp_path / release, release)
         st = last_json(venv.run("import json, torch, _outofcuda; print(json.dumps("
                                 "_outofcuda.status()['known_bugs']))",
                                 env={"PYTHONPATH": str(root)}, cwd=tmp_path))
         (rows[release],) = [b for b in st if b["id"] == "tf32-mixed-api"]
-    assert rows["2.4.0"]["applies"] is False
+    assert rows["2.4.1"]["applies"] is False
     for release in ("2.9.0", "2.15.0"):
         assert rows[release]["applies"] is True and rows[release]["done"] is True
         assert "_set_cublas_allow_tf32" in rows[release]["reason"]
+
+
+def test_the_fsdp2_row_needs_fsdp2s_divide_factor_setter(venv, tmp_path):
+    # Stand-ins from the records: no FSDPModule before 2.4, one without the
+    # divide-factor setter in 2.4.1, the setter from 2.5 (a 2.9.1 reporting 2.5.0).
+    rows = {}
+    for release, version in (("2.0.1", None), ("2.4.1", None), ("2.9.1", "2.5.0")):
+        root = make_fake_torch(tmp_path / release, release, version=version)
+        st = last_json(venv.run("import json, torch, _outofcuda; print(json.dumps("
+                                "_outofcuda.status()['known_bugs']))",
+                                env={"PYTHONPATH": str(root)}, cwd=tmp_path))
+        (rows[release],) = [b for b in st if b["id"] == "fsdp2-bf16-premul-sum"]
+    assert [rows[r]["applies"] for r in ("2.0.1", "2.4.1", "2.9.1")] == [False, False, True], rows
 
 
 # ---- GPU-0 contexts under torchrun (pytorch issue 135279) ----
@@ -626,9 +639,11 @@ def test_a_rank_with_a_context_on_device_0_is_named(two_gpus):
 
 def test_outofcuda_never_touches_device_0_on_another_rank(two_gpus):
     """LOCAL_RANK=1: every device call outofcuda makes at CUDA's start names
-    device 1 (the memory fraction), none device 0 or the current device."""
+    device 1 (the fraction torch's allocator holds, then outofcuda's), none
+    device 0 or the current device."""
     d = last_json(two_gpus([(1, "self", 900 << 20)], LOCAL_RANK="1"))
-    assert d["calls"] == [["_cuda_getDeviceCount"], ["_cuda_setMemoryFraction", 0.98, 1],
+    assert d["calls"] == [["_cuda_getDeviceCount"], ["_cuda_getMemoryFraction", 1],
+                          ["_cuda_setMemoryFraction", 0.98, 1],
                           ["_cuda_attach_out_of_memory_observer"]], d["calls"]
     assert d["fraction"]["device"] == 1
     assert d["row"][0] is False and "no visible device but LOCAL_RANK 1's" in d["row"][2]

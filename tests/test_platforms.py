@@ -36,7 +36,7 @@ def run(venv, tmp_path, release, env=None, torch_release="2.14.1"):
 
 
 @pytest.mark.parametrize("kernel", [WSL2, WSL1])
-@pytest.mark.parametrize("torch_release", ["2.4.0", "2.14.1"])
+@pytest.mark.parametrize("torch_release", ["2.4.1", "2.14.1"])
 def test_wsl_gets_no_expandable_segments_by_default(venv, tmp_path, kernel, torch_release):
     rep, r = run(venv, tmp_path, kernel, torch_release=torch_release)
     assert r.stderr == ""
