@@ -222,7 +222,8 @@ def test_abi3t_build_loads_and_works_on_gil_enabled_315(tmp_path):
             shutil.copytree(ROOT / name, work / name,
                             ignore=shutil.ignore_patterns("__pycache__", "*.so"))
         (work / "tests").mkdir()
-        shutil.copy(ROOT / "tests" / "fake_torch.py", work / "tests")
+        for name in ("fake_torch.py", "releases.json"):  # the stand-in and its records
+            shutil.copy(ROOT / "tests" / name, work / "tests")
         # The line an abi3t wheel would carry: the abi3t file, and a load that
         # also gives the module its file (where the engine is found) and runs
         # it (the abi3t boot is a multi-phase module).
