@@ -171,6 +171,18 @@ def test_engine_declares_py_mod_gil_only_where_python_knows_it(wheel, tmp_path, 
 # abi3t (setuptools builds abi3t only when a free-threaded interpreter runs it),
 # installed into a fresh 3.15 venv beside the package and the .pth line, and a
 # stand-in torch 2.14.1 is imported under -W error.
+# What abi3t asks of the C code (found with -DPy_TARGET_ABI3T=0x030f0000 against
+# Debian's 3.15.2 headers, gcc 16.2): PyObject_HEAD is opaque (boot.c's finder,
+# watcher.c's loader proxy keep their field in PyObject_GetTypeData, and the
+# finder's setattr'd attributes in its own dict through tp_getattro/tp_setattro),
+# and PyModuleDef is gone (boot.c and module.c export PyModExport_<name> slots);
+# -DOC_ABI3T switches this, the normal build is unchanged. The line an abi3t wheel
+# carries names the .abi3t.so and runs it (_imp.exec_dynamic: multi-phase).
+# setuptools builds abi3t only when a free-threaded interpreter runs it
+# (setuptools issue 5205, PR 5193). Only a free-threaded interpreter can show that
+# the files load there, that the export hooks' refusal leaves the GIL disabled, and
+# (before Py_MOD_GIL_NOT_USED could be declared) that the process-wide state is
+# safe without the GIL, which needs locks the code does not have.
 ABI3T_SCRIPT = r"""
 set -e
 cd "$1"

@@ -184,6 +184,17 @@ def test_which_device_is_another_ranks(driver, rank, visible, ctx, device):
 
 
 # ---- the guard on the stand-in releases, stand-in NVML ----
+# Why the guard is one flag written when CUDA starts: _set_sdp_use_cudnn is a
+# field of torch's global context read at every dispatch, so it takes effect
+# whenever set and initialises nothing. _set_sdp_priority_order would not last
+# (priority_order() in sdp_utils.cpp writes cuDNN first once, at the first SDPA
+# dispatch on sm90/sm100); TORCH_CUDNN_SDPA_DEPRIORITIZED is read once, cannot
+# be undone and would reach every child process. Deciding needs the cuDNN
+# version, read through torch._C._cudnn.getVersionInt() (cudnn.version() asks
+# every device's capability, which initialises CUDA). 2.11 puts cuDNN first on
+# sm90/sm100 above cuDNN 9.15.0 (check_prefer_cudnn_attention); the fix is in
+# cuDNN 9.26 (cudnn-frontend PR 628); 2.15 bundles it and guards older cuDNN
+# itself (pytorch PR 196861). The failing kernel is sm90's; sm100 is not reported.
 
 GUARD = """
 import json, sys, torch, _outofcuda
@@ -407,6 +418,10 @@ print(json.dumps([c("2.14.1+cu130", True, 92400, [90], {})[0]["applies"],
 
 
 # ---- the allocator variable 2.9 and 2.10 ignore (pytorch issue 183387) ----
+# Each release has one runtime setter (_cuda_cudaCachingAllocator_set_allocator_settings
+# on 2.9, _accelerator_setAllocatorSettings on 2.10); a setter call resets the keys it
+# leaves out (measured on 2.14.1; bridge.c's hand_back_allocator), so every call carries
+# the whole merge.
 
 ALLOC = """
 import json, os, torch, _outofcuda
@@ -602,6 +617,9 @@ def test_the_fsdp2_row_needs_fsdp2s_divide_factor_setter(venv, tmp_path):
 
 
 # ---- GPU-0 contexts under torchrun (pytorch issue 135279) ----
+# At CUDA's start a LOCAL_RANK=1 process calls _cuda_getDeviceCount,
+# _cuda_setMemoryFraction(f, LOCAL_RANK) and attaches the OOM observer, nothing
+# else: the TF32, cuDNN and SDPA flags touch no device, and NVML creates no context.
 
 GPU0 = """
 import json, torch, _outofcuda

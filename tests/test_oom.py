@@ -9,6 +9,14 @@ OUTOFCUDA_DISABLE=1) and on the stand-in CUDA build of tests/fake_torch.py,
 whose torch.cuda._fake_cuda_init() runs the lazy-init queue as CUDA's
 initialisation does. Each scenario runs in a fresh interpreter of the built
 wheel's environment.
+
+Not chosen: no hook at all and a report at exit from the observer and
+sys.last_value (the report would follow the traceback, and an OOM in a thread
+would go unreported with its cache kept). Observer figures go only into the
+report of an OOM of the same GPU and request size within 30 s. Seen while
+testing DDP on the CPU, not caused by outofcuda: with torch 2.13 a gloo process
+sometimes aborts at exit ("terminate called without an active exception"),
+also with OUTOFCUDA_DISABLE=1.
 """
 import json
 import textwrap
