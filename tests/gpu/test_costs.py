@@ -244,12 +244,13 @@ for dtype_name, layout in VARIANTS:
     groups = {}
     for name, _, us in rows:
         groups[group(name)] = groups.get(group(name), 0) + us / STEPS
-    bn = [name for name, _, _ in rows if group(name) == "batchnorm"]
+    # Kernel names only: CPU operators (the dry run's) name no backend.
+    bn = [name for name, _, _ in rows if group(name) == "batchnorm" and timer == "device"]
     res[f"{dtype_name}/{layout}"] = {
         "ms_per_step": a.elapsed_time(b) / STEPS, "timer": timer,
         "us_per_step": {g: round(v, 1) for g, v in groups.items()},
-        "batchnorm_by_cudnn": any("cudnn" in n.lower() or "bn_fw" in n or "bn_bw" in n
-                                  for n in bn),
+        # ATen's kernels are at::native's; any other BatchNorm kernel is cuDNN's.
+        "batchnorm_by_cudnn": any("at::native" not in n for n in bn),
         "batchnorm_by_aten": any("at::native" in n for n in bn),
         "top": [[name[:140], count, round(us / STEPS, 1)] for name, count, us in rows[:12]]}
 print("KERNELS=" + json.dumps({"variants": res, "outside_after": outside(),
