@@ -2,12 +2,21 @@
 # Everything that needs a GPU, in one go (< 8 minutes on an H200): installs this
 # checkout, runs every GPU test (tests/gpu) against the installed package, then
 # the gain benchmark. Exits 1 when there is no usable GPU, when a GPU test fails
-# or none passed (skips are listed in summary.txt with their reasons). Logs and results go to $OUT, flat, 10 files: summary.txt,
+# or none passed (skips are listed in summary.txt with their reasons). Logs and results go to $OUT, flat, 16 files: summary.txt,
 # install.log, status.txt, gpu_tests.log, fragment.json (reserved vs allocated
 # after a fragmenting pattern, with and without max_split_size_mb beside
 # expandable segments), ipython_oom.json (allocated memory before and after a
 # cell that ran out of memory in an IPython shell, with and without
-# outofcuda), gain.log, gain.json, gain.md, gain.png.
+# outofcuda), outside.json (memory outside torch's caching allocator after
+# CUDA's start and a small training step), largest_batch.json (the largest
+# batch of bench's GPT that fits with outofcuda, with its cap off, and
+# without it; memory outside the allocator along the way), ipc.json (a CUDA
+# tensor shared with a second process under expandable segments),
+# autocast_kernels.json (a ResNet-50 step's kernels under bfloat16 and float16
+# autocast, NCHW and channels_last), sdpa_guard.json and sdpa_sm100.json (the
+# cuDNN-attention reproduction with and without the guard, and its sm100
+# row's place), gain.log, gain.json, gain.md, gain.png. The JSON files'
+# one-line summaries are in summary.txt (benchmarks/gpu_figures.py).
 #
 # IPython comes from the interpreter, or from the folder OUTOFCUDA_TEST_NOTEBOOK_DIR
 # names (pip install --target DIR ipython); without either its check skips.
@@ -120,7 +129,7 @@ if [ -d "$TESTS" ]; then
     # From a folder outside the checkout so `import outofcuda` is the installed
     # one. OUTOFCUDA_TEST_REQUIRE_GPU=1: the `gpu` fixture fails where it would skip.
     (cd "$OUT" && OUTOFCUDA_TEST_REQUIRE_GPU=1 OUTOFCUDA_TEST_GPU_DRY_RUN="$DRY" OUTOFCUDA_TEST_GPU_FIGURES="$OUT" \
-        OUTOFCUDA_TEST_PYTHON="$VPY" timeout "$([ "$DRY" = 1 ] && echo 900 || echo 200)" \
+        OUTOFCUDA_TEST_PYTHON="$VPY" timeout "$([ "$DRY" = 1 ] && echo 900 || echo 330)" \
         "$VPY" -m pytest "$TESTS" -v -rsx -p no:cacheprovider -p no:xdist --continue-on-collection-errors > "$OUT/gpu_tests.log" 2>&1)
     t=$?
     last="$(tail -1 "$OUT/gpu_tests.log")"
@@ -134,6 +143,8 @@ if [ -d "$TESTS" ]; then
     # (tests/gpu/test_oom.py).
     "$VPY" -c "import json, sys; d = json.load(open(sys.argv[1])); m = lambda b: f'{b / 2**20:.2f} MiB'; print('ipython failed cell: allocated', ', '.join(f'{k} {m(d[k][\"before\"])} before, {m(d[k][\"after\"])} after' for k in ('outofcuda', 'without')), '(the cell held', m(d['held']) + ')')" \
         "$OUT/ipython_oom.json" >> "$SUMMARY" 2>&1 || note "ipython_oom.json missing (test_ipython_failed_cell_gives_its_memory_back did not run)"
+    # The costs of the defaults and the known-bug rows' figures (tests/gpu).
+    "$VPY" "$CHECKOUT/benchmarks/gpu_figures.py" "$OUT" >> "$SUMMARY" 2>&1
     [ "$t" -ne 0 ] && rc=1
     if [ "$DRY" = 0 ] && ! echo "$last" | grep -q " passed"; then
         note "FAIL: no GPU test passed"

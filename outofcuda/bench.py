@@ -12,11 +12,12 @@ It reports steps/s, samples/s, peak memory (max_memory_allocated and NVML),
 achieved TFLOP/s (FLOPs counted by torch.utils.flop_counter over one step)
 and the fraction of the device's dense peak for the precision in use.
 
-On a machine without a GPU it runs tiny sizes as a smoke test (under a
-minute) and says that this run measured no GPU gains. A "vs defaults" ratio is
-given only where both rows are medians of at least MIN_REPEATS_FOR_RATIO
-repeats: the smoke sizes (one step, one repeat) give none, since their
-ratios are noise.
+On a machine without a GPU (or with --smoke) it runs tiny sizes as a smoke
+test (under a minute) that checks each workload runs: it shows times only,
+no ratios and no GPU columns, and says that this run measured no GPU gains. A
+"vs defaults" ratio is given only where both rows are medians of at least
+MIN_REPEATS_FOR_RATIO repeats. Progress goes to stderr, a line per workload
+run; the table printed keeps to 80 columns (gain.md holds every column).
 
 It ships in the package so that any installed copy can run it. Example::
 
@@ -31,6 +32,9 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
+import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -63,6 +67,12 @@ PEAKS = {
     "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
 }
 MARK = "@@GAIN@@"
+# The one GPU run so far (docs/measurements.md, "GPU gains").
+MEASURED_RUN = ("GPU gains were measured once, on an H100 (torch 2.11.0+cu130, commit "
+                "2f7a4db): docs/measurements.md, \"GPU gains\".")
+SMOKE_NOTE = ("smoke: checks that each workload runs (tiny sizes, one step); the times "
+              "say nothing of outofcuda's gains.")
+WIDTH = 80  # the printed output's columns (docs/command-line.md)
 # A ratio of two medians means something only with a few repeats behind each.
 MIN_REPEATS_FOR_RATIO = 3
 # Each worker is a fresh interpreter that runs this module's main(). The
@@ -361,22 +371,46 @@ def _env_for(config):
     return env
 
 
-def _spawn(config, size, names, timeout):
+def _spawn(config, size, names, timeout, progress=None):
+    """Runs one worker; progress(row) is called as each workload's row
+    arrives (the worker prints one when it finishes a workload)."""
     cmd = [sys.executable, "-c", _WORKER_BOOT, "--worker", config, "--size", size,
            "--workloads", ",".join(names)]
-    try:
-        r = subprocess.run(cmd, env=_env_for(config), capture_output=True, text=True,
-                           timeout=timeout)
-        out, err, rc = r.stdout, r.stderr, r.returncode
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err, rc = f"timed out after {timeout} s", None
-    rows = [json.loads(ln[len(MARK):]) for ln in out.splitlines() if ln.startswith(MARK)]
+    rows, killed = [], []
+
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=_env_for(config), stdout=subprocess.PIPE, stderr=err,
+                                text=True)
+
+        def kill():
+            killed.append(True)
+            proc.kill()
+
+        timer = threading.Timer(timeout, kill)
+        timer.start()
+        try:
+            for line in proc.stdout:
+                if line.startswith(MARK):
+                    rows.append(json.loads(line[len(MARK):]))
+                    if progress:
+                        progress(rows[-1])
+            rc = proc.wait()  # the timer still stands behind this wait
+        except BaseException:  # Ctrl-C or a bad line: the worker goes too
+            proc.kill()
+            raise
+        finally:
+            timer.cancel()
+            proc.stdout.close()
+            proc.wait()
+        err.seek(0)
+        message = f"timed out after {timeout} s" if killed else err.read().strip()[-600:]
     done = {r["workload"] for r in rows}
     for n in names:
         if n not in done:
             rows.append({"workload": n, "config": config,
-                         "error": f"worker exited {rc}: {err.strip()[-600:]}"})
+                         "error": f"worker exited {rc}: {message}"})
+            if progress:
+                progress(rows[-1])
     return rows
 
 
@@ -416,14 +450,34 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def _no_gains(result):
+    """Why this run measured no GPU gains, or None where it did."""
+    if result["gpu_gains_measured"]:
+        return None
+    if result["mode"] == "gpu":
+        return "some workloads failed"
+    return "smoke sizes" + ("" if result["gpu"] else ", no GPU here")
+
+
+def _ms(r):
+    return 1000 / r["steps_per_s"] if r.get("steps_per_s") else None
+
+
 def markdown(result):
+    """gain.md: every column a GPU run measures; under smoke sizes the times
+    only (ratios and GPU columns would be noise or empty there)."""
     lines = [f"# outofcuda gain benchmark ({result['mode']})", "",
              f"{result['date']} · GPU: {result['gpu'] or 'none'} · torch {result['torch']} · "
              f"CUDA {result['cuda'] or '-'}", ""]
-    if not result["gpu_gains_measured"]:
-        lines += ["**This run measured no GPU gains**: no GPU here; tiny CPU sizes only prove "
-                  "the benchmark runs. These figures say nothing about outofcuda's value; the "
-                  "GPU figures measured so far are in docs/measurements.md (\"GPU gains\").", ""]
+    why = _no_gains(result)
+    if why:
+        lines += [f"**This run measured no GPU gains** ({why}). {MEASURED_RUN}", ""]
+    if result["mode"] != "gpu":
+        lines += [SMOKE_NOTE, "", "| workload | config | ms/step |", "|---|---|---:|"]
+        lines += [f"| {r['workload']} | {r['config']} | "
+                  + (f"error: {r['error'][:80]} |" if "error" in r else f"{_ms(r):.1f} |")
+                  for r in result["rows"]]
+        return "\n".join(lines) + "\n"
     ratios = any(r.get("speedup_vs_defaults") is not None for r in result["rows"])
     if not ratios:
         lines += [f"No \"vs defaults\" ratios: a ratio needs {MIN_REPEATS_FOR_RATIO} repeats "
@@ -449,6 +503,40 @@ def markdown(result):
             f"{_fmt(mib(r['nvml_used_bytes']), ',.0f')} | {_fmt(r['tflops'], '.2f')} | "
             f"{_fmt(frac, '.1f')} | {r['precision']} |")
     return "\n".join(lines) + "\n"
+
+
+def _wrap(text):
+    return textwrap.fill(text, WIDTH, break_long_words=False, break_on_hyphens=False)
+
+
+def text(result):
+    """What the terminal shows: at most WIDTH columns (prose wrapped, the
+    table cut to the columns that fit; gain.md has them all)."""
+    smoke = result["mode"] != "gpu"
+    lines = [_wrap(SMOKE_NOTE)] if smoke else []
+    lines.append(_wrap(f"GPU: {result['gpu'] or 'none'}; torch {result['torch']}; "
+                       f"CUDA {result['cuda'] or '-'}"))
+    if smoke:
+        head = f"{'workload':<26} {'config':<9} {'ms/step':>8}"
+    else:
+        head = (f"{'workload':<26} {'config':<9} {'steps/s':>8} {'vs def':>6} "
+                f"{'alloc GiB':>9} {'TFLOP/s':>7} prec")
+    lines += ["", head]
+    for r in result["rows"]:
+        row = f"{r['workload']:<26} {r['config']:<9}"
+        if "error" in r:
+            row += " error: " + " ".join(r["error"].split())
+        elif smoke:
+            row += f" {_ms(r):>8.1f}"
+        else:
+            gib = r["peak_allocated_bytes"]
+            ratio = r["speedup_vs_defaults"]
+            row += (f" {_fmt(r['steps_per_s'], '8.3f'):>8} "
+                    f"{'--' if ratio is None else f'{ratio:.2f}x':>6} "
+                    f"{_fmt(None if gib is None else gib / 2**30, '9.1f'):>9} "
+                    f"{_fmt(r['tflops'], '7.1f'):>7} {r['precision']}")
+        lines.append(row[:WIDTH])
+    return "\n".join(lines)
 
 
 def plot(result, path):
@@ -525,13 +613,26 @@ def main(argv=None, prog=None):
     size = "gpu" if gpu_mode else "smoke"
     t0 = time.perf_counter()
     rows = []
+    total = len(names) * len(CONFIGS)
+    say = prog or "bench"
+    print(_wrap(f"{say}: {len(names)} workload(s) x {len(CONFIGS)} configurations, "
+                + ("GPU sizes, one process each" if gpu_mode else SMOKE_NOTE.split(" (")[0])),
+          file=sys.stderr, flush=True)
+
+    def progress(r):
+        what = f"error: {' '.join(r['error'].split())}" if "error" in r else \
+            f"{_fmt(_ms(r), '.1f')} ms/step"
+        print(f"{say}: [{len(rows) + 1}/{total}] {r['workload']} {r['config']}: {what}"[:WIDTH],
+              file=sys.stderr, flush=True)
+        rows.append(r)
+
     if gpu_mode:  # one process per (workload, config): nothing carries over
         for n in names:
             for c in CONFIGS:
-                rows += _spawn(c, size, [n], args.timeout)
+                _spawn(c, size, [n], args.timeout, progress)
     else:  # smoke: one process per config keeps it under a minute
         for c in CONFIGS:
-            rows += _spawn(c, size, names, args.timeout)
+            _spawn(c, size, names, args.timeout, progress)
     order = {c: i for i, c in enumerate(CONFIGS)}
     rows.sort(key=lambda r: (names.index(r["workload"]), order[r["config"]]))
     _ratios(rows)
@@ -554,19 +655,18 @@ def main(argv=None, prog=None):
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(markdown(result))
-        if png:
-            why = f", {out / 'gain.png'}"
-        elif args.no_plot:
+        print(text(result))
+        written = ["gain.json", "gain.md"] + (["gain.png"] if png else [])
+        if args.no_plot or png:
             why = ""
         elif any(r.get("speedup_vs_defaults") is not None for r in rows):
             why = " (no PNG: matplotlib missing)"
         else:
             why = " (no PNG: no ratios to draw)"
-        print(f"written: {out / 'gain.json'}, {out / 'gain.md'}{why}")
-        if not measured:
-            print("This run measured NO GPU gains"
-                  + (" (some workloads failed)" if gpu_mode else " (no GPU: CPU smoke sizes)"))
+        print(_wrap(f"written to {out}: {', '.join(written)}{why}"))
+        why = _no_gains(result)
+        if why:
+            print(_wrap(f"This run measured NO GPU gains ({why}). {MEASURED_RUN}"))
     return 0 if all("error" not in r for r in rows) else 1
 
 

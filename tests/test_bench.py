@@ -39,8 +39,13 @@ def test_bench_cpu_smoke(venv, workdir):
     md = (out / "gain.md").read_text()
     assert "**This run measured no GPU gains**" in md
     table = [ln for ln in md.splitlines() if ln.startswith("| ")]
-    assert table[0].startswith("| workload | config | steps/s")
+    # Smoke sizes: the times only, no ratio and no GPU column.
+    assert table[0] == "| workload | config | ms/step |"
     assert len(table) == 1 + 21
+    # A progress line per workload run, as each finishes (stderr).
+    progress = [ln for ln in r.stderr.splitlines() if ln.startswith("outofcuda bench: [")]
+    assert [ln.split("]")[0] for ln in progress] == [f"outofcuda bench: [{i}/21"
+                                                      for i in range(1, 22)], r.stderr
 
 
 def test_bench_unknown_workload_is_an_error(venv, workdir):

@@ -40,14 +40,47 @@ def test_bench_smoke_runs_from_an_installed_copy(venv, workdir):
         "defaults": False, "outofcuda": True, "expert": False}
     assert json.loads((out / "gain.json").read_text())["rows"] == rows
 
-    r = bench("--out", str(workdir / "text"))
+    r = bench("--out", "text")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "This run measured NO GPU gains" in r.stdout
-    assert "vs defaults" not in r.stdout.split("No \"vs defaults\" ratios")[1]
+    # The one GPU run so far is named, not "never measured".
+    assert "2f7a4db" in r.stdout and "H100" in r.stdout
+    # Smoke: the times only (no ratio, no GPU column), in 80 columns.
+    (head,) = [ln for ln in r.stdout.splitlines() if ln.startswith("workload ")]
+    assert head.split() == ["workload", "config", "ms/step"], head
     assert not re.search(r"\d\.\d\dx", r.stdout), r.stdout
-    assert "No \"vs defaults\" ratios: a ratio needs 3 repeats" in r.stdout
+    assert max(map(len, r.stdout.splitlines())) <= 80, r.stdout
     assert "(no PNG: no ratios to draw)" in r.stdout
     assert not (workdir / "text" / "gain.png").exists()
+    # Progress on stderr as it goes: a line per workload run, in 80 columns.
+    progress = [ln for ln in r.stderr.splitlines() if ln.startswith("outofcuda bench: [")]
+    assert len(progress) == 6 and progress[-1].startswith("outofcuda bench: [6/6]"), r.stderr
+    assert max(map(len, r.stderr.splitlines())) <= 80, r.stderr
+
+
+def test_bench_table_keeps_to_80_columns_with_ratios_only_on_gpu_sizes(venv, workdir):
+    r = venv.check("""
+        import json
+        from outofcuda import bench
+        rows = [{"workload": w, "config": c, "steps_per_s": 1234.5, "samples_per_s": 1e9,
+                 "rates": [1.0] * 3, "tflops": 987.6, "fraction_of_peak": 0.99,
+                 "precision": "bf16", "peak_allocated_bytes": 140 << 30,
+                 "nvml_used_bytes": 141 << 30} for w in bench.WORKLOADS for c in bench.CONFIGS]
+        rows[1] = {"workload": "gpt_fp32", "config": "outofcuda", "error": "E" * 500}
+        bench._ratios(rows)
+        out = {}
+        for mode in ("gpu", "cpu-smoke"):
+            res = {"mode": mode, "gpu_gains_measured": False, "gpu": "NVIDIA H200",
+                   "torch": "2.11.0", "cuda": "13.0", "rows": rows}
+            lines = bench.text(res).splitlines()
+            out[mode] = {"width": max(map(len, lines)),
+                         "head": next(ln for ln in lines if ln.startswith("workload")).split()}
+        print(json.dumps(out))
+    """, cwd=workdir)
+    d = json.loads(r.stdout)
+    assert d["gpu"]["width"] <= 80 and d["cpu-smoke"]["width"] <= 80, d
+    assert "vs" in d["gpu"]["head"] and "TFLOP/s" in d["gpu"]["head"], d
+    assert d["cpu-smoke"]["head"] == ["workload", "config", "ms/step"], d
 
 
 def test_bench_ratios_only_where_repeats_make_them_mean_something(venv, workdir):

@@ -76,6 +76,21 @@ def test_dry_run_runs_every_step(venv, tmp_path, notebook_dir):
                  "ipython_oom.json"):
         assert (out / name).exists(), name
     assert "cpu-smoke" in (out / "gain.json").read_text()
+    # Every figures file of the GPU checks was written and summarised
+    # (benchmarks/gpu_figures.py): none missing, none unreadable.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_figures
+    finally:
+        sys.path.pop(0)
+    for name, _, _ in gpu_figures.FILES:
+        assert (out / name).exists(), name
+    assert not re.search(r"\.json (missing|unreadable)", summary), summary
+    for line in ("outside the allocator, small CNN step:", "largest gpt batch that fits:",
+                 "cuda ipc: outofcuda works", "cnn step by autocast dtype",
+                 "  float16/channels_last:", "cudnn-sdpa-nan-grad-sm90: applies",
+                 "sm100 cuDNN-attention rows:"):
+        assert line in summary, (line, summary)
 
 
 def test_without_a_gpu_the_real_check_fails_before_installing(venv, tmp_path):

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from gpu import size
+from gpu import DRY_RUN, keep, size
 from kit import last_json
 
 REPRO = """
@@ -30,27 +30,61 @@ print(json.dumps({"nonfinite": (~torch.isfinite(q.grad)).sum().item(),
                   "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(),
                   "cudnn": torch.backends.cudnn.version(), "torch": torch.__version__,
                   "cc": list(torch.cuda.get_device_capability()),
-                  "bug": _outofcuda.status()["known_bugs"][0]}))
+                  # every attention row, by id
+                  "bugs": {b["id"]: b for b in _outofcuda.status()["known_bugs"]
+                           if "sdpa" in b["id"] or "attention" in b["title"]}}))
 """
 
 
-def test_reproduction_with_and_without_the_guard(gpu, workdir):
-    guarded = last_json(gpu.run(REPRO, cwd=workdir, timeout=120))
-    bare = last_json(gpu.run(REPRO, env={"OUTOFCUDA_KNOWN_BUGS": "0"}, cwd=workdir, timeout=120))
+@pytest.fixture(scope="module")
+def repro(gpu, tmp_path_factory):
+    """The reproduction with the guard and with OUTOFCUDA_KNOWN_BUGS=0, run
+    once for every cuDNN-attention row's check; kept as sdpa_guard.json."""
+    workdir = tmp_path_factory.mktemp("repro")
+    runs = {"guarded": last_json(gpu.run(REPRO, cwd=workdir, timeout=120)),
+            "bare": last_json(gpu.run(REPRO, env={"OUTOFCUDA_KNOWN_BUGS": "0"}, cwd=workdir,
+                                      timeout=120))}
+    keep("sdpa_guard.json", runs)
+    return runs
+
+
+def test_reproduction_with_and_without_the_guard(repro):
+    guarded, bare = repro["guarded"], repro["bare"]
     print("guarded:", json.dumps(guarded), "\nOUTOFCUDA_KNOWN_BUGS=0:", json.dumps(bare))
-    bug = guarded["bug"]
+    bug = guarded["bugs"]["cudnn-sdpa-nan-grad-sm90"]
+    assert bare["cudnn_sdp"] is True
+    assert bare["bugs"]["cudnn-sdpa-nan-grad-sm90"]["done"] is False
     # With the guard, whatever the stack: finite gradients wherever it acted.
     if bug["applies"]:
         assert bug["done"] and guarded["cudnn_sdp"] is False and guarded["nonfinite"] == 0
         # The table's claim, on the device: without the guard torch's default NaNs.
         assert bare["nonfinite"] > 0, bare
-    else:
-        assert guarded["cudnn_sdp"] is True
-        assert guarded["nonfinite"] == bare["nonfinite"]
-        if bare["nonfinite"]:
-            pytest.fail(f"NaN grad_q on a stack the table says is not affected: {bare}")
-    assert bare["cudnn_sdp"] is True and bare["bug"]["done"] is False
+        return
+    assert guarded["cudnn_sdp"] is True
+    assert guarded["nonfinite"] == bare["nonfinite"]
+    if bare["nonfinite"]:
+        pytest.fail(f"NaN grad_q on a stack the table says is not affected: {bare}")
+    pytest.skip(f"not a stack the guard is for (torch {bare['torch']}, cuDNN {bare['cudnn']}, "
+                f"compute capability {bare['cc']}): {bug['reason']}")
 
+
+def test_cudnn_attention_row_for_sm100(repro):
+    """A place for a B200 (compute capability 10.x) cuDNN-attention row: the
+    reproduction's figures there, with the row's decision, where the table
+    has a row naming sm100 and the device is one."""
+    bare = repro["bare"]
+    rows = {k: {f: b[f] for f in ("applies", "done", "reason")}
+            for k, b in repro["guarded"]["bugs"].items() if "sm100" in k + b["title"]}
+    keep("sdpa_sm100.json", {"cc": bare["cc"], "rows": rows, "nonfinite": {
+        k: repro[k]["nonfinite"] for k in repro}, "cudnn": bare["cudnn"], "torch": bare["torch"]})
+    if bare["cc"][0] != 10 and not DRY_RUN:
+        pytest.skip(f"compute capability {bare['cc'][0]}.{bare['cc'][1]}: the sm100 row is "
+                    "checked on 10.x")
+    if not rows:
+        pytest.skip("no cuDNN-attention row names sm100 in this table")
+    for k, row in rows.items():
+        if row["applies"]:
+            assert row["done"] and repro["guarded"]["nonfinite"] == 0, (k, repro)
 
 SPEED = """
 import json, torch, torch.nn.functional as F
