@@ -117,6 +117,8 @@ static void read_version_module(PyObject *torch)
 static char alloc_value[OC_ALLOC_CONF_MAX];
 static char alloc_reason[1000];
 static int alloc_applied;
+/* The framework GPU memory was left to at torch's import ("" none). */
+static char left_at_import[32];
 static int alloc_by_setter; /* the merge went to torch's runtime setter alone */
 /* The user's PYTORCH_ALLOC_CONF, which 2.9 and 2.10 ignore, went to torch. */
 static int alloc_generic;
@@ -289,6 +291,7 @@ static void prepare_allocator(const oc_config *cfg)
      * import that fails after importing torch leaves no framework behind,
      * and the CUDA-init callback then gives it to torch's runtime setter. */
     owned = framework_owns_memory(cfg, fw_note, sizeof fw_note);
+    snprintf(left_at_import, sizeof left_at_import, "%s", fw->left_to);
     if (owned) {
         alloc_say(OC_CODE_FRAMEWORK,
                   "left to %s: the allocator variable stays as the user set it, and no memory "
@@ -512,11 +515,6 @@ static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
     }
 }
 
-/* The step called torch's setter: a Ctrl-C that lands inside it, after the
- * flag is set, leaves the step armed, and its next run finds outofcuda's own
- * write. */
-static int tf32_written;
-
 /* 1 when cuBLAS TF32 is on for float32 matmuls now, as the step's setter
  * leaves it; 0 otherwise or when it cannot be read. */
 static int matmul_tf32_on(PyObject *c_mod)
@@ -546,10 +544,12 @@ static void tf32_at_cuda_init(PyObject *torch)
         OC_CLEAR();
         return;
     }
-    /* A run cut short after its write: what reads as chosen is outofcuda's
-     * own setting, still in place (a program that chose TF32 itself since
-     * then gets the same), and the write is made again. */
-    chosen = tf32_written && matmul_tf32_on(c_mod) ? 0 : precision_chosen(c_mod, why, sizeof why);
+    /* A run a Ctrl-C cut short may have written: TF32 on then reads as
+     * outofcuda's own setting (a program that chose TF32 itself since then
+     * gets the same), found done, and written again. */
+    chosen = oc_cuda_step_state(OC_STEP_TF32) == OC_STEP_IS_INTERRUPTED && matmul_tf32_on(c_mod)
+                 ? 0
+                 : precision_chosen(c_mod, why, sizeof why);
     if (chosen != 0) {
         oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED,
                       chosen > 0 ? OC_CODE_PROGRAM_CHOSE : OC_CODE_UNREADABLE, "left as it is: %s",
@@ -557,18 +557,15 @@ static void tf32_at_cuda_init(PyObject *torch)
     } else if (flags_frozen(torch)) {
         oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
                       "torch.backends.disable_global_flags() was called before CUDA started");
+    } else if (set_flag(c_mod, "_set_cublas_allow_tf32", 1, "tf32") != 1) {
+        oc_record_set(OC_OPT_TF32, OC_REC_FAILED, OC_CODE_SETTER_FAILED,
+                      "torch._C._set_cublas_allow_tf32 failed");
     } else {
-        tf32_written = 1;
-        if (set_flag(c_mod, "_set_cublas_allow_tf32", 1, "tf32") != 1) {
-            oc_record_set(OC_OPT_TF32, OC_REC_FAILED, OC_CODE_SETTER_FAILED,
-                          "torch._C._set_cublas_allow_tf32 failed");
-        } else {
-            oc_record_set(OC_OPT_TF32, OC_REC_APPLIED, OC_CODE_AT_CUDA_INIT,
-                          "set when CUDA initialised (the program had chosen no float32 "
-                          "precision): cuBLAS may use TF32 for float32 matmuls; cuDNN TF32 is "
-                          "torch's default");
-            oc_record_matmul(1);
-        }
+        oc_record_set(OC_OPT_TF32, OC_REC_APPLIED, OC_CODE_AT_CUDA_INIT,
+                      "set when CUDA initialised (the program had chosen no float32 "
+                      "precision): cuBLAS may use TF32 for float32 matmuls; cuDNN TF32 is "
+                      "torch's default");
+        oc_record_matmul(1);
     }
     Py_DECREF(c_mod);
 }
@@ -790,13 +787,14 @@ static void hand_back_allocator(PyObject *c_mod)
     if (rc != 1) {
         oc_set_error("handing the user's allocator settings back to torch at CUDA "
                      "initialisation");
+        if (oc_interrupt_waiting())
+            return; /* not refused: the step runs again */
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_APPLIED, OC_CODE_SETTER_FAILED,
                       "%s; %s is in use but torch's setter refused the user's %s, so "
                       "outofcuda's settings stay",
                       alloc_reason, fw->left_to, name);
         return;
     }
-    alloc_applied = 0;
     oc_record_set(OC_OPT_ALLOCATOR, OC_REC_SKIPPED, OC_CODE_HANDED_BACK,
                   "handed back at CUDA initialisation: torch's allocator holds the user's own %s "
                   "('%.200s'), left to %s. %s",
@@ -812,14 +810,12 @@ static double pending_fraction;
  * torch), so nothing in the process owns GPU memory. outofcuda's merge,
  * worked out at import, goes to torch's runtime setter now, before the
  * first allocation, and the fraction step that follows sets the fraction. */
-static void framework_left(PyObject *torch)
+static void framework_left(PyObject *torch, const char *gone)
 {
-    const oc_framework_choice *fw = oc_framework_choice_get();
-    char gone[sizeof fw->left_to], reason[400];
+    char reason[400];
     const char *user, *used = NULL;
     PyObject *c_mod;
     int rc = 1;
-    snprintf(gone, sizeof gone, "%s", fw->left_to);
     oc_framework_leave_to(NULL, NULL);
     oc_framework_decided(1,
                          "; when CUDA initialised: %s was no longer in use (its import failed), "
@@ -838,6 +834,8 @@ static void framework_left(PyObject *torch)
         /* the record already says off */
     } else if (rc != 1) {
         oc_set_error("handing the allocator settings to torch at CUDA initialisation");
+        if (oc_interrupt_waiting())
+            return; /* not refused: the step runs again */
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_FAILED,
                       used ? OC_CODE_SETTER_FAILED : OC_CODE_NO_SETTER,
                       "%s; torch's runtime setter %s", reason, used ? "failed" : "is missing");
@@ -845,7 +843,6 @@ static void framework_left(PyObject *torch)
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_SKIPPED, OC_CODE_NOTHING_TO_ADD,
                       "%s; nothing to add to the user's allocator settings", reason);
     } else {
-        alloc_applied = 1;
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_APPLIED, OC_CODE_FRAMEWORK_LEFT,
                       "given to torch._C.%s when CUDA initialised: %s", used, reason);
         oc_record_text(OC_OPT_ALLOCATOR, alloc_value);
@@ -860,16 +857,19 @@ static void framework_left(PyObject *torch)
  * again, since what counts is what is true when CUDA starts: one found at
  * torch's import may be gone (framework_left), one imported after torch is
  * found now; then torch's allocator is handed back and the memory fraction
- * (the next step) is left to the framework. */
+ * (the next step) is left to the framework. Each run decides from what was
+ * found at import (left_at_import, alloc_applied) and what is in use now,
+ * and writes torch's settings and its records whole, so that a run a Ctrl-C
+ * cut short is simply run again. */
 static void framework_at_cuda_init(PyObject *torch)
 {
     const oc_framework_choice *fw = oc_framework_choice_get();
     PyObject *c_mod;
-    if (fw->left_to[0]) {
+    if (left_at_import[0]) {
         if (oc_framework_in_use(NULL, 0) == NULL)
-            framework_left(torch);
+            framework_left(torch, left_at_import);
         else
-            oc_framework_decided(1, "; when CUDA initialised: %s still in use", fw->left_to);
+            oc_framework_decided(1, "; when CUDA initialised: %s still in use", left_at_import);
         return;
     }
     if (!framework_owns_memory(oc_config_get(), NULL, 0)) {
@@ -1008,7 +1008,7 @@ static void fraction_at_cuda_init(PyObject *torch)
     goto done;
 error:
     /* oc_set_error sets an interrupt aside instead of recording it: no
-     * failure then, the step stays armed and step_undo puts its record back. */
+     * failure then: the step stays armed, its record says interrupted. */
     oc_set_error("memory fraction at CUDA initialisation");
     if (!oc_interrupt_waiting())
         oc_record_set(OC_OPT_FRACTION, OC_REC_FAILED, OC_CODE_ERROR,
@@ -1071,87 +1071,27 @@ static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
  * during which a Ctrl-C (or a SystemExit) arrived stays armed and the
  * callback stops there: the interrupt reaches the program as the callback
  * returns, torch keeps its queue after a raising callback and runs it again
- * at the next CUDA call, and the step runs again then, from where it began
- * (struct step_undo). A step that completed never runs again, though a
- * stand-in torch or a queue run by hand may call the callback again. */
+ * at the next CUDA call, and the step runs again then, from its start. So
+ * every step decides from what import left and torch's own flags, never from
+ * what an earlier run of its own changed, and writes torch's settings, its
+ * records and its part of the framework decision whole (a write that finds
+ * its work already done counts it as done). A step that completed never
+ * runs again, though a stand-in torch or a queue run by hand may call the
+ * callback again. */
 
 static int step_armed(oc_cuda_step step)
 {
     return (oc_cuda_steps_armed() & (1u << step)) != 0;
 }
 
-/* The optimisations' records a step may write: *n of them. */
-static const oc_opt *step_records(oc_cuda_step step, int *n)
+/* The record a step decides, which says interrupted while the step waits
+ * to run again (OC_OPT_COUNT: none of its own). */
+static oc_opt step_record(oc_cuda_step step)
 {
-    static const oc_opt framework[] = {OC_OPT_ALLOCATOR, OC_OPT_FRACTION};
-    static const oc_opt tf32[] = {OC_OPT_TF32};
-    static const oc_opt fraction[] = {OC_OPT_FRACTION};
-    static const oc_opt known_bugs[] = {OC_OPT_SDPA}; /* the guard's note */
-    static const oc_opt oom[] = {OC_OPT_OOM};
-    switch (step) {
-    case OC_STEP_FRAMEWORK:
-        *n = 2;
-        return framework;
-    case OC_STEP_TF32:
-        *n = 1;
-        return tf32;
-    case OC_STEP_FRACTION:
-        *n = 1;
-        return fraction;
-    case OC_STEP_KNOWN_BUGS:
-        *n = 1;
-        return known_bugs;
-    case OC_STEP_OOM:
-        *n = 1;
-        return oom;
-    case OC_STEP_SUMMARY:
-    case OC_STEP_COUNT:
-        break;
-    }
-    *n = 0;
-    return NULL;
-}
-
-/* What a step changes in the engine's state, kept before it runs and put
- * back when it is interrupted, so that its next run starts where this one
- * did (the framework step appends to what was decided, may leave the
- * framework and arm the fraction step). What a step changes in torch it
- * sets again on its next run; the known-bugs step (which decides its
- * entries once) and oom.c's (an observer attached cannot be taken back)
- * keep their own. */
-#define STEP_RECORDS_MAX 2
-struct step_undo {
-    unsigned steps;
-    int alloc_applied;
-    double pending_fraction;
-    oc_framework_choice framework;
-    oc_record records[STEP_RECORDS_MAX]; /* the records as they were */
-};
-
-static void step_keep(oc_cuda_step step, struct step_undo *u)
-{
-    int n;
-    const oc_opt *opts = step_records(step, &n);
-    u->steps = oc_cuda_steps_armed();
-    u->alloc_applied = alloc_applied;
-    u->pending_fraction = pending_fraction;
-    u->framework = *oc_framework_choice_get();
-    for (int i = 0; i < n && i < STEP_RECORDS_MAX; i++)
-        oc_record_keep(opts[i], &u->records[i]);
-}
-
-/* The step was interrupted: its state as it was before, and each of its
- * records that waited for CUDA's start says it was interrupted. */
-static void step_undo(oc_cuda_step step, struct step_undo *u)
-{
-    int n;
-    const oc_opt *opts = step_records(step, &n);
-    oc_cuda_steps_set_armed(u->steps);
-    alloc_applied = u->alloc_applied;
-    pending_fraction = u->pending_fraction;
-    oc_framework_choice_put_back(&u->framework);
-    for (int i = 0; i < n && i < STEP_RECORDS_MAX; i++)
-        oc_record_put_back(opts[i], &u->records[i]);
+    return step == OC_STEP_TF32       ? OC_OPT_TF32
+           : step == OC_STEP_FRACTION ? OC_OPT_FRACTION
+           : step == OC_STEP_OOM      ? OC_OPT_OOM
+                                      : OC_OPT_COUNT;
 }
 
 static void run_step(oc_cuda_step step, PyObject *torch)
@@ -1184,7 +1124,6 @@ static void run_step(oc_cuda_step step, PyObject *torch)
 static PyObject *py_at_cuda_init(PyObject *self, PyObject *unused)
 {
     PyObject *torch = oc_sys_module("torch");
-    struct step_undo undo;
     int interrupted;
     (void)self;
     (void)unused;
@@ -1194,11 +1133,12 @@ static PyObject *py_at_cuda_init(PyObject *self, PyObject *unused)
         oc_cuda_step step = (oc_cuda_step)i;
         if (!step_armed(step))
             continue;
-        step_keep(step, &undo);
         run_step(step, torch);
         interrupted = oc_interrupt_waiting();
         if (interrupted)
-            step_undo(step, &undo);
+            oc_record_set(step_record(step), OC_REC_INTERRUPTED, OC_CODE_AT_CUDA_INIT,
+                          "interrupted when CUDA initialised: runs again when torch next runs "
+                          "its queue");
         oc_cuda_step_ran(step, interrupted);
     }
     OC_CLEAR();

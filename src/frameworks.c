@@ -113,16 +113,17 @@ void oc_framework_leave_to(const char *name, const char *why)
         snprintf(choice.why, sizeof choice.why, "%s", why);
 }
 
-void oc_framework_decided(int append, const char *fmt, ...)
+/* The length of what was decided at torch's import: the CUDA-init step's
+ * part follows it, written afresh on each run of the step. */
+static size_t at_import;
+
+void oc_framework_decided(int at_cuda_init, const char *fmt, ...)
 {
-    size_t len = append ? strlen(choice.decided) : 0;
+    size_t len = at_cuda_init ? at_import : 0;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(choice.decided + len, sizeof choice.decided - len, fmt, ap);
     va_end(ap);
-}
-
-void oc_framework_choice_put_back(const oc_framework_choice *kept)
-{
-    choice = *kept;
+    if (!at_cuda_init)
+        at_import = strlen(choice.decided);
 }

@@ -522,11 +522,6 @@ void oc_record_cost(oc_opt opt, oc_cost_id cost);
 const oc_cost *oc_cost_get(oc_cost_id cost); /* NULL for OC_COST_NONE */
 /* The sentence status() shows: the writer's, with the sdpa guard's words. */
 void oc_record_reason(oc_opt opt, char *buf, size_t sz);
-/* A step at CUDA's start keeps the records it may write before it runs and
- * puts them back when it was interrupted: a record that was queued then
- * reads interrupted. */
-void oc_record_keep(oc_opt opt, oc_record *copy);
-void oc_record_put_back(oc_opt opt, const oc_record *copy);
 
 /* advice.c: ranked advice. Each rule that fits the figures adds an item;
  * items are ranked by score (higher first), ties by order (lower first). */
@@ -880,15 +875,13 @@ const oc_framework_choice *oc_framework_choice_get(void);
 /* GPU memory left to the framework name (why: why it owns it), or to none
  * (NULL: the one it was left to is gone; why is kept). */
 void oc_framework_leave_to(const char *name, const char *why);
-/* Writes what was decided (printf format), or appends to it. */
-void oc_framework_decided(int append, const char *fmt, ...)
+/* Writes what was decided at torch's import (printf format), or the CUDA-init
+ * step's part after it (at_cuda_init), replacing an earlier run's. */
+void oc_framework_decided(int at_cuda_init, const char *fmt, ...)
 #ifdef __GNUC__
     __attribute__((format(printf, 2, 3)))
 #endif
     ;
-/* A step at CUDA's start that was interrupted puts back the choice it kept
- * (a copy of *oc_framework_choice_get()) before it ran. */
-void oc_framework_choice_put_back(const oc_framework_choice *kept);
 
 /* platform.c: where one of outofcuda's defaults cannot work. The allocator
  * defaults for this machine: `defaults` itself, or (when they are

@@ -179,18 +179,3 @@ void oc_record_reason(oc_opt opt, char *buf, size_t sz)
     else
         snprintf(buf, sz, "%s", r->reason);
 }
-
-void oc_record_keep(oc_opt opt, oc_record *copy)
-{
-    if (valid(opt))
-        memcpy(copy, &records[opt], sizeof *copy);
-}
-
-void oc_record_put_back(oc_opt opt, const oc_record *copy)
-{
-    if (!valid(opt))
-        return;
-    memcpy(&records[opt], copy, sizeof *copy);
-    if (records[opt].state == OC_REC_QUEUED)
-        records[opt].state = OC_REC_INTERRUPTED;
-}
