@@ -633,64 +633,70 @@ static oc_rec_code asked_by(const char *var)
     return oc_env(var) != NULL ? OC_CODE_USER_SETTING : OC_CODE_DEFAULT;
 }
 
-static void apply_cudnn(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
+/* Skips opt, when torch.backends.disable_global_flags() froze the flags it
+ * sets (cuDNN's among them), and returns 1. */
+static int skip_frozen(PyObject *torch, oc_opt opt)
 {
-    /* A step the user turned off says so first, whatever else holds;
-     * deterministic cuDNN still forces the autotuner off in torch. */
-    int det_off = oc_config_off(cfg, "OUTOFCUDA_CUDNN_DETERMINISTIC");
-    int bench_off = !cfg->cudnn_benchmark;
-    if (det_off)
-        oc_record_off(OC_OPT_CUDNN_DETERMINISTIC, "OUTOFCUDA_CUDNN_DETERMINISTIC");
-    if (bench_off)
-        oc_record_off(OC_OPT_CUDNN_BENCHMARK, "OUTOFCUDA_CUDNN_BENCHMARK");
-    if (!build.cuda_build) {
-        if (!bench_off)
-            skip_without_cuda(OC_OPT_CUDNN_BENCHMARK);
-        if (!det_off)
-            skip_without_cuda(OC_OPT_CUDNN_DETERMINISTIC);
+    if (!flags_frozen(torch))
+        return 0;
+    oc_record_set(opt, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
+                  "torch.backends.disable_global_flags() was called");
+    return 1;
+}
+
+/* A plain flag of oc.h's table (its row names a variable): set on at import
+ * where its boolean variable says so, torch's default kept otherwise. */
+static void apply_flag(const oc_config *cfg, PyObject *torch, PyObject *c_mod, oc_opt opt)
+{
+    const oc_opt_row *row = oc_opt_row_of(opt);
+    const oc_setting *var = oc_setting_named(row->var);
+    int on = 0;
+    if (var != NULL && var->kind == OC_SET_BOOL && var->offset != OC_NO_FIELD)
+        memcpy(&on, (const char *)cfg + var->offset, sizeof on); /* an int field (settings.c) */
+    if (!on)
+        oc_record_off(opt, row->var);
+    else if (skip_without_cuda(opt) || skip_frozen(torch, opt))
         return;
+    else if (set_flag(c_mod, row->setter, 1, row->name) != 1)
+        oc_record_set(opt, OC_REC_SKIPPED, OC_CODE_NO_SETTER, "this torch has no torch._C.%s",
+                      row->setter);
+    else {
+        oc_record_set(opt, OC_REC_APPLIED, asked_by(row->var), "%s", row->does);
+        oc_record_bool(opt, 1);
     }
-    /* disable_global_flags() freezes torch.backends.cudnn's flags too. */
-    if (flags_frozen(torch)) {
-        if (!bench_off)
-            oc_record_set(OC_OPT_CUDNN_BENCHMARK, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
-                          "torch.backends.disable_global_flags() was called");
-        if (!det_off)
-            oc_record_set(OC_OPT_CUDNN_DETERMINISTIC, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
-                          "torch.backends.disable_global_flags() was called");
-        return;
+}
+
+/* Deterministic cuDNN needs fixed algorithms, so it turns the autotuner off
+ * too. Returns 1 when it did so while the autotuner was on (its record then
+ * says why). */
+static int apply_deterministic(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
+{
+    const oc_opt det = OC_OPT_CUDNN_DETERMINISTIC, bench = OC_OPT_CUDNN_BENCHMARK;
+    if (oc_config_off(cfg, "OUTOFCUDA_CUDNN_DETERMINISTIC")) {
+        oc_record_off(det, "OUTOFCUDA_CUDNN_DETERMINISTIC");
+        return 0;
     }
-    if (cfg->cudnn_deterministic) {
-        if (set_flag(c_mod, "_set_cudnn_deterministic", 1, "cudnn_deterministic") == 1) {
-            oc_record_set(OC_OPT_CUDNN_DETERMINISTIC, OC_REC_APPLIED, OC_CODE_USER_SETTING,
-                          "OUTOFCUDA_CUDNN_DETERMINISTIC=1");
-            oc_record_bool(OC_OPT_CUDNN_DETERMINISTIC, 1);
-        } else {
-            oc_record_set(OC_OPT_CUDNN_DETERMINISTIC, OC_REC_SKIPPED, OC_CODE_NO_SETTER,
-                          "torch._C has no cuDNN setter");
-        }
-        if (set_flag(c_mod, "_set_cudnn_benchmark", 0, "cudnn_benchmark") == 1 && !bench_off) {
-            oc_record_set(OC_OPT_CUDNN_BENCHMARK, OC_REC_SKIPPED, OC_CODE_DETERMINISTIC,
-                          "forced off: deterministic cuDNN needs fixed algorithms");
-            oc_record_bool(OC_OPT_CUDNN_BENCHMARK, 0);
-        }
-        return;
-    }
-    if (!det_off) {
-        oc_record_set(OC_OPT_CUDNN_DETERMINISTIC, OC_REC_SKIPPED, OC_CODE_DEFAULT,
+    if (skip_without_cuda(det) || skip_frozen(torch, det))
+        return 0;
+    if (!cfg->cudnn_deterministic) {
+        oc_record_set(det, OC_REC_SKIPPED, OC_CODE_DEFAULT,
                       "OUTOFCUDA_CUDNN_DETERMINISTIC=0 (default)");
-        oc_record_bool(OC_OPT_CUDNN_DETERMINISTIC, 0);
+        oc_record_bool(det, 0);
+        return 0;
     }
-    if (bench_off)
-        return;
-    if (set_flag(c_mod, "_set_cudnn_benchmark", 1, "cudnn_benchmark") == 1) {
-        oc_record_set(OC_OPT_CUDNN_BENCHMARK, OC_REC_APPLIED, asked_by("OUTOFCUDA_CUDNN_BENCHMARK"),
-                      "autotunes convolutions per input shape (slow with changing shapes)");
-        oc_record_bool(OC_OPT_CUDNN_BENCHMARK, 1);
+    if (set_flag(c_mod, oc_opt_row_of(det)->setter, 1, "cudnn_deterministic") == 1) {
+        oc_record_set(det, OC_REC_APPLIED, OC_CODE_USER_SETTING, "OUTOFCUDA_CUDNN_DETERMINISTIC=1");
+        oc_record_bool(det, 1);
     } else {
-        oc_record_set(OC_OPT_CUDNN_BENCHMARK, OC_REC_SKIPPED, OC_CODE_NO_SETTER,
-                      "this torch has no torch._C._set_cudnn_benchmark");
+        oc_record_set(det, OC_REC_SKIPPED, OC_CODE_NO_SETTER, "torch._C has no cuDNN setter");
     }
+    if (set_flag(c_mod, oc_opt_row_of(bench)->setter, 0, "cudnn_benchmark") != 1 ||
+        !cfg->cudnn_benchmark)
+        return 0;
+    oc_record_set(bench, OC_REC_SKIPPED, OC_CODE_DETERMINISTIC,
+                  "forced off: deterministic cuDNN needs fixed algorithms");
+    oc_record_bool(bench, 0);
+    return 1;
 }
 
 /* flash, memory-efficient and math attention are on by default in every
@@ -1337,6 +1343,7 @@ void oc_bridge_after_torch(PyObject *torch)
     const oc_config *cfg = oc_config_get();
     PyObject *c_mod, *v, *lazy_call;
     const char *no_queue;
+    int forced;
     v = PyObject_GetAttrString(torch, "__version__");
     if (v != NULL) {
         PyObject *text = PyObject_Str(v);
@@ -1365,7 +1372,11 @@ void oc_bridge_after_torch(PyObject *torch)
     }
     lazy_call = lazy_call_fn(torch, &no_queue);
     arm_tf32(cfg, torch, c_mod, no_queue);
-    apply_cudnn(cfg, torch, c_mod);
+    forced = apply_deterministic(cfg, torch, c_mod);
+    for (int i = 0; i < OC_OPT_COUNT; i++) {
+        if (oc_opt_row_of((oc_opt)i)->var != NULL && !(forced && i == OC_OPT_CUDNN_BENCHMARK))
+            apply_flag(cfg, torch, c_mod, (oc_opt)i);
+    }
     record_allocator(cfg);
     arm_memory_fraction(cfg, no_queue);
     /* The framework step may have to hand torch's allocator back, or to

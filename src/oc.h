@@ -376,17 +376,23 @@ int oc_tf32_forced_off(const char *v);
  * through the functions below; status(), the verbose table and the CLI render
  * from it, and what another file needs of it (the fraction, the device, the
  * allocator string, the autocast dtype) it reads from the typed fields, never
- * from the sentence. */
+ * from the sentence. A row names torch._C's setter and getter of a plain
+ * flag (status() reads "now" through the getter), and a plain flag's
+ * variable and what it does when on: bridge.c sets such a flag at import,
+ * with no function of its own. */
 #define OC_OPTIMISATIONS(X)                                                                        \
-    X(TF32, "tf32")                                                                                \
-    X(CUDNN_BENCHMARK, "cudnn_benchmark")                                                          \
-    X(CUDNN_DETERMINISTIC, "cudnn_deterministic")                                                  \
-    X(ALLOCATOR, "allocator")                                                                      \
-    X(FRACTION, "memory_fraction")                                                                 \
-    X(SDPA, "sdpa")                                                                                \
-    X(AMP_DTYPE, "amp_dtype")                                                                      \
-    X(OOM, "oom_handler")
-#define OC_OPT_ENUM(id, name) OC_OPT_##id,
+    X(TF32, "tf32", NULL, NULL, NULL, NULL)                                                        \
+    X(CUDNN_BENCHMARK, "cudnn_benchmark", "_set_cudnn_benchmark", "_get_cudnn_benchmark",          \
+      "OUTOFCUDA_CUDNN_BENCHMARK",                                                                 \
+      "autotunes convolutions per input shape (slow with changing shapes)")                        \
+    X(CUDNN_DETERMINISTIC, "cudnn_deterministic", "_set_cudnn_deterministic",                      \
+      "_get_cudnn_deterministic", NULL, NULL) /* forces the autotuner off: bridge.c's own */       \
+    X(ALLOCATOR, "allocator", NULL, NULL, NULL, NULL)                                              \
+    X(FRACTION, "memory_fraction", NULL, NULL, NULL, NULL)                                         \
+    X(SDPA, "sdpa", NULL, NULL, NULL, NULL)                                                        \
+    X(AMP_DTYPE, "amp_dtype", NULL, NULL, NULL, NULL)                                              \
+    X(OOM, "oom_handler", NULL, NULL, NULL, NULL)
+#define OC_OPT_ENUM(id, name, setter, getter, var, does) OC_OPT_##id,
 typedef enum { OC_OPTIMISATIONS(OC_OPT_ENUM) OC_OPT_COUNT } oc_opt;
 #undef OC_OPT_ENUM
 
@@ -493,6 +499,12 @@ typedef struct {
 } oc_record;
 
 const char *oc_opt_name(oc_opt opt);
+/* An optimisation's row: its name, torch._C's setter and getter of a plain
+ * flag, and a plain flag's variable and what it does (NULL where none). */
+typedef struct {
+    const char *name, *setter, *getter, *var, *does;
+} oc_opt_row;
+const oc_opt_row *oc_opt_row_of(oc_opt opt);
 const char *oc_rec_state_name(oc_rec_state state);
 const char *oc_rec_code_name(oc_rec_code code);
 /* The record of opt (read-only: every write goes through the functions

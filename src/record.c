@@ -23,8 +23,10 @@ const oc_cost *oc_cost_get(oc_cost_id cost)
     return cost > OC_COST_NONE && cost <= OC_COST_BF16_CONV ? &costs[cost] : NULL;
 }
 
+#define OC_ROW_OF(id, name, setter, getter, var, does) {name, setter, getter, var, does},
+static const oc_opt_row rows[] = {OC_OPTIMISATIONS(OC_ROW_OF)};
+#undef OC_ROW_OF
 #define OC_NAME_OF(id, name) name,
-static const char *const opt_names[] = {OC_OPTIMISATIONS(OC_NAME_OF)};
 static const char *const state_names[] = {OC_REC_STATES(OC_NAME_OF)};
 static const char *const code_names[] = {OC_REC_CODES(OC_NAME_OF)};
 #undef OC_NAME_OF
@@ -36,7 +38,12 @@ static int valid(oc_opt opt)
 
 const char *oc_opt_name(oc_opt opt)
 {
-    return valid(opt) ? opt_names[opt] : "?";
+    return valid(opt) ? rows[opt].name : "?";
+}
+
+const oc_opt_row *oc_opt_row_of(oc_opt opt)
+{
+    return valid(opt) ? &rows[opt] : NULL;
 }
 
 const char *oc_rec_state_name(oc_rec_state state)

@@ -210,33 +210,31 @@ static PyObject *bool_dict(PyObject *c_mod, const char *const (*items)[2], size_
     return d;
 }
 
-/* What `name` is now in torch (new ref), or NULL where no getter tells. */
-static PyObject *now_value(PyObject *c_mod, const char *name)
+/* What opt is now in torch (new ref), or NULL where no getter tells: a
+ * plain flag through its row's getter. */
+static PyObject *now_value(PyObject *c_mod, oc_opt opt)
 {
     static const char *const sdpa[][2] = {{"flash", "_get_flash_sdp_enabled"},
                                           {"mem_efficient", "_get_mem_efficient_sdp_enabled"},
                                           {"math", "_get_math_sdp_enabled"}};
-    if (strcmp(name, "tf32") == 0) {
-        PyObject *m = matmul_tf32_now(c_mod), *d;
-        if (m == NULL)
-            return NULL;
-        d = Py_BuildValue("{s:N}", "matmul", m);
+    const char *getter = oc_opt_row_of(opt)->getter;
+    PyObject *r;
+    switch (opt) {
+    case OC_OPT_TF32:
+        r = matmul_tf32_now(c_mod);
+        r = r ? Py_BuildValue("{s:N}", "matmul", r) : NULL;
         OC_CLEAR();
-        return d;
-    }
-    if (strcmp(name, "cudnn_benchmark") == 0)
-        return c_bool(c_mod, "_get_cudnn_benchmark");
-    if (strcmp(name, "cudnn_deterministic") == 0)
-        return c_bool(c_mod, "_get_cudnn_deterministic");
-    if (strcmp(name, "sdpa") == 0)
+        return r;
+    case OC_OPT_SDPA:
         return bool_dict(c_mod, sdpa, 3);
-    if (strcmp(name, "allocator") == 0) {
-        PyObject *r = oc_call_quiet(c_mod, "_accelerator_getAllocatorSettings", NULL, NULL);
+    case OC_OPT_ALLOCATOR:
+        r = oc_call_quiet(c_mod, "_accelerator_getAllocatorSettings", NULL, NULL);
         if (r != NULL && !PyUnicode_Check(r))
             Py_CLEAR(r);
         return r;
+    default:
+        return getter ? c_bool(c_mod, getter) : NULL;
     }
-    return NULL;
 }
 
 /* 1 when what outofcuda set (`set`, a value or a dict of them) differs
@@ -270,9 +268,9 @@ static int differs(PyObject *set, PyObject *now)
 
 /* Adds "now" and "changed" to a copy of an optimisation's record, and says
  * in its reason when the program changed what outofcuda set. */
-static int add_now(PyObject *e, const char *name, PyObject *c_mod)
+static int add_now(PyObject *e, oc_opt opt, PyObject *c_mod)
 {
-    PyObject *now = c_mod ? now_value(c_mod, name) : NULL;
+    PyObject *now = c_mod ? now_value(c_mod, opt) : NULL;
     PyObject *applied = PyDict_GetItemString(e, "applied"); /* borrowed */
     int changed = applied == Py_True ? differs(PyDict_GetItemString(e, "value"), now) : -1;
     int rc = PyDict_SetItemString(e, "now", now ? now : Py_None);
@@ -310,7 +308,7 @@ static PyObject *optimizations(void)
     for (int i = 0; i < OC_OPT_COUNT; i++) {
         const char *name = oc_opt_name((oc_opt)i);
         PyObject *e = record_entry((oc_opt)i);
-        if (e == NULL || add_now(e, name, c_mod) < 0 || PyDict_SetItemString(d, name, e) < 0) {
+        if (e == NULL || add_now(e, (oc_opt)i, c_mod) < 0 || PyDict_SetItemString(d, name, e) < 0) {
             Py_XDECREF(e);
             Py_XDECREF(c_mod);
             Py_DECREF(d);
