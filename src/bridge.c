@@ -444,6 +444,17 @@ static int flags_frozen(PyObject *torch)
     return frozen;
 }
 
+/* Skips opt, when torch.backends.disable_global_flags() froze the flags it
+ * sets (cuDNN's among them), and returns 1. */
+static int skip_frozen(PyObject *torch, oc_opt opt)
+{
+    if (!flags_frozen(torch))
+        return 0;
+    oc_record_set(opt, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
+                  "torch.backends.disable_global_flags() was called");
+    return 1;
+}
+
 /* ---- TF32, decided when CUDA starts ----
  *
  * torch 2.9+ keeps two precision APIs (the legacy allow_tf32 /
@@ -515,24 +526,6 @@ static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
     }
 }
 
-/* 1 when cuBLAS TF32 is on for float32 matmuls now, as the step's setter
- * leaves it; 0 otherwise or when it cannot be read. */
-static int matmul_tf32_on(PyObject *c_mod)
-{
-    PyObject *r = oc_call_quiet(c_mod, "_get_fp32_precision_getter", "cuda", "matmul");
-    char v[32] = "";
-    int on;
-    if (r == NULL) { /* before 2.9: the legacy getter tells */
-        r = oc_call_quiet(c_mod, "_get_cublas_allow_tf32", NULL, NULL);
-        on = r != NULL && PyObject_IsTrue(r) == 1;
-    } else {
-        on = PyUnicode_Check(r) && strcmp(oc_utf8(r, v, sizeof v), "tf32") == 0;
-    }
-    Py_XDECREF(r);
-    OC_CLEAR();
-    return on;
-}
-
 /* A step of the CUDA-init callback. */
 static void tf32_at_cuda_init(PyObject *torch)
 {
@@ -547,9 +540,10 @@ static void tf32_at_cuda_init(PyObject *torch)
     /* A run a Ctrl-C cut short may have written: TF32 on then reads as
      * outofcuda's own setting (a program that chose TF32 itself since then
      * gets the same), found done, and written again. */
-    chosen = oc_cuda_step_state(OC_STEP_TF32) == OC_STEP_IS_INTERRUPTED && matmul_tf32_on(c_mod)
-                 ? 0
-                 : precision_chosen(c_mod, why, sizeof why);
+    chosen =
+        oc_cuda_step_state(OC_STEP_TF32) == OC_STEP_IS_INTERRUPTED && oc_matmul_tf32(c_mod) == 1
+            ? 0
+            : precision_chosen(c_mod, why, sizeof why);
     if (chosen != 0) {
         oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED,
                       chosen > 0 ? OC_CODE_PROGRAM_CHOSE : OC_CODE_UNREADABLE, "left as it is: %s",
@@ -591,11 +585,8 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
                       "NVIDIA_TF32_OVERRIDE=0 asks for no TF32");
         return;
     }
-    if (flags_frozen(torch)) {
-        oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
-                      "torch.backends.disable_global_flags() was called");
+    if (skip_frozen(torch, OC_OPT_TF32))
         return;
-    }
     setter = PyObject_GetAttrString(c_mod, "_set_cublas_allow_tf32");
     if (setter == NULL) {
         OC_CLEAR_RECORDED(); /* the step's reason says torch lacks it */
@@ -631,17 +622,6 @@ static int skip_without_cuda(oc_opt opt)
 static oc_rec_code asked_by(const char *var)
 {
     return oc_env(var) != NULL ? OC_CODE_USER_SETTING : OC_CODE_DEFAULT;
-}
-
-/* Skips opt, when torch.backends.disable_global_flags() froze the flags it
- * sets (cuDNN's among them), and returns 1. */
-static int skip_frozen(PyObject *torch, oc_opt opt)
-{
-    if (!flags_frozen(torch))
-        return 0;
-    oc_record_set(opt, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
-                  "torch.backends.disable_global_flags() was called");
-    return 1;
 }
 
 /* A plain flag of oc.h's table (its row names a variable): set on at import
@@ -1396,15 +1376,11 @@ void oc_bridge_after_torch(PyObject *torch)
         oc_cuda_step_arm(OC_STEP_FRAMEWORK);
     if (oc_cuda_steps_armed() && queue_at_cuda_init(lazy_call) < 0) {
         /* Nothing will run when CUDA starts: no step may still say queued. */
-        if (step_armed(OC_STEP_TF32))
-            oc_record_set(OC_OPT_TF32, OC_REC_FAILED, OC_CODE_QUEUE_FAILED,
-                          "torch.cuda._lazy_call failed: TF32 left as torch has it");
-        if (step_armed(OC_STEP_FRACTION))
-            oc_record_set(OC_OPT_FRACTION, OC_REC_FAILED, OC_CODE_QUEUE_FAILED,
-                          "torch.cuda._lazy_call failed");
-        if (step_armed(OC_STEP_OOM))
-            oc_record_set(OC_OPT_OOM, OC_REC_FAILED, OC_CODE_QUEUE_FAILED,
-                          "torch.cuda._lazy_call failed: Python's exception hooks left alone");
+        for (int i = 0; i < OC_STEP_COUNT; i++) {
+            if (step_armed((oc_cuda_step)i))
+                oc_record_set(step_record((oc_cuda_step)i), OC_REC_FAILED, OC_CODE_QUEUE_FAILED,
+                              "torch.cuda._lazy_call failed: left as torch has it");
+        }
         oc_cuda_steps_set_armed(0);
     }
     Py_XDECREF(lazy_call);

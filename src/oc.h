@@ -919,6 +919,9 @@ void oc_report_hook_installed(void);
 int oc_report_hook_fired(void);     /* returns 1 when it had fired already */
 int oc_report_hook_has_fired(void); /* the torch callback ran */
 void oc_report_torch_version(PyObject *version);
+/* 1 when cuBLAS may use TF32 for float32 matmuls now (torch's new precision
+ * API where it has one, else the legacy flag), 0 when not, -1 unreadable. */
+int oc_matmul_tf32(PyObject *c_mod);
 extern PyMethodDef oc_report_methods[];
 
 /* nvml.c */

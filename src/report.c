@@ -177,20 +177,21 @@ static PyObject *c_bool(PyObject *c_mod, const char *fn)
     return PyBool_FromLong(t);
 }
 
-static PyObject *matmul_tf32_now(PyObject *c_mod)
+int oc_matmul_tf32(PyObject *c_mod)
 {
     PyObject *r = oc_call_quiet(c_mod, "_get_fp32_precision_getter", "cuda", "matmul");
     char v[32];
-    if (r == NULL)
-        return c_bool(c_mod, "_get_cublas_allow_tf32");
-    if (!PyUnicode_Check(r)) {
-        Py_DECREF(r);
-        return NULL;
+    int on;
+    if (r == NULL) { /* before 2.9: the legacy getter tells */
+        r = oc_call_quiet(c_mod, "_get_cublas_allow_tf32", NULL, NULL);
+        on = r ? PyObject_IsTrue(r) : -1;
+    } else {
+        /* "none": nothing chose, so torch's default, full float32. */
+        on = PyUnicode_Check(r) ? strcmp(oc_utf8(r, v, sizeof v), "tf32") == 0 : -1;
     }
-    oc_utf8(r, v, sizeof v);
-    Py_DECREF(r);
-    /* "none": nothing chose, so torch's default, full float32. */
-    return PyBool_FromLong(strcmp(v, "tf32") == 0);
+    Py_XDECREF(r);
+    OC_CLEAR();
+    return on;
 }
 
 /* Builds {k: getter()} for n getters; NULL when one cannot be read. */
@@ -219,10 +220,11 @@ static PyObject *now_value(PyObject *c_mod, oc_opt opt)
                                           {"math", "_get_math_sdp_enabled"}};
     const char *getter = oc_opt_row_of(opt)->getter;
     PyObject *r;
+    int on;
     switch (opt) {
     case OC_OPT_TF32:
-        r = matmul_tf32_now(c_mod);
-        r = r ? Py_BuildValue("{s:N}", "matmul", r) : NULL;
+        on = oc_matmul_tf32(c_mod);
+        r = on >= 0 ? Py_BuildValue("{s:N}", "matmul", PyBool_FromLong(on)) : NULL;
         OC_CLEAR();
         return r;
     case OC_OPT_SDPA:
