@@ -506,15 +506,11 @@ static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
     }
     OC_CLEAR();
     {
-        PyObject *tf32 = oc_call_quiet(c_mod, "_get_cublas_allow_tf32", NULL, NULL);
         PyObject *fmp = oc_call_quiet(c_mod, "_get_float32_matmul_precision", NULL, NULL);
+        int tf32 = oc_matmul_tf32(c_mod), chosen = -1;
         char v[32] = "";
-        int chosen = -1;
-        if (tf32 != NULL && fmp != NULL && PyUnicode_Check(fmp)) {
-            oc_utf8(fmp, v, sizeof v);
-            chosen = PyObject_IsTrue(tf32) == 1 || strcmp(v, "highest") != 0;
-        }
-        Py_XDECREF(tf32);
+        if (tf32 >= 0 && fmp != NULL && PyUnicode_Check(fmp))
+            chosen = tf32 == 1 || strcmp(oc_utf8(fmp, v, sizeof v), "highest") != 0;
         Py_XDECREF(fmp);
         OC_CLEAR();
         if (chosen < 0)
@@ -527,16 +523,10 @@ static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
 }
 
 /* A step of the CUDA-init callback. */
-static void tf32_at_cuda_init(PyObject *torch)
+static void tf32_at_cuda_init(PyObject *torch, PyObject *c_mod)
 {
     char why[200];
-    PyObject *c_mod;
     int chosen;
-    c_mod = PyObject_GetAttrString(torch, "_C");
-    if (c_mod == NULL) {
-        OC_CLEAR();
-        return;
-    }
     /* A run a Ctrl-C cut short may have written: TF32 on then reads as
      * outofcuda's own setting (a program that chose TF32 itself since then
      * gets the same), found done, and written again. */
@@ -561,7 +551,6 @@ static void tf32_at_cuda_init(PyObject *torch)
                       "torch's default");
         oc_record_matmul(1);
     }
-    Py_DECREF(c_mod);
 }
 
 static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, const char *no_queue)
@@ -618,12 +607,6 @@ static int skip_without_cuda(oc_opt opt)
     return 1;
 }
 
-/* Whether a setting on by default was asked for by the user's variable. */
-static oc_rec_code asked_by(const char *var)
-{
-    return oc_env(var) != NULL ? OC_CODE_USER_SETTING : OC_CODE_DEFAULT;
-}
-
 /* A plain flag of oc.h's table (its row names a variable): set on at import
  * where its boolean variable says so, torch's default kept otherwise. */
 static void apply_flag(const oc_config *cfg, PyObject *torch, PyObject *c_mod, oc_opt opt)
@@ -641,7 +624,8 @@ static void apply_flag(const oc_config *cfg, PyObject *torch, PyObject *c_mod, o
         oc_record_set(opt, OC_REC_SKIPPED, OC_CODE_NO_SETTER, "this torch has no torch._C.%s",
                       row->setter);
     else {
-        oc_record_set(opt, OC_REC_APPLIED, asked_by(row->var), "%s", row->does);
+        oc_record_set(opt, OC_REC_APPLIED,
+                      oc_env(row->var) ? OC_CODE_USER_SETTING : OC_CODE_DEFAULT, "%s", row->does);
         oc_record_bool(opt, 1);
     }
 }
@@ -796,11 +780,10 @@ static double pending_fraction;
  * torch), so nothing in the process owns GPU memory. outofcuda's merge,
  * worked out at import, goes to torch's runtime setter now, before the
  * first allocation, and the fraction step that follows sets the fraction. */
-static void framework_left(PyObject *torch, const char *gone)
+static void framework_left(PyObject *c_mod, const char *gone)
 {
     char reason[400];
     const char *user, *used = NULL;
-    PyObject *c_mod;
     int rc = 1;
     oc_framework_leave_to(NULL, NULL);
     oc_framework_decided(1,
@@ -811,11 +794,8 @@ static void framework_left(PyObject *torch, const char *gone)
              "%s, in use when torch imported, was gone when CUDA initialised (its import failed)",
              gone);
     user_alloc_var(&user);
-    c_mod = PyObject_GetAttrString(torch, "_C");
-    OC_CLEAR();
     if (alloc_value[0] && strcmp(alloc_value, user) != 0)
         rc = call_setter(c_mod, alloc_value, &used);
-    Py_XDECREF(c_mod);
     if (oc_config_off(oc_config_get(), "OUTOFCUDA_ALLOC_CONF")) {
         /* the record already says off */
     } else if (rc != 1) {
@@ -843,17 +823,14 @@ static void framework_left(PyObject *torch, const char *gone)
  * again, since what counts is what is true when CUDA starts: one found at
  * torch's import may be gone (framework_left), one imported after torch is
  * found now; then torch's allocator is handed back and the memory fraction
- * (the next step) is left to the framework. Each run decides from what was
- * found at import (left_at_import, alloc_applied) and what is in use now,
- * and writes torch's settings and its records whole, so that a run a Ctrl-C
- * cut short is simply run again. */
-static void framework_at_cuda_init(PyObject *torch)
+ * (the next step) is left to the framework. What import found
+ * (left_at_import, alloc_applied) is read, never changed. */
+static void framework_at_cuda_init(PyObject *c_mod)
 {
     const oc_framework_choice *fw = oc_framework_choice_get();
-    PyObject *c_mod;
     if (left_at_import[0]) {
         if (oc_framework_in_use(NULL, 0) == NULL)
-            framework_left(torch, left_at_import);
+            framework_left(c_mod, left_at_import);
         else
             oc_framework_decided(1, "; when CUDA initialised: %s still in use", left_at_import);
         return;
@@ -867,10 +844,7 @@ static void framework_at_cuda_init(PyObject *torch)
                          "allocator handed back to the user's settings and the memory fraction "
                          "left to it",
                          fw->left_to);
-    c_mod = PyObject_GetAttrString(torch, "_C");
-    OC_CLEAR();
     hand_back_allocator(c_mod);
-    Py_XDECREF(c_mod);
     if (oc_config_off(oc_config_get(), "OUTOFCUDA_MEMORY_FRACTION"))
         return; /* the record says off */
     oc_record_set(OC_OPT_FRACTION, OC_REC_SKIPPED, OC_CODE_FRAMEWORK, "not set: left to %s. %s",
@@ -954,9 +928,9 @@ static double auto_fraction(long device, char *sized, size_t sz)
 }
 
 /* A step of the CUDA-init callback: this process's device only. */
-static void fraction_at_cuda_init(PyObject *torch)
+static void fraction_at_cuda_init(PyObject *c_mod)
 {
-    PyObject *c_mod = NULL, *n = NULL, *dev = NULL, *r = NULL;
+    PyObject *n = NULL, *dev = NULL, *r = NULL;
     long rank = oc_env_rank("LOCAL_RANK"), count = 0, device = 0;
     double fraction = pending_fraction;
     char sized[120] = "";
@@ -964,9 +938,6 @@ static void fraction_at_cuda_init(PyObject *torch)
         /* The framework step (first) left the fraction to a framework. */
         return;
     }
-    c_mod = PyObject_GetAttrString(torch, "_C");
-    if (c_mod == NULL)
-        goto error;
     n = PyObject_CallMethod(c_mod, "_cuda_getDeviceCount", NULL);
     if (n == NULL)
         goto error;
@@ -1004,7 +975,6 @@ done:
     Py_XDECREF(r);
     Py_XDECREF(dev);
     Py_XDECREF(n);
-    Py_XDECREF(c_mod);
 }
 
 static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
@@ -1080,17 +1050,17 @@ static oc_opt step_record(oc_cuda_step step)
                                       : OC_OPT_COUNT;
 }
 
-static void run_step(oc_cuda_step step, PyObject *torch)
+static void run_step(oc_cuda_step step, PyObject *torch, PyObject *c_mod)
 {
     switch (step) {
     case OC_STEP_FRAMEWORK:
-        framework_at_cuda_init(torch);
+        framework_at_cuda_init(c_mod);
         break;
     case OC_STEP_TF32:
-        tf32_at_cuda_init(torch);
+        tf32_at_cuda_init(torch, c_mod);
         break;
     case OC_STEP_FRACTION: /* armed at import or by the framework step */
-        fraction_at_cuda_init(torch);
+        fraction_at_cuda_init(c_mod);
         break;
     case OC_STEP_KNOWN_BUGS:
         oc_known_bugs_at_cuda_init(torch);
@@ -1110,25 +1080,25 @@ static void run_step(oc_cuda_step step, PyObject *torch)
 static PyObject *py_at_cuda_init(PyObject *self, PyObject *unused)
 {
     PyObject *torch = oc_sys_module("torch");
+    PyObject *c_mod = torch ? PyObject_GetAttrString(torch, "_C") : NULL;
     int interrupted;
     (void)self;
     (void)unused;
-    if (torch == NULL)
-        Py_RETURN_NONE;
-    for (int i = 0; i < OC_STEP_COUNT && !oc_interrupt_waiting(); i++) {
+    OC_CLEAR(); /* no torch._C (never armed then): nothing runs */
+    for (int i = 0; c_mod != NULL && i < OC_STEP_COUNT && !oc_interrupt_waiting(); i++) {
         oc_cuda_step step = (oc_cuda_step)i;
         if (!step_armed(step))
             continue;
-        run_step(step, torch);
+        run_step(step, torch, c_mod);
         interrupted = oc_interrupt_waiting();
         if (interrupted)
             oc_record_set(step_record(step), OC_REC_INTERRUPTED, OC_CODE_AT_CUDA_INIT,
-                          "interrupted when CUDA initialised: runs again when torch next runs "
-                          "its queue");
+                          "interrupted when CUDA initialised: runs again with torch's queue");
         oc_cuda_step_ran(step, interrupted);
     }
     OC_CLEAR();
-    Py_DECREF(torch);
+    Py_XDECREF(c_mod);
+    Py_XDECREF(torch);
     Py_RETURN_NONE;
 }
 

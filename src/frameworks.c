@@ -56,15 +56,6 @@ static int tms_preloaded(const char *preload)
     return 0;
 }
 
-static const oc_framework *by_package(const char *package)
-{
-    for (const oc_framework *f = oc_frameworks; f->package; f++) {
-        if (strcmp(f->package, package) == 0)
-            return f;
-    }
-    return NULL;
-}
-
 /* 1 when sys.modules holds `name`. Reads the dict only: no import, no
  * attribute of the module (it may be half initialised). */
 static int in_sys_modules(const char *name)
@@ -87,12 +78,13 @@ const char *oc_framework_in_use(char *why, size_t whysz)
     const char *preload = oc_env("LD_PRELOAD");
     if (why != NULL && whysz > 0)
         why[0] = '\0';
+    /* torch_memory_saver, preloaded, comes last: a framework imported wins. */
     for (const oc_framework *f = oc_frameworks; f->package; f++) {
         if (in_sys_modules(f->package))
             return found(f, "imported in this process", why, whysz);
+        if (strcmp(f->package, "torch_memory_saver") == 0 && tms_preloaded(preload))
+            return found(f, "preloaded through LD_PRELOAD", why, whysz);
     }
-    if (tms_preloaded(preload))
-        return found(by_package("torch_memory_saver"), "preloaded through LD_PRELOAD", why, whysz);
     return NULL;
 }
 

@@ -364,10 +364,8 @@ void oc_known_bugs_at_cuda_init(PyObject *torch)
             kb.done[i] = act(torch, oc_known_bug_at(i), i);
     }
     OC_CLEAR();
-    if (oc_interrupt_waiting()) {
+    if (oc_interrupt_waiting())
         kb = kept;
-        oc_record_sdpa_guard(NULL, NULL); /* said again by the next run */
-    }
 }
 
 static PyObject *state_obj(int s)

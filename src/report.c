@@ -194,32 +194,12 @@ int oc_matmul_tf32(PyObject *c_mod)
     return on;
 }
 
-/* Builds {k: getter()} for n getters; NULL when one cannot be read. */
-static PyObject *bool_dict(PyObject *c_mod, const char *const (*items)[2], size_t n)
-{
-    PyObject *d = PyDict_New();
-    for (size_t i = 0; d != NULL && i < n; i++) {
-        PyObject *b = c_bool(c_mod, items[i][1]);
-        if (b == NULL || PyDict_SetItemString(d, items[i][0], b) < 0) {
-            Py_XDECREF(b);
-            Py_CLEAR(d);
-            break;
-        }
-        Py_DECREF(b);
-    }
-    OC_CLEAR();
-    return d;
-}
-
 /* What opt is now in torch (new ref), or NULL where no getter tells: a
  * plain flag through its row's getter. */
 static PyObject *now_value(PyObject *c_mod, oc_opt opt)
 {
-    static const char *const sdpa[][2] = {{"flash", "_get_flash_sdp_enabled"},
-                                          {"mem_efficient", "_get_mem_efficient_sdp_enabled"},
-                                          {"math", "_get_math_sdp_enabled"}};
     const char *getter = oc_opt_row_of(opt)->getter;
-    PyObject *r;
+    PyObject *r, *flash, *mem, *math;
     int on;
     switch (opt) {
     case OC_OPT_TF32:
@@ -228,7 +208,17 @@ static PyObject *now_value(PyObject *c_mod, oc_opt opt)
         OC_CLEAR();
         return r;
     case OC_OPT_SDPA:
-        return bool_dict(c_mod, sdpa, 3);
+        flash = c_bool(c_mod, "_get_flash_sdp_enabled");
+        mem = c_bool(c_mod, "_get_mem_efficient_sdp_enabled");
+        math = c_bool(c_mod, "_get_math_sdp_enabled");
+        r = flash && mem && math
+                ? Py_BuildValue("{s:O,s:O,s:O}", "flash", flash, "mem_efficient", mem, "math", math)
+                : NULL;
+        Py_XDECREF(flash);
+        Py_XDECREF(mem);
+        Py_XDECREF(math);
+        OC_CLEAR();
+        return r;
     case OC_OPT_ALLOCATOR:
         r = oc_call_quiet(c_mod, "_accelerator_getAllocatorSettings", NULL, NULL);
         if (r != NULL && !PyUnicode_Check(r))
