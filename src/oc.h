@@ -383,7 +383,7 @@ int oc_tf32_forced_off(const char *v);
 #define OC_OPTIMISATIONS(X)                                                                        \
     X(TF32, "tf32", NULL, NULL, NULL, NULL)                                                        \
     X(CUDNN_BENCHMARK, "cudnn_benchmark", "_set_cudnn_benchmark", "_get_cudnn_benchmark",          \
-      "OUTOFCUDA_CUDNN_BENCHMARK",                                                                 \
+      OC_VAR("OUTOFCUDA_CUDNN_BENCHMARK"),                                                         \
       "autotunes convolutions per input shape (slow with changing shapes)")                        \
     X(CUDNN_DETERMINISTIC, "cudnn_deterministic", "_set_cudnn_deterministic",                      \
       "_get_cudnn_deterministic", NULL, NULL) /* forces the autotuner off: bridge.c's own */       \
