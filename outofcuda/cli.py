@@ -1034,7 +1034,8 @@ def _parser():
 
 # Runs in a fresh interpreter (the hook fires there as in the user's program):
 # the settings torch itself says are in effect, each read alone (a read that
-# raises is shown, not fatal), and what outofcuda did. Nothing here
+# raises is shown, not fatal), and what outofcuda did, with each of its
+# optimisations' flags as torch has them now (status()'s "now"). Nothing here
 # initialises CUDA: torch's flags and the allocator getter are host-side.
 _BUG_PROBE = r"""
 import json, os, sys
@@ -1057,11 +1058,8 @@ try:
     if getter is not None:
         read("allocator_settings", getter)
     read("float32_matmul_precision", lambda: torch.get_float32_matmul_precision())
-    read("cuda.matmul.allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32)
     read("cudnn.allow_tf32", lambda: torch.backends.cudnn.allow_tf32)
     read("cudnn.enabled", lambda: torch.backends.cudnn.enabled)
-    read("cudnn.benchmark", lambda: torch.backends.cudnn.benchmark)
-    read("cudnn.deterministic", lambda: torch.backends.cudnn.deterministic)
     # 2.4+ has one getter; before it, one per device type
     get = getattr(torch, "get_autocast_dtype", None)
     read("autocast_dtype.cuda", lambda: get("cuda") if get else torch.get_autocast_gpu_dtype())
@@ -1147,10 +1145,9 @@ def _render_bug_report(d):
         f"CUDA initialised by import torch: {d['cuda_initialized']}",
         f"allocator settings: {alloc}",
         f"TF32: float32_matmul_precision={val('float32_matmul_precision')} "
-        f"cuda.matmul.allow_tf32={val('cuda.matmul.allow_tf32')} "
-        f"cudnn.allow_tf32={val('cudnn.allow_tf32')}",
-        f"cuDNN: enabled={val('cudnn.enabled')} benchmark={val('cudnn.benchmark')} "
-        f"deterministic={val('cudnn.deterministic')}",
+        f"cudnn.allow_tf32={val('cudnn.allow_tf32')}; cuDNN: enabled={val('cudnn.enabled')}",
+        "torch now: " + (" ".join(f"{name}={e['now']}" for name, e in d["optimizations"].items()
+                                  if e.get("now") is not None) or "unread"),
         f"autocast dtype: cuda={val('autocast_dtype.cuda')} cpu={val('autocast_dtype.cpu')}",
         "outofcuda's decisions (yes / queued for CUDA's start / off / no):",
     ]

@@ -117,6 +117,8 @@ static void read_version_module(PyObject *torch)
 static char alloc_value[OC_ALLOC_CONF_MAX];
 static char alloc_reason[1000];
 static int alloc_applied;
+/* The framework GPU memory was left to at torch's import ("" none). */
+static char left_at_import[32];
 static int alloc_by_setter; /* the merge went to torch's runtime setter alone */
 /* The user's PYTORCH_ALLOC_CONF, which 2.9 and 2.10 ignore, went to torch. */
 static int alloc_generic;
@@ -289,6 +291,7 @@ static void prepare_allocator(const oc_config *cfg)
      * import that fails after importing torch leaves no framework behind,
      * and the CUDA-init callback then gives it to torch's runtime setter. */
     owned = framework_owns_memory(cfg, fw_note, sizeof fw_note);
+    snprintf(left_at_import, sizeof left_at_import, "%s", fw->left_to);
     if (owned) {
         alloc_say(OC_CODE_FRAMEWORK,
                   "left to %s: the allocator variable stays as the user set it, and no memory "
@@ -441,6 +444,17 @@ static int flags_frozen(PyObject *torch)
     return frozen;
 }
 
+/* Skips opt, when torch.backends.disable_global_flags() froze the flags it
+ * sets (cuDNN's among them), and returns 1. */
+static int skip_frozen(PyObject *torch, oc_opt opt)
+{
+    if (!flags_frozen(torch))
+        return 0;
+    oc_record_set(opt, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
+                  "torch.backends.disable_global_flags() was called");
+    return 1;
+}
+
 /* ---- TF32, decided when CUDA starts ----
  *
  * torch 2.9+ keeps two precision APIs (the legacy allow_tf32 /
@@ -492,15 +506,11 @@ static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
     }
     OC_CLEAR();
     {
-        PyObject *tf32 = oc_call_quiet(c_mod, "_get_cublas_allow_tf32", NULL, NULL);
         PyObject *fmp = oc_call_quiet(c_mod, "_get_float32_matmul_precision", NULL, NULL);
+        int tf32 = oc_matmul_tf32(c_mod), chosen = -1;
         char v[32] = "";
-        int chosen = -1;
-        if (tf32 != NULL && fmp != NULL && PyUnicode_Check(fmp)) {
-            oc_utf8(fmp, v, sizeof v);
-            chosen = PyObject_IsTrue(tf32) == 1 || strcmp(v, "highest") != 0;
-        }
-        Py_XDECREF(tf32);
+        if (tf32 >= 0 && fmp != NULL && PyUnicode_Check(fmp))
+            chosen = tf32 == 1 || strcmp(oc_utf8(fmp, v, sizeof v), "highest") != 0;
         Py_XDECREF(fmp);
         OC_CLEAR();
         if (chosen < 0)
@@ -512,44 +522,18 @@ static int precision_chosen(PyObject *c_mod, char *why, size_t sz)
     }
 }
 
-/* The step called torch's setter: a Ctrl-C that lands inside it, after the
- * flag is set, leaves the step armed, and its next run finds outofcuda's own
- * write. */
-static int tf32_written;
-
-/* 1 when cuBLAS TF32 is on for float32 matmuls now, as the step's setter
- * leaves it; 0 otherwise or when it cannot be read. */
-static int matmul_tf32_on(PyObject *c_mod)
-{
-    PyObject *r = oc_call_quiet(c_mod, "_get_fp32_precision_getter", "cuda", "matmul");
-    char v[32] = "";
-    int on;
-    if (r == NULL) { /* before 2.9: the legacy getter tells */
-        r = oc_call_quiet(c_mod, "_get_cublas_allow_tf32", NULL, NULL);
-        on = r != NULL && PyObject_IsTrue(r) == 1;
-    } else {
-        on = PyUnicode_Check(r) && strcmp(oc_utf8(r, v, sizeof v), "tf32") == 0;
-    }
-    Py_XDECREF(r);
-    OC_CLEAR();
-    return on;
-}
-
 /* A step of the CUDA-init callback. */
-static void tf32_at_cuda_init(PyObject *torch)
+static void tf32_at_cuda_init(PyObject *torch, PyObject *c_mod)
 {
     char why[200];
-    PyObject *c_mod;
     int chosen;
-    c_mod = PyObject_GetAttrString(torch, "_C");
-    if (c_mod == NULL) {
-        OC_CLEAR();
-        return;
-    }
-    /* A run cut short after its write: what reads as chosen is outofcuda's
-     * own setting, still in place (a program that chose TF32 itself since
-     * then gets the same), and the write is made again. */
-    chosen = tf32_written && matmul_tf32_on(c_mod) ? 0 : precision_chosen(c_mod, why, sizeof why);
+    /* A run a Ctrl-C cut short may have written: TF32 on then reads as
+     * outofcuda's own setting (a program that chose TF32 itself since then
+     * gets the same), found done, and written again. */
+    chosen =
+        oc_cuda_step_state(OC_STEP_TF32) == OC_STEP_IS_INTERRUPTED && oc_matmul_tf32(c_mod) == 1
+            ? 0
+            : precision_chosen(c_mod, why, sizeof why);
     if (chosen != 0) {
         oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED,
                       chosen > 0 ? OC_CODE_PROGRAM_CHOSE : OC_CODE_UNREADABLE, "left as it is: %s",
@@ -557,20 +541,16 @@ static void tf32_at_cuda_init(PyObject *torch)
     } else if (flags_frozen(torch)) {
         oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
                       "torch.backends.disable_global_flags() was called before CUDA started");
+    } else if (set_flag(c_mod, "_set_cublas_allow_tf32", 1, "tf32") != 1) {
+        oc_record_set(OC_OPT_TF32, OC_REC_FAILED, OC_CODE_SETTER_FAILED,
+                      "torch._C._set_cublas_allow_tf32 failed");
     } else {
-        tf32_written = 1;
-        if (set_flag(c_mod, "_set_cublas_allow_tf32", 1, "tf32") != 1) {
-            oc_record_set(OC_OPT_TF32, OC_REC_FAILED, OC_CODE_SETTER_FAILED,
-                          "torch._C._set_cublas_allow_tf32 failed");
-        } else {
-            oc_record_set(OC_OPT_TF32, OC_REC_APPLIED, OC_CODE_AT_CUDA_INIT,
-                          "set when CUDA initialised (the program had chosen no float32 "
-                          "precision): cuBLAS may use TF32 for float32 matmuls; cuDNN TF32 is "
-                          "torch's default");
-            oc_record_matmul(1);
-        }
+        oc_record_set(OC_OPT_TF32, OC_REC_APPLIED, OC_CODE_AT_CUDA_INIT,
+                      "set when CUDA initialised (the program had chosen no float32 "
+                      "precision): cuBLAS may use TF32 for float32 matmuls; cuDNN TF32 is "
+                      "torch's default");
+        oc_record_matmul(1);
     }
-    Py_DECREF(c_mod);
 }
 
 static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, const char *no_queue)
@@ -594,11 +574,8 @@ static void arm_tf32(const oc_config *cfg, PyObject *torch, PyObject *c_mod, con
                       "NVIDIA_TF32_OVERRIDE=0 asks for no TF32");
         return;
     }
-    if (flags_frozen(torch)) {
-        oc_record_set(OC_OPT_TF32, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
-                      "torch.backends.disable_global_flags() was called");
+    if (skip_frozen(torch, OC_OPT_TF32))
         return;
-    }
     setter = PyObject_GetAttrString(c_mod, "_set_cublas_allow_tf32");
     if (setter == NULL) {
         OC_CLEAR_RECORDED(); /* the step's reason says torch lacks it */
@@ -630,70 +607,60 @@ static int skip_without_cuda(oc_opt opt)
     return 1;
 }
 
-/* Whether a setting on by default was asked for by the user's variable. */
-static oc_rec_code asked_by(const char *var)
+/* A plain flag of oc.h's table (its row names a variable): set on at import
+ * where its boolean variable says so, torch's default kept otherwise. */
+static void apply_flag(const oc_config *cfg, PyObject *torch, PyObject *c_mod, oc_opt opt)
 {
-    return oc_env(var) != NULL ? OC_CODE_USER_SETTING : OC_CODE_DEFAULT;
+    const oc_opt_row *row = oc_opt_row_of(opt);
+    const oc_setting *var = oc_setting_named(row->var);
+    int on = 0;
+    if (var != NULL && var->kind == OC_SET_BOOL && var->offset != OC_NO_FIELD)
+        memcpy(&on, (const char *)cfg + var->offset, sizeof on); /* an int field (settings.c) */
+    if (!on)
+        oc_record_off(opt, row->var);
+    else if (skip_without_cuda(opt) || skip_frozen(torch, opt))
+        return;
+    else if (set_flag(c_mod, row->setter, 1, row->name) != 1)
+        oc_record_set(opt, OC_REC_SKIPPED, OC_CODE_NO_SETTER, "this torch has no torch._C.%s",
+                      row->setter);
+    else {
+        oc_record_set(opt, OC_REC_APPLIED,
+                      oc_env(row->var) ? OC_CODE_USER_SETTING : OC_CODE_DEFAULT, "%s", row->does);
+        oc_record_bool(opt, 1);
+    }
 }
 
-static void apply_cudnn(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
+/* Deterministic cuDNN needs fixed algorithms, so it turns the autotuner off
+ * too. Returns 1 when it did so while the autotuner was on (its record then
+ * says why). */
+static int apply_deterministic(const oc_config *cfg, PyObject *torch, PyObject *c_mod)
 {
-    /* A step the user turned off says so first, whatever else holds;
-     * deterministic cuDNN still forces the autotuner off in torch. */
-    int det_off = oc_config_off(cfg, "OUTOFCUDA_CUDNN_DETERMINISTIC");
-    int bench_off = !cfg->cudnn_benchmark;
-    if (det_off)
-        oc_record_off(OC_OPT_CUDNN_DETERMINISTIC, "OUTOFCUDA_CUDNN_DETERMINISTIC");
-    if (bench_off)
-        oc_record_off(OC_OPT_CUDNN_BENCHMARK, "OUTOFCUDA_CUDNN_BENCHMARK");
-    if (!build.cuda_build) {
-        if (!bench_off)
-            skip_without_cuda(OC_OPT_CUDNN_BENCHMARK);
-        if (!det_off)
-            skip_without_cuda(OC_OPT_CUDNN_DETERMINISTIC);
-        return;
+    const oc_opt det = OC_OPT_CUDNN_DETERMINISTIC, bench = OC_OPT_CUDNN_BENCHMARK;
+    if (oc_config_off(cfg, "OUTOFCUDA_CUDNN_DETERMINISTIC")) {
+        oc_record_off(det, "OUTOFCUDA_CUDNN_DETERMINISTIC");
+        return 0;
     }
-    /* disable_global_flags() freezes torch.backends.cudnn's flags too. */
-    if (flags_frozen(torch)) {
-        if (!bench_off)
-            oc_record_set(OC_OPT_CUDNN_BENCHMARK, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
-                          "torch.backends.disable_global_flags() was called");
-        if (!det_off)
-            oc_record_set(OC_OPT_CUDNN_DETERMINISTIC, OC_REC_SKIPPED, OC_CODE_FLAGS_FROZEN,
-                          "torch.backends.disable_global_flags() was called");
-        return;
-    }
-    if (cfg->cudnn_deterministic) {
-        if (set_flag(c_mod, "_set_cudnn_deterministic", 1, "cudnn_deterministic") == 1) {
-            oc_record_set(OC_OPT_CUDNN_DETERMINISTIC, OC_REC_APPLIED, OC_CODE_USER_SETTING,
-                          "OUTOFCUDA_CUDNN_DETERMINISTIC=1");
-            oc_record_bool(OC_OPT_CUDNN_DETERMINISTIC, 1);
-        } else {
-            oc_record_set(OC_OPT_CUDNN_DETERMINISTIC, OC_REC_SKIPPED, OC_CODE_NO_SETTER,
-                          "torch._C has no cuDNN setter");
-        }
-        if (set_flag(c_mod, "_set_cudnn_benchmark", 0, "cudnn_benchmark") == 1 && !bench_off) {
-            oc_record_set(OC_OPT_CUDNN_BENCHMARK, OC_REC_SKIPPED, OC_CODE_DETERMINISTIC,
-                          "forced off: deterministic cuDNN needs fixed algorithms");
-            oc_record_bool(OC_OPT_CUDNN_BENCHMARK, 0);
-        }
-        return;
-    }
-    if (!det_off) {
-        oc_record_set(OC_OPT_CUDNN_DETERMINISTIC, OC_REC_SKIPPED, OC_CODE_DEFAULT,
+    if (skip_without_cuda(det) || skip_frozen(torch, det))
+        return 0;
+    if (!cfg->cudnn_deterministic) {
+        oc_record_set(det, OC_REC_SKIPPED, OC_CODE_DEFAULT,
                       "OUTOFCUDA_CUDNN_DETERMINISTIC=0 (default)");
-        oc_record_bool(OC_OPT_CUDNN_DETERMINISTIC, 0);
+        oc_record_bool(det, 0);
+        return 0;
     }
-    if (bench_off)
-        return;
-    if (set_flag(c_mod, "_set_cudnn_benchmark", 1, "cudnn_benchmark") == 1) {
-        oc_record_set(OC_OPT_CUDNN_BENCHMARK, OC_REC_APPLIED, asked_by("OUTOFCUDA_CUDNN_BENCHMARK"),
-                      "autotunes convolutions per input shape (slow with changing shapes)");
-        oc_record_bool(OC_OPT_CUDNN_BENCHMARK, 1);
+    if (set_flag(c_mod, oc_opt_row_of(det)->setter, 1, "cudnn_deterministic") == 1) {
+        oc_record_set(det, OC_REC_APPLIED, OC_CODE_USER_SETTING, "OUTOFCUDA_CUDNN_DETERMINISTIC=1");
+        oc_record_bool(det, 1);
     } else {
-        oc_record_set(OC_OPT_CUDNN_BENCHMARK, OC_REC_SKIPPED, OC_CODE_NO_SETTER,
-                      "this torch has no torch._C._set_cudnn_benchmark");
+        oc_record_set(det, OC_REC_SKIPPED, OC_CODE_NO_SETTER, "torch._C has no cuDNN setter");
     }
+    if (set_flag(c_mod, oc_opt_row_of(bench)->setter, 0, "cudnn_benchmark") != 1 ||
+        !cfg->cudnn_benchmark)
+        return 0;
+    oc_record_set(bench, OC_REC_SKIPPED, OC_CODE_DETERMINISTIC,
+                  "forced off: deterministic cuDNN needs fixed algorithms");
+    oc_record_bool(bench, 0);
+    return 1;
 }
 
 /* flash, memory-efficient and math attention are on by default in every
@@ -790,13 +757,14 @@ static void hand_back_allocator(PyObject *c_mod)
     if (rc != 1) {
         oc_set_error("handing the user's allocator settings back to torch at CUDA "
                      "initialisation");
+        if (oc_interrupt_waiting())
+            return; /* not refused: the step runs again */
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_APPLIED, OC_CODE_SETTER_FAILED,
                       "%s; %s is in use but torch's setter refused the user's %s, so "
                       "outofcuda's settings stay",
                       alloc_reason, fw->left_to, name);
         return;
     }
-    alloc_applied = 0;
     oc_record_set(OC_OPT_ALLOCATOR, OC_REC_SKIPPED, OC_CODE_HANDED_BACK,
                   "handed back at CUDA initialisation: torch's allocator holds the user's own %s "
                   "('%.200s'), left to %s. %s",
@@ -812,14 +780,11 @@ static double pending_fraction;
  * torch), so nothing in the process owns GPU memory. outofcuda's merge,
  * worked out at import, goes to torch's runtime setter now, before the
  * first allocation, and the fraction step that follows sets the fraction. */
-static void framework_left(PyObject *torch)
+static void framework_left(PyObject *c_mod, const char *gone)
 {
-    const oc_framework_choice *fw = oc_framework_choice_get();
-    char gone[sizeof fw->left_to], reason[400];
+    char reason[400];
     const char *user, *used = NULL;
-    PyObject *c_mod;
     int rc = 1;
-    snprintf(gone, sizeof gone, "%s", fw->left_to);
     oc_framework_leave_to(NULL, NULL);
     oc_framework_decided(1,
                          "; when CUDA initialised: %s was no longer in use (its import failed), "
@@ -829,15 +794,14 @@ static void framework_left(PyObject *torch)
              "%s, in use when torch imported, was gone when CUDA initialised (its import failed)",
              gone);
     user_alloc_var(&user);
-    c_mod = PyObject_GetAttrString(torch, "_C");
-    OC_CLEAR();
     if (alloc_value[0] && strcmp(alloc_value, user) != 0)
         rc = call_setter(c_mod, alloc_value, &used);
-    Py_XDECREF(c_mod);
     if (oc_config_off(oc_config_get(), "OUTOFCUDA_ALLOC_CONF")) {
         /* the record already says off */
     } else if (rc != 1) {
         oc_set_error("handing the allocator settings to torch at CUDA initialisation");
+        if (oc_interrupt_waiting())
+            return; /* not refused: the step runs again */
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_FAILED,
                       used ? OC_CODE_SETTER_FAILED : OC_CODE_NO_SETTER,
                       "%s; torch's runtime setter %s", reason, used ? "failed" : "is missing");
@@ -845,7 +809,6 @@ static void framework_left(PyObject *torch)
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_SKIPPED, OC_CODE_NOTHING_TO_ADD,
                       "%s; nothing to add to the user's allocator settings", reason);
     } else {
-        alloc_applied = 1;
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_APPLIED, OC_CODE_FRAMEWORK_LEFT,
                       "given to torch._C.%s when CUDA initialised: %s", used, reason);
         oc_record_text(OC_OPT_ALLOCATOR, alloc_value);
@@ -860,16 +823,16 @@ static void framework_left(PyObject *torch)
  * again, since what counts is what is true when CUDA starts: one found at
  * torch's import may be gone (framework_left), one imported after torch is
  * found now; then torch's allocator is handed back and the memory fraction
- * (the next step) is left to the framework. */
-static void framework_at_cuda_init(PyObject *torch)
+ * (the next step) is left to the framework. What import found
+ * (left_at_import, alloc_applied) is read, never changed. */
+static void framework_at_cuda_init(PyObject *c_mod)
 {
     const oc_framework_choice *fw = oc_framework_choice_get();
-    PyObject *c_mod;
-    if (fw->left_to[0]) {
+    if (left_at_import[0]) {
         if (oc_framework_in_use(NULL, 0) == NULL)
-            framework_left(torch);
+            framework_left(c_mod, left_at_import);
         else
-            oc_framework_decided(1, "; when CUDA initialised: %s still in use", fw->left_to);
+            oc_framework_decided(1, "; when CUDA initialised: %s still in use", left_at_import);
         return;
     }
     if (!framework_owns_memory(oc_config_get(), NULL, 0)) {
@@ -881,10 +844,7 @@ static void framework_at_cuda_init(PyObject *torch)
                          "allocator handed back to the user's settings and the memory fraction "
                          "left to it",
                          fw->left_to);
-    c_mod = PyObject_GetAttrString(torch, "_C");
-    OC_CLEAR();
     hand_back_allocator(c_mod);
-    Py_XDECREF(c_mod);
     if (oc_config_off(oc_config_get(), "OUTOFCUDA_MEMORY_FRACTION"))
         return; /* the record says off */
     oc_record_set(OC_OPT_FRACTION, OC_REC_SKIPPED, OC_CODE_FRAMEWORK, "not set: left to %s. %s",
@@ -968,9 +928,9 @@ static double auto_fraction(long device, char *sized, size_t sz)
 }
 
 /* A step of the CUDA-init callback: this process's device only. */
-static void fraction_at_cuda_init(PyObject *torch)
+static void fraction_at_cuda_init(PyObject *c_mod)
 {
-    PyObject *c_mod = NULL, *n = NULL, *dev = NULL, *r = NULL;
+    PyObject *n = NULL, *dev = NULL, *r = NULL;
     long rank = oc_env_rank("LOCAL_RANK"), count = 0, device = 0;
     double fraction = pending_fraction;
     char sized[120] = "";
@@ -978,9 +938,6 @@ static void fraction_at_cuda_init(PyObject *torch)
         /* The framework step (first) left the fraction to a framework. */
         return;
     }
-    c_mod = PyObject_GetAttrString(torch, "_C");
-    if (c_mod == NULL)
-        goto error;
     n = PyObject_CallMethod(c_mod, "_cuda_getDeviceCount", NULL);
     if (n == NULL)
         goto error;
@@ -1008,7 +965,7 @@ static void fraction_at_cuda_init(PyObject *torch)
     goto done;
 error:
     /* oc_set_error sets an interrupt aside instead of recording it: no
-     * failure then, the step stays armed and step_undo puts its record back. */
+     * failure then: the step stays armed, its record says interrupted. */
     oc_set_error("memory fraction at CUDA initialisation");
     if (!oc_interrupt_waiting())
         oc_record_set(OC_OPT_FRACTION, OC_REC_FAILED, OC_CODE_ERROR,
@@ -1018,7 +975,6 @@ done:
     Py_XDECREF(r);
     Py_XDECREF(dev);
     Py_XDECREF(n);
-    Py_XDECREF(c_mod);
 }
 
 static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
@@ -1071,100 +1027,40 @@ static void arm_memory_fraction(const oc_config *cfg, const char *no_queue)
  * during which a Ctrl-C (or a SystemExit) arrived stays armed and the
  * callback stops there: the interrupt reaches the program as the callback
  * returns, torch keeps its queue after a raising callback and runs it again
- * at the next CUDA call, and the step runs again then, from where it began
- * (struct step_undo). A step that completed never runs again, though a
- * stand-in torch or a queue run by hand may call the callback again. */
+ * at the next CUDA call, and the step runs again then, from its start. So
+ * every step decides from what import left and torch's own flags, never from
+ * what an earlier run of its own changed, and writes torch's settings, its
+ * records and its part of the framework decision whole (a write that finds
+ * its work already done counts it as done). A step that completed never
+ * runs again, though a stand-in torch or a queue run by hand may call the
+ * callback again. */
 
 static int step_armed(oc_cuda_step step)
 {
     return (oc_cuda_steps_armed() & (1u << step)) != 0;
 }
 
-/* The optimisations' records a step may write: *n of them. */
-static const oc_opt *step_records(oc_cuda_step step, int *n)
+/* The record a step decides, which says interrupted while the step waits
+ * to run again (OC_OPT_COUNT: none of its own). */
+static oc_opt step_record(oc_cuda_step step)
 {
-    static const oc_opt framework[] = {OC_OPT_ALLOCATOR, OC_OPT_FRACTION};
-    static const oc_opt tf32[] = {OC_OPT_TF32};
-    static const oc_opt fraction[] = {OC_OPT_FRACTION};
-    static const oc_opt known_bugs[] = {OC_OPT_SDPA}; /* the guard's note */
-    static const oc_opt oom[] = {OC_OPT_OOM};
-    switch (step) {
-    case OC_STEP_FRAMEWORK:
-        *n = 2;
-        return framework;
-    case OC_STEP_TF32:
-        *n = 1;
-        return tf32;
-    case OC_STEP_FRACTION:
-        *n = 1;
-        return fraction;
-    case OC_STEP_KNOWN_BUGS:
-        *n = 1;
-        return known_bugs;
-    case OC_STEP_OOM:
-        *n = 1;
-        return oom;
-    case OC_STEP_SUMMARY:
-    case OC_STEP_COUNT:
-        break;
-    }
-    *n = 0;
-    return NULL;
+    return step == OC_STEP_TF32       ? OC_OPT_TF32
+           : step == OC_STEP_FRACTION ? OC_OPT_FRACTION
+           : step == OC_STEP_OOM      ? OC_OPT_OOM
+                                      : OC_OPT_COUNT;
 }
 
-/* What a step changes in the engine's state, kept before it runs and put
- * back when it is interrupted, so that its next run starts where this one
- * did (the framework step appends to what was decided, may leave the
- * framework and arm the fraction step). What a step changes in torch it
- * sets again on its next run; the known-bugs step (which decides its
- * entries once) and oom.c's (an observer attached cannot be taken back)
- * keep their own. */
-#define STEP_RECORDS_MAX 2
-struct step_undo {
-    unsigned steps;
-    int alloc_applied;
-    double pending_fraction;
-    oc_framework_choice framework;
-    oc_record records[STEP_RECORDS_MAX]; /* the records as they were */
-};
-
-static void step_keep(oc_cuda_step step, struct step_undo *u)
-{
-    int n;
-    const oc_opt *opts = step_records(step, &n);
-    u->steps = oc_cuda_steps_armed();
-    u->alloc_applied = alloc_applied;
-    u->pending_fraction = pending_fraction;
-    u->framework = *oc_framework_choice_get();
-    for (int i = 0; i < n && i < STEP_RECORDS_MAX; i++)
-        oc_record_keep(opts[i], &u->records[i]);
-}
-
-/* The step was interrupted: its state as it was before, and each of its
- * records that waited for CUDA's start says it was interrupted. */
-static void step_undo(oc_cuda_step step, struct step_undo *u)
-{
-    int n;
-    const oc_opt *opts = step_records(step, &n);
-    oc_cuda_steps_set_armed(u->steps);
-    alloc_applied = u->alloc_applied;
-    pending_fraction = u->pending_fraction;
-    oc_framework_choice_put_back(&u->framework);
-    for (int i = 0; i < n && i < STEP_RECORDS_MAX; i++)
-        oc_record_put_back(opts[i], &u->records[i]);
-}
-
-static void run_step(oc_cuda_step step, PyObject *torch)
+static void run_step(oc_cuda_step step, PyObject *torch, PyObject *c_mod)
 {
     switch (step) {
     case OC_STEP_FRAMEWORK:
-        framework_at_cuda_init(torch);
+        framework_at_cuda_init(c_mod);
         break;
     case OC_STEP_TF32:
-        tf32_at_cuda_init(torch);
+        tf32_at_cuda_init(torch, c_mod);
         break;
     case OC_STEP_FRACTION: /* armed at import or by the framework step */
-        fraction_at_cuda_init(torch);
+        fraction_at_cuda_init(c_mod);
         break;
     case OC_STEP_KNOWN_BUGS:
         oc_known_bugs_at_cuda_init(torch);
@@ -1184,25 +1080,25 @@ static void run_step(oc_cuda_step step, PyObject *torch)
 static PyObject *py_at_cuda_init(PyObject *self, PyObject *unused)
 {
     PyObject *torch = oc_sys_module("torch");
-    struct step_undo undo;
+    PyObject *c_mod = torch ? PyObject_GetAttrString(torch, "_C") : NULL;
     int interrupted;
     (void)self;
     (void)unused;
-    if (torch == NULL)
-        Py_RETURN_NONE;
-    for (int i = 0; i < OC_STEP_COUNT && !oc_interrupt_waiting(); i++) {
+    OC_CLEAR(); /* no torch._C (never armed then): nothing runs */
+    for (int i = 0; c_mod != NULL && i < OC_STEP_COUNT && !oc_interrupt_waiting(); i++) {
         oc_cuda_step step = (oc_cuda_step)i;
         if (!step_armed(step))
             continue;
-        step_keep(step, &undo);
-        run_step(step, torch);
+        run_step(step, torch, c_mod);
         interrupted = oc_interrupt_waiting();
         if (interrupted)
-            step_undo(step, &undo);
+            oc_record_set(step_record(step), OC_REC_INTERRUPTED, OC_CODE_AT_CUDA_INIT,
+                          "interrupted when CUDA initialised: runs again with torch's queue");
         oc_cuda_step_ran(step, interrupted);
     }
     OC_CLEAR();
-    Py_DECREF(torch);
+    Py_XDECREF(c_mod);
+    Py_XDECREF(torch);
     Py_RETURN_NONE;
 }
 
@@ -1397,6 +1293,7 @@ void oc_bridge_after_torch(PyObject *torch)
     const oc_config *cfg = oc_config_get();
     PyObject *c_mod, *v, *lazy_call;
     const char *no_queue;
+    int forced;
     v = PyObject_GetAttrString(torch, "__version__");
     if (v != NULL) {
         PyObject *text = PyObject_Str(v);
@@ -1425,7 +1322,11 @@ void oc_bridge_after_torch(PyObject *torch)
     }
     lazy_call = lazy_call_fn(torch, &no_queue);
     arm_tf32(cfg, torch, c_mod, no_queue);
-    apply_cudnn(cfg, torch, c_mod);
+    forced = apply_deterministic(cfg, torch, c_mod);
+    for (int i = 0; i < OC_OPT_COUNT; i++) {
+        if (oc_opt_row_of((oc_opt)i)->var != NULL && !(forced && i == OC_OPT_CUDNN_BENCHMARK))
+            apply_flag(cfg, torch, c_mod, (oc_opt)i);
+    }
     record_allocator(cfg);
     arm_memory_fraction(cfg, no_queue);
     /* The framework step may have to hand torch's allocator back, or to
@@ -1445,15 +1346,11 @@ void oc_bridge_after_torch(PyObject *torch)
         oc_cuda_step_arm(OC_STEP_FRAMEWORK);
     if (oc_cuda_steps_armed() && queue_at_cuda_init(lazy_call) < 0) {
         /* Nothing will run when CUDA starts: no step may still say queued. */
-        if (step_armed(OC_STEP_TF32))
-            oc_record_set(OC_OPT_TF32, OC_REC_FAILED, OC_CODE_QUEUE_FAILED,
-                          "torch.cuda._lazy_call failed: TF32 left as torch has it");
-        if (step_armed(OC_STEP_FRACTION))
-            oc_record_set(OC_OPT_FRACTION, OC_REC_FAILED, OC_CODE_QUEUE_FAILED,
-                          "torch.cuda._lazy_call failed");
-        if (step_armed(OC_STEP_OOM))
-            oc_record_set(OC_OPT_OOM, OC_REC_FAILED, OC_CODE_QUEUE_FAILED,
-                          "torch.cuda._lazy_call failed: Python's exception hooks left alone");
+        for (int i = 0; i < OC_STEP_COUNT; i++) {
+            if (step_armed((oc_cuda_step)i))
+                oc_record_set(step_record((oc_cuda_step)i), OC_REC_FAILED, OC_CODE_QUEUE_FAILED,
+                              "torch.cuda._lazy_call failed: left as torch has it");
+        }
         oc_cuda_steps_set_armed(0);
     }
     Py_XDECREF(lazy_call);

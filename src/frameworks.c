@@ -56,15 +56,6 @@ static int tms_preloaded(const char *preload)
     return 0;
 }
 
-static const oc_framework *by_package(const char *package)
-{
-    for (const oc_framework *f = oc_frameworks; f->package; f++) {
-        if (strcmp(f->package, package) == 0)
-            return f;
-    }
-    return NULL;
-}
-
 /* 1 when sys.modules holds `name`. Reads the dict only: no import, no
  * attribute of the module (it may be half initialised). */
 static int in_sys_modules(const char *name)
@@ -87,12 +78,13 @@ const char *oc_framework_in_use(char *why, size_t whysz)
     const char *preload = oc_env("LD_PRELOAD");
     if (why != NULL && whysz > 0)
         why[0] = '\0';
+    /* torch_memory_saver, preloaded, comes last: a framework imported wins. */
     for (const oc_framework *f = oc_frameworks; f->package; f++) {
         if (in_sys_modules(f->package))
             return found(f, "imported in this process", why, whysz);
+        if (strcmp(f->package, "torch_memory_saver") == 0 && tms_preloaded(preload))
+            return found(f, "preloaded through LD_PRELOAD", why, whysz);
     }
-    if (tms_preloaded(preload))
-        return found(by_package("torch_memory_saver"), "preloaded through LD_PRELOAD", why, whysz);
     return NULL;
 }
 
@@ -113,16 +105,17 @@ void oc_framework_leave_to(const char *name, const char *why)
         snprintf(choice.why, sizeof choice.why, "%s", why);
 }
 
-void oc_framework_decided(int append, const char *fmt, ...)
+/* The length of what was decided at torch's import: the CUDA-init step's
+ * part follows it, written afresh on each run of the step. */
+static size_t at_import;
+
+void oc_framework_decided(int at_cuda_init, const char *fmt, ...)
 {
-    size_t len = append ? strlen(choice.decided) : 0;
+    size_t len = at_cuda_init ? at_import : 0;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(choice.decided + len, sizeof choice.decided - len, fmt, ap);
     va_end(ap);
-}
-
-void oc_framework_choice_put_back(const oc_framework_choice *kept)
-{
-    choice = *kept;
+    if (!at_cuda_init)
+        at_import = strlen(choice.decided);
 }

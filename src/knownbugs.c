@@ -289,12 +289,6 @@ static int sdp_flag(PyObject *c_mod, const char *getter)
     return on;
 }
 
-/* The step called torch's cuDNN-attention setter: a Ctrl-C that lands
- * inside it, after the write, leaves the step armed, and its next run finds
- * cuDNN attention off by outofcuda's own hand, not already off. Not put
- * back with the rows (kept across an interrupted run). */
-static int sdp_written;
-
 /* Takes entry i's action. Returns 1 done, 0 not (reason appended). */
 static int act(PyObject *torch, const oc_known_bug *b, size_t i)
 {
@@ -324,14 +318,15 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
         Py_DECREF(c_mod);
         return 0;
     }
-    /* Already off (the program said so, or OUTOFCUDA was told): nothing to do. */
-    if (!on && !sdp_written) {
+    /* Already off (the program said so, or OUTOFCUDA was told): nothing to do.
+     * Off after a run a Ctrl-C cut short is taken for that run's own write,
+     * found done and made again. */
+    if (!on && oc_cuda_step_state(OC_STEP_KNOWN_BUGS) != OC_STEP_IS_INTERRUPTED) {
         snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
                  "; cuDNN attention was already off");
         Py_DECREF(c_mod);
         return 1;
     }
-    sdp_written = 1;
     rc = oc_call_bool(c_mod, "_set_sdp_use_cudnn", 0);
     Py_DECREF(c_mod);
     OC_CLEAR();

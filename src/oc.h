@@ -376,17 +376,23 @@ int oc_tf32_forced_off(const char *v);
  * through the functions below; status(), the verbose table and the CLI render
  * from it, and what another file needs of it (the fraction, the device, the
  * allocator string, the autocast dtype) it reads from the typed fields, never
- * from the sentence. */
+ * from the sentence. A row names torch._C's setter and getter of a plain
+ * flag (status() reads "now" through the getter), and a plain flag's
+ * variable and what it does when on: bridge.c sets such a flag at import,
+ * with no function of its own. */
 #define OC_OPTIMISATIONS(X)                                                                        \
-    X(TF32, "tf32")                                                                                \
-    X(CUDNN_BENCHMARK, "cudnn_benchmark")                                                          \
-    X(CUDNN_DETERMINISTIC, "cudnn_deterministic")                                                  \
-    X(ALLOCATOR, "allocator")                                                                      \
-    X(FRACTION, "memory_fraction")                                                                 \
-    X(SDPA, "sdpa")                                                                                \
-    X(AMP_DTYPE, "amp_dtype")                                                                      \
-    X(OOM, "oom_handler")
-#define OC_OPT_ENUM(id, name) OC_OPT_##id,
+    X(TF32, "tf32", NULL, NULL, NULL, NULL)                                                        \
+    X(CUDNN_BENCHMARK, "cudnn_benchmark", "_set_cudnn_benchmark", "_get_cudnn_benchmark",          \
+      OC_VAR("OUTOFCUDA_CUDNN_BENCHMARK"),                                                         \
+      "autotunes convolutions per input shape (slow with changing shapes)")                        \
+    X(CUDNN_DETERMINISTIC, "cudnn_deterministic", "_set_cudnn_deterministic",                      \
+      "_get_cudnn_deterministic", NULL, NULL) /* forces the autotuner off: bridge.c's own */       \
+    X(ALLOCATOR, "allocator", NULL, NULL, NULL, NULL)                                              \
+    X(FRACTION, "memory_fraction", NULL, NULL, NULL, NULL)                                         \
+    X(SDPA, "sdpa", NULL, NULL, NULL, NULL)                                                        \
+    X(AMP_DTYPE, "amp_dtype", NULL, NULL, NULL, NULL)                                              \
+    X(OOM, "oom_handler", NULL, NULL, NULL, NULL)
+#define OC_OPT_ENUM(id, name, setter, getter, var, does) OC_OPT_##id,
 typedef enum { OC_OPTIMISATIONS(OC_OPT_ENUM) OC_OPT_COUNT } oc_opt;
 #undef OC_OPT_ENUM
 
@@ -493,6 +499,12 @@ typedef struct {
 } oc_record;
 
 const char *oc_opt_name(oc_opt opt);
+/* An optimisation's row: its name, torch._C's setter and getter of a plain
+ * flag, and a plain flag's variable and what it does (NULL where none). */
+typedef struct {
+    const char *name, *setter, *getter, *var, *does;
+} oc_opt_row;
+const oc_opt_row *oc_opt_row_of(oc_opt opt);
 const char *oc_rec_state_name(oc_rec_state state);
 const char *oc_rec_code_name(oc_rec_code code);
 /* The record of opt (read-only: every write goes through the functions
@@ -522,11 +534,6 @@ void oc_record_cost(oc_opt opt, oc_cost_id cost);
 const oc_cost *oc_cost_get(oc_cost_id cost); /* NULL for OC_COST_NONE */
 /* The sentence status() shows: the writer's, with the sdpa guard's words. */
 void oc_record_reason(oc_opt opt, char *buf, size_t sz);
-/* A step at CUDA's start keeps the records it may write before it runs and
- * puts them back when it was interrupted: a record that was queued then
- * reads interrupted. */
-void oc_record_keep(oc_opt opt, oc_record *copy);
-void oc_record_put_back(oc_opt opt, const oc_record *copy);
 
 /* advice.c: ranked advice. Each rule that fits the figures adds an item;
  * items are ranked by score (higher first), ties by order (lower first). */
@@ -880,15 +887,13 @@ const oc_framework_choice *oc_framework_choice_get(void);
 /* GPU memory left to the framework name (why: why it owns it), or to none
  * (NULL: the one it was left to is gone; why is kept). */
 void oc_framework_leave_to(const char *name, const char *why);
-/* Writes what was decided (printf format), or appends to it. */
-void oc_framework_decided(int append, const char *fmt, ...)
+/* Writes what was decided at torch's import (printf format), or the CUDA-init
+ * step's part after it (at_cuda_init), replacing an earlier run's. */
+void oc_framework_decided(int at_cuda_init, const char *fmt, ...)
 #ifdef __GNUC__
     __attribute__((format(printf, 2, 3)))
 #endif
     ;
-/* A step at CUDA's start that was interrupted puts back the choice it kept
- * (a copy of *oc_framework_choice_get()) before it ran. */
-void oc_framework_choice_put_back(const oc_framework_choice *kept);
 
 /* platform.c: where one of outofcuda's defaults cannot work. The allocator
  * defaults for this machine: `defaults` itself, or (when they are
@@ -914,6 +919,9 @@ void oc_report_hook_installed(void);
 int oc_report_hook_fired(void);     /* returns 1 when it had fired already */
 int oc_report_hook_has_fired(void); /* the torch callback ran */
 void oc_report_torch_version(PyObject *version);
+/* 1 when cuBLAS may use TF32 for float32 matmuls now (torch's new precision
+ * API where it has one, else the legacy flag), 0 when not, -1 unreadable. */
+int oc_matmul_tf32(PyObject *c_mod);
 extern PyMethodDef oc_report_methods[];
 
 /* nvml.c */

@@ -23,8 +23,10 @@ const oc_cost *oc_cost_get(oc_cost_id cost)
     return cost > OC_COST_NONE && cost <= OC_COST_BF16_CONV ? &costs[cost] : NULL;
 }
 
+#define OC_ROW_OF(id, name, setter, getter, var, does) {name, setter, getter, var, does},
+static const oc_opt_row rows[] = {OC_OPTIMISATIONS(OC_ROW_OF)};
+#undef OC_ROW_OF
 #define OC_NAME_OF(id, name) name,
-static const char *const opt_names[] = {OC_OPTIMISATIONS(OC_NAME_OF)};
 static const char *const state_names[] = {OC_REC_STATES(OC_NAME_OF)};
 static const char *const code_names[] = {OC_REC_CODES(OC_NAME_OF)};
 #undef OC_NAME_OF
@@ -36,7 +38,12 @@ static int valid(oc_opt opt)
 
 const char *oc_opt_name(oc_opt opt)
 {
-    return valid(opt) ? opt_names[opt] : "?";
+    return valid(opt) ? rows[opt].name : "?";
+}
+
+const oc_opt_row *oc_opt_row_of(oc_opt opt)
+{
+    return valid(opt) ? &rows[opt] : NULL;
 }
 
 const char *oc_rec_state_name(oc_rec_state state)
@@ -178,19 +185,4 @@ void oc_record_reason(oc_opt opt, char *buf, size_t sz)
                  r->reason, cost->words, cost->ways_back[0], cost->ways_back[1]);
     else
         snprintf(buf, sz, "%s", r->reason);
-}
-
-void oc_record_keep(oc_opt opt, oc_record *copy)
-{
-    if (valid(opt))
-        memcpy(copy, &records[opt], sizeof *copy);
-}
-
-void oc_record_put_back(oc_opt opt, const oc_record *copy)
-{
-    if (!valid(opt))
-        return;
-    memcpy(&records[opt], copy, sizeof *copy);
-    if (records[opt].state == OC_REC_QUEUED)
-        records[opt].state = OC_REC_INTERRUPTED;
 }

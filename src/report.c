@@ -177,66 +177,56 @@ static PyObject *c_bool(PyObject *c_mod, const char *fn)
     return PyBool_FromLong(t);
 }
 
-static PyObject *matmul_tf32_now(PyObject *c_mod)
+int oc_matmul_tf32(PyObject *c_mod)
 {
     PyObject *r = oc_call_quiet(c_mod, "_get_fp32_precision_getter", "cuda", "matmul");
     char v[32];
-    if (r == NULL)
-        return c_bool(c_mod, "_get_cublas_allow_tf32");
-    if (!PyUnicode_Check(r)) {
-        Py_DECREF(r);
-        return NULL;
+    int on;
+    if (r == NULL) { /* before 2.9: the legacy getter tells */
+        r = oc_call_quiet(c_mod, "_get_cublas_allow_tf32", NULL, NULL);
+        on = r ? PyObject_IsTrue(r) : -1;
+    } else {
+        /* "none": nothing chose, so torch's default, full float32. */
+        on = PyUnicode_Check(r) ? strcmp(oc_utf8(r, v, sizeof v), "tf32") == 0 : -1;
     }
-    oc_utf8(r, v, sizeof v);
-    Py_DECREF(r);
-    /* "none": nothing chose, so torch's default, full float32. */
-    return PyBool_FromLong(strcmp(v, "tf32") == 0);
-}
-
-/* Builds {k: getter()} for n getters; NULL when one cannot be read. */
-static PyObject *bool_dict(PyObject *c_mod, const char *const (*items)[2], size_t n)
-{
-    PyObject *d = PyDict_New();
-    for (size_t i = 0; d != NULL && i < n; i++) {
-        PyObject *b = c_bool(c_mod, items[i][1]);
-        if (b == NULL || PyDict_SetItemString(d, items[i][0], b) < 0) {
-            Py_XDECREF(b);
-            Py_CLEAR(d);
-            break;
-        }
-        Py_DECREF(b);
-    }
+    Py_XDECREF(r);
     OC_CLEAR();
-    return d;
+    return on;
 }
 
-/* What `name` is now in torch (new ref), or NULL where no getter tells. */
-static PyObject *now_value(PyObject *c_mod, const char *name)
+/* What opt is now in torch (new ref), or NULL where no getter tells: a
+ * plain flag through its row's getter. */
+static PyObject *now_value(PyObject *c_mod, oc_opt opt)
 {
-    static const char *const sdpa[][2] = {{"flash", "_get_flash_sdp_enabled"},
-                                          {"mem_efficient", "_get_mem_efficient_sdp_enabled"},
-                                          {"math", "_get_math_sdp_enabled"}};
-    if (strcmp(name, "tf32") == 0) {
-        PyObject *m = matmul_tf32_now(c_mod), *d;
-        if (m == NULL)
-            return NULL;
-        d = Py_BuildValue("{s:N}", "matmul", m);
+    const char *getter = oc_opt_row_of(opt)->getter;
+    PyObject *r, *flash, *mem, *math;
+    int on;
+    switch (opt) {
+    case OC_OPT_TF32:
+        on = oc_matmul_tf32(c_mod);
+        r = on >= 0 ? Py_BuildValue("{s:N}", "matmul", PyBool_FromLong(on)) : NULL;
         OC_CLEAR();
-        return d;
-    }
-    if (strcmp(name, "cudnn_benchmark") == 0)
-        return c_bool(c_mod, "_get_cudnn_benchmark");
-    if (strcmp(name, "cudnn_deterministic") == 0)
-        return c_bool(c_mod, "_get_cudnn_deterministic");
-    if (strcmp(name, "sdpa") == 0)
-        return bool_dict(c_mod, sdpa, 3);
-    if (strcmp(name, "allocator") == 0) {
-        PyObject *r = oc_call_quiet(c_mod, "_accelerator_getAllocatorSettings", NULL, NULL);
+        return r;
+    case OC_OPT_SDPA:
+        flash = c_bool(c_mod, "_get_flash_sdp_enabled");
+        mem = c_bool(c_mod, "_get_mem_efficient_sdp_enabled");
+        math = c_bool(c_mod, "_get_math_sdp_enabled");
+        r = flash && mem && math
+                ? Py_BuildValue("{s:O,s:O,s:O}", "flash", flash, "mem_efficient", mem, "math", math)
+                : NULL;
+        Py_XDECREF(flash);
+        Py_XDECREF(mem);
+        Py_XDECREF(math);
+        OC_CLEAR();
+        return r;
+    case OC_OPT_ALLOCATOR:
+        r = oc_call_quiet(c_mod, "_accelerator_getAllocatorSettings", NULL, NULL);
         if (r != NULL && !PyUnicode_Check(r))
             Py_CLEAR(r);
         return r;
+    default:
+        return getter ? c_bool(c_mod, getter) : NULL;
     }
-    return NULL;
 }
 
 /* 1 when what outofcuda set (`set`, a value or a dict of them) differs
@@ -270,9 +260,9 @@ static int differs(PyObject *set, PyObject *now)
 
 /* Adds "now" and "changed" to a copy of an optimisation's record, and says
  * in its reason when the program changed what outofcuda set. */
-static int add_now(PyObject *e, const char *name, PyObject *c_mod)
+static int add_now(PyObject *e, oc_opt opt, PyObject *c_mod)
 {
-    PyObject *now = c_mod ? now_value(c_mod, name) : NULL;
+    PyObject *now = c_mod ? now_value(c_mod, opt) : NULL;
     PyObject *applied = PyDict_GetItemString(e, "applied"); /* borrowed */
     int changed = applied == Py_True ? differs(PyDict_GetItemString(e, "value"), now) : -1;
     int rc = PyDict_SetItemString(e, "now", now ? now : Py_None);
@@ -310,7 +300,7 @@ static PyObject *optimizations(void)
     for (int i = 0; i < OC_OPT_COUNT; i++) {
         const char *name = oc_opt_name((oc_opt)i);
         PyObject *e = record_entry((oc_opt)i);
-        if (e == NULL || add_now(e, name, c_mod) < 0 || PyDict_SetItemString(d, name, e) < 0) {
+        if (e == NULL || add_now(e, (oc_opt)i, c_mod) < 0 || PyDict_SetItemString(d, name, e) < 0) {
             Py_XDECREF(e);
             Py_XDECREF(c_mod);
             Py_DECREF(d);

@@ -33,7 +33,8 @@ def last_json(r, prefix=None, *, quiet=False, status=0):
 def oc_h_table(macro):
     """The names an X-macro table of src/oc.h lists (OC_REC_CODES,
     OC_REC_STATES, OC_OPTIMISATIONS, ...), in order: its definition runs
-    while its lines end in a backslash."""
+    while its lines end in a backslash; a row's other columns follow its
+    name."""
     from pathlib import Path
     import re
 
@@ -44,7 +45,7 @@ def oc_h_table(macro):
         block.append(ln)
         if not ln.rstrip().endswith("\\"):
             break
-    return re.findall(r'X\(\w+, "(\w+)"\)', "\n".join(block))
+    return re.findall(r'X\(\w+, "(\w+)"[,)]', "\n".join(block))
 
 
 def assert_records(optimizations):

@@ -676,7 +676,7 @@ def test_report_bug_block_has_what_collect_env_does_not(venv, cuda_venv, workdir
     assert d["allocator_getter"] is True and d["cuda_initialized"] is False
     assert "expandable_segments:True" in d["settings"]["allocator_settings"]
     assert d["optimizations"]["allocator"]["applied"] is True
-    assert isinstance(d["settings"]["cudnn.benchmark"], bool)
+    assert isinstance(d["optimizations"]["cudnn_benchmark"]["now"], bool)
     assert d["settings"]["autocast_dtype.cuda"].startswith("torch.")
     assert d["environment"] == env
     # What was skipped, each with its reason.

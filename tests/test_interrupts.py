@@ -19,6 +19,7 @@ import textwrap
 import pytest
 
 from conftest import stub_nvml_config, stub_nvml_device
+from fake_frameworks import make_fake_framework
 from fake_torch import make_fake_torch
 from kit import last_json, oc_h_table
 
@@ -174,6 +175,58 @@ def test_a_ctrl_c_after_torchs_write_leaves_the_step_applied(venv, tmp_path, sm9
     check_all_applied(d["end"], once=False)
     # The guard's words on the sdpa row: no typed field carries them.
     assert f"turned off when CUDA started (known bug {BUG})" in d["sdpa"], d["sdpa"]
+
+
+# The framework step cut short inside torch's allocator setter (a Ctrl-C the
+# stand-in's setter raises once, before its work), the program catches it and
+# uses CUDA again: the step runs again from its start, from what import found
+# and what is in use now, and says once what it decided when CUDA started.
+# gone: vLLM, in use when torch imported, failed its own import; after: SGLang
+# imported after torch.
+FRAMEWORK_STEP = """
+import json
+%s
+import torch, _outofcuda
+C = torch._C
+name = next(n for n in ("_cuda_cudaCachingAllocator_set_allocator_settings",
+                        "_accelerator_setAllocatorSettings") if hasattr(C, n))
+real = getattr(C, name)
+def interrupt_once(*args):
+    setattr(C, name, real)
+    raise KeyboardInterrupt
+setattr(C, name, interrupt_once)
+first = None
+try:
+    torch.cuda._fake_cuda_init()
+except KeyboardInterrupt:
+    first = _outofcuda.status()["cuda_init"]["framework"]
+torch.cuda._fake_cuda_init()
+st = _outofcuda.status()
+print(json.dumps({"first": first, "step": st["cuda_init"]["framework"],
+                  "framework": st["framework"], "error": st["hook"]["error"],
+                  "codes": {k: st["optimizations"][k]["code"]
+                            for k in ("allocator", "memory_fraction")}}))
+"""
+
+
+@pytest.mark.parametrize("case,code,codes,left_to", [
+    ("gone", "try:\n    import vllm\nexcept ImportError:\n    pass",
+     {"allocator": "framework_left", "memory_fraction": "at_cuda_init"}, None),
+    ("after", "import torch, sglang", {"allocator": "handed_back", "memory_fraction": "framework"},
+     "SGLang")])
+def test_the_framework_step_cut_short_decides_again_from_the_start(venv, tmp_path, case, code,
+                                                                    codes, left_to):
+    fw = tmp_path / "fw"
+    for name in ("vllm", "sglang"):
+        make_fake_framework(fw, name)
+    init = fw / "vllm" / "__init__.py"
+    init.write_text(init.read_text() + "raise ImportError('vllm built for torch 2.14.0')\n")
+    root = make_fake_torch(tmp_path / "fake", "2.14.1")
+    d = last_json(venv.run(FRAMEWORK_STEP % code, env={"PYTHONPATH": f"{root}:{fw}"},
+                           cwd=tmp_path, args=("-W", "error")))
+    assert (d["first"], d["step"], d["error"]) == ("interrupted", "done", None), d
+    assert d["codes"] == codes and d["framework"]["left_to"] == left_to, d
+    assert d["framework"]["decided"].count("when CUDA initialised") == 1, d["framework"]
 
 
 # Real SIGINTs at random moments of CUDA's start. One interpreter imports
