@@ -1740,7 +1740,8 @@ static PyObject *py_oom_last(PyObject *self, PyObject *unused)
     report = build_report(pending, 0, &seq, &r);
     report_clear(&r);
     if (report != NULL) {
-        keep_report(report, seq);
+        /* An observer's OOM too old for its figures is reported all the same. */
+        keep_report(report, seq || pending ? seq : observed);
         if (last.pending == pending)
             Py_CLEAR(last.pending);
     }
