@@ -549,6 +549,19 @@ const char *oc_utf8(PyObject *str, char *buf, size_t sz)
     return buf;
 }
 
+void oc_appendf(oc_text *t, const char *fmt, ...)
+{
+    va_list ap;
+    int n;
+    if (t->buf == NULL || t->len + 1 >= t->cap)
+        return;
+    va_start(ap, fmt);
+    n = vsnprintf(t->buf + t->len, t->cap - t->len, fmt, ap);
+    va_end(ap);
+    if (n > 0)
+        t->len = t->len + (size_t)n < t->cap ? t->len + (size_t)n : t->cap - 1;
+}
+
 size_t oc_utf8_fit(const char *s, size_t len, size_t max)
 {
     if (len <= max)

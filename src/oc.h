@@ -1017,6 +1017,12 @@ PyObject *oc_call_quiet_at(PyObject *owner, const char *name, const char *a, con
     oc_call_quiet_at(owner, name, a, b, __FILE__, __LINE__, __func__)
 /* A copy of str into buf, cut where it does not fit between two characters. */
 const char *oc_utf8(PyObject *str, char *buf, size_t sz);
+/* Text appended to a buffer of cap bytes (buf NULL: none); what does not fit is cut. */
+typedef struct {
+    char *buf;
+    size_t len, cap;
+} oc_text;
+void oc_appendf(oc_text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* How many of the len bytes of UTF-8 at s fit in max bytes without cutting
  * a character in two. */
 size_t oc_utf8_fit(const char *s, size_t len, size_t max);

@@ -3,17 +3,17 @@
  * an allocator snapshot; the chained sys.excepthook / threading.excepthook
  * print the report for an uncaught OOM, and IPython's custom exception
  * handler does for a cell, then releases the failed cell's frames;
- * oc_oom_advise (advice.c) ranks the actions that fit the figures. The
- * report is gathered, kept for last_oom() and written here, so a hook prints
- * it without importing any Python of outofcuda (outofcuda/oom.py only wraps
- * these functions). Observer and hooks are set when CUDA initialises (from
- * torch's lazy-init queue), never at import: until then, and for good on a
- * CPU-only build, the process looks as without outofcuda. */
+ * oc_oom_advise (advice.c) ranks the actions that fit the figures. A report
+ * is an oom_report, gathered, ranked and written here (last_oom()'s dict is
+ * made from it), so a hook prints it without importing any Python of
+ * outofcuda (outofcuda/oom.py only wraps these functions). Observer and
+ * hooks are set when CUDA initialises (from torch's lazy-init queue), never
+ * at import: until then, and for good on a CPU-only build, the process looks
+ * as without outofcuda. */
 #include "oc.h"
 
 #include <errno.h>
 #include <limits.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,6 +55,48 @@ static struct {
     oc_oom_seen seen[OOMS_KEPT];
     int newest;
 } oom;
+
+/* A report's room for ranked actions and notes, the bytes of an OOM's
+ * message it keeps, the characters of it and other processes it shows. */
+#define ADVICE_MAX 12
+#define NOTES_MAX 4
+#define MESSAGE_MAX 399
+#define MESSAGE_SHOWN 160
+#define OTHERS_SHOWN 6
+
+typedef struct {
+    unsigned int pid;
+    long long used; /* -1: unknown */
+    char name[64];  /* "": unknown */
+} oom_proc;
+
+/* What the IPython handler did with a failed cell's frames ("cell_frames"). */
+typedef enum { FRAMES_NOT_A_CELL, FRAMES_RELEASED, FRAMES_KEPT } oom_frames;
+static const char *const frames_word[] = {"", "released", "kept"};
+
+/* One report, gathered (build_report) or read back from its dict
+ * (report_from_dict). Byte counts and the device are -1 where unknown,
+ * texts "" where there is none (an allocator string that is set may be
+ * empty: has_allocator), fraction < 0 when none is set, autocast -1 when
+ * unknown; a note is an advice item's text. report_clear releases it. */
+typedef struct {
+    double when, fraction;
+    int from_observer, nvml, has_allocator, expandable, no_expandable_here, autocast;
+    long long device, request, total, free_b, limit, allocated, reserved, peak, fragmentation,
+        inactive, num_ooms;
+    char message[4 * MESSAGE_SHOWN + 1], device_name[96], allocator[OC_ALLOC_CONF_MAX],
+        snapshot[PATH_MAX];
+    oom_proc *procs; /* n_procs of them (malloc'd), most memory first */
+    int n_procs, n_notes, n_advice;
+    oc_advice_item notes[NOTES_MAX], advice[ADVICE_MAX];
+    oom_frames frames;
+} oom_report;
+
+static void report_clear(oom_report *r)
+{
+    free(r->procs);
+    r->procs = NULL;
+}
 
 /* Copies the current exception's text into buf and clears it. A Ctrl-C or
  * an exit() is the program's: set aside for the edge to raise, not text. */
@@ -258,9 +300,8 @@ void oc_oom_at_cuda_init(PyObject *torch)
  * Returns 1 when set and usable. */
 static int read_snapshot_env(void)
 {
-    const char *v = oc_env("OUTOFCUDA_OOM_SNAPSHOT");
-    char dir[PATH_MAX], msg[OC_WARN_LEN + PATH_MAX];
-    const char *base, *slash;
+    const char *v = oc_env("OUTOFCUDA_OOM_SNAPSHOT"), *base, *slash;
+    char dir[PATH_MAX], why[PATH_MAX + 64] = "", msg[OC_WARN_LEN + PATH_MAX];
     struct stat st;
     int resolved;
     oom.snapshot_path[0] = '\0';
@@ -270,34 +311,19 @@ static int read_snapshot_env(void)
     slash = strrchr(v, '/');
     base = slash ? slash + 1 : v;
     if (strlen(v) >= sizeof dir - 1 || *base == '\0' || strcmp(base, ".") == 0 ||
-        strcmp(base, "..") == 0) {
-        snprintf(msg, sizeof msg,
-                 "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: it must name a file to "
-                 "write (for example /tmp/oom.pickle)",
-                 v);
-        oc_warn(msg);
-        return 0;
-    }
-    resolved =
-        oc_resolve_file_path(v, dir, sizeof dir, oom.snapshot_path, sizeof oom.snapshot_path);
-    if (resolved == -1) {
-        snprintf(msg, sizeof msg,
-                 "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: its directory %.200s does "
-                 "not exist",
-                 v, dir);
-        oc_warn(msg);
-        return 0;
-    }
-    if (resolved != 0 || (stat(oom.snapshot_path, &st) == 0 && S_ISDIR(st.st_mode))) {
-        snprintf(msg, sizeof msg,
-                 "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: it must name a file, not a "
-                 "directory",
-                 v);
-        oom.snapshot_path[0] = '\0';
-        oc_warn(msg);
-        return 0;
-    }
-    return 1;
+        strcmp(base, "..") == 0)
+        snprintf(why, sizeof why, "it must name a file to write (for example /tmp/oom.pickle)");
+    else if ((resolved = oc_resolve_file_path(v, dir, sizeof dir, oom.snapshot_path,
+                                              sizeof oom.snapshot_path)) == -1)
+        snprintf(why, sizeof why, "its directory %.200s does not exist", dir);
+    else if (resolved != 0 || (stat(oom.snapshot_path, &st) == 0 && S_ISDIR(st.st_mode)))
+        snprintf(why, sizeof why, "it must name a file, not a directory");
+    if (why[0] == '\0')
+        return 1;
+    snprintf(msg, sizeof msg, "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: %s", v, why);
+    oom.snapshot_path[0] = '\0';
+    oc_warn(msg);
+    return 0;
 }
 
 /* ---- the uncaught-exception path ---- */
@@ -350,8 +376,18 @@ static int is_oom(PyObject *type)
     return oc_oom_kind_of(type, NULL) == OC_OOM_TYPE;
 }
 
-static PyObject *record_report(PyObject *exc, int exhausted, int refresh);
-static PyObject *render_report(PyObject *report);
+static PyObject *record_report(PyObject *exc, int exhausted, int refresh, oom_report *r,
+                               int read_back);
+static PyObject *render_report(const oom_report *r);
+
+/* dict[key] = v, taking v's reference (NULL: the error that made it). 0, or
+ * -1 with an exception set; psutil's pydict_add. */
+static int pydict_add(PyObject *dict, const char *key, PyObject *v)
+{
+    int rc = v ? PyDict_SetItemString(dict, key, v) : -1;
+    Py_XDECREF(v);
+    return rc;
+}
 
 /* The fallback when the report cannot be built: one line. */
 static void print_summary(void)
@@ -375,14 +411,19 @@ static void print_summary(void)
 
 /* Prints outofcuda's report for `value` (kept for last_oom() and attached to
  * it), in one write through sys.stderr, the stream's own error handler for
- * what it cannot encode; the one-line summary where it cannot be built. */
-static void print_report(PyObject *value)
+ * what it cannot encode; the one-line summary where it cannot be built.
+ * frames: what a notebook cell's handler does with the cell's frames. */
+static void print_report(PyObject *value, oom_frames frames)
 {
-    PyObject *report = record_report(value, 0, 0);
-    PyObject *text = report ? render_report(report) : NULL;
-    PyObject *block = text ? PyUnicode_FromFormat("%U\n\n", text) : NULL;
-    PyObject *utf8 = block ? PyUnicode_AsEncodedString(block, "utf-8", "backslashreplace") : NULL;
-    PyObject *err;
+    oom_report r;
+    PyObject *report = record_report(value, 0, 0, &r, 1), *text = NULL, *block, *utf8, *err;
+    r.frames = frames; /* and last_oom() says it */
+    if (report != NULL &&
+        (!frames || !pydict_add(report, "cell_frames", PyUnicode_FromString(frames_word[frames]))))
+        text = render_report(&r);
+    report_clear(&r);
+    block = text ? PyUnicode_FromFormat("%U\n\n", text) : NULL;
+    utf8 = block ? PyUnicode_AsEncodedString(block, "utf-8", "backslashreplace") : NULL;
     OC_CLEAR();
     if (utf8 != NULL)
         oc_stderr_write(PyBytes_AsString(utf8));
@@ -399,7 +440,7 @@ static void print_report(PyObject *value)
 
 static void handle_uncaught(PyObject *value)
 {
-    print_report(value);
+    print_report(value, FRAMES_NOT_A_CELL);
     oom_relief();
 }
 
@@ -604,9 +645,10 @@ static PyObject *py_ipython_handler(PyObject *self, PyObject *args, PyObject *kw
     Py_XDECREF(r);
     OC_CLEAR(); /* an interrupt: set aside */
     if (is_oom(type)) {
+        int keep = keep_frames();
         ipython_reported = value;
-        print_report(value);
-        if (!keep_frames() && !oc_interrupt_waiting())
+        print_report(value, keep ? FRAMES_KEPT : FRAMES_RELEASED);
+        if (!keep && !oc_interrupt_waiting())
             release_cell(value, tb);
         if (!oc_interrupt_waiting())
             oom_relief();
@@ -635,7 +677,7 @@ static PyObject *py_ipython_at_exit(PyObject *self, PyObject *unused)
         Py_RETURN_NONE;
     Py_INCREF(value);
     if (is_oom((PyObject *)Py_TYPE(value)))
-        print_report(value);
+        print_report(value, FRAMES_NOT_A_CELL);
     Py_DECREF(value);
     Py_RETURN_NONE;
 }
@@ -838,15 +880,40 @@ void oc_oom_install(PyObject *torch, const char *no_queue)
 
 /* ---- the ranked actions (the rules and their ranking: advice.c) ---- */
 
-#define ADVICE_MAX 12
-
-static unsigned long long kw_bytes(PyObject *kw, const char *key)
+/* Ranks the actions that fit r's figures (advice.c) into r->advice;
+ * device_limit: the device's memory as the observer saw it, where NVML
+ * gave no total. */
+static void rank(oom_report *r, int exhausted, unsigned long long device_limit)
 {
-    PyObject *v = kw ? PyDict_GetItemString(kw, key) : NULL;
-    unsigned long long x;
-    if (v == NULL || v == Py_None || !PyLong_Check(v))
-        return 0;
-    x = PyLong_AsUnsignedLongLong(v);
+    oc_oom_figures f;
+    memset(&f, 0, sizeof f);
+#define KNOWN(v) ((v) > 0 ? (unsigned long long)(v) : 0)
+    f.request = KNOWN(r->request);
+    f.total = r->total > 0 ? (unsigned long long)r->total : device_limit;
+    f.limit = KNOWN(r->limit);
+    f.allocated = KNOWN(r->allocated);
+    f.reserved = KNOWN(r->reserved);
+    f.inactive_split = KNOWN(r->inactive);
+#undef KNOWN
+    f.fraction = r->fraction > 0.0 ? r->fraction : 0.0;
+    f.expandable = r->expandable;
+    f.no_expandable_here = r->no_expandable_here;
+    f.autocast = r->autocast;
+    f.exhausted = exhausted;
+    for (; f.n_others < r->n_procs && f.n_others < OC_OOM_OTHERS_MAX; f.n_others++) {
+        f.others[f.n_others].pid = r->procs[f.n_others].pid;
+        f.others[f.n_others].used = (unsigned long long)r->procs[f.n_others].used;
+        snprintf(f.others[f.n_others].name, sizeof f.others[0].name, "%s",
+                 r->procs[f.n_others].name);
+    }
+    r->n_advice = oc_oom_advise(&f, r->advice, ADVICE_MAX);
+}
+
+/* A byte count passed to _oom_advice: 0 (unknown) for None or what is not
+ * an int. */
+static unsigned long long arg_bytes(PyObject *v)
+{
+    unsigned long long x = v && PyLong_Check(v) ? PyLong_AsUnsignedLongLong(v) : 0;
     if (PyErr_Occurred()) {
         OC_CLEAR();
         return 0;
@@ -854,85 +921,78 @@ static unsigned long long kw_bytes(PyObject *kw, const char *key)
     return x;
 }
 
-/* 1, 0, or -1 for None/missing; -2 with an exception set when the value's
- * truth cannot be told. */
-static int kw_tristate(PyObject *kw, const char *key)
+/* (pid, name or None, bytes) of another process into p, its name escaped.
+ * 0, or -1 with an exception set. */
+static int arg_process(PyObject *item, oom_proc *p)
 {
-    PyObject *v = kw ? PyDict_GetItemString(kw, key) : NULL;
-    int r;
-    if (v == NULL || v == Py_None)
-        return -1;
-    r = PyObject_IsTrue(v);
-    return r < 0 ? -2 : r;
+    PyObject *t = PySequence_Tuple(item);
+    const char *name = "";
+    unsigned long long used = 0;
+    int ok = t && PyArg_ParseTuple(t, "IzK", &p->pid, &name, &used);
+    if (ok) {
+        snprintf(p->name, sizeof p->name, "%s", name ? name : "");
+        oc_escape_controls(p->name, sizeof p->name);
+        p->used = (long long)used;
+    }
+    Py_XDECREF(t);
+    return ok ? 0 : -1;
 }
 
-/* The ranked actions for f, as a list of str (new ref), or NULL. */
-static PyObject *advice_list(const oc_oom_figures *f)
-{
-    oc_advice_item items[ADVICE_MAX];
-    return oc_advice_texts(items, oc_oom_advise(f, items, ADVICE_MAX));
-}
-
-/* _oom_advice(**figures) -> list of str, most useful first. Keys (all
- * optional; None or missing = unknown): request, total, limit, allocated,
- * reserved, inactive_split (bytes), fraction (float), expandable,
- * no_expandable_here, autocast, exhausted (bool), others (list of (pid, name,
- * bytes)). */
+/* _oom_advice(**figures) -> list of str, most useful first, ranked as a
+ * report's are (rank). Keywords (all optional; None = unknown): request,
+ * total, limit, allocated, reserved, inactive_split (bytes), fraction
+ * (float), expandable, no_expandable_here, autocast, exhausted (bool),
+ * others (list of (pid, name, bytes)). */
 static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
 {
-    oc_oom_figures f;
-    PyObject *others, *fr;
+    static char *kwlist[] = {
+        "request",        "total",    "limit",      "allocated",          "reserved",
+        "inactive_split", "fraction", "expandable", "no_expandable_here", "autocast",
+        "exhausted",      "others",   NULL};
+    PyObject *v[12] = {NULL}, *texts = NULL;
+    oom_report r;
+    int flag[4];
+    Py_ssize_t n;
     (void)self;
-    if (PyTuple_Size(args) != 0) {
-        PyErr_SetString(PyExc_TypeError, "_oom_advice takes keyword arguments only");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOOOOOOOOOO:_oom_advice", kwlist, &v[0], &v[1],
+                                     &v[2], &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], &v[9], &v[10],
+                                     &v[11]))
         return NULL;
-    }
-    memset(&f, 0, sizeof f);
-    f.request = kw_bytes(kw, "request");
-    f.total = kw_bytes(kw, "total");
-    f.limit = kw_bytes(kw, "limit");
-    f.allocated = kw_bytes(kw, "allocated");
-    f.reserved = kw_bytes(kw, "reserved");
-    f.inactive_split = kw_bytes(kw, "inactive_split");
-    f.expandable = kw_tristate(kw, "expandable");
-    f.no_expandable_here = kw_tristate(kw, "no_expandable_here");
-    f.autocast = kw_tristate(kw, "autocast");
-    f.exhausted = kw_tristate(kw, "exhausted");
-    if (f.expandable == -2 || f.no_expandable_here == -2 || f.autocast == -2 || f.exhausted == -2)
-        return NULL;
-    f.expandable = f.expandable == 1;
-    f.no_expandable_here = f.no_expandable_here == 1;
-    f.exhausted = f.exhausted == 1;
-    fr = kw ? PyDict_GetItemString(kw, "fraction") : NULL;
-    if (fr != NULL && fr != Py_None) {
-        f.fraction = PyFloat_AsDouble(fr);
+    for (int i = 0; i < 4; i++) {
+        flag[i] = v[7 + i] == NULL || v[7 + i] == Py_None ? -1 : PyObject_IsTrue(v[7 + i]);
         if (PyErr_Occurred())
             return NULL;
     }
-    others = kw ? PyDict_GetItemString(kw, "others") : NULL;
-    if (others != NULL && others != Py_None) {
-        Py_ssize_t count = PySequence_Size(others);
-        if (count < 0)
-            return NULL;
-        for (Py_ssize_t i = 0; i < count && f.n_others < OC_OOM_OTHERS_MAX; i++) {
-            PyObject *item = PySequence_GetItem(others, i);
-            PyObject *t = item ? PySequence_Tuple(item) : NULL;
-            const char *name = "";
-            int ok = t && PyArg_ParseTuple(t, "IzK", &f.others[f.n_others].pid, &name,
-                                           &f.others[f.n_others].used);
-            if (ok) {
-                snprintf(f.others[f.n_others].name, sizeof f.others[0].name, "%s",
-                         name ? name : "");
-                oc_escape_controls(f.others[f.n_others].name, sizeof f.others[0].name);
-            }
-            Py_XDECREF(t);
-            Py_XDECREF(item);
-            if (!ok)
-                return NULL;
-            f.n_others++;
-        }
+    memset(&r, 0, sizeof r);
+    r.request = (long long)arg_bytes(v[0]);
+    r.total = (long long)arg_bytes(v[1]);
+    r.limit = (long long)arg_bytes(v[2]);
+    r.allocated = (long long)arg_bytes(v[3]);
+    r.reserved = (long long)arg_bytes(v[4]);
+    r.inactive = (long long)arg_bytes(v[5]);
+    r.fraction = v[6] && v[6] != Py_None ? PyFloat_AsDouble(v[6]) : 0.0;
+    r.expandable = flag[0] == 1;
+    r.no_expandable_here = flag[1] == 1;
+    r.autocast = flag[2];
+    n = v[11] && v[11] != Py_None && !PyErr_Occurred() ? PySequence_Size(v[11]) : 0;
+    n = n < OC_OOM_OTHERS_MAX ? n : OC_OOM_OTHERS_MAX;
+    r.procs = n > 0 ? calloc((size_t)n, sizeof *r.procs) : NULL;
+    while (r.procs && r.n_procs < n) {
+        PyObject *item = PySequence_GetItem(v[11], r.n_procs);
+        int rc = item ? arg_process(item, &r.procs[r.n_procs]) : -1;
+        Py_XDECREF(item);
+        if (rc < 0)
+            break;
+        r.n_procs++;
     }
-    return advice_list(&f);
+    if (n > 0 && r.procs == NULL)
+        PyErr_NoMemory();
+    if (!PyErr_Occurred()) {
+        rank(&r, flag[3] == 1, 0);
+        texts = oc_advice_texts(r.advice, r.n_advice);
+    }
+    report_clear(&r);
+    return texts;
 }
 
 /* ---- the whole report, figures and ranked advice ---- */
@@ -1027,37 +1087,6 @@ static int nvml_index_of(PyObject *cuda, long device, int cuda_up, oc_gpu_info *
     return index;
 }
 
-/* Other processes on NVML device `index`, most memory first, as a list of
- * {pid, name, used_bytes}; also fills f->others (the first 8). */
-static PyObject *other_processes(int index, oc_oom_figures *f)
-{
-    oc_gpu_proc *procs = NULL;
-    int n = oc_nvml_process_list(index, &procs);
-    unsigned int me = (unsigned int)getpid();
-    PyObject *list = PyList_New(0);
-    oc_nvml_sort_procs(procs, n);
-    for (int i = 0; list != NULL && i < n; i++) {
-        unsigned long long used = procs[i].used == OC_NVML_NOT_AVAILABLE ? 0 : procs[i].used;
-        char name[64];
-        PyObject *d;
-        if (procs[i].pid == me)
-            continue;
-        oc_proc_name(procs[i].pid, name, sizeof name);
-        if (f->n_others < OC_OOM_OTHERS_MAX) {
-            f->others[f->n_others].pid = procs[i].pid;
-            snprintf(f->others[f->n_others].name, sizeof f->others[0].name, "%s", name);
-            f->others[f->n_others].used = used;
-            f->n_others++;
-        }
-        d = Py_BuildValue("{s:I,s:s,s:K}", "pid", procs[i].pid, "name", name, "used_bytes", used);
-        if (d == NULL || PyList_Append(list, d) < 0)
-            Py_CLEAR(list);
-        Py_XDECREF(d);
-    }
-    free(procs);
-    return list;
-}
-
 /* The fraction outofcuda set (its record), or 0 when none. */
 static double fraction_set(void)
 {
@@ -1087,195 +1116,489 @@ static int allocator_config(PyObject *torch, char *buf, size_t sz)
     }
 }
 
-static int add_note(PyObject *notes, const char *text)
+/* Adds a note to r (dropped when NOTES_MAX are there). */
+static void add_note(oom_report *r, const char *text)
 {
-    PyObject *s = PyUnicode_FromString(text);
-    int rc = s ? PyList_Append(notes, s) : -1;
-    Py_XDECREF(s);
-    return rc;
+    if (r->n_notes < NOTES_MAX)
+        snprintf(r->notes[r->n_notes++].text, sizeof r->notes[0].text, "%s", text);
 }
-
-/* The bytes of the first line of an OOM's message the report keeps. */
-#define MESSAGE_MAX 399
 
 /* Reports built in this process, for the test door: a retry that succeeds
  * builds none. */
 static unsigned long reports_built;
 
-/* Every figure of the OOM whose message is py_text (a str; NULL: the
- * observer's last) with the ranked actions: the dict last_oom() returns (new
- * ref), and in *seq the observer's sequence number it used (0: none). NULL
- * with an exception set. */
-static PyObject *build_report(PyObject *py_text, int exhausted, unsigned long *seq)
+/* The first line of an OOM's message, stripped, its first MESSAGE_MAX bytes
+ * (cut between characters) into r->message; the type's name when blank. */
+static void gather_message(oom_report *r, const char *text)
+{
+    const char *p = text;
+    size_t len;
+    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')
+        p++;
+    len = strcspn(p, "\n");
+    while (len > 0 && (p[len - 1] == ' ' || p[len - 1] == '\t' || p[len - 1] == '\r'))
+        len--;
+    if (*p == '\0') {
+        p = "OutOfMemoryError";
+        len = strlen(p);
+    }
+    len = oc_utf8_fit(p, len, MESSAGE_MAX);
+    memcpy(r->message, p, len);
+    r->message[len] = '\0';
+}
+
+/* The device and request from the message (text, or NULL), and the
+ * observer's OOM of that GPU (else the newest) into *seen, copied whole
+ * before anything calls into torch, where another thread's OOM may replace
+ * it: one report never mixes two OOMs. The observer's figures are used when
+ * recent and of the same GPU and size; then its stats are returned (new
+ * ref, or NULL). */
+static PyObject *gather_seen(oom_report *r, const char *text, oc_oom_seen *seen)
+{
+    long device;
+    from_message(text, &r->request, &device);
+    r->device = device;
+    *seen = oom.seen[device >= 0 ? device % OOMS_KEPT : oom.newest];
+    r->from_observer = seen->seq > 0 && (double)time(NULL) - seen->when <= OBSERVER_WINDOW_S &&
+                       (device < 0 || device == seen->device) &&
+                       (r->request < 0 || llabs(r->request - (long long)seen->request) <=
+                                              (long long)(seen->request / 100));
+    if (!r->from_observer)
+        return NULL;
+    r->device = seen->device;
+    r->request = (long long)seen->request;
+    Py_XINCREF(seen->stats);
+    return seen->stats;
+}
+
+/* This process's allocator figures from stats (the observer's, a reference
+ * this takes) or torch.cuda.memory_stats now; a note when CUDA has not
+ * started. Returns whether CUDA is up. */
+static int gather_allocator(oom_report *r, PyObject *cuda, PyObject *stats)
+{
+    PyObject *v = PyObject_CallMethod(cuda, "is_initialized", NULL);
+    int cuda_up = v != NULL && PyObject_IsTrue(v) == 1;
+    Py_XDECREF(v);
+    OC_CLEAR();
+    if (r->device < 0 && cuda_up) {
+        v = PyObject_CallMethod(cuda, "current_device", NULL);
+        r->device = v ? PyLong_AsLong(v) : -1;
+        Py_XDECREF(v);
+        OC_CLEAR();
+    }
+    if (stats == NULL && cuda_up && r->device >= 0) {
+        stats = PyObject_CallMethod(cuda, "memory_stats", "L", r->device);
+        OC_CLEAR();
+    } else if (stats == NULL) {
+        add_note(r, "CUDA is not initialised in this process: no allocator figures");
+    }
+    r->allocated = stat_of(stats, "allocated_bytes.all.current");
+    r->reserved = stat_of(stats, "reserved_bytes.all.current");
+    r->peak = stat_of(stats, "allocated_bytes.all.peak");
+    r->inactive = stat_of(stats, "inactive_split_bytes.all.current");
+    r->num_ooms = stat_of(stats, "num_ooms");
+    r->fragmentation = r->reserved < 0 || r->allocated < 0 ? -1
+                       : r->reserved > r->allocated        ? r->reserved - r->allocated
+                                                           : 0;
+    Py_XDECREF(stats);
+    return cuda_up;
+}
+
+/* The device's totals and the other processes on it from NVML, or a note
+ * saying why not (then the free bytes the observer saw, if it did). 0, or
+ * -1 with an exception set. */
+static int gather_nvml(oom_report *r, PyObject *cuda, int cuda_up, const oc_oom_seen *seen)
+{
+    oc_gpu_info info;
+    oc_gpu_proc *procs = NULL;
+    char why[200] = "", note[OC_ADVICE_LEN];
+    int index = -1, n;
+    memset(&info, 0, sizeof info);
+    if (r->device >= 0 && oc_nvml_available(why, sizeof why))
+        index = nvml_index_of(cuda, (long)r->device, cuda_up, &info);
+    if (index < 0) {
+        snprintf(note, sizeof note, "NVML: %s: no device totals or other processes",
+                 why[0] ? why : "this GPU could not be matched");
+        add_note(r, note);
+        r->free_b = r->from_observer ? (long long)seen->device_free : -1;
+        r->total = -1;
+        return 0;
+    }
+    r->nvml = 1;
+    snprintf(r->device_name, sizeof r->device_name, "%s", info.name);
+    r->total = (long long)info.total;
+    r->free_b = (long long)info.free;
+    n = oc_nvml_process_list(index, &procs);
+    r->procs = n > 0 ? calloc((size_t)n, sizeof *r->procs) : NULL;
+    oc_nvml_sort_procs(procs, n);
+    for (int i = 0; r->procs != NULL && i < n; i++) {
+        oom_proc *p = &r->procs[r->n_procs];
+        if (procs[i].pid == (unsigned int)getpid())
+            continue;
+        p->pid = procs[i].pid;
+        p->used = procs[i].used == OC_NVML_NOT_AVAILABLE ? 0 : (long long)procs[i].used;
+        oc_proc_name(p->pid, p->name, sizeof p->name);
+        r->n_procs++;
+    }
+    free(procs);
+    return n > 0 && r->procs == NULL ? (PyErr_NoMemory(), -1) : 0;
+}
+
+/* The settings in effect: allocator string, fraction (and the cap it made,
+ * for the observer's OOM), autocast, and the snapshot written for it. */
+static void gather_settings(oom_report *r, PyObject *torch, const oc_oom_seen *seen)
+{
+    double fraction = fraction_set();
+    r->has_allocator = allocator_config(torch, r->allocator, sizeof r->allocator);
+    r->expandable = oc_alloc_expandable(r->allocator);
+    r->no_expandable_here = oc_platform_no_expandable();
+    r->fraction = fraction > 0.0 ? fraction : -1.0;
+    r->limit = r->from_observer && fraction > 0.0 ? (long long)seen->limit : -1;
+    r->autocast =
+        r->from_observer && seen->autocast >= 0 ? seen->autocast : autocast_enabled(torch);
+    if (r->from_observer && seen->snapshot_written)
+        snprintf(r->snapshot, sizeof r->snapshot, "%s", oom.snapshot_path);
+    if (r->from_observer && seen->snapshot_error[0])
+        add_note(r, seen->snapshot_error);
+}
+
+/* text as a str (new ref), or None where it is not there. */
+static PyObject *text_or_none(const char *text, int there)
+{
+    if (!there)
+        Py_RETURN_NONE;
+    return PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "surrogatepass");
+}
+
+/* The other processes as a list of {pid, name, used_bytes} (new ref). */
+static PyObject *procs_list(const oom_report *r)
+{
+    PyObject *list = PyList_New(0);
+    for (int i = 0; list != NULL && i < r->n_procs; i++) {
+        const oom_proc *p = &r->procs[i];
+        PyObject *d =
+            Py_BuildValue("{s:I,s:s,s:L}", "pid", p->pid, "name", p->name, "used_bytes", p->used);
+        if (d == NULL || PyList_Append(list, d) < 0)
+            Py_CLEAR(list);
+        Py_XDECREF(d);
+    }
+    return list;
+}
+
+/* The dict last_oom() returns for r (new ref), or NULL with an exception set. */
+static PyObject *report_dict(const oom_report *r)
+{
+    PyObject *d = PyDict_New();
+    if (d == NULL || pydict_add(d, "time", PyFloat_FromDouble(r->when)) ||
+        pydict_add(d, "source", text_or_none(r->from_observer ? "observer" : "exception", 1)) ||
+        pydict_add(d, "message", text_or_none(r->message, r->message[0] != '\0')) ||
+        pydict_add(d, "device", figure(r->device)) ||
+        pydict_add(d, "device_name", text_or_none(r->device_name, r->nvml)) ||
+        pydict_add(d, "request_bytes", figure(r->request)) ||
+        pydict_add(d, "total_bytes", figure(r->total)) ||
+        pydict_add(d, "free_bytes", figure(r->free_b)) ||
+        pydict_add(d, "limit_bytes", figure(r->limit)) ||
+        pydict_add(d, "allocated_bytes", figure(r->allocated)) ||
+        pydict_add(d, "reserved_bytes", figure(r->reserved)) ||
+        pydict_add(d, "peak_allocated_bytes", figure(r->peak)) ||
+        pydict_add(d, "fragmentation_bytes", figure(r->fragmentation)) ||
+        pydict_add(d, "inactive_split_bytes", figure(r->inactive)) ||
+        pydict_add(d, "num_ooms", figure(r->num_ooms)) ||
+        pydict_add(d, "other_processes", procs_list(r)) ||
+        pydict_add(d, "allocator_config", text_or_none(r->allocator, r->has_allocator)) ||
+        pydict_add(d, "expandable_segments", PyBool_FromLong(r->expandable)) ||
+        pydict_add(d, "memory_fraction",
+                   r->fraction < 0.0 ? figure(-1) : PyFloat_FromDouble(r->fraction)) ||
+        pydict_add(d, "autocast", r->autocast < 0 ? figure(-1) : PyBool_FromLong(r->autocast)) ||
+        pydict_add(d, "snapshot", text_or_none(r->snapshot, r->snapshot[0] != '\0')) ||
+        pydict_add(d, "advice", oc_advice_texts(r->advice, r->n_advice)) ||
+        pydict_add(d, "notes", oc_advice_texts(r->notes, r->n_notes)) ||
+        pydict_add(d, "cell_frames", text_or_none(frames_word[r->frames], r->frames)))
+        Py_CLEAR(d);
+    return d;
+}
+
+/* The report of the OOM whose message is py_text (a str; NULL: the
+ * observer's last) gathered and ranked into r (report_clear it), and as
+ * the dict last_oom() returns (new ref); in *seq the observer's sequence
+ * number it used (0: none). NULL with an exception set. */
+static PyObject *build_report(PyObject *py_text, int exhausted, unsigned long *seq, oom_report *r)
 {
     oc_oom_seen seen;
+    PyObject *py_utf8 = NULL, *torch, *cuda, *report = NULL;
     const char *text = NULL;
-    int cuda_up = 0, use_seen, index = -1;
-    long device = -1, msg_device;
-    long long request = -1, total = -1, free_b = -1, limit = -1;
-    long long allocated, reserved, peak, inactive, num_ooms;
-    PyObject *torch, *cuda = NULL, *stats = NULL, *notes = NULL, *others = NULL, *advice = NULL;
-    PyObject *report = NULL, *r, *py_utf8 = NULL, *message = NULL;
-    oc_oom_figures f;
-    oc_gpu_info info;
-    char alloc[OC_ALLOC_CONF_MAX], why[200] = "";
-    double fraction;
-    int autocast, have_alloc;
+    memset(r, 0, sizeof *r);
     *seq = 0;
-    if (py_text != NULL) {
-        /* surrogatepass: the message keeps what str(exc) held */
-        py_utf8 = PyUnicode_AsEncodedString(py_text, "utf-8", "surrogatepass");
-        if (py_utf8 == NULL)
-            return NULL;
-        text = PyBytes_AsString(py_utf8);
-    }
+    /* surrogatepass: the message keeps what str(exc) held */
+    py_utf8 = py_text ? PyUnicode_AsEncodedString(py_text, "utf-8", "surrogatepass") : NULL;
+    if (py_text != NULL && py_utf8 == NULL)
+        return NULL;
+    text = py_utf8 ? PyBytes_AsString(py_utf8) : NULL;
     /* A hook runs with torch imported; a caller from Python imports it as
      * `import torch` would. */
     torch = oc_sys_module("torch");
-    if (torch == NULL)
-        torch = PyImport_ImportModule("torch");
-    if (torch == NULL) {
-        Py_XDECREF(py_utf8);
-        return NULL;
-    }
-    memset(&f, 0, sizeof f);
-    memset(&info, 0, sizeof info);
-    from_message(text, &request, &msg_device);
-    device = msg_device;
-    /* The OOM of the message's GPU and size, else the newest, copied whole
-     * before the build calls into torch, where another thread's OOM may
-     * replace it: one report never mixes two OOMs. */
-    seen = oom.seen[msg_device >= 0 ? msg_device % OOMS_KEPT : oom.newest];
-    use_seen = seen.seq > 0 && (double)time(NULL) - seen.when <= OBSERVER_WINDOW_S &&
-               (msg_device < 0 || msg_device == seen.device) &&
-               (request < 0 ||
-                llabs(request - (long long)seen.request) <= (long long)(seen.request / 100));
-    if (use_seen) {
-        device = seen.device;
-        request = (long long)seen.request;
-        limit = (long long)seen.limit;
-        stats = seen.stats;
-        Py_XINCREF(stats);
-    }
-    notes = PyList_New(0);
-    cuda = PyObject_GetAttrString(torch, "cuda");
-    if (notes == NULL || cuda == NULL)
-        goto done;
-    r = PyObject_CallMethod(cuda, "is_initialized", NULL);
-    cuda_up = r != NULL && PyObject_IsTrue(r) == 1;
-    Py_XDECREF(r);
-    OC_CLEAR();
-    if (device < 0 && cuda_up) {
-        r = PyObject_CallMethod(cuda, "current_device", NULL);
-        device = r ? PyLong_AsLong(r) : -1;
-        Py_XDECREF(r);
-        OC_CLEAR();
-    }
-    if (stats == NULL) {
-        if (cuda_up && device >= 0) {
-            stats = PyObject_CallMethod(cuda, "memory_stats", "l", device);
-            OC_CLEAR();
-        } else if (add_note(notes, "CUDA is not initialised in this process: no allocator "
-                                   "figures") < 0) {
-            goto done;
+    torch = torch ? torch : PyImport_ImportModule("torch");
+    cuda = torch ? PyObject_GetAttrString(torch, "cuda") : NULL;
+    if (cuda != NULL) {
+        PyObject *stats = gather_seen(r, text, &seen);
+        if (text != NULL)
+            gather_message(r, text);
+        if (gather_nvml(r, cuda, gather_allocator(r, cuda, stats), &seen) == 0) {
+            gather_settings(r, torch, &seen);
+            rank(r, exhausted, r->from_observer ? seen.limit : 0);
+            r->when = (double)time(NULL);
+            report = report_dict(r);
         }
     }
-    allocated = stat_of(stats, "allocated_bytes.all.current");
-    reserved = stat_of(stats, "reserved_bytes.all.current");
-    peak = stat_of(stats, "allocated_bytes.all.peak");
-    inactive = stat_of(stats, "inactive_split_bytes.all.current");
-    num_ooms = stat_of(stats, "num_ooms");
-    if (device >= 0 && oc_nvml_available(why, sizeof why))
-        index = nvml_index_of(cuda, device, cuda_up, &info);
-    if (index >= 0) {
-        total = (long long)info.total;
-        free_b = (long long)info.free;
-        others = other_processes(index, &f);
-    } else {
-        char note[300];
-        snprintf(note, sizeof note, "NVML: %s: no device totals or other processes",
-                 why[0] ? why : "this GPU could not be matched");
-        if (add_note(notes, note) < 0)
-            goto done;
-        if (use_seen)
-            free_b = (long long)seen.device_free;
-        others = PyList_New(0);
-    }
-    if (others == NULL)
-        goto done;
-    have_alloc = allocator_config(torch, alloc, sizeof alloc);
-    fraction = fraction_set();
-    autocast = use_seen && seen.autocast >= 0 ? seen.autocast : autocast_enabled(torch);
-    if (!(use_seen && fraction > 0.0))
-        limit = -1;
-    f.request = request > 0 ? (unsigned long long)request : 0;
-    f.total = total > 0 ? (unsigned long long)total : use_seen ? seen.limit : 0;
-    f.limit = limit > 0 ? (unsigned long long)limit : 0;
-    f.allocated = allocated > 0 ? (unsigned long long)allocated : 0;
-    f.reserved = reserved > 0 ? (unsigned long long)reserved : 0;
-    f.inactive_split = inactive > 0 ? (unsigned long long)inactive : 0;
-    f.fraction = fraction;
-    f.expandable = oc_alloc_expandable(alloc);
-    f.no_expandable_here = oc_platform_no_expandable();
-    f.autocast = autocast;
-    f.exhausted = exhausted;
-    advice = advice_list(&f);
-    if (advice == NULL ||
-        (use_seen && seen.snapshot_error[0] && add_note(notes, seen.snapshot_error) < 0))
-        goto done;
-    if (text != NULL) {
-        /* The first line of the message, stripped; the type's name when empty. */
-        const char *p = text;
-        size_t len;
-        while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')
-            p++;
-        len = strcspn(p, "\n");
-        while (len > 0 && (p[len - 1] == ' ' || p[len - 1] == '\t' || p[len - 1] == '\r'))
-            len--;
-        if (*p == '\0') {
-            p = "OutOfMemoryError";
-            len = strlen(p);
-        }
-        message =
-            PyUnicode_DecodeUTF8(p, (Py_ssize_t)oc_utf8_fit(p, len, MESSAGE_MAX), "surrogatepass");
-        if (message == NULL)
-            goto done;
-    }
-    report = Py_BuildValue(
-        "{s:d,s:s,s:O,s:N,s:z,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:O,s:z,s:O,s:N,s:N,s:z,"
-        "s:O,s:O}",
-        "time", (double)time(NULL), "source", use_seen ? "observer" : "exception", "message",
-        message ? message : Py_None, "device", figure(device), "device_name",
-        index >= 0 ? info.name : NULL, "request_bytes", figure(request), "total_bytes",
-        figure(total), "free_bytes", figure(free_b), "limit_bytes", figure(limit),
-        "allocated_bytes", figure(allocated), "reserved_bytes", figure(reserved),
-        "peak_allocated_bytes", figure(peak), "fragmentation_bytes",
-        figure(reserved >= 0 && allocated >= 0 ? (reserved > allocated ? reserved - allocated : 0)
-                                               : -1),
-        "inactive_split_bytes", figure(inactive), "num_ooms", figure(num_ooms), "other_processes",
-        others, "allocator_config", have_alloc ? alloc : NULL, "expandable_segments",
-        f.expandable ? Py_True : Py_False, "memory_fraction",
-        fraction > 0.0 ? PyFloat_FromDouble(fraction) : figure(-1), "autocast",
-        autocast < 0 ? figure(-1) : PyBool_FromLong(autocast), "snapshot",
-        use_seen && seen.snapshot_written ? oom.snapshot_path : NULL, "advice", advice, "notes",
-        notes);
-done:
-    Py_XDECREF(advice);
-    Py_XDECREF(others);
-    Py_XDECREF(stats);
     Py_XDECREF(cuda);
-    Py_XDECREF(notes);
-    Py_XDECREF(message);
+    Py_XDECREF(torch);
     Py_XDECREF(py_utf8);
-    Py_DECREF(torch);
     if (report != NULL) {
-        *seq = use_seen ? seen.seq : 0;
+        *seq = r->from_observer ? seen.seq : 0;
         reports_built++;
     }
     return report;
 }
 
-/* ---- the report last_oom() returns, and its text ---- */
+/* ---- a report's dict read back, and its text ---- */
+
+/* str(o) as UTF-8 (surrogates kept) into buf, cut between characters; ""
+ * with an exception set where it cannot be made. */
+static void str_into(PyObject *o, char *buf, size_t sz)
+{
+    PyObject *s = PyObject_Str(o);
+    PyObject *b = s ? PyUnicode_AsEncodedString(s, "utf-8", "surrogatepass") : NULL;
+    const char *p = b ? PyBytes_AsString(b) : "";
+    size_t n = oc_utf8_fit(p, strlen(p), sz - 1);
+    memcpy(buf, p, n);
+    buf[n] = '\0';
+    Py_XDECREF(b);
+    Py_XDECREF(s);
+}
+
+/* map[key] read back: a text into buf ("" for None), or a byte count into
+ * *n (-1 for None, TypeError for what is not an int). 0, or -1 with an
+ * exception set (KeyError where it is missing). */
+static int read_text(PyObject *map, const char *key, char *buf, size_t sz)
+{
+    PyObject *v = PyMapping_GetItemString(map, key);
+    buf[0] = '\0';
+    if (v != NULL && v != Py_None)
+        str_into(v, buf, sz);
+    Py_XDECREF(v);
+    return PyErr_Occurred() ? -1 : 0;
+}
+static int read_figure(PyObject *map, const char *key, long long *n)
+{
+    PyObject *v = PyMapping_GetItemString(map, key);
+    *n = -1;
+    if (v != NULL && v != Py_None && !PyLong_Check(v))
+        PyErr_SetString(PyExc_TypeError, "a report's byte count must be an int or None");
+    else if (v != NULL && v != Py_None)
+        *n = (long long)PyLong_AsUnsignedLongLong(v);
+    Py_XDECREF(v);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* str() of each of report[key]'s items into items (the first max): how
+ * many, or -1 with an exception set. */
+static int read_texts(PyObject *report, const char *key, oc_advice_item *items, int max)
+{
+    PyObject *list = PyMapping_GetItemString(report, key);
+    PyObject *it = list ? PyObject_GetIter(list) : NULL, *item;
+    int n = 0;
+    while (it != NULL && !PyErr_Occurred() && (item = PyIter_Next(it)) != NULL) {
+        if (n < max)
+            str_into(item, items[n++].text, sizeof items[0].text);
+        Py_DECREF(item);
+    }
+    Py_XDECREF(it);
+    Py_XDECREF(list);
+    return PyErr_Occurred() ? -1 : n;
+}
+
+/* The other processes the text shows (the first OTHERS_SHOWN). */
+static int read_procs(PyObject *report, oom_report *r)
+{
+    PyObject *list = PyMapping_GetItemString(report, "other_processes");
+    Py_ssize_t n = list ? PySequence_Size(list) : -1;
+    int rc = n < 0 ? -1 : 0;
+    n = n < OTHERS_SHOWN ? n : OTHERS_SHOWN;
+    r->procs = n > 0 ? calloc((size_t)n, sizeof *r->procs) : NULL;
+    if (n > 0 && r->procs == NULL)
+        rc = (PyErr_NoMemory(), -1);
+    for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
+        oom_proc *p = &r->procs[i];
+        PyObject *e = PySequence_GetItem(list, i);
+        PyObject *pid = e ? PyMapping_GetItemString(e, "pid") : NULL;
+        p->pid = pid ? (unsigned int)PyLong_AsUnsignedLong(pid) : 0;
+        if (pid == NULL || PyErr_Occurred() || read_text(e, "name", p->name, sizeof p->name) ||
+            read_figure(e, "used_bytes", &p->used))
+            rc = -1;
+        r->n_procs += rc == 0;
+        Py_XDECREF(pid);
+        Py_XDECREF(e);
+    }
+    Py_XDECREF(list);
+    return rc;
+}
+
+/* A report's dict (last_oom()'s, or one made like it) read back into r
+ * (report_clear it): the keys its text shows. 0, or -1 with an exception
+ * set (TypeError for what is not a report, KeyError for a key it lacks). */
+static int report_from_dict(PyObject *report, oom_report *r)
+{
+    PyObject *v;
+    memset(r, 0, sizeof *r);
+    if (!PyDict_Check(report) || PyDict_GetItemString(report, "advice") == NULL) {
+        PyErr_SetString(PyExc_TypeError,
+                        "format_report expects the dict that outofcuda.last_oom() returns");
+        return -1;
+    }
+    if (read_figure(report, "device", &r->device) ||
+        read_text(report, "device_name", r->device_name, sizeof r->device_name) ||
+        read_text(report, "message", r->message, sizeof r->message) ||
+        read_figure(report, "request_bytes", &r->request) ||
+        read_figure(report, "total_bytes", &r->total) ||
+        read_figure(report, "free_bytes", &r->free_b) ||
+        read_figure(report, "allocated_bytes", &r->allocated) ||
+        read_figure(report, "reserved_bytes", &r->reserved) ||
+        read_figure(report, "peak_allocated_bytes", &r->peak) ||
+        read_figure(report, "fragmentation_bytes", &r->fragmentation) ||
+        read_figure(report, "inactive_split_bytes", &r->inactive) || read_procs(report, r) ||
+        read_text(report, "allocator_config", r->allocator, sizeof r->allocator) ||
+        read_figure(report, "limit_bytes", &r->limit) ||
+        read_text(report, "snapshot", r->snapshot, sizeof r->snapshot) ||
+        (r->n_notes = read_texts(report, "notes", r->notes, NOTES_MAX)) < 0 ||
+        (r->n_advice = read_texts(report, "advice", r->advice, ADVICE_MAX)) < 0 ||
+        (v = PyMapping_GetItemString(report, "memory_fraction")) == NULL)
+        return -1;
+    r->fraction = v == Py_None ? -1.0 : PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    /* borrowed; a report made before the key was there has none */
+    v = PyDict_GetItemString(report, "cell_frames");
+    for (int i = 1; v != NULL && PyUnicode_Check(v) && i < 3; i++) {
+        if (PyUnicode_CompareWithASCIIString(v, frames_word[i]) == 0)
+            r->frames = (oom_frames)i;
+    }
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* A byte count as the report writes it (oc_fmt_bytes; "unknown"), in buf. */
+static const char *bytes_text(long long n, char *buf, size_t sz)
+{
+    if (n < 0)
+        return "unknown";
+    oc_fmt_bytes((unsigned long long)n, buf, sz);
+    return buf;
+}
+
+/* The bytes of the first `chars` characters of UTF-8 text s. */
+static int utf8_prefix(const char *s, int chars)
+{
+    int n = 0;
+    for (; s[n] != '\0'; n++) {
+        if (((unsigned char)s[n] & 0xC0) != 0x80 && chars-- == 0)
+            break;
+    }
+    return n;
+}
+
+/* The header and the figures' lines. */
+static void figure_lines(oc_text *t, const oom_report *r)
+{
+    char b1[48], b2[48], b3[48];
+    if (r->device < 0)
+        oc_appendf(t, "outofcuda: CUDA out of memory on cuda:?");
+    else
+        oc_appendf(t, "outofcuda: CUDA out of memory on cuda:%lld", r->device);
+    if (r->device_name[0])
+        oc_appendf(t, " (%s)", r->device_name);
+    if (r->message[0])
+        oc_appendf(t, "\n  error              %.*s", utf8_prefix(r->message, MESSAGE_SHOWN),
+                   r->message);
+    oc_appendf(t, "\n  requested          %s", bytes_text(r->request, b1, sizeof b1));
+    if (r->total >= 0)
+        oc_appendf(t, "\n  device             %s total, %s free (NVML)",
+                   bytes_text(r->total, b1, sizeof b1), bytes_text(r->free_b, b2, sizeof b2));
+    else if (r->free_b >= 0)
+        oc_appendf(t, "\n  device             %s free (CUDA)",
+                   bytes_text(r->free_b, b2, sizeof b2));
+    else
+        oc_appendf(t, "\n  device             unknown");
+    oc_appendf(t, "\n  this process       allocated %s, reserved %s, peak allocated %s",
+               bytes_text(r->allocated, b1, sizeof b1), bytes_text(r->reserved, b2, sizeof b2),
+               bytes_text(r->peak, b3, sizeof b3));
+    oc_appendf(t, "\n  fragmentation      %s reserved but unallocated, %s in inactive split blocks",
+               bytes_text(r->fragmentation, b1, sizeof b1), bytes_text(r->inactive, b2, sizeof b2));
+}
+
+/* The lines of the other processes and the settings in effect. */
+static void setting_lines(oc_text *t, const oom_report *r)
+{
+    char b[48];
+    if (r->n_procs == 0 && r->total >= 0)
+        oc_appendf(t, "\n  other processes    none");
+    for (int i = 0; i < r->n_procs && i < OTHERS_SHOWN; i++)
+        oc_appendf(t, "%spid %u (%s) %s", i ? ", " : "\n  other processes    ", r->procs[i].pid,
+                   r->procs[i].name[0] ? r->procs[i].name : "?",
+                   bytes_text(r->procs[i].used, b, sizeof b));
+    oc_appendf(t, "\n  allocator          %s", r->allocator[0] ? r->allocator : "PyTorch defaults");
+    if (r->fraction < 0.0)
+        oc_appendf(t, "\n  memory fraction    none");
+    else
+        oc_appendf(t, "\n  memory fraction    %.2f", r->fraction);
+    if (r->limit > 0)
+        oc_appendf(t, " (cap %s)", bytes_text(r->limit, b, sizeof b));
+    if (r->snapshot[0])
+        oc_appendf(t, "\n  snapshot           %s (open it at https://pytorch.org/memory_viz)",
+                   r->snapshot);
+}
+
+/* The notes, what was done with a notebook cell's frames, the ranked actions. */
+static void item_lines(oc_text *t, const oom_report *r)
+{
+    for (int i = 0; i < r->n_notes; i++)
+        oc_appendf(t, "\n  note               %s", r->notes[i].text);
+    if (r->frames == FRAMES_RELEASED)
+        oc_appendf(t, "\n  cell frames        released, so %%debug has no traceback "
+                      "(%%env OUTOFCUDA_OOM_KEEP_FRAMES=1 keeps them)");
+    else if (r->frames == FRAMES_KEPT)
+        oc_appendf(t, "\n  cell frames        kept for %%debug (OUTOFCUDA_OOM_KEEP_FRAMES=1): they "
+                      "hold the cell's tensors until the next error");
+    oc_appendf(t, "\n  what to try, most useful first:");
+    for (int i = 0; i < r->n_advice; i++)
+        oc_appendf(t, "\n    %d. %s", i + 1, r->advice[i].text);
+}
+
+/* The text of a report (new ref), as printed before the traceback of an
+ * uncaught OOM; NULL with an exception set. */
+static PyObject *render_report(const oom_report *r)
+{
+    /* Each field at most once, the labels and numbers well under 4 KiB. */
+    oc_text t = {PyMem_Malloc(sizeof *r + 4096), 0, sizeof *r + 4096};
+    PyObject *text;
+    if (t.buf == NULL)
+        return PyErr_NoMemory();
+    figure_lines(&t, r);
+    setting_lines(&t, r);
+    item_lines(&t, r);
+    text = PyUnicode_DecodeUTF8(t.buf, (Py_ssize_t)t.len, "surrogatepass");
+    PyMem_Free(t.buf);
+    return text;
+}
+
+/* _oom_format(report) -> str: the text of a report's dict. */
+static PyObject *py_oom_format(PyObject *self, PyObject *report)
+{
+    oom_report r;
+    PyObject *text = report_from_dict(report, &r) == 0 ? render_report(&r) : NULL;
+    (void)self;
+    report_clear(&r);
+    return text;
+}
+
+/* ---- the report last_oom() returns ---- */
 
 /* The last report, built at an uncaught OOM, by auto_microbatch when it
  * gives up, or when last_oom() is asked after an OOM nothing reported yet;
@@ -1327,12 +1650,15 @@ static int exc_text(PyObject *exc, PyObject **text)
 }
 
 /* The report of exc (NULL or None: the observer's last OOM): the one exc
- * carries as outofcuda_report unless refresh, else one built now, kept for
- * last_oom() and attached to exc. New ref, or NULL with an exception set. */
-static PyObject *record_report(PyObject *exc, int exhausted, int refresh)
+ * carries as outofcuda_report unless refresh (read back into r when
+ * read_back), else one built now into r, kept for last_oom() and attached
+ * to exc. New ref, or NULL with an exception set; report_clear(r) after. */
+static PyObject *record_report(PyObject *exc, int exhausted, int refresh, oom_report *r,
+                               int read_back)
 {
     PyObject *report, *text;
     unsigned long seq;
+    memset(r, 0, sizeof *r);
     if (exc == Py_None)
         exc = NULL;
     if (exc != NULL && !refresh) {
@@ -1340,13 +1666,16 @@ static PyObject *record_report(PyObject *exc, int exhausted, int refresh)
         if (report == NULL && !PyErr_ExceptionMatches(PyExc_AttributeError))
             return NULL;
         OC_CLEAR_ABSENT(); /* an exception that carries no report yet */
-        if (report != NULL && PyDict_Check(report))
+        if (report != NULL && PyDict_Check(report)) {
+            if (read_back && report_from_dict(report, r) < 0)
+                Py_CLEAR(report);
             return report;
+        }
         Py_XDECREF(report);
     }
     if (exc_text(exc, &text) < 0)
         return NULL;
-    report = build_report(text, exhausted, &seq);
+    report = build_report(text, exhausted, &seq, r);
     Py_XDECREF(text);
     if (report == NULL)
         return NULL;
@@ -1367,13 +1696,16 @@ static PyObject *record_report(PyObject *exc, int exhausted, int refresh)
 static PyObject *py_oom_record(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"exc", "exhausted", "refresh", NULL};
-    PyObject *exc = Py_None;
+    PyObject *exc = Py_None, *report;
+    oom_report r;
     int exhausted = 0, refresh = 0;
     (void)self;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|Opp:_oom_record", kwlist, &exc, &exhausted,
                                      &refresh))
         return NULL;
-    return record_report(exc, exhausted, refresh);
+    report = record_report(exc, exhausted, refresh, &r, 0);
+    report_clear(&r);
+    return report;
 }
 
 /* _oom_note(exc) -> None: an OOM a retry may survive; only its text is kept,
@@ -1396,6 +1728,7 @@ static PyObject *py_oom_last(PyObject *self, PyObject *unused)
 {
     unsigned long observed = oom.seen[oom.newest].seq, seq;
     PyObject *pending = last.pending, *report;
+    oom_report r;
     (void)self;
     (void)unused;
     if ((observed == 0 || observed <= last.seq) && pending == NULL) {
@@ -1404,244 +1737,16 @@ static PyObject *py_oom_last(PyObject *self, PyObject *unused)
         return report;
     }
     Py_XINCREF(pending);
-    report = build_report(pending, 0, &seq);
+    report = build_report(pending, 0, &seq, &r);
+    report_clear(&r);
     if (report != NULL) {
-        keep_report(report, seq);
+        /* An observer's OOM too old for its figures is reported all the same. */
+        keep_report(report, seq || pending ? seq : observed);
         if (last.pending == pending)
             Py_CLEAR(last.pending);
     }
     Py_XDECREF(pending);
     return report;
-}
-
-/* Appends a line made by PyUnicode_FromFormat to lines. 0, or -1 with an
- * exception set. */
-static int add_line(PyObject *lines, const char *fmt, ...)
-{
-    va_list ap;
-    PyObject *line;
-    int rc;
-    va_start(ap, fmt);
-    line = PyUnicode_FromFormatV(fmt, ap);
-    va_end(ap);
-    rc = line ? PyList_Append(lines, line) : -1;
-    Py_XDECREF(line);
-    return rc;
-}
-
-/* A byte count as the report writes it (oc_fmt_bytes; "unknown" for None),
- * in buf. NULL with an exception set for what is not an int or None. */
-static const char *bytes_text(PyObject *v, char *buf, size_t sz)
-{
-    unsigned long long n;
-    if (v == Py_None)
-        return "unknown";
-    if (!PyLong_Check(v)) {
-        PyErr_SetString(PyExc_TypeError, "a report's byte count must be an int or None");
-        return NULL;
-    }
-    n = PyLong_AsUnsignedLongLong(v);
-    if (n == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    oc_fmt_bytes(n, buf, sz);
-    return buf;
-}
-
-/* "pid P (name) N, ..." for the first 6 of a report's other processes (new
- * ref), or NULL with an exception set. */
-static PyObject *others_text(PyObject *procs)
-{
-    PyObject *first = PySequence_GetSlice(procs, 0, 6), *parts = PyList_New(0), *sep = NULL;
-    PyObject *joined = NULL;
-    Py_ssize_t n = first ? PySequence_Size(first) : -1;
-    char b[48];
-    for (Py_ssize_t i = 0; parts != NULL && i < n; i++) {
-        PyObject *p = PySequence_GetItem(first, i);
-        PyObject *pid = p ? PyMapping_GetItemString(p, "pid") : NULL;
-        PyObject *name = pid ? PyMapping_GetItemString(p, "name") : NULL;
-        PyObject *used = name ? PyMapping_GetItemString(p, "used_bytes") : NULL;
-        const char *u = used ? bytes_text(used, b, sizeof b) : NULL;
-        int named = u ? PyObject_IsTrue(name) : -1;
-        if (named < 0 || (named ? add_line(parts, "pid %S (%S) %s", pid, name, u)
-                                : add_line(parts, "pid %S (?) %s", pid, u)) < 0)
-            Py_CLEAR(parts);
-        Py_XDECREF(used);
-        Py_XDECREF(name);
-        Py_XDECREF(pid);
-        Py_XDECREF(p);
-    }
-    sep = n >= 0 && parts ? PyUnicode_FromString(", ") : NULL;
-    joined = sep ? PyUnicode_Join(sep, parts) : NULL;
-    Py_XDECREF(sep);
-    Py_XDECREF(parts);
-    Py_XDECREF(first);
-    return joined;
-}
-
-/* The keys of a report that its text reads. */
-#define REPORT_KEYS(X)                                                                             \
-    X(DEVICE, "device")                                                                            \
-    X(DEVICE_NAME, "device_name")                                                                  \
-    X(MESSAGE, "message")                                                                          \
-    X(REQUEST, "request_bytes")                                                                    \
-    X(TOTAL, "total_bytes")                                                                        \
-    X(FREE, "free_bytes")                                                                          \
-    X(ALLOCATED, "allocated_bytes")                                                                \
-    X(RESERVED, "reserved_bytes")                                                                  \
-    X(PEAK, "peak_allocated_bytes")                                                                \
-    X(FRAGMENTATION, "fragmentation_bytes")                                                        \
-    X(INACTIVE, "inactive_split_bytes")                                                            \
-    X(OTHERS, "other_processes")                                                                   \
-    X(ALLOCATOR, "allocator_config")                                                               \
-    X(FRACTION, "memory_fraction")                                                                 \
-    X(LIMIT, "limit_bytes")                                                                        \
-    X(SNAPSHOT, "snapshot")                                                                        \
-    X(NOTES, "notes")                                                                              \
-    X(ADVICE, "advice")
-#define KEY_ENUM(id, name) K_##id,
-enum { REPORT_KEYS(KEY_ENUM) K_COUNT };
-#undef KEY_ENUM
-
-/* The header and the figures' lines of report r (its values in v). */
-static int figure_lines(PyObject *lines, PyObject *const *v)
-{
-    char b1[48], b2[48], b3[48];
-    const char *t1, *t2, *t3;
-    int named = PyObject_IsTrue(v[K_DEVICE_NAME]), rc;
-    PyObject *dev = named < 0                ? NULL
-                    : v[K_DEVICE] == Py_None ? PyUnicode_FromString("cuda:?")
-                                             : PyUnicode_FromFormat("cuda:%S", v[K_DEVICE]);
-    if (dev == NULL)
-        return -1;
-    rc = named ? add_line(lines, "outofcuda: CUDA out of memory on %U (%S)", dev, v[K_DEVICE_NAME])
-               : add_line(lines, "outofcuda: CUDA out of memory on %U", dev);
-    Py_DECREF(dev);
-    if (rc < 0 || (rc = PyObject_IsTrue(v[K_MESSAGE])) < 0)
-        return -1;
-    if (rc && add_line(lines, "  error              %.160S", v[K_MESSAGE]) < 0)
-        return -1;
-    if ((t1 = bytes_text(v[K_REQUEST], b1, sizeof b1)) == NULL ||
-        add_line(lines, "  requested          %s", t1) < 0)
-        return -1;
-    t1 = bytes_text(v[K_TOTAL], b1, sizeof b1);
-    t2 = t1 ? bytes_text(v[K_FREE], b2, sizeof b2) : NULL;
-    if (t2 == NULL)
-        return -1;
-    rc = v[K_TOTAL] != Py_None
-             ? add_line(lines, "  device             %s total, %s free (NVML)", t1, t2)
-         : v[K_FREE] != Py_None ? add_line(lines, "  device             %s free (CUDA)", t2)
-                                : add_line(lines, "  device             unknown");
-    t1 = rc == 0 ? bytes_text(v[K_ALLOCATED], b1, sizeof b1) : NULL;
-    t2 = t1 ? bytes_text(v[K_RESERVED], b2, sizeof b2) : NULL;
-    t3 = t2 ? bytes_text(v[K_PEAK], b3, sizeof b3) : NULL;
-    if (t3 == NULL ||
-        add_line(lines, "  this process       allocated %s, reserved %s, peak allocated %s", t1, t2,
-                 t3) < 0)
-        return -1;
-    t1 = bytes_text(v[K_FRAGMENTATION], b1, sizeof b1);
-    t2 = t1 ? bytes_text(v[K_INACTIVE], b2, sizeof b2) : NULL;
-    if (t2 == NULL || add_line(lines,
-                               "  fragmentation      %s reserved but unallocated, %s in "
-                               "inactive split blocks",
-                               t1, t2) < 0)
-        return -1;
-    return 0;
-}
-
-/* The lines of the other processes and the settings in effect. */
-static int setting_lines(PyObject *lines, PyObject *const *v)
-{
-    char b[48], cap[64] = "";
-    const char *t;
-    PyObject *spec, *fraction;
-    int rc = PyObject_IsTrue(v[K_OTHERS]);
-    if (rc > 0) {
-        PyObject *text = others_text(v[K_OTHERS]);
-        rc = text ? add_line(lines, "  other processes    %U", text) : -1;
-        Py_XDECREF(text);
-    } else if (rc == 0 && v[K_TOTAL] != Py_None) {
-        rc = add_line(lines, "  other processes    none");
-    }
-    if (rc < 0 || (rc = PyObject_IsTrue(v[K_ALLOCATOR])) < 0)
-        return -1;
-    if ((rc ? add_line(lines, "  allocator          %S", v[K_ALLOCATOR])
-            : add_line(lines, "  allocator          PyTorch defaults")) < 0)
-        return -1;
-    /* format(fraction, ".2f"), as Python writes a float */
-    spec = PyUnicode_FromString(".2f");
-    fraction = v[K_FRACTION] == Py_None ? PyUnicode_FromString("none")
-               : spec                   ? PyObject_Format(v[K_FRACTION], spec)
-                                        : NULL;
-    Py_XDECREF(spec);
-    rc = fraction ? PyObject_IsTrue(v[K_LIMIT]) : -1;
-    t = rc > 0 ? bytes_text(v[K_LIMIT], b, sizeof b) : "";
-    if (rc > 0 && t != NULL)
-        snprintf(cap, sizeof cap, " (cap %s)", t);
-    rc = rc < 0 || t == NULL ? -1 : add_line(lines, "  memory fraction    %S%s", fraction, cap);
-    Py_XDECREF(fraction);
-    if (rc < 0 || (rc = PyObject_IsTrue(v[K_SNAPSHOT])) < 0)
-        return -1;
-    if (rc && add_line(lines, "  snapshot           %S (open it at https://pytorch.org/memory_viz)",
-                       v[K_SNAPSHOT]) < 0)
-        return -1;
-    return 0;
-}
-
-/* A line for each of items: a note, or (numbered) a ranked action. */
-static int item_lines(PyObject *lines, PyObject *items, int numbered)
-{
-    PyObject *it = PyObject_GetIter(items), *item;
-    long i = 0;
-    int rc = it ? 0 : -1;
-    while (rc == 0 && (item = PyIter_Next(it)) != NULL) {
-        rc = numbered ? add_line(lines, "    %ld. %S", ++i, item)
-                      : add_line(lines, "  note               %S", item);
-        Py_DECREF(item);
-    }
-    Py_XDECREF(it);
-    return rc < 0 || PyErr_Occurred() ? -1 : 0;
-}
-
-/* The text of a report (new ref), as printed before the traceback of an
- * uncaught OOM; NULL with an exception set (TypeError for what is not a
- * report, KeyError for a key it lacks). */
-static PyObject *render_report(PyObject *report)
-{
-#define KEY_NAME(id, name) name,
-    static const char *const keys[] = {REPORT_KEYS(KEY_NAME)};
-#undef KEY_NAME
-    PyObject *v[K_COUNT] = {NULL}, *lines = NULL, *sep = NULL, *text = NULL;
-    if (!PyDict_Check(report) || PyDict_GetItemString(report, "advice") == NULL) {
-        PyErr_SetString(PyExc_TypeError,
-                        "format_report expects the dict that outofcuda.last_oom() returns");
-        return NULL;
-    }
-    for (int i = 0; i < K_COUNT; i++) {
-        v[i] = PyMapping_GetItemString(report, keys[i]);
-        if (v[i] == NULL)
-            goto done;
-    }
-    lines = PyList_New(0);
-    if (lines == NULL || figure_lines(lines, v) < 0 || setting_lines(lines, v) < 0 ||
-        item_lines(lines, v[K_NOTES], 0) < 0 ||
-        add_line(lines, "  what to try, most useful first:") < 0 ||
-        item_lines(lines, v[K_ADVICE], 1) < 0)
-        goto done;
-    sep = PyUnicode_FromString("\n");
-    text = sep ? PyUnicode_Join(sep, lines) : NULL;
-done:
-    Py_XDECREF(sep);
-    Py_XDECREF(lines);
-    for (int i = 0; i < K_COUNT; i++)
-        Py_XDECREF(v[i]);
-    return text;
-}
-
-/* _oom_format(report) -> str: the report's text (render_report). */
-static PyObject *py_oom_format(PyObject *self, PyObject *report)
-{
-    (void)self;
-    return render_report(report);
 }
 
 /* _testing.oom_reports_built() -> int: reports built in this process. */

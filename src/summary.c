@@ -27,7 +27,6 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -557,24 +556,6 @@ done:
 /* ---- at exit: the block and the JSON ---- */
 
 typedef struct {
-    char *buf;
-    size_t len, cap;
-} text;
-
-static void appendf(text *t, const char *fmt, ...)
-{
-    va_list ap;
-    int n;
-    if (t->buf == NULL || t->len + 1 >= t->cap)
-        return;
-    va_start(ap, fmt);
-    n = vsnprintf(t->buf + t->len, t->cap - t->len, fmt, ap);
-    va_end(ap);
-    if (n > 0)
-        t->len = t->len + (size_t)n < t->cap ? t->len + (size_t)n : t->cap - 1;
-}
-
-typedef struct {
     double wall, since_import; /* since CUDA started; since the summary started */
     long rank, workers, cpus, suggested_workers;
     unsigned long ooms;
@@ -618,77 +599,78 @@ static double wait_share(const proc_figs *p)
     return p->frame_samples ? (double)p->frame_waits / (double)p->frame_samples : 0.0;
 }
 
-static void format_wait(text *t, const proc_figs *p, const sum_device *d)
+static void format_wait(oc_text *t, const proc_figs *p, const sum_device *d)
 {
     if (p->frame_samples == 0) {
-        appendf(t, "  input wait     not measured (no sample of the main thread)\n");
+        oc_appendf(t, "  input wait     not measured (no sample of the main thread)\n");
         return;
     }
-    appendf(t, "  input wait     main thread in torch.utils.data in %.1f %% of %llu samples",
-            100.0 * wait_share(p), p->frame_samples);
+    oc_appendf(t, "  input wait     main thread in torch.utils.data in %.1f %% of %llu samples",
+               100.0 * wait_share(p), p->frame_samples);
     if (d != NULL && d->paired_samples > 0)
-        appendf(t, "; GPU under %d %% while it waited in %.1f %% of %llu\n", LOW_UTIL,
-                100.0 * (double)d->paired_wait_low / (double)d->paired_samples, d->paired_samples);
+        oc_appendf(t, "; GPU under %d %% while it waited in %.1f %% of %llu\n", LOW_UTIL,
+                   100.0 * (double)d->paired_wait_low / (double)d->paired_samples,
+                   d->paired_samples);
     else
-        appendf(t, " (every %ld ms)\n", S.interval_ms);
+        oc_appendf(t, " (every %ld ms)\n", S.interval_ms);
 }
 
 /* The block of a process without a GPU part: the input wait and its hints. */
-static void format_no_gpu(text *t, const proc_figs *p, const oc_advice_item *h, int nh)
+static void format_no_gpu(oc_text *t, const proc_figs *p, const oc_advice_item *h, int nh)
 {
-    appendf(t, "outofcuda summary: no GPU part (%s), %.1f s since torch was imported\n", p->no_gpu,
-            p->since_import);
+    oc_appendf(t, "outofcuda summary: no GPU part (%s), %.1f s since torch was imported\n",
+               p->no_gpu, p->since_import);
     format_wait(t, p, NULL);
     for (int i = 0; i < nh; i++)
-        appendf(t, "  hint %d         %s\n", i + 1, h[i].text);
+        oc_appendf(t, "  hint %d         %s\n", i + 1, h[i].text);
 }
 
 /* The rank label is the writer's (oc_stderr_write), on every line. */
-static void format_block(text *t, const sum_device *d, const proc_figs *p, const oc_advice_item *h,
-                         int nh)
+static void format_block(oc_text *t, const sum_device *d, const proc_figs *p,
+                         const oc_advice_item *h, int nh)
 {
-    appendf(t, "outofcuda summary: cuda:%d%s%s", d->torch_index, d->name[0] ? " " : "", d->name);
+    oc_appendf(t, "outofcuda summary: cuda:%d%s%s", d->torch_index, d->name[0] ? " " : "", d->name);
     if (d->nvml_index >= 0)
-        appendf(t, " (NVML %d)", d->nvml_index);
-    appendf(t, ", %.1f s since CUDA started\n", p->wall);
+        oc_appendf(t, " (NVML %d)", d->nvml_index);
+    oc_appendf(t, ", %.1f s since CUDA started\n", p->wall);
     if (d->util_samples > 0)
-        appendf(t,
-                "  utilisation    mean %.1f %%; under %d %% in %.1f %% of %llu samples "
-                "(every %ld ms, all processes)\n",
-                d->util_sum / (double)d->util_samples, LOW_UTIL,
-                100.0 * (double)d->under_low / (double)d->util_samples, d->util_samples,
-                S.interval_ms);
+        oc_appendf(t,
+                   "  utilisation    mean %.1f %%; under %d %% in %.1f %% of %llu samples "
+                   "(every %ld ms, all processes)\n",
+                   d->util_sum / (double)d->util_samples, LOW_UTIL,
+                   100.0 * (double)d->under_low / (double)d->util_samples, d->util_samples,
+                   S.interval_ms);
     else
-        appendf(t, "  utilisation    not sampled: %s\n",
-                S.why[0]            ? S.why
-                : d->nvml_index < 0 ? "NVML does not show this device"
-                : d->ticks > 0      ? "NVML gave no utilisation for this device"
-                                    : "no sample taken yet");
+        oc_appendf(t, "  utilisation    not sampled: %s\n",
+                   S.why[0]            ? S.why
+                   : d->nvml_index < 0 ? "NVML does not show this device"
+                   : d->ticks > 0      ? "NVML gave no utilisation for this device"
+                                       : "no sample taken yet");
     format_wait(t, p, d);
     if (d->mem_samples > 0)
-        appendf(t, "  device memory  peak %.2f of %.2f GiB (%.1f %%, all processes)\n",
-                (double)d->mem_peak / OC_GIB, (double)d->mem_total / OC_GIB,
-                100.0 * (double)d->mem_peak / (double)d->mem_total);
+        oc_appendf(t, "  device memory  peak %.2f of %.2f GiB (%.1f %%, all processes)\n",
+                   (double)d->mem_peak / OC_GIB, (double)d->mem_total / OC_GIB,
+                   100.0 * (double)d->mem_peak / (double)d->mem_total);
     if (d->peak_allocated >= 0 && d->peak_reserved >= 0)
-        appendf(t, "  this process   peak allocated %.2f GiB, peak reserved %.2f GiB\n",
-                (double)d->peak_allocated / OC_GIB, (double)d->peak_reserved / OC_GIB);
+        oc_appendf(t, "  this process   peak allocated %.2f GiB, peak reserved %.2f GiB\n",
+                   (double)d->peak_allocated / OC_GIB, (double)d->peak_reserved / OC_GIB);
     else
-        appendf(t, "  this process   no allocator figures (torch's CUDA is not initialised)\n");
-    appendf(t, "  events         %lu CUDA OOM%s, %lld micro-batch split%s\n", p->ooms,
-            p->ooms == 1 ? "" : "s", p->splits, p->splits == 1 ? "" : "s");
+        oc_appendf(t, "  this process   no allocator figures (torch's CUDA is not initialised)\n");
+    oc_appendf(t, "  events         %lu CUDA OOM%s, %lld micro-batch split%s\n", p->ooms,
+               p->ooms == 1 ? "" : "s", p->splits, p->splits == 1 ? "" : "s");
     for (int i = 0; i < nh; i++)
-        appendf(t, "  hint %d         %s\n", i + 1, h[i].text);
+        oc_appendf(t, "  hint %d         %s\n", i + 1, h[i].text);
 }
 
 /* The known bugs that apply here and that outofcuda does not avoid
  * (knownbugs.c), once per process, after the device blocks. */
-static void append_known_bugs(text *t, const proc_figs *p)
+static void append_known_bugs(oc_text *t, const proc_figs *p)
 {
     char pre[32] = "", lines[4096];
     if (p->rank >= 0)
         snprintf(pre, sizeof pre, "[rank %ld] ", p->rank);
     if (oc_known_bugs_summary(lines, sizeof lines, pre) > 0)
-        appendf(t, "%s", lines);
+        oc_appendf(t, "%s", lines);
 }
 
 static PyObject *none_or_ll(long long x)
@@ -814,7 +796,7 @@ static PyObject *json_doc(const proc_figs *p, PyObject *devices, PyObject *hints
  * in JSON mode, the document. */
 static void emit(const proc_figs *p, const sum_device *dev, int n)
 {
-    text t = {malloc(65536), 0, 65536};
+    oc_text t = {malloc(65536), 0, 65536};
     int json = output.mode == OC_SUMMARY_JSON;
     PyObject *devices = json ? PyList_New(0) : NULL, *hints = NULL, *wait = NULL;
     oc_summary_figures f;

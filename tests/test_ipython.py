@@ -62,13 +62,21 @@ def oc_status():
         return _outofcuda.status()["optimizations"]["oom_handler"]["value"]
     except Exception as e:  # OUTOFCUDA_DISABLE=1: no status
         return repr(e)
+
+
+def oc_frames():  # what the handler did with the failed cell's frames
+    try:
+        import _outofcuda
+        return _outofcuda._oom_last()["cell_frames"]
+    except Exception as e:
+        return repr(e)
 """
 
 STATE = """print("STATE=" + json.dumps({
     "alive": [r() is not None for r in refs],
     "last": [hasattr(sys, n) for n in ("last_type", "last_value", "last_traceback")],
     "last_is_oom": isinstance(getattr(sys, "last_value", None), torch.cuda.OutOfMemoryError),
-    "kept": kept.tolist(), "status": oc_status()}))"""
+    "kept": kept.tolist(), "status": oc_status(), "frames": oc_frames()}))"""
 
 CELLS = [
     FAKE_CUDA_START,
@@ -122,19 +130,28 @@ def test_notebook_oom_cell_reports_and_releases_its_frames(cuda_venv, notebook_d
     assert mine[1] == plain[1] and mine[1][0]["ename"] == "ValueError", mine[1]
 
     # The OOM: IPython's traceback as without outofcuda, then the report in
-    # the cell's output (stderr), the one last_oom() holds.
+    # the cell's output (stderr), the one last_oom() holds; it says what was
+    # done with the cell's frames and names the variable that keeps them.
     errors = [o for o in mine[2] if o["output_type"] == "error"]
     assert errors == [o for o in plain[2] if o["output_type"] == "error"]
     assert errors[0]["ename"] == "OutOfMemoryError"
     assert [o for o in plain[2] if o["output_type"] == "stream"] == []
     report = json.loads(mine[6][-1]["text"].split("REPORT=", 1)[1])
     assert [o["output_type"] for o in mine[2]] == ["error", "stream"], mine[2]
-    assert mine[2][1]["name"] == "stderr" and mine[2][1]["text"] == report + "\n\n"
+    assert mine[5][1]["name"] == "stderr" and mine[5][1]["text"] == report + "\n\n"
+    released_line = ("  cell frames        released, so %debug has no traceback "
+                     "(%env OUTOFCUDA_OOM_KEEP_FRAMES=1 keeps them)")
+    kept_line = ("  cell frames        kept for %debug (OUTOFCUDA_OOM_KEEP_FRAMES=1): they hold "
+                 "the cell's tensors until the next error")
+    assert [ln for ln in report.splitlines() if ln.startswith("  cell frames")] == [kept_line]
+    assert mine[2][1]["name"] == "stderr"
+    assert mine[2][1]["text"] == report.replace(kept_line, released_line) + "\n\n"
 
     # The failed frames' tensor is gone and so are IPython's references; the
     # cell's own variable is kept. Without outofcuda both stay.
     released, leaked = _state(mine[3]), _state(plain[3])
     assert released["status"]["ipython"] == "set", released["status"]
+    assert released["frames"] == "released"
     assert released["alive"] == [False] and released["last"] == [False] * 3
     assert released["kept"] == [0.0, 0.0]
     assert leaked["alive"] == [True] and leaked["last"] == [True] * 3
@@ -144,6 +161,7 @@ def test_notebook_oom_cell_reports_and_releases_its_frames(cuda_venv, notebook_d
     assert [o["output_type"] for o in mine[5]] == ["error", "stream"], mine[5]
     kept = _state(mine[6])
     assert kept["alive"] == [False, True] and kept["last"] == [True] * 3 and kept["last_is_oom"]
+    assert kept["frames"] == "kept"
 
 
 # Terminal IPython running a file: IPython runs it outside any cell

@@ -781,6 +781,65 @@ print(json.dumps([lines, [ln for ln in text.splitlines() if ln.startswith("  thi
                     "unknown"]]
 
 
+GOLDEN_REPORTS = """
+import json, _outofcuda, outofcuda.oom
+G = 1 << 30
+full = {"device": 1, "device_name": "NVIDIA H100 80GB HBM3",
+        "message": "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity "
+                   "of 79.10 GiB of which 512.00 MiB is free.",
+        "request_bytes": 2 * G, "total_bytes": 80 * G, "free_bytes": 512 << 20,
+        "limit_bytes": 72 * G, "allocated_bytes": 60 * G, "reserved_bytes": 70 * G,
+        "peak_allocated_bytes": 75 * G, "fragmentation_bytes": 10 * G,
+        "inactive_split_bytes": 3 << 29, "num_ooms": 1,
+        "other_processes": [{"pid": 4242, "name": "python", "used_bytes": 5 * G},
+                            {"pid": 7, "name": "", "used_bytes": 100 << 20}],
+        "allocator_config": "expandable_segments:True", "expandable_segments": True,
+        "memory_fraction": 0.9, "autocast": False, "snapshot": "/tmp/oom.pickle",
+        "advice": ["Stop pid 4242.", "Train with outofcuda.auto_microbatch(step)."],
+        "notes": ["a note"], "cell_frames": "released"}
+bare = dict(full, device=None, device_name=None, message=None, other_processes=[],
+            allocator_config="", memory_fraction=None, snapshot=None, notes=[], advice=[],
+            cell_frames="kept", **{k: None for k in full if k.endswith("_bytes")})
+print(json.dumps([outofcuda.oom.format_report(r).splitlines() for r in (full, bare)]))
+"""
+
+
+def test_the_report_text_word_for_word(venv, workdir):
+    """The report's text, line for line (a golden text: its wording is the
+    point), written by the engine from the typed fields of a report's dict."""
+    full, bare = venv.json(GOLDEN_REPORTS, cwd=workdir)
+    assert full == [
+        "outofcuda: CUDA out of memory on cuda:1 (NVIDIA H100 80GB HBM3)",
+        "  error              CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total "
+        "capacity of 79.10 GiB of which 512.00 MiB is free.",
+        "  requested          2.00 GiB",
+        "  device             80.00 GiB total, 512 MiB free (NVML)",
+        "  this process       allocated 60.00 GiB, reserved 70.00 GiB, peak allocated 75.00 GiB",
+        "  fragmentation      10.00 GiB reserved but unallocated, 1.50 GiB in inactive split "
+        "blocks",
+        "  other processes    pid 4242 (python) 5.00 GiB, pid 7 (?) 100 MiB",
+        "  allocator          expandable_segments:True",
+        "  memory fraction    0.90 (cap 72.00 GiB)",
+        "  snapshot           /tmp/oom.pickle (open it at https://pytorch.org/memory_viz)",
+        "  note               a note",
+        "  cell frames        released, so %debug has no traceback "
+        "(%env OUTOFCUDA_OOM_KEEP_FRAMES=1 keeps them)",
+        "  what to try, most useful first:",
+        "    1. Stop pid 4242.",
+        "    2. Train with outofcuda.auto_microbatch(step)."]
+    assert bare == [
+        "outofcuda: CUDA out of memory on cuda:?",
+        "  requested          unknown",
+        "  device             unknown",
+        "  this process       allocated unknown, reserved unknown, peak allocated unknown",
+        "  fragmentation      unknown reserved but unallocated, unknown in inactive split blocks",
+        "  allocator          PyTorch defaults",
+        "  memory fraction    none",
+        "  cell frames        kept for %debug (OUTOFCUDA_OOM_KEEP_FRAMES=1): they hold the "
+        "cell's tensors until the next error",
+        "  what to try, most useful first:"]
+
+
 def test_a_long_message_is_cut_between_characters(venv, workdir):
     """The report keeps the first line of the OOM's message up to 399 bytes
     and prints its first 160 characters: neither cut splits a character."""
