@@ -57,12 +57,21 @@ ROWS = {
               unless="TORCH_CUDNN_SDPA_DEPRIORITIZED"),
     "alloc-conf-generic-ignored": dict(torch=(20900, 21100), needs="alloc"),
     "torchrun-gpu0-context": dict(needs="ctx"),
-    "cudnn-sublibrary-mismatch": dict(cuda=(1300, 1400), cudnn=(92000, 92300)),
+    "cudnn-sublibrary-mismatch": dict(cuda=(1300, 1400), cudnn=(92000, 92300), needs="other"),
     "fsdp2-bf16-premul-sum": dict(torch=(20500, None)),
     "avg-pool2d-channels-last-grad": dict(),
     "tf32-mixed-api": dict(torch=(20900, None)),
     "cudnn-sdpa-nan-dkdv-sq1": dict(torch=(21100, None), cudnn=(92501, 92700), cc=(90, 100),
                                     unless="TORCH_CUDNN_SDPA_DEPRIORITIZED"),
+    "cudnn-sdpa-gqa-sm100": dict(torch=(21100, None), cc=(100, 101),
+                                 unless="TORCH_CUDNN_SDPA_DEPRIORITIZED"),
+    "cudnn-sdpa-ima-cuda-below-12.9": dict(torch=(20900, 21000), cuda=(1200, 1209), cc=(90, 101)),
+    "nccl-aarch64-hang": dict(nccl=(0, 22903), needs="aarch64"),
+    "cudnn-pre-turing": dict(cudnn=(91100, None), cc=(30, 75)),
+    "conv3d-half-cudnn": dict(cudnn=(91002, 91500)),
+    "cudnn-fp8-sdpa-zeros": dict(cudnn=(92400, 92500), cc=(100, 110)),
+    "compile-vram-2.10": dict(torch=(21000, 21200)),
+    "expandable-ipc-2.13": dict(torch=(21300, None)),
 }
 
 
@@ -70,8 +79,9 @@ def inside(r, v):
     return v >= r[0] and (r[1] is None or v < r[1])
 
 
-def expected(row, torch, cuda_build, cuda, cudnn, local_rank, foreign, ccs, env):
-    spec = ROWS[row]
+def expected(row, torch, cuda_build, cuda, cudnn, local_rank, foreign, ccs, env,
+             stack=(-1, 0, -1)):
+    spec, (nccl, aarch64, other) = ROWS[row], stack
     if torch > 0 and "torch" in spec and not inside(spec["torch"], torch):
         return 0
     if cuda_build == 0:
@@ -89,16 +99,22 @@ def expected(row, torch, cuda_build, cuda, cudnn, local_rank, foreign, ccs, env)
         return 0
     if "cudnn" in spec and (cudnn == 0 or (cudnn > 0 and not inside(spec["cudnn"], cudnn))):
         return 0
+    if "nccl" in spec and nccl >= 0 and not inside(spec["nccl"], nccl):
+        return 0
+    if (spec.get("needs") == "aarch64" and not aarch64) or (spec.get("needs") == "other"
+                                                            and other == 0):
+        return 0
     if (torch <= 0 or cuda_build < 0 or ("cuda" in spec and cuda <= 0)
             or (spec.get("needs") == "ctx" and foreign < -1)
-            or ("cc" in spec and ccs is None) or ("cudnn" in spec and cudnn < 0)):
+            or ("cc" in spec and ccs is None) or ("cudnn" in spec and cudnn < 0)
+            or ("nccl" in spec and nccl < 0) or (spec.get("needs") == "other" and other < 0)):
         return -1
     return 1
 
 
-def case(torch, cuda_build, cuda, cudnn, local_rank, foreign, ccs, env):
+def case(torch, cuda_build, cuda, cudnn, local_rank, foreign, ccs, env, stack=(-1, 0, -1)):
     env_text = ";".join(f"{k}={v}" for k, v in env.items()) or "-"
-    return (torch, cuda_build, cuda, cudnn, local_rank, foreign,
+    return (torch, cuda_build, cuda, cudnn, *stack, local_rank, foreign,
             -1 if ccs is None else len(ccs), *(ccs or ()), env_text)
 
 
@@ -108,20 +124,31 @@ def edges(lo_hi):
 
 
 # Every range's edges (just outside, first inside, last inside, first outside),
-# crossed with the other facts' cases.
-TORCHES = sorted({0, 20000, 30000} | {v for s in ROWS.values() if "torch" in s
-                                      for v in edges(s["torch"])})
-CUDNNS = sorted({-1, 0} | {v for s in ROWS.values() if "cudnn" in s for v in edges(s["cudnn"])})
-CUDAS = sorted({0, 1201} | {v for s in ROWS.values() if "cuda" in s for v in edges(s["cuda"])})
+# crossed, row by row, with the cases of the facts that row reads; the facts it
+# does not read take a few values (every row is decided on every case).
 ENVS = [{}, {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"}, {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "true"},
         {"PYTORCH_ALLOC_CONF": "expandable_segments:True"},
         {"PYTORCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}]
-GRID = [(t, cb, cu, cd, lr, fd, ccs, env)
-        for t in TORCHES for cb in (-1, 0, 1) for cu in CUDAS for cd in CUDNNS
-        for lr, fd in ((-1, -2), (0, -2), (1, -2), (1, -1), (2, 0))
-        for ccs in (None, [], [89], [90], [99], [100], [80, 90])
-        for env in ENVS
-        if cb == 1 or (cu == 0 and lr == -1 and ccs in (None, [90]))]
+RANKS = ((-1, -2), (0, -2), (1, -2), (1, -1), (2, 0))
+# NCCL's version, aarch64, another cuDNN on the loader path.
+STACKS = ((-1, 0, -1), (0, 1, 0), (22902, 1, 1), (22903, 1, 1), (22809, 0, -1), (22809, 1, -1))
+
+
+def row_grid(spec):
+    def pick(key, extra, default):
+        return sorted(extra | set(edges(spec[key]))) if key in spec else default
+    ccs_all = [None, [], [80, 90]] + ([[v] for v in edges(spec["cc"])] if "cc" in spec else [[90]])
+    envs = ENVS if "unless" in spec or spec.get("needs") == "alloc" else ENVS[:2]
+    ranks = RANKS if spec.get("needs") == "ctx" else RANKS[::3]
+    stacks = STACKS if "nccl" in spec or spec.get("needs") in ("aarch64", "other") else STACKS[:2]
+    return [(t, cb, cu, cd, lr, fd, ccs, env, st)
+            for t in pick("torch", {0, 20000}, [0, 21300]) for cb in (-1, 0, 1)
+            for cu in pick("cuda", {0, 1201}, [0, 1300]) for cd in pick("cudnn", {-1, 0}, [-1, 92000])
+            for lr, fd in ranks for ccs in ccs_all for env in envs for st in stacks
+            if cb == 1 or (cu == 0 and lr == -1 and ccs in (None, [90]))]
+
+
+GRID = [g for spec in ROWS.values() for g in row_grid(spec)]
 
 
 def test_every_row_matches_its_source_on_every_edge(driver):
@@ -140,19 +167,21 @@ def test_table_fuzz_stays_within_bounds(driver):
     rnd = random.Random(30)
     facts = []
     for _ in range(2500):
-        ccs = None if rnd.random() < 0.1 else [rnd.choice([-5, 0, 75, 80, 90, 93, 99, 100, 10**6])
+        ccs = None if rnd.random() < 0.1 else [rnd.choice([-5, 0, 74, 75, 80, 90, 93, 99, 100, 10**6])
                                                 for _ in range(rnd.choice([0, 1, 3, 70]))]
         env = rnd.choice(ENVS + [{"TORCH_CUDNN_SDPA_DEPRIORITIZED": "x" * 200}])
         facts.append((rnd.choice([-1, 0, 1, 20000, 20900, 21100, 21450, 21500, 2**40]),
                       rnd.choice([-1, 0, 1]), rnd.choice([-1, 0, 1300, 1399, 1400, 2**40]),
-                      rnd.choice([-2, -1, 0, 91501, 92000, 92600, 92699, 2**40]),
-                      rnd.choice([-1, 0, 1, 7, 2**40]), rnd.choice([-2, -1, 0, 5]), ccs, env))
+                      rnd.choice([-2, -1, 0, 91002, 91501, 92000, 92400, 92600, 92699, 2**40]),
+                      rnd.choice([-1, 0, 1, 7, 2**40]), rnd.choice([-2, -1, 0, 5]), ccs, env,
+                      (rnd.choice([-1, 0, 22809, 22903, 2**40]), rnd.choice([0, 1]),
+                       rnd.choice([-1, 0, 1]))))
     out = driver([case(*g) for g in facts])
     for row, decisions in out.items():
         for g, (d, why) in zip(facts, decisions):
-            t, cb, cu, cd, lr, fd, ccs, env = g
+            t, cb, cu, cd, lr, fd, ccs, env, st = g
             assert d == expected(row, t, cb, cu, cd, lr, fd,
-                                 None if ccs is None else ccs[:64], env), (row, g, why)
+                                 None if ccs is None else ccs[:64], env, st), (row, g, why)
 
 
 @pytest.mark.parametrize("value,rc,rows,unknown", [
