@@ -212,7 +212,9 @@ static int decide_all(PyObject *torch, size_t n)
                                         sizeof kb.reason[i]);
             if (!row_off(i))
                 kb.state[i] = s;
-            need_devices |= s == OC_KB_UNDECIDED && !oc_range_any(b->cc);
+            /* A named row still waiting for cuDNN asks NVML when CUDA starts. */
+            need_devices |= s == OC_KB_UNDECIDED && !oc_range_any(b->cc) &&
+                            (b->action != OC_KB_REPORT || oc_range_any(b->cudnn) || f.cudnn >= 0);
             need_cudnn |= s == OC_KB_UNDECIDED && !oc_range_any(b->cudnn);
         }
     }
