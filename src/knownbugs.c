@@ -6,7 +6,7 @@
  * from NVML whenever status() or the exit summary asks. */
 #include "oc.h"
 
-#include <dirent.h>
+#include <glob.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,29 +57,26 @@ static void facts_init(oc_kb_facts *f)
 /* The version of the distribution beside torch (name + CUDA's major, as
  * nvidia_cudnn_cu13) from its .dist-info folder's name, numbered as torch
  * numbers cuDNN (below 9: major*1000) and NCCL: major*10000+minor*100+patch;
- * -1 when none is there. Reads one folder, loads no library. */
+ * -1 when none is there. Lists one folder, loads no library. */
 static long dist_version(PyObject *torch, const char *name, long cuda)
 {
-    char dir[2048], prefix[64], *slash;
+    char dir[2048], pattern[2200], *slash;
     PyObject *file = torch ? PyObject_GetAttrString(torch, "__file__") : NULL;
     const char *path = file && PyUnicode_Check(file) ? oc_utf8(file, dir, sizeof dir) : NULL;
-    DIR *d;
-    struct dirent *e;
-    long v = -1;
-    size_t n = (size_t)snprintf(prefix, sizeof prefix, "%s%ld-", name, cuda / 100);
+    glob_t g;
+    long a = 0, b = 0, c = 0, v = -1;
     Py_XDECREF(file);
     OC_CLEAR();
     for (int up = 0; path == dir && up < 2 && (slash = strrchr(dir, '/')) != NULL; up++)
         *slash = '\0';
-    d = path == dir && cuda > 0 ? opendir(dir) : NULL;
-    while (d != NULL && v < 0 && (e = readdir(d)) != NULL) {
-        long a = 0, b = 0, c = 0;
-        if (strncmp(e->d_name, prefix, n) == 0 && strstr(e->d_name, ".dist-info") &&
-            sscanf(e->d_name + n, "%ld.%ld.%ld", &a, &b, &c) >= 2)
+    if (path != dir || cuda <= 0)
+        return -1;
+    snprintf(pattern, sizeof pattern, "%s/%s%ld-*.dist-info", dir, name, cuda / 100);
+    if (glob(pattern, 0, NULL, &g) == 0) {
+        if (sscanf(strchr(strrchr(g.gl_pathv[0], '/'), '-'), "-%ld.%ld.%ld", &a, &b, &c) >= 2)
             v = a * (a < 9 && name[7] == 'c' ? 1000 : 10000) + b * 100 + c;
+        globfree(&g);
     }
-    if (d != NULL)
-        closedir(d);
     return v;
 }
 
