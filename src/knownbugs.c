@@ -1,7 +1,7 @@
 /* knownbugs.c - the known-bugs table (kbtable.c) applied to the running
- * torch: what can be decided at import is decided then, the rest (the cuDNN
- * version, whose read loads libcudnn_graph: about 51 MiB of RSS and 6 ms
- * measured on the CUDA build of torch 2.14.1) when CUDA starts, from the one
+ * torch: what can be decided at import is decided then, the rest (cuDNN's
+ * version where no wheel names it, a read that loads libcudnn_graph: 51 MiB
+ * of RSS and 6 ms measured on torch 2.14.1's CUDA build) when CUDA starts, from the one
  * lazy-init callback; a row that needs this process's contexts is decided
  * from NVML whenever status() or the exit summary asks. */
 #include "oc.h"
@@ -255,12 +255,7 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     int pending; /* something is left for CUDA's start */
     oc_kb_facts f;
     memset(&kb, 0, sizeof kb);
-    facts_init(&f);
-    torch_facts(torch, &f);
-    /* The cuDNN wheel's version needs no library loaded: with it, no row
-     * waits for CUDA's start to read the runtime's. */
-    kb.cudnn = dist_version(torch, "nvidia_cudnn_cu", f.cuda);
-    kb.nccl = f.nccl;
+    kb.cudnn = kb.nccl = -1;
     kb.decided = 1;
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
@@ -276,6 +271,12 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     }
     if (!cfg->known_bugs)
         return;
+    facts_init(&f);
+    torch_facts(torch, &f);
+    /* The cuDNN wheel's version needs no library loaded: with it, no row
+     * waits for CUDA's start to read the runtime's. */
+    kb.cudnn = dist_version(torch, "nvidia_cudnn_cu", f.cuda);
+    kb.nccl = f.nccl;
     /* Left for CUDA's start: reading cuDNN's version where no wheel names it
      * (+51 MiB of RSS), and the cuDNN-attention steer. */
     pending = decide_all(torch, n);
