@@ -53,7 +53,7 @@
 
 #define OC_ALLOC_CONF_MAX 1024
 #define OC_WARN_MAX 24
-#define OC_WARN_LEN 512
+#define OC_WARN_LEN 768 /* the known-bug id list (16 rows, about 630 characters) fits */
 
 /* OC_AMP_OFF: OUTOFCUDA_AMP_DTYPE set to an off word (torch's own dtype). */
 typedef enum { OC_AMP_OFF = -1, OC_AMP_AUTO = 0, OC_AMP_FLOAT16, OC_AMP_BFLOAT16 } oc_amp_dtype;
