@@ -14,179 +14,210 @@
 
 /* ---- the table (pure C) ---- */
 
+/* One row: id, title, torch, cuDNN, compute capability, unless_env,
+ * condition, action, needs, action_text, evidence, CUDA, fixed_in, fix,
+ * NCCL (oc.h's oc_known_bug, in that order). */
+/* clang-format off */
+#define OC_KB_ROW(...) {__VA_ARGS__, {0, 0}} /* any NCCL */
+#define OC_KB_ROW_NCCL(...) {__VA_ARGS__}
+/* clang-format on */
+#define OC_KB_NO_SDPA_TEXT                                                                         \
+    "cuDNN attention turned off (torch._C._set_sdp_use_cudnn(False), what "                        \
+    "enable_cudnn_sdp(False) does); sdpa_kernel() blocks still choose for themselves"
+#define OC_KB_NO_SDPA_FIX                                                                          \
+    "call torch.backends.cuda.enable_cudnn_sdp(False), or set TORCH_CUDNN_SDPA_DEPRIORITIZED=1"
+
 static const oc_known_bug table[] = {
-    {
-        "cudnn-sdpa-nan-grad-sm90",
-        "cuDNN attention backward gives NaN grad_q on sm90 (attn_mask, seq_len % 128 == 64, "
-        "a row's logsumexp below -88.7)",
-        /* 2.11 puts cuDNN first in the SDPA order on sm90/sm100 (regression
-         * since 2.11); 2.15 bundles cuDNN 9.26 and guards older cuDNN
-         * itself (pytorch PR 196861). */
-        {21100, 21500},
-        /* cuDNN goes first only above 9.15.0 (check_prefer_cudnn_attention);
-         * the backend fix is in 9.26 (cudnn-frontend PR 628). */
-        {91501, 92600},
-        /* The failing kernel is sm90's (..._sdpa_sm90_flash_bprop_wgmma_...);
-         * sm100 is not reported. */
-        {90, 100},
-        OC_VAR("TORCH_CUDNN_SDPA_DEPRIORITIZED"),
-        "cuDNN attention is torch's default SDPA backend there; the NaN needs an explicit "
-        "attn_mask in a backward pass",
-        OC_KB_SDPA_NO_CUDNN,
-        0,
-        "cuDNN attention turned off (torch._C._set_sdp_use_cudnn(False), what "
-        "enable_cudnn_sdp(False) does); sdpa_kernel() blocks still choose for themselves",
-        "https://github.com/pytorch/pytorch/issues/196678",
-        {0, 0},
-        "torch 2.15.0 (cuDNN 9.26)",
-        "call torch.backends.cuda.enable_cudnn_sdp(False), or set TORCH_CUDNN_SDPA_DEPRIORITIZED=1",
-    },
-    {
+    /* 2.11 puts cuDNN first in the SDPA order on sm90/sm100 above cuDNN 9.15.0
+     * (check_prefer_cudnn_attention); the backend fix is in 9.26
+     * (cudnn-frontend PR 628), which 2.15 bundles and guards (PR 196861). The
+     * failing kernel is sm90's; sm100 is not reported. */
+    OC_KB_ROW("cudnn-sdpa-nan-grad-sm90",
+              "cuDNN attention backward gives NaN grad_q on sm90 (attn_mask, seq_len % 128 == 64, "
+              "a row's logsumexp below -88.7)",
+              {21100, 21500}, {91501, 92600}, {90, 100}, OC_VAR("TORCH_CUDNN_SDPA_DEPRIORITIZED"),
+              "cuDNN attention is torch's default SDPA backend there; the NaN needs an explicit "
+              "attn_mask in a backward pass",
+              OC_KB_SDPA_NO_CUDNN, 0, OC_KB_NO_SDPA_TEXT,
+              "https://github.com/pytorch/pytorch/issues/196678", {0, 0},
+              "torch 2.15.0 (cuDNN 9.26)", OC_KB_NO_SDPA_FIX),
+    /* Reported on 2.9.1, verified fixed in 2.11.0; 2.9.0 introduced the
+     * name and 2.10 reads as 2.9 does (allocconf.c). */
+    OC_KB_ROW(
         "alloc-conf-generic-ignored",
-        "the CUDA allocator ignores PYTORCH_ALLOC_CONF (expandable_segments:True and every other "
-        "key set there do nothing; only PYTORCH_CUDA_ALLOC_CONF is read)",
-        /* Reported on 2.9.1, verified fixed in 2.11.0; 2.9.0 introduced the
-         * name and 2.10 reads as 2.9 does (allocconf.c). */
-        {20900, 21100},
-        {0, 0},
-        {0, 0},
-        NULL,
-        "PYTORCH_ALLOC_CONF is set and PYTORCH_CUDA_ALLOC_CONF is not",
-        OC_KB_ALLOC_GENERIC,
+        "the CUDA allocator ignores PYTORCH_ALLOC_CONF (expandable_segments:True and every "
+        "other key set there do nothing; only PYTORCH_CUDA_ALLOC_CONF is read)",
+        {20900, 21100}, {0, 0}, {0, 0}, NULL,
+        "PYTORCH_ALLOC_CONF is set and PYTORCH_CUDA_ALLOC_CONF is not", OC_KB_ALLOC_GENERIC,
         OC_KB_NEEDS_ALLOC_GENERIC,
-        "the user's PYTORCH_ALLOC_CONF keys are merged into outofcuda's allocator string, which "
-        "torch's runtime setter (or PYTORCH_CUDA_ALLOC_CONF while torch loads) hands to the CUDA "
-        "allocator",
-        "https://github.com/pytorch/pytorch/issues/183387",
-        {0, 0},
-        "torch 2.11.0",
-        "set PYTORCH_CUDA_ALLOC_CONF instead of PYTORCH_ALLOC_CONF, or upgrade to torch 2.11",
-    },
-    {
-        "torchrun-gpu0-context",
-        "a torchrun rank other than 0 holds a CUDA context (0.5 to 1 GiB) on a device that is "
-        "not LOCAL_RANK's, usually cuda:0, when it used CUDA before torch.cuda.set_device",
-        {0, 0},
-        {0, 0},
-        {0, 0},
-        NULL,
-        "LOCAL_RANK is set above 0 and NVML lists this process on another visible device",
-        OC_KB_REPORT,
-        OC_KB_NEEDS_FOREIGN_CTX,
-        "named in status(), `outofcuda doctor` and the exit summary; outofcuda itself touches "
-        "only LOCAL_RANK's device when CUDA starts",
-        "https://github.com/pytorch/pytorch/issues/135279",
-        {0, 0},
-        NULL,
-        "call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before the first CUDA use, or "
-        "pass device_id to init_process_group",
-    },
-    {
-        "cudnn-sublibrary-mismatch",
-        "the cuDNN 9.20 wheel of CUDA 13 builds lacks libcudnn_engines_tensor_ir: with another "
-        "cuDNN 9 on the loader path the first convolution fails (status "
-        "CUDNN_STATUS_SUBLIBRARY_VERSION_MISMATCH)",
-        /* torch 2.12.1+cu130 pins nvidia-cudnn-cu13 9.20.0.48 (reported);
-         * the sub-library ships from cuDNN 9.23 on. */
-        {0, 0},
-        {92000, 92300},
-        {0, 0},
-        NULL,
-        "another cuDNN 9 (a system install, LD_LIBRARY_PATH) is on the loader path",
-        OC_KB_REPORT,
-        0,
-        "named in `outofcuda doctor` and the exit summary",
-        "https://github.com/pytorch/pytorch/issues/188892",
-        {1300, 1400},
-        "cuDNN 9.23 (nvidia-cudnn-cu13 9.23 or newer)",
-        "take the other cuDNN off the loader path (LD_LIBRARY_PATH, ldconfig), or install "
-        "nvidia-cudnn-cu13 9.23 or newer into the environment",
-    },
-    {
-        "fsdp2-bf16-premul-sum",
-        "NCCL PREMUL_SUM over bfloat16 reads the factor as zero for powers of two: FSDP2 with a "
-        "custom gradient_divide_factor (2, 4, 8, ...) and bf16 reduce_dtype gives zero gradients",
-        /* FSDPModule's divide-factor setter arrived in 2.5; fixed on main by
-         * pytorch PR 190747 (2026-07), no release confirmed: no upper bound. */
-        {20500, 0},
-        {0, 0},
-        {0, 0},
-        NULL,
-        "FSDP2 (fully_shard) with set_gradient_divide_factor/set_reduce_scatter_divide_factor of a "
-        "power of two and a bfloat16 reduce_dtype, over NCCL",
-        OC_KB_REPORT,
-        0,
-        "named in `outofcuda doctor`",
-        "https://github.com/pytorch/pytorch/issues/190745",
-        {0, 0},
-        NULL,
-        "use a reduce_dtype of float32 in MixedPrecisionPolicy, or a divide factor that is not a "
-        "power of two; fixed upstream by pytorch PR 190747",
-    },
-    {
-        "avg-pool2d-channels-last-grad",
-        "avg_pool2d backward on CUDA gives wrong input gradients for channels_last inputs with "
-        "padding > 0 (silently)",
-        /* Fixed on main by pytorch PR 188345 (2026-07); the first release
-         * holding it is not confirmed, so no upper bound. */
-        {0, 0},
-        {0, 0},
-        {0, 0},
-        NULL,
-        "a channels_last input (compile_model converts 4-D models) to AvgPool2d with padding > 0, "
-        "in training",
-        OC_KB_REPORT,
-        0,
-        "named in `outofcuda doctor`",
-        "https://github.com/pytorch/pytorch/issues/188344",
-        {0, 0},
-        NULL,
-        "OUTOFCUDA_CHANNELS_LAST=0 (or compile_model(channels_last=False)) for models with padded "
-        "AvgPool2d; fixed upstream by pytorch PR 188345",
-    },
-    {
-        "tf32-mixed-api",
-        "after only the new TF32 API (torch.backends.cuda.matmul.fp32_precision) is set, a read "
-        "of the legacy one (allow_tf32, get_float32_matmul_precision) raises \"mix of the legacy "
-        "and new APIs\"",
-        /* 2.9 added the fp32_precision API (pytorch PR 125888). */
-        {20900, 0},
-        {0, 0},
-        {0, 0},
-        NULL,
-        "a program, or a library it uses, sets only the new API and something reads the legacy "
-        "one (Inductor's cache key, transformers)",
-        OC_KB_TF32_LEGACY,
-        0,
-        "outofcuda sets TF32 only through torch._C._set_cublas_allow_tf32, which writes the "
-        "legacy and the new state alike, and leaves TF32 alone where the program chose a "
-        "precision: nothing it sets makes a later read of either API raise",
-        "https://github.com/pytorch/pytorch/issues/179445",
-        {0, 0},
-        NULL,
-        "set TF32 through one API only: torch.set_float32_matmul_precision or allow_tf32 (both "
-        "keep the states in sync), or the new fp32_precision attributes everywhere",
-    },
-    {
-        "cudnn-sdpa-nan-dkdv-sq1",
-        "cuDNN attention backward gives NaN dK/dV on H200 for a single query row (Sq=1) with a "
-        "strongly negative logsumexp",
-        /* cuDNN is torch's first SDPA backend on sm90 from 2.11. */
-        {21100, 0},
-        /* Reported with 9.25.1 and 9.26.0.51; open, no fixed cuDNN. */
-        {92501, 92700},
-        {90, 100},
-        OC_VAR("TORCH_CUDNN_SDPA_DEPRIORITIZED"),
-        "a backward pass with one query row (decoding-style training shapes), no mask needed",
-        OC_KB_REPORT,
-        0,
-        "named in `outofcuda doctor` and the exit summary (outofcuda does not turn cuDNN "
-        "attention off for it: the shape is rare and no fixed version bounds it)",
-        "https://github.com/NVIDIA/cudnn-frontend/issues/1072",
-        {0, 0},
-        NULL,
-        "call torch.backends.cuda.enable_cudnn_sdp(False), or set TORCH_CUDNN_SDPA_DEPRIORITIZED=1",
-    },
+        "the user's PYTORCH_ALLOC_CONF keys are merged into outofcuda's allocator string, "
+        "which torch's runtime setter (or PYTORCH_CUDA_ALLOC_CONF while torch loads) hands "
+        "to the CUDA allocator",
+        "https://github.com/pytorch/pytorch/issues/183387", {0, 0}, "torch 2.11.0",
+        "set PYTORCH_CUDA_ALLOC_CONF instead of PYTORCH_ALLOC_CONF, or upgrade to torch 2.11"),
+    OC_KB_ROW("torchrun-gpu0-context",
+              "a torchrun rank other than 0 holds a CUDA context (0.5 to 1 GiB) on a device that "
+              "is not LOCAL_RANK's, usually cuda:0, when it used CUDA before "
+              "torch.cuda.set_device",
+              {0, 0}, {0, 0}, {0, 0}, NULL,
+              "LOCAL_RANK is set above 0 and NVML lists this process on another visible device",
+              OC_KB_REPORT, OC_KB_NEEDS_FOREIGN_CTX,
+              "named in status(), `outofcuda doctor` and the exit summary; outofcuda itself "
+              "touches only LOCAL_RANK's device when CUDA starts",
+              "https://github.com/pytorch/pytorch/issues/135279", {0, 0}, NULL,
+              "call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before the first CUDA "
+              "use, or pass device_id to init_process_group"),
+    /* torch 2.12.1+cu130 pins nvidia-cudnn-cu13 9.20.0.48 (reported); the
+     * sub-library ships from cuDNN 9.23 on. */
+    OC_KB_ROW("cudnn-sublibrary-mismatch",
+              "the cuDNN 9.20 wheel of CUDA 13 builds lacks libcudnn_engines_tensor_ir: with "
+              "another cuDNN 9 on the loader path the first convolution fails (status "
+              "CUDNN_STATUS_SUBLIBRARY_VERSION_MISMATCH)",
+              {0, 0}, {92000, 92300}, {0, 0}, NULL,
+              "another cuDNN 9 (a system install, LD_LIBRARY_PATH) is on the loader path",
+              OC_KB_REPORT, OC_KB_NEEDS_OTHER_CUDNN,
+              "named in `outofcuda doctor` and the exit summary",
+              "https://github.com/pytorch/pytorch/issues/188892", {1300, 1400},
+              "cuDNN 9.23 (nvidia-cudnn-cu13 9.23 or newer)",
+              "take the other cuDNN off the loader path (LD_LIBRARY_PATH, ldconfig), or install "
+              "nvidia-cudnn-cu13 9.23 or newer into the environment"),
+    /* FSDPModule's divide-factor setter arrived in 2.5; fixed on main by
+     * pytorch PR 190747 (2026-07), no release confirmed: no upper bound. */
+    OC_KB_ROW("fsdp2-bf16-premul-sum",
+              "NCCL PREMUL_SUM over bfloat16 reads the factor as zero for powers of two: FSDP2 "
+              "with a custom gradient_divide_factor (2, 4, 8, ...) and bf16 reduce_dtype gives "
+              "zero gradients",
+              {20500, 0}, {0, 0}, {0, 0}, NULL,
+              "FSDP2 (fully_shard) with set_gradient_divide_factor/"
+              "set_reduce_scatter_divide_factor of a power of two and a bfloat16 reduce_dtype, "
+              "over NCCL",
+              OC_KB_REPORT, 0, "named in `outofcuda doctor`",
+              "https://github.com/pytorch/pytorch/issues/190745", {0, 0}, NULL,
+              "use a reduce_dtype of float32 in MixedPrecisionPolicy, or a divide factor that is "
+              "not a power of two; fixed upstream by pytorch PR 190747"),
+    /* Fixed on main by pytorch PR 188345 (2026-07); the first release
+     * holding it is not confirmed, so no upper bound. */
+    OC_KB_ROW("avg-pool2d-channels-last-grad",
+              "avg_pool2d backward on CUDA gives wrong input gradients for channels_last inputs "
+              "with padding > 0 (silently)",
+              {0, 0}, {0, 0}, {0, 0}, NULL,
+              "a channels_last input (compile_model converts 4-D models) to AvgPool2d with "
+              "padding > 0, in training",
+              OC_KB_REPORT, 0, "named in `outofcuda doctor`",
+              "https://github.com/pytorch/pytorch/issues/188344", {0, 0}, NULL,
+              "OUTOFCUDA_CHANNELS_LAST=0 (or compile_model(channels_last=False)) for models with "
+              "padded AvgPool2d; fixed upstream by pytorch PR 188345"),
+    /* 2.9 added the fp32_precision API (pytorch PR 125888). */
+    OC_KB_ROW("tf32-mixed-api",
+              "after only the new TF32 API (torch.backends.cuda.matmul.fp32_precision) is set, a "
+              "read of the legacy one (allow_tf32, get_float32_matmul_precision) raises \"mix of "
+              "the legacy and new APIs\"",
+              {20900, 0}, {0, 0}, {0, 0}, NULL,
+              "a program, or a library it uses, sets only the new API and something reads the "
+              "legacy one (Inductor's cache key, transformers)",
+              OC_KB_TF32_LEGACY, 0,
+              "outofcuda sets TF32 only through torch._C._set_cublas_allow_tf32, which writes the "
+              "legacy and the new state alike, and leaves TF32 alone where the program chose a "
+              "precision: nothing it sets makes a later read of either API raise",
+              "https://github.com/pytorch/pytorch/issues/179445", {0, 0}, NULL,
+              "set TF32 through one API only: torch.set_float32_matmul_precision or allow_tf32 "
+              "(both keep the states in sync), or the new fp32_precision attributes everywhere"),
+    /* cuDNN is torch's first SDPA backend on sm90 from 2.11; reported with
+     * 9.25.1 and 9.26.0.51, open, no fixed cuDNN. */
+    OC_KB_ROW("cudnn-sdpa-nan-dkdv-sq1",
+              "cuDNN attention backward gives NaN dK/dV on H200 for a single query row (Sq=1) "
+              "with a strongly negative logsumexp",
+              {21100, 0}, {92501, 92700}, {90, 100}, OC_VAR("TORCH_CUDNN_SDPA_DEPRIORITIZED"),
+              "a backward pass with one query row (decoding-style training shapes), no mask "
+              "needed",
+              OC_KB_REPORT, 0,
+              "named in `outofcuda doctor` and the exit summary (outofcuda does not turn cuDNN "
+              "attention off for it: the shape is rare and no fixed version bounds it)",
+              "https://github.com/NVIDIA/cudnn-frontend/issues/1072", {0, 0}, NULL,
+              OC_KB_NO_SDPA_FIX),
+    /* Confirmed on 2.11.0+cu128 (cuDNN 9.19) and 2.13.0+cu130 (9.20), open. */
+    OC_KB_ROW("cudnn-sdpa-gqa-sm100",
+              "cuDNN attention silently corrupts greedy generation on B200 (sm_100) for models "
+              "with fewer than 8 KV heads",
+              {21100, 0}, {0, 0}, {100, 101}, OC_VAR("TORCH_CUDNN_SDPA_DEPRIORITIZED"),
+              "cuDNN attention is torch's default SDPA backend there; seen with Qwen2 models (2 "
+              "and 4 KV heads, head_dim 128)",
+              OC_KB_SDPA_NO_CUDNN, 0, OC_KB_NO_SDPA_TEXT,
+              "https://github.com/pytorch/pytorch/issues/193893", {0, 0}, NULL, OC_KB_NO_SDPA_FIX),
+    /* 2.9 made cuDNN attention the default on sm90 and sm100 (PR 162073);
+     * 2.10 turns it off by default below CUDA 12.9 (PR 171627, cherry-picked
+     * in PR 171895): the steer is torch's own later fix. */
+    OC_KB_ROW("cudnn-sdpa-ima-cuda-below-12.9",
+              "cuDNN attention reads out of bounds (illegal memory access) on torch 2.9 builds "
+              "for CUDA below 12.9",
+              {20900, 21000}, {0, 0}, {90, 101}, NULL,
+              "cuDNN attention is torch 2.9's default SDPA backend there", OC_KB_SDPA_NO_CUDNN, 0,
+              OC_KB_NO_SDPA_TEXT, "https://github.com/pytorch/pytorch/issues/169849", {1200, 1209},
+              "torch 2.10.0", OC_KB_NO_SDPA_FIX),
+    /* NCCL 2.29.3's notes: "Fixed CAS usage in case of weak failure which
+     * was causing a hang on ARM"; torch moved to it in PR 174338 (2.12). */
+    OC_KB_ROW_NCCL(
+        "nccl-aarch64-hang",
+        "NCCL before 2.29.3 loses proxy-op slots on aarch64 (GH200, GB200): collectives "
+        "hang with no error and no timeout",
+        {0, 0}, {0, 0}, {0, 0}, NULL, "collectives over NCCL on an aarch64 machine", OC_KB_REPORT,
+        OC_KB_NEEDS_AARCH64, "named in `outofcuda doctor` and the exit summary",
+        "https://github.com/pytorch/pytorch/pull/174338", {0, 0}, "NCCL 2.29.3 (torch 2.12)",
+        "pip install 'nvidia-nccl-cu12>=2.29.3' (nvidia-nccl-cu13 for CUDA 13 builds): torch "
+        "loads it in place of the pinned one",
+        {0, 22903}),
+    /* cuDNN 9.11.0's release notes drop compute capability below 7.5. */
+    OC_KB_ROW("cudnn-pre-turing",
+              "cuDNN 9.11 and newer have no kernels for GPUs below compute capability 7.5 (V100, "
+              "Pascal): cuDNN convolutions fail with unclear errors",
+              {0, 0}, {91100, 0}, {30, 75}, NULL,
+              "a cuDNN operation (convolution, cuDNN attention)", OC_KB_REPORT, 0,
+              "named in `outofcuda doctor` and the exit summary",
+              "https://github.com/pytorch/pytorch/issues/162574", {0, 0}, NULL,
+              "pip install 'nvidia-cudnn-cu12<9.11' (or a torch wheel that bundles cuDNN 9.10), or "
+              "torch.backends.cudnn.enabled = False"),
+    /* Wrong results from cuDNN 9.10.2 (163539); 2.9.0 then avoids cuDNN for
+     * it at about 3x memory, 2.9.1 only below cuDNN 9.15 (166643). */
+    OC_KB_ROW("conv3d-half-cudnn",
+              "conv3d in fp16/bf16 with cuDNN 9.10.2 to 9.14: wrong results on large inputs "
+              "(torch 2.8), or torch's fallback at about 3x the memory (2.9 on)",
+              {0, 0}, {91002, 91500}, {0, 0}, NULL, "Conv3d in float16 or bfloat16", OC_KB_REPORT,
+              0, "named in `outofcuda doctor` and the exit summary",
+              "https://github.com/pytorch/pytorch/issues/163539", {0, 0}, "cuDNN 9.15",
+              "pip install 'nvidia-cudnn-cu12>=9.15' (torch 2.9.1 and newer use cuDNN for it "
+              "again)"),
+    /* cudnn-frontend PR 414: only 9.24 has the split-KV kernel; 9.25.0 fixes it. */
+    OC_KB_ROW("cudnn-fp8-sdpa-zeros",
+              "cuDNN 9.24 FP8 attention forward on Blackwell returns zeros in a BF16 output "
+              "(split-KV kernel)",
+              {0, 0}, {92400, 92500}, {100, 110}, NULL,
+              "FP8/MXFP8 attention through cuDNN with a bfloat16 output, s_q > 1, s_kv >= 4096, "
+              "no causal band",
+              OC_KB_REPORT, 0, "named in `outofcuda doctor` and the exit summary",
+              "https://github.com/NVIDIA/cudnn-frontend/pull/414", {0, 0}, "cuDNN 9.25.0",
+              "pip install 'nvidia-cudnn-cu13>=9.25'"),
+    /* Reported 14.5 GB compiled against 11 on 2.9.1; the reporter found
+     * 2.12 fixed. */
+    OC_KB_ROW("compile-vram-2.10",
+              "torch.compile uses about 30% more GPU memory on 2.10 and 2.11 than on 2.9.1",
+              {21000, 21200}, {0, 0}, {0, 0}, NULL, "a model run through torch.compile",
+              OC_KB_REPORT, 0, "named in `outofcuda doctor`",
+              "https://github.com/pytorch/pytorch/issues/175058", {0, 0}, "torch 2.12",
+              "upgrade to torch 2.12"),
+    /* After PR 179618 (2.13) the same expandable segment is shared under
+     * different handles, and 2.13's handles cannot be read by 2.11. */
+    OC_KB_ROW("expandable-ipc-2.13",
+              "CUDA IPC of expandable segments (outofcuda's default) gives a new handle for the "
+              "same segment each time, which torch 2.11 and older cannot read",
+              {21300, 0}, {0, 0}, {0, 0}, NULL,
+              "CUDA tensors shared between processes (torch.multiprocessing, weight refit to an "
+              "inference process)",
+              OC_KB_REPORT, 0,
+              "named in `outofcuda doctor`: which tensors a process will share cannot be seen "
+              "when outofcuda sets the allocator, at import",
+              "https://github.com/pytorch/pytorch/issues/198305", {0, 0}, NULL,
+              "OUTOFCUDA_ALLOC_CONF=garbage_collection_threshold:0.8 (expandable segments off) in "
+              "processes that share CUDA tensors"),
 };
 
 size_t oc_known_bug_count(void)
@@ -369,6 +400,19 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
             SAY("not affected: cuDNN %ld is outside the affected versions", f->cudnn);
         return OC_KB_NO;
     }
+    if (!oc_range_any(b->nccl) && f->nccl >= 0 && !oc_range_has(b->nccl, f->nccl)) {
+        SAY("not affected: %s",
+            f->nccl ? "NCCL's version is outside the affected ones" : "torch loads no NCCL");
+        return OC_KB_NO;
+    }
+    if ((b->needs & OC_KB_NEEDS_AARCH64) && !f->aarch64) {
+        SAY("not affected: not an aarch64 machine");
+        return OC_KB_NO;
+    }
+    if ((b->needs & OC_KB_NEEDS_OTHER_CUDNN) && f->other_cudnn == 0) {
+        SAY("not affected: no cuDNN 9 besides the wheel's on the loader path");
+        return OC_KB_NO;
+    }
     SAY("undecided:");
     if (f->torch <= 0) {
         add_why(why, whysz, " torch's version unknown;", 0, 0);
@@ -395,6 +439,14 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
         add_why(why, whysz, " cuDNN's version is read when CUDA starts;", 0, 0);
         unknown = 1;
     }
+    if (!oc_range_any(b->nccl) && f->nccl < 0) {
+        add_why(why, whysz, " NCCL's version unread;", 0, 0);
+        unknown = 1;
+    }
+    if ((b->needs & OC_KB_NEEDS_OTHER_CUDNN) && f->other_cudnn < 0) {
+        add_why(why, whysz, " the loader path not searched for another cuDNN;", 0, 0);
+        unknown = 1;
+    }
     if (unknown) {
         size_t n = why ? strlen(why) : 0;
         if (n > 0 && why[n - 1] == ';')
@@ -413,6 +465,12 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
     }
     if (b->needs & OC_KB_NEEDS_ALLOC_GENERIC)
         add_why(why, whysz, ", PYTORCH_ALLOC_CONF set without PYTORCH_CUDA_ALLOC_CONF", 0, 0);
+    if (!oc_range_any(b->nccl))
+        add_why(why, whysz, ", NCCL %ld", f->nccl, 0);
+    if (b->needs & OC_KB_NEEDS_OTHER_CUDNN)
+        add_why(why, whysz, ", another cuDNN 9 on the loader path", 0, 0);
+    if (b->needs & OC_KB_NEEDS_AARCH64)
+        add_why(why, whysz, ", aarch64", 0, 0);
     if (b->needs & OC_KB_NEEDS_FOREIGN_CTX)
         add_why(why, whysz, ", NVML lists this process on cuda:%ld, not LOCAL_RANK %ld's",
                 f->foreign_dev, f->local_rank);

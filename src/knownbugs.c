@@ -1,11 +1,12 @@
 /* knownbugs.c - the known-bugs table (kbtable.c) applied to the running
- * torch: what can be decided at import is decided then, the rest (the cuDNN
- * version, whose read loads libcudnn_graph: about 51 MiB of RSS and 6 ms
- * measured on the CUDA build of torch 2.14.1) when CUDA starts, from the one
+ * torch: what can be decided at import is decided then, the rest (cuDNN's
+ * version where no wheel names it, a read that loads libcudnn_graph: 51 MiB
+ * of RSS and 6 ms measured on torch 2.14.1's CUDA build) when CUDA starts, from the one
  * lazy-init callback; a row that needs this process's contexts is decided
  * from NVML whenever status() or the exit summary asks. */
 #include "oc.h"
 
+#include <glob.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +21,7 @@ typedef struct {
     int done[OC_KB_MAX_ENTRIES];  /* the action was taken */
     char reason[OC_KB_MAX_ENTRIES][400];
     long cudnn; /* -1 until read */
+    long nccl;  /* -1 until read */
 } kb_rows;
 static kb_rows kb;
 
@@ -44,9 +46,55 @@ static void facts_init(oc_kb_facts *f)
 {
     memset(f, 0, sizeof *f);
     f->n_cc = -1;
-    f->cudnn = -1;
+    f->cudnn = f->nccl = -1;
     f->local_rank = -1;
     f->foreign_dev = -2;
+#ifdef __aarch64__
+    f->aarch64 = 1;
+#endif
+}
+
+/* The version of the distribution beside torch (name + CUDA's major, as
+ * nvidia_cudnn_cu13) from its .dist-info folder's name, numbered as torch
+ * numbers cuDNN (below 9: major*1000) and NCCL: major*10000+minor*100+patch;
+ * -1 when none is there. Lists one folder, loads no library. */
+static long dist_version(PyObject *torch, const char *name, long cuda)
+{
+    char dir[2048], pattern[2200], *slash;
+    PyObject *file = torch ? PyObject_GetAttrString(torch, "__file__") : NULL;
+    const char *path = file && PyUnicode_Check(file) ? oc_utf8(file, dir, sizeof dir) : NULL;
+    glob_t g;
+    long a = 0, b = 0, c = 0, v = -1;
+    Py_XDECREF(file);
+    OC_CLEAR();
+    for (int up = 0; path == dir && up < 2 && (slash = strrchr(dir, '/')) != NULL; up++)
+        *slash = '\0';
+    if (path != dir || cuda <= 0)
+        return -1;
+    snprintf(pattern, sizeof pattern, "%s/%s%ld-*.dist-info", dir, name, cuda / 100);
+    if (glob(pattern, 0, NULL, &g) == 0) {
+        if (sscanf(strchr(strrchr(g.gl_pathv[0], '/'), '-'), "-%ld.%ld.%ld", &a, &b, &c) >= 2)
+            v = a * (a < 9 && name[7] == 'c' ? 1000 : 10000) + b * 100 + c;
+        globfree(&g);
+    }
+    return v;
+}
+
+/* 1 when a libcudnn.so.9 lies in a folder of ld_path or of the system's
+ * usual ones other than a cuDNN wheel's (.../nvidia/cudnn/lib), else 0. */
+static int other_cudnn(const char *ld_path)
+{
+    char list[2048], path[2100], *save = NULL;
+    snprintf(
+        list, sizeof list,
+        "%s:/usr/lib/x86_64-linux-gnu:/usr/lib/aarch64-linux-gnu:/usr/lib64:/usr/local/cuda/lib64",
+        ld_path ? ld_path : "");
+    for (char *d = strtok_r(list, ":", &save); d != NULL; d = strtok_r(NULL, ":", &save)) {
+        snprintf(path, sizeof path, "%s/libcudnn.so.9", d);
+        if (strstr(d, "nvidia/cudnn") == NULL && access(path, F_OK) == 0)
+            return 1;
+    }
+    return 0;
 }
 
 /* torch's version and build, read from the module (never imports). */
@@ -63,6 +111,8 @@ static void torch_facts(PyObject *torch, oc_kb_facts *f)
     Py_XDECREF(cuda);
     OC_CLEAR();
     f->local_rank = oc_env_rank("LOCAL_RANK");
+    f->nccl = dist_version(torch, "nvidia_nccl_cu", f->cuda);
+    f->other_cudnn = other_cudnn(oc_env("LD_LIBRARY_PATH"));
 }
 
 /* A device NVML lists this process on that is not LOCAL_RANK's (what
@@ -133,8 +183,8 @@ static void device_facts(oc_kb_facts *f)
  * CPU-only build, or a torch outside every entry's releases, never loads
  * the driver's library at `import torch`. A row turned off is decided too,
  * for the facts alone (its verdict is not kept): which facts are read never
- * depends on which rows are on. Returns 1 when a steer's row still waits for
- * cuDNN's version (read when CUDA starts). */
+ * depends on which rows are on. Returns 1 when a row still waits for cuDNN's
+ * version (read when CUDA starts). */
 static int decide_all(PyObject *torch, size_t n)
 {
     oc_kb_facts f;
@@ -142,6 +192,7 @@ static int decide_all(PyObject *torch, size_t n)
     facts_init(&f);
     torch_facts(torch, &f);
     f.cudnn = kb.cudnn;
+    f.nccl = kb.nccl;
     f.getenv_fn = proc_getenv;
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1) {
@@ -158,9 +209,10 @@ static int decide_all(PyObject *torch, size_t n)
                                         sizeof kb.reason[i]);
             if (!row_off(i))
                 kb.state[i] = s;
-            need_devices |= s == OC_KB_UNDECIDED && !oc_range_any(b->cc);
-            need_cudnn |=
-                s == OC_KB_UNDECIDED && !oc_range_any(b->cudnn) && b->action != OC_KB_REPORT;
+            /* A named row still waiting for cuDNN asks NVML when CUDA starts. */
+            need_devices |= s == OC_KB_UNDECIDED && !oc_range_any(b->cc) &&
+                            (b->action != OC_KB_REPORT || oc_range_any(b->cudnn) || f.cudnn >= 0);
+            need_cudnn |= s == OC_KB_UNDECIDED && !oc_range_any(b->cudnn);
         }
     }
     return need_cudnn;
@@ -201,8 +253,9 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     const oc_config *cfg = oc_config_get();
     size_t n = oc_known_bug_count();
     int pending; /* something is left for CUDA's start */
+    oc_kb_facts f;
     memset(&kb, 0, sizeof kb);
-    kb.cudnn = -1;
+    kb.cudnn = kb.nccl = -1;
     kb.decided = 1;
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
@@ -218,22 +271,26 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     }
     if (!cfg->known_bugs)
         return;
-    /* Only cuDNN's version is read at CUDA's start, and only for a steer: a
-     * row that is only named would load cuDNN (+51 MiB of RSS) for nothing. */
+    facts_init(&f);
+    torch_facts(torch, &f);
+    /* The cuDNN wheel's version needs no library loaded: with it, no row
+     * waits for CUDA's start to read the runtime's. */
+    kb.cudnn = dist_version(torch, "nvidia_cudnn_cu", f.cuda);
+    kb.nccl = f.nccl;
+    /* Left for CUDA's start: reading cuDNN's version where no wheel names it
+     * (+51 MiB of RSS), and the cuDNN-attention steer. */
     pending = decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {
         if (kb.state[i] == OC_KB_YES)
             act_at_import(oc_known_bug_at(i), i);
+        pending |= kb.state[i] == OC_KB_YES && oc_known_bug_at(i)->action == OC_KB_SDPA_NO_CUDNN;
     }
     for (size_t i = 0; i < n; i++) {
         size_t len = strlen(kb.reason[i]);
         if (!waits_for_cudnn(i))
             continue;
-        if (pending && no_queue != NULL) /* nothing will run when CUDA starts */
+        if (no_queue != NULL) /* nothing will run when CUDA starts */
             snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, " (never: %s)", no_queue);
-        else if (!pending)
-            snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
-                     " (only where a guard needs it; `outofcuda doctor` reads it)");
     }
     if (no_queue != NULL)
         pending = 0;
@@ -344,7 +401,6 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
 
 void oc_known_bugs_at_cuda_init(PyObject *torch)
 {
-    int undecided[OC_KB_MAX_ENTRIES];
     size_t n = oc_known_bug_count();
     /* The rows as they were: a run that is interrupted puts them back, so
      * that its next run (when torch runs its queue again) decides and acts
@@ -355,12 +411,11 @@ void oc_known_bugs_at_cuda_init(PyObject *torch)
     kept = kb;
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
-    kb.cudnn = read_cudnn_version(torch);
-    for (size_t i = 0; i < n; i++)
-        undecided[i] = kb.state[i] == OC_KB_UNDECIDED;
+    if (kb.cudnn < 0)
+        kb.cudnn = read_cudnn_version(torch);
     decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {
-        if (undecided[i] && kb.state[i] == OC_KB_YES)
+        if (kb.state[i] == OC_KB_YES && !kb.done[i])
             kb.done[i] = act(torch, oc_known_bug_at(i), i);
     }
     OC_CLEAR();
@@ -521,7 +576,7 @@ static const char *mapping_getenv(const char *name, void *ctx)
 static PyObject *py_known_bugs_check(PyObject *self, PyObject *args)
 {
     const char *tver, *lr;
-    PyObject *cuda, *cudnn, *ccs, *env, *list;
+    PyObject *cuda, *cudnn, *ccs, *env, *list, *torch;
     oc_kb_facts f;
     (void)self;
     if (!PyArg_ParseTuple(args, "zOOOO", &tver, &cuda, &cudnn, &ccs, &env))
@@ -551,6 +606,10 @@ static PyObject *py_known_bugs_check(PyObject *self, PyObject *args)
         return NULL;
     f.getenv_fn = mapping_getenv;
     f.ctx = env;
+    f.other_cudnn = other_cudnn(mapping_getenv(OC_VAR("LD_LIBRARY_PATH"), env));
+    torch = oc_sys_module("torch");
+    f.nccl = dist_version(torch, "nvidia_nccl_cu", f.cuda);
+    Py_XDECREF(torch);
     lr = mapping_getenv(OC_VAR("LOCAL_RANK"), env);
     if (lr != NULL) {
         char *end;

@@ -53,7 +53,7 @@
 
 #define OC_ALLOC_CONF_MAX 1024
 #define OC_WARN_MAX 24
-#define OC_WARN_LEN 512
+#define OC_WARN_LEN 768 /* the known-bug id list (16 rows, about 630 characters) fits */
 
 /* OC_AMP_OFF: OUTOFCUDA_AMP_DTYPE set to an off word (torch's own dtype). */
 typedef enum { OC_AMP_OFF = -1, OC_AMP_AUTO = 0, OC_AMP_FLOAT16, OC_AMP_BFLOAT16 } oc_amp_dtype;
@@ -296,6 +296,8 @@ typedef enum {
 /* Facts a row needs beside torch's version and build. */
 #define OC_KB_NEEDS_ALLOC_GENERIC 1u /* PYTORCH_ALLOC_CONF set, PYTORCH_CUDA_ALLOC_CONF not */
 #define OC_KB_NEEDS_FOREIGN_CTX 2u   /* NVML lists this process on another rank's device */
+#define OC_KB_NEEDS_OTHER_CUDNN 4u   /* a cuDNN 9 besides the wheel's on the loader path */
+#define OC_KB_NEEDS_AARCH64 8u       /* an aarch64 machine */
 
 typedef struct {
     const char *id;
@@ -312,6 +314,7 @@ typedef struct {
     oc_range cuda;        /* torch.version.cuda as major*100+minor; {0, 0}: any */
     const char *fixed_in; /* the first torch/cuDNN release with the fix, or NULL (none yet) */
     const char *fix;      /* what the user can do, in words */
+    oc_range nccl;        /* NCCL as major*10000+minor*100+patch; {0, 0}: any */
 } oc_known_bug;
 
 size_t oc_known_bug_count(void);
@@ -325,12 +328,12 @@ int oc_known_bug_index(const char *id, size_t len);
 int oc_known_bugs_parse_off(const char *value, unsigned long *off, char *unknown, size_t sz);
 
 #define OC_KB_MAX_DEVICES 64
-#define OC_KB_MAX_ENTRIES 16
+#define OC_KB_MAX_ENTRIES 24
 /* What outofcuda knows of the stack; unknown facts are negative. */
 typedef struct {
     long torch;     /* oc_torch_version_number; 0 unknown */
     int cuda_build; /* 1, 0, -1 unknown */
-    long cudnn;     /* runtime cuDNN; 0 none; -1 not read (yet) */
+    long cudnn;     /* cuDNN (runtime, else the wheel's); 0 none; -1 not read (yet) */
     int n_cc;       /* visible GPUs' compute capabilities in cc; -1 unknown */
     int cc[OC_KB_MAX_DEVICES];
     oc_getenv_fn getenv_fn; /* NULL: no variable is set */
@@ -339,6 +342,9 @@ typedef struct {
     long local_rank; /* LOCAL_RANK; -1 unset */
     int foreign_dev; /* a device NVML lists this process on that is not LOCAL_RANK's;
                         -1 none, -2 not read */
+    long nccl;       /* the NCCL torch loads; 0 none; -1 not read */
+    int other_cudnn; /* a cuDNN 9 besides the wheel's on the loader path: 1, 0, -1 unknown */
+    int aarch64;     /* 1 on an aarch64 machine */
 } oc_kb_facts;
 
 /* The device index NVML lists this process on that is not LOCAL_RANK's:

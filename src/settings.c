@@ -92,6 +92,8 @@ static const oc_setting settings[] = {
      "1: torch keeps cuDNN attention last (known bugs)", OC_NO_FIELD, 0, 0, NULL, NULL},
     {"LD_PRELOAD", OC_SET_FOREIGN, NULL, "torch_memory_saver's hook library (frameworks)",
      OC_NO_FIELD, 0, 0, NULL, NULL},
+    {"LD_LIBRARY_PATH", OC_SET_FOREIGN, NULL, "searched for another cuDNN 9 (known bugs)",
+     OC_NO_FIELD, 0, 0, NULL, NULL},
 };
 
 size_t oc_setting_count(void)

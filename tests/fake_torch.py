@@ -84,7 +84,7 @@ def _release(name, c, keys, env, warns=frozenset()):
     modern = rec["autocast_getter"] == "get_autocast_dtype"
     return dict(c=BASE_C | c | set(rec["allocator"]), keys=keys, autocast_new=modern,
                 annotated_version=modern, warns=set(warns), env=env, cudnn=rec["cudnn"],
-                fsdp=rec["fsdp"], autocast_getter=rec["autocast_getter"])
+                fsdp=rec["fsdp"], autocast_getter=rec["autocast_getter"], nccl=rec["nccl"])
 
 
 SDPA_CUDNN = {"_set_sdp_use_cudnn"}
@@ -411,13 +411,16 @@ _FSDP_DIVIDE = '''
 
 
 def make_fake_torch(root: Path, release: str, cuda: bool = True, cudnn=None,
-                    version: str = None, cuda_version: str = "12.1") -> Path:
+                    version: str = None, cuda_version: str = "12.1", wheels: bool = False,
+                    nccl: str = None) -> Path:
     """Writes a fake torch `release` under root and returns the directory to
     put first on PYTHONPATH. cudnn: the version torch.backends.cudnn.version()
     reports (default: the release's). version: the __version__ it reports
     (default: release), for a release between two of RELEASES that behaves as
     `release` does (a range's edge); cuda_version: torch.version.cuda of a
-    CUDA build."""
+    CUDA build; wheels: the nvidia-cudnn and nvidia-nccl distributions' folders
+    beside torch, as pip installs the CUDA wheel's dependencies (cuDNN's
+    version as torch reports it, NCCL's the record's or nccl)."""
     spec = RELEASES[release]
     version = version or release
     cudnn = (cudnn if cudnn is not None else spec["cudnn"]) if cuda else None
@@ -445,6 +448,14 @@ def make_fake_torch(root: Path, release: str, cuda: bool = True, cudnn=None,
         (pkg / "distributed" / "__init__.py").write_text("")
         (pkg / "distributed" / "fsdp" / "__init__.py").write_text(
             _FSDP + (_FSDP_DIVIDE if spec["fsdp"] == "divide_factor" else ""))
+    nccl = nccl or spec["nccl"]
+    major = cuda_version.split(".")[0]
+    if wheels and cuda and cudnn:
+        big = 1000 if cudnn < 9000 else 10000
+        ver = f"{cudnn // big}.{cudnn % big // 100}.{cudnn % 100}.1"
+        (root / f"nvidia_cudnn_cu{major}-{ver}.dist-info").mkdir()
+    if wheels and cuda and nccl:
+        (root / f"nvidia_nccl_cu{major}-{nccl}.dist-info").mkdir()
     if "_set_sdp_use_cudnn" in spec["c"]:
         (pkg / "nn" / "attention").mkdir(parents=True)
         (pkg / "nn" / "__init__.py").write_text("")

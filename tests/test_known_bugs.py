@@ -4,6 +4,7 @@ with the stand-in NVML (tests/stub_nvml) at compute capabilities 8.0, 9.0 and
 10.0 and cuDNN on both sides of the fix, OUTOFCUDA_KNOWN_BUGS=0, and the real
 CUDA build of torch 2.14.1 (no GPU). Each scenario is a fresh interpreter."""
 import json
+import platform
 import random
 from functools import partial
 from pathlib import Path
@@ -57,12 +58,21 @@ ROWS = {
               unless="TORCH_CUDNN_SDPA_DEPRIORITIZED"),
     "alloc-conf-generic-ignored": dict(torch=(20900, 21100), needs="alloc"),
     "torchrun-gpu0-context": dict(needs="ctx"),
-    "cudnn-sublibrary-mismatch": dict(cuda=(1300, 1400), cudnn=(92000, 92300)),
+    "cudnn-sublibrary-mismatch": dict(cuda=(1300, 1400), cudnn=(92000, 92300), needs="other"),
     "fsdp2-bf16-premul-sum": dict(torch=(20500, None)),
     "avg-pool2d-channels-last-grad": dict(),
     "tf32-mixed-api": dict(torch=(20900, None)),
     "cudnn-sdpa-nan-dkdv-sq1": dict(torch=(21100, None), cudnn=(92501, 92700), cc=(90, 100),
                                     unless="TORCH_CUDNN_SDPA_DEPRIORITIZED"),
+    "cudnn-sdpa-gqa-sm100": dict(torch=(21100, None), cc=(100, 101),
+                                 unless="TORCH_CUDNN_SDPA_DEPRIORITIZED"),
+    "cudnn-sdpa-ima-cuda-below-12.9": dict(torch=(20900, 21000), cuda=(1200, 1209), cc=(90, 101)),
+    "nccl-aarch64-hang": dict(nccl=(0, 22903), needs="aarch64"),
+    "cudnn-pre-turing": dict(cudnn=(91100, None), cc=(30, 75)),
+    "conv3d-half-cudnn": dict(cudnn=(91002, 91500)),
+    "cudnn-fp8-sdpa-zeros": dict(cudnn=(92400, 92500), cc=(100, 110)),
+    "compile-vram-2.10": dict(torch=(21000, 21200)),
+    "expandable-ipc-2.13": dict(torch=(21300, None)),
 }
 
 
@@ -70,8 +80,9 @@ def inside(r, v):
     return v >= r[0] and (r[1] is None or v < r[1])
 
 
-def expected(row, torch, cuda_build, cuda, cudnn, local_rank, foreign, ccs, env):
-    spec = ROWS[row]
+def expected(row, torch, cuda_build, cuda, cudnn, local_rank, foreign, ccs, env,
+             stack=(-1, 0, -1)):
+    spec, (nccl, aarch64, other) = ROWS[row], stack
     if torch > 0 and "torch" in spec and not inside(spec["torch"], torch):
         return 0
     if cuda_build == 0:
@@ -89,16 +100,22 @@ def expected(row, torch, cuda_build, cuda, cudnn, local_rank, foreign, ccs, env)
         return 0
     if "cudnn" in spec and (cudnn == 0 or (cudnn > 0 and not inside(spec["cudnn"], cudnn))):
         return 0
+    if "nccl" in spec and nccl >= 0 and not inside(spec["nccl"], nccl):
+        return 0
+    if (spec.get("needs") == "aarch64" and not aarch64) or (spec.get("needs") == "other"
+                                                            and other == 0):
+        return 0
     if (torch <= 0 or cuda_build < 0 or ("cuda" in spec and cuda <= 0)
             or (spec.get("needs") == "ctx" and foreign < -1)
-            or ("cc" in spec and ccs is None) or ("cudnn" in spec and cudnn < 0)):
+            or ("cc" in spec and ccs is None) or ("cudnn" in spec and cudnn < 0)
+            or ("nccl" in spec and nccl < 0) or (spec.get("needs") == "other" and other < 0)):
         return -1
     return 1
 
 
-def case(torch, cuda_build, cuda, cudnn, local_rank, foreign, ccs, env):
+def case(torch, cuda_build, cuda, cudnn, local_rank, foreign, ccs, env, stack=(-1, 0, -1)):
     env_text = ";".join(f"{k}={v}" for k, v in env.items()) or "-"
-    return (torch, cuda_build, cuda, cudnn, local_rank, foreign,
+    return (torch, cuda_build, cuda, cudnn, *stack, local_rank, foreign,
             -1 if ccs is None else len(ccs), *(ccs or ()), env_text)
 
 
@@ -108,20 +125,31 @@ def edges(lo_hi):
 
 
 # Every range's edges (just outside, first inside, last inside, first outside),
-# crossed with the other facts' cases.
-TORCHES = sorted({0, 20000, 30000} | {v for s in ROWS.values() if "torch" in s
-                                      for v in edges(s["torch"])})
-CUDNNS = sorted({-1, 0} | {v for s in ROWS.values() if "cudnn" in s for v in edges(s["cudnn"])})
-CUDAS = sorted({0, 1201} | {v for s in ROWS.values() if "cuda" in s for v in edges(s["cuda"])})
+# crossed, row by row, with the cases of the facts that row reads; the facts it
+# does not read take a few values (every row is decided on every case).
 ENVS = [{}, {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"}, {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "true"},
         {"PYTORCH_ALLOC_CONF": "expandable_segments:True"},
         {"PYTORCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}]
-GRID = [(t, cb, cu, cd, lr, fd, ccs, env)
-        for t in TORCHES for cb in (-1, 0, 1) for cu in CUDAS for cd in CUDNNS
-        for lr, fd in ((-1, -2), (0, -2), (1, -2), (1, -1), (2, 0))
-        for ccs in (None, [], [89], [90], [99], [100], [80, 90])
-        for env in ENVS
-        if cb == 1 or (cu == 0 and lr == -1 and ccs in (None, [90]))]
+RANKS = ((-1, -2), (0, -2), (1, -2), (1, -1), (2, 0))
+# NCCL's version, aarch64, another cuDNN on the loader path.
+STACKS = ((-1, 0, -1), (0, 1, 0), (22902, 1, 1), (22903, 1, 1), (22809, 0, -1), (22809, 1, -1))
+
+
+def row_grid(spec):
+    def pick(key, extra, default):
+        return sorted(extra | set(edges(spec[key]))) if key in spec else default
+    ccs_all = [None, [], [80, 90]] + ([[v] for v in edges(spec["cc"])] if "cc" in spec else [[90]])
+    envs = ENVS if "unless" in spec or spec.get("needs") == "alloc" else ENVS[:2]
+    ranks = RANKS if spec.get("needs") == "ctx" else RANKS[::3]
+    stacks = STACKS if "nccl" in spec or spec.get("needs") in ("aarch64", "other") else STACKS[:2]
+    return [(t, cb, cu, cd, lr, fd, ccs, env, st)
+            for t in pick("torch", {0, 20000}, [0, 21300]) for cb in (-1, 0, 1)
+            for cu in pick("cuda", {0, 1201}, [0, 1300]) for cd in pick("cudnn", {-1, 0}, [-1, 92000])
+            for lr, fd in ranks for ccs in ccs_all for env in envs for st in stacks
+            if cb == 1 or (cu == 0 and lr == -1 and ccs in (None, [90]))]
+
+
+GRID = [g for spec in ROWS.values() for g in row_grid(spec)]
 
 
 def test_every_row_matches_its_source_on_every_edge(driver):
@@ -140,19 +168,21 @@ def test_table_fuzz_stays_within_bounds(driver):
     rnd = random.Random(30)
     facts = []
     for _ in range(2500):
-        ccs = None if rnd.random() < 0.1 else [rnd.choice([-5, 0, 75, 80, 90, 93, 99, 100, 10**6])
+        ccs = None if rnd.random() < 0.1 else [rnd.choice([-5, 0, 74, 75, 80, 90, 93, 99, 100, 10**6])
                                                 for _ in range(rnd.choice([0, 1, 3, 70]))]
         env = rnd.choice(ENVS + [{"TORCH_CUDNN_SDPA_DEPRIORITIZED": "x" * 200}])
         facts.append((rnd.choice([-1, 0, 1, 20000, 20900, 21100, 21450, 21500, 2**40]),
                       rnd.choice([-1, 0, 1]), rnd.choice([-1, 0, 1300, 1399, 1400, 2**40]),
-                      rnd.choice([-2, -1, 0, 91501, 92000, 92600, 92699, 2**40]),
-                      rnd.choice([-1, 0, 1, 7, 2**40]), rnd.choice([-2, -1, 0, 5]), ccs, env))
+                      rnd.choice([-2, -1, 0, 91002, 91501, 92000, 92400, 92600, 92699, 2**40]),
+                      rnd.choice([-1, 0, 1, 7, 2**40]), rnd.choice([-2, -1, 0, 5]), ccs, env,
+                      (rnd.choice([-1, 0, 22809, 22903, 2**40]), rnd.choice([0, 1]),
+                       rnd.choice([-1, 0, 1]))))
     out = driver([case(*g) for g in facts])
     for row, decisions in out.items():
         for g, (d, why) in zip(facts, decisions):
-            t, cb, cu, cd, lr, fd, ccs, env = g
+            t, cb, cu, cd, lr, fd, ccs, env, st = g
             assert d == expected(row, t, cb, cu, cd, lr, fd,
-                                 None if ccs is None else ccs[:64], env), (row, g, why)
+                                 None if ccs is None else ccs[:64], env, st), (row, g, why)
 
 
 @pytest.mark.parametrize("value,rc,rows,unknown", [
@@ -215,10 +245,11 @@ print(json.dumps({"import": at_import, "cuda": entry(),
 """ % BUG
 
 
-def guard(venv, tmp_path, env, release="2.14.1", cudnn=None):
-    root = make_fake_torch(tmp_path / f"fake-{release}-{cudnn}", release, cudnn=cudnn)
-    return last_json(venv.run(GUARD, env=dict(env, PYTHONPATH=str(root)), cwd=tmp_path,
-                              args=("-W", "error")))
+def guard(venv, tmp_path, env, release="2.14.1", cudnn=None, row=BUG, **fake):
+    root = make_fake_torch(tmp_path / f"fake-{release}-{cudnn}-{len(fake)}", release, cudnn=cudnn,
+                           **fake)
+    return last_json(venv.run(GUARD.replace(BUG, row), env=dict(env, PYTHONPATH=str(root)),
+                              cwd=tmp_path, args=("-W", "error")))
 
 
 @pytest.mark.parametrize("release,cudnn", [("2.14.1", None), ("2.11.0", 91900),
@@ -326,9 +357,13 @@ def test_turning_one_row_off_leaves_the_other_rows_as_they_were(venv, tmp_path, 
     """cuDNN's version is read for the facts, not for the rows that are on:
     with the guard's row off, the sub-library row is decided as before."""
     root = make_fake_torch(tmp_path / "fake", "2.14.1", cudnn=92000, cuda_version="13.0")
+    other = tmp_path / "system-cudnn"
+    other.mkdir()
+    (other / "libcudnn.so.9").write_bytes(b"")
     rows = {}
     for off in (None, BUG):
         env = dict(nvml("9.0"), PYTHONPATH=str(root), **({"OUTOFCUDA_KNOWN_BUGS": off} if off else {}))
+        env["LD_LIBRARY_PATH"] += f":{other}"
         rows[off] = last_json(venv.run(
             "import json, torch, _outofcuda\ntorch.cuda._fake_cuda_init()\n"
             "print(json.dumps({b['id']: [b['applies'], b['done'], b['now']]\n"
@@ -346,19 +381,22 @@ def test_turning_one_row_off_leaves_the_other_rows_as_they_were(venv, tmp_path, 
                                                ("2.9.1", 92400, "torch 2.9.1 is outside")])
 def test_sm90_outside_the_affected_versions_changes_nothing(venv, tmp_path, nvml, release,
                                                            cudnn, why):
-    d = guard(venv, tmp_path, nvml("9.0"), release, cudnn)
+    # A CUDA 13.0 build: 2.9's CUDA 12 builds below 12.9 have their own row.
+    d = guard(venv, tmp_path, nvml("9.0"), release, cudnn, cuda_version="13.0")
     assert d["enabled"] is True
     assert ["_set_sdp_use_cudnn", False] not in d["cudnn_calls"]
     assert d["cuda"]["applies"] is False and d["cuda"]["done"] is False
     assert why in d["cuda"]["reason"], d["cuda"]
 
 
-@pytest.mark.parametrize("cc", ["8.0", "10.0"])
+@pytest.mark.parametrize("cc", ["8.0", "12.0"])
 @pytest.mark.parametrize("cudnn", [92400, 92600])
 def test_other_devices_change_nothing_and_never_load_cudnn(venv, tmp_path, nvml, cc, cudnn):
-    d = guard(venv, tmp_path, nvml(cc), "2.14.1", cudnn)
+    """The wheel names cuDNN's version: no row loads cuDNN to read it."""
+    d = guard(venv, tmp_path, nvml(cc), "2.14.1", cudnn, wheels=True)
     assert d["import"]["applies"] is False and d["cuda"]["applies"] is False
-    assert "no visible GPU of compute capability 9.x" in d["import"]["reason"]
+    assert ("no visible GPU of compute capability 9.x" if cudnn == 92400 else
+            "cuDNN 92600 is outside") in d["import"]["reason"]
     assert d["cudnn_calls"] == [] and d["enabled"] is True
 
 
@@ -370,7 +408,7 @@ def test_known_bugs_off_keeps_torchs_choice(venv, tmp_path, nvml):
 
 
 def test_torchs_own_deprioritisation_is_respected(venv, tmp_path, nvml):
-    d = guard(venv, tmp_path, nvml("9.0", TORCH_CUDNN_SDPA_DEPRIORITIZED="1"))
+    d = guard(venv, tmp_path, nvml("9.0", TORCH_CUDNN_SDPA_DEPRIORITIZED="1"), wheels=True)
     assert d["cudnn_calls"] == [] and d["enabled"] is True
     assert "TORCH_CUDNN_SDPA_DEPRIORITIZED=1" in d["import"]["reason"]
 
@@ -383,13 +421,14 @@ def test_a_cpu_build_is_not_affected(venv, workdir, nvml):
     assert st[0]["applies"] is False and "no CUDA" in st[0]["reason"]
 
 
-@pytest.mark.parametrize("release,version", [(None, None), ("2.9.1", None),
-                                             ("2.9.1", "2.10.9")])
+@pytest.mark.parametrize("release,version", [(None, None), ("2.10.0", None),
+                                             ("2.10.0", "2.10.9")])
 def test_no_driver_library_is_loaded_where_no_entry_can_apply(venv, workdir, nvml, tmp_path,
                                                                release, version):
     """A CPU-only build (the real 2.13.0), or a CUDA build outside the
     releases of every row that needs a device's capability (the cuDNN
-    attention rows start at 2.11), with the autocast dtype given (so nothing
+    attention rows: 2.9.x, then 2.11 on; a named row that also waits for
+    cuDNN asks NVML when CUDA starts), with the autocast dtype given (so nothing
     else asks NVML): `import torch` loads no libnvidia-ml, the table is
     decided from torch's facts alone."""
     env = nvml("9.0", OUTOFCUDA_AMP_DTYPE="bfloat16")
@@ -703,41 +742,112 @@ def test_doctor_names_another_process_on_another_ranks_device(cuda_venv, workdir
             "cuda:0, not cuda:1") in check["message"], check
 
 
-# ---- rows that are only named: cuDNN is read for a guard alone ----
+# ---- rows that are only named: cuDNN's version from the wheel, else at CUDA's start ----
 
 SUBLIB = """
 import json, torch, _outofcuda
-def row():
-    (e,) = [b for b in _outofcuda.status()["known_bugs"] if b["id"] == "cudnn-sublibrary-mismatch"]
-    return [e["applies"], e["reason"]]
-at_import = row()
+def rows():
+    return {b["id"]: [b["applies"], b["reason"]] for b in _outofcuda.status()["known_bugs"]}
+at_import = rows()
 torch.cuda._fake_cuda_init()
-print(json.dumps({"import": at_import, "cuda": row(),
+print(json.dumps({"import": at_import, "cuda": rows(),
                   "cudnn_read": [c for c in torch._C.calls if c[0] == "cudnn.version"] != []}))
 """
+S = "cudnn-sublibrary-mismatch"
 
 
-@pytest.mark.parametrize("cc,read", [("8.0", False), ("9.0", True)])
-def test_a_named_row_never_loads_cudnn_by_itself(venv, tmp_path, nvml, cc, read):
-    """A CUDA 13 build with cuDNN 9.20: on an sm80 no guard needs cuDNN's
-    version, so it is not read for the sub-library row (doctor decides it);
-    on an sm90 the cuDNN attention guard reads it, and the row is decided too,
-    and named in the exit summary."""
-    root = make_fake_torch(tmp_path / "fake", "2.14.1", cudnn=92000, cuda_version="13.0")
-    r = venv.run(SUBLIB, env=dict(nvml(cc, OUTOFCUDA_SUMMARY="1"), PYTHONPATH=str(root)),
+def other_cudnn(tmp_path, where="system"):
+    """A folder holding a libcudnn.so.9 (a cuDNN besides the wheel's)."""
+    d = tmp_path / where
+    d.mkdir(parents=True)
+    (d / "libcudnn.so.9").write_bytes(b"")
+    return d
+
+
+@pytest.mark.parametrize("where,applies", [(None, False), ("system", True),
+                                           ("venv/nvidia/cudnn/lib", False)])
+def test_the_sublibrary_row_applies_only_beside_another_cudnn(venv, tmp_path, nvml, where,
+                                                              applies):
+    """2.13.0's CUDA 13.0 wheel (cuDNN 9.20 by the record): the row applies
+    only where another cuDNN 9 is on the loader path (a wheel's own folder is
+    not another), decided at import from the wheel's version (cuDNN never
+    loaded); doctor's probe decides it alike."""
+    root = make_fake_torch(tmp_path / "fake", "2.12.1", version="2.13.0", cuda_version="13.0",
+                           wheels=True)
+    env = dict(nvml("8.0", OUTOFCUDA_SUMMARY="1"), PYTHONPATH=str(root))
+    if where:
+        env["LD_LIBRARY_PATH"] += f":{other_cudnn(tmp_path, where)}"
+    r = venv.run(SUBLIB + """
+ld = {"LD_LIBRARY_PATH": __import__("os").environ["LD_LIBRARY_PATH"]}
+print(json.dumps([b["applies"] for b in _outofcuda._known_bugs_check(
+    torch.__version__, "13.0", 92000, [80], ld) if b["id"] == "%s"]))""" % S, env=env,
                  cwd=tmp_path)
-    d = last_json.func(r)
-    assert d["cudnn_read"] is read
-    assert d["import"][0] is None
-    if read:
-        assert d["cuda"][0] is True and "built for CUDA 13.0, cuDNN 92000" in d["cuda"][1]
-        assert "known bug      cudnn-sublibrary-mismatch" in r.stderr, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("{", "["))]
+    d, doctor = json.loads(lines[-2]), json.loads(lines[-1])
+    assert d["cudnn_read"] is False
+    assert d["import"][S][0] is applies and d["cuda"][S][0] is applies, d["import"][S]
+    assert doctor == [applies]
+    if applies:
+        assert "cuDNN 92000, another cuDNN 9 on the loader path" in d["import"][S][1]
+        assert f"known bug      {S}" in r.stderr, r.stderr
     else:
-        assert d["cuda"][0] is None and "`outofcuda doctor` reads it" in d["cuda"][1], d
-        assert "cudnn-sublibrary-mismatch" not in r.stderr
+        assert "no cuDNN 9 besides the wheel's" in d["import"][S][1]
+        assert S not in r.stderr
 
 
-def test_named_rows_on_given_facts(venv):
+@pytest.mark.parametrize("wheels", [True, False])
+def test_no_row_stays_undecided_once_cuda_has_started(venv, tmp_path, nvml, wheels):
+    """2.15.0 beside an sm90 (no guard applies there): every row is decided
+    once CUDA has started, from the wheel's cuDNN version at import, or, where
+    no wheel names it, from the runtime's, read when CUDA starts."""
+    root = make_fake_torch(tmp_path / "fake", "2.15.0", cuda_version="13.0", wheels=wheels)
+    d = last_json(venv.run(SUBLIB, env=dict(nvml("9.0"), PYTHONPATH=str(root)), cwd=tmp_path))
+    assert d["cudnn_read"] is not wheels
+    assert {i: r for i, r in d["cuda"].items() if r[0] is None} == {}
+    D = "cudnn-sdpa-nan-dkdv-sq1"  # cuDNN 9.26 is inside its versions
+    assert d["import"][D][0] is (True if wheels else None) and d["cuda"][D][0] is True
+
+
+GQA, IMA = "cudnn-sdpa-gqa-sm100", "cudnn-sdpa-ima-cuda-below-12.9"
+
+
+@pytest.mark.parametrize("row,release,cuda,cc,env,off", [
+    (GQA, "2.11.0", "12.8", "10.0", {}, True), (GQA, "2.12.1", "13.0", "10.0", {}, True),
+    (GQA, "2.10.0", "12.8", "10.0", {}, False), (GQA, "2.12.1", "13.0", "12.0", {}, False),
+    (GQA, "2.12.1", "13.0", "10.0", {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"}, False),
+    (GQA, "2.12.1", "13.0", "10.0", {"OUTOFCUDA_KNOWN_BUGS": GQA}, False),
+    (IMA, "2.9.1", "12.8", "9.0", {}, True), (IMA, "2.9.1", "12.8", "10.0", {}, True),
+    (IMA, "2.9.1", "12.9", "9.0", {}, False), (IMA, "2.10.0", "12.8", "9.0", {}, False),
+    (IMA, "2.9.1", "12.8", "8.0", {}, False),
+    (IMA, "2.9.1", "12.8", "9.0", {"OUTOFCUDA_KNOWN_BUGS": IMA}, False)])
+def test_the_new_attention_guards_at_their_edges(venv, tmp_path, nvml, row, release, cuda, cc,
+                                                 env, off):
+    """The B200 GQA row and the 2.9 CUDA-below-12.9 row: decided at import
+    from torch, its CUDA and NVML's compute capability (no cuDNN range), and
+    cuDNN attention turned off when CUDA starts, not at import."""
+    d = guard(venv, tmp_path, nvml(cc, **env), release, row=row, cuda_version=cuda, wheels=True)
+    assert d["enabled_at_import"] is True and d["enabled"] is not off
+    assert (["_set_sdp_use_cudnn", False] in d["cudnn_calls"]) is off
+    assert d["cuda"]["done"] is off and ["cudnn.version"] not in d["cudnn_calls"]
+    if "OUTOFCUDA_KNOWN_BUGS" in env:
+        assert d["cuda"]["applies"] is None and "turned off" in d["cuda"]["reason"]
+    else:
+        assert d["import"]["applies"] is off, d["import"]
+
+
+def test_the_nccl_row_reads_the_wheels_nccl(venv, tmp_path, nvml):
+    """2.11.0's CUDA wheel pins NCCL 2.28.9 (the record): read from the
+    wheel's folder; the row needs an aarch64 machine."""
+    root = make_fake_torch(tmp_path / "fake", "2.11.0", cuda_version="12.8", wheels=True)
+    d = last_json(venv.run(SUBLIB, env=dict(nvml("9.0"), PYTHONPATH=str(root)), cwd=tmp_path))
+    applies, why = d["import"]["nccl-aarch64-hang"]
+    if platform.machine() == "aarch64":
+        assert applies is True and "NCCL 22809" in why
+    else:
+        assert applies is False and why == "not affected: not an aarch64 machine"
+
+
+def test_named_rows_on_given_facts(venv, tmp_path):
     """What doctor's probe decides, at the named rows' edges."""
     r = last_json(venv.run("""
 import json, _outofcuda
@@ -745,13 +855,28 @@ def row(id, *facts):
     (e,) = [b for b in _outofcuda._known_bugs_check(*facts) if b["id"] == id]
     return e["applies"]
 S, D = "cudnn-sublibrary-mismatch", "cudnn-sdpa-nan-dkdv-sq1"
+L = {"LD_LIBRARY_PATH": %r}
 print(json.dumps({
-    "sublib": [row(S, "2.12.1+cu130", "13.0", 92000, [80], {}),
-               row(S, "2.13.0", "13.2", 92299, [80], {}),
-               row(S, "2.13.0", "13.0", 92300, [80], {}),
-               row(S, "2.13.0", "12.8", 92000, [80], {}),
-               row(S, "2.13.0", "13.0", 91999, [80], {}),
-               row(S, "2.13.0", True, 92000, [80], {})],
+    "sublib": [row(S, "2.12.1+cu130", "13.0", 92000, [80], L),
+               row(S, "2.13.0", "13.2", 92299, [80], L),
+               row(S, "2.13.0", "13.0", 92300, [80], L),
+               row(S, "2.13.0", "12.8", 92000, [80], L),
+               row(S, "2.13.0", "13.0", 91999, [80], L),
+               row(S, "2.13.0", True, 92000, [80], L),
+               row(S, "2.12.1+cu130", "13.0", 92000, [80], {})],
+    "new": [[row(i, t, c, cd, ccs, {}) for t, c, cd, ccs in cases] for i, cases in (
+        ("cudnn-pre-turing", [("2.14.1", "12.8", 91100, [70]), ("2.14.1", "12.8", 91099, [70]),
+                              ("2.14.1", "12.8", 91100, [75]), ("2.0.1", "11.7", 8500, [61]),
+                              ("2.14.1", "12.8", 92400, [30]), ("2.14.1", "12.8", 92400, [29])]),
+        ("conv3d-half-cudnn", [("2.8.0", "12.8", 91002, [80]), ("2.9.1", "12.8", 91499, None),
+                               ("2.9.1", "12.8", 91001, [80]), ("2.10.0", "12.8", 91500, [80])]),
+        ("cudnn-fp8-sdpa-zeros", [("2.14.1", "13.0", 92400, [100]), ("2.14.1", "13.0", 92499, [103]),
+                                  ("2.14.1", "13.0", 92500, [100]), ("2.14.1", "13.0", 92400, [90]),
+                                  ("2.14.1", "13.0", 92399, [100]), ("2.14.1", "13.0", 92400, [110])]),
+        ("compile-vram-2.10", [("2.10.0", "12.8", None, None), ("2.11.9", "12.8", None, None),
+                               ("2.9.1", "12.8", None, None), ("2.12.0", "12.8", None, None)]),
+        ("expandable-ipc-2.13", [("2.13.0", "13.0", None, None), ("2.15.0", "13.0", None, None),
+                                 ("2.12.1", "13.0", None, None), ("2.13.0", False, None, None)]))],
     "dkdv": [row(D, "2.11.0", "12.8", 92501, [90], {}),
              row(D, "2.15.0", "13.2", 92699, [90], {}),
              row(D, "2.15.0", "13.2", 92500, [90], {}),
@@ -763,12 +888,16 @@ print(json.dumps({
             for i in ("fsdp2-bf16-premul-sum", "avg-pool2d-channels-last-grad", "tf32-mixed-api")],
     "fields": sorted(_outofcuda._known_bugs_check("2.13.0", "13.0", 92000, [90], {})[3]),
     "kinds": [b["kind"] for b in _outofcuda._known_bugs_check("2.13.0", "13.0", 92000, [90], {})]}))
-"""))
-    assert r["sublib"] == [True, True, False, False, False, None]
+""" % str(other_cudnn(tmp_path))))
+    assert r["sublib"] == [True, True, False, False, False, None, False]
+    assert r["new"] == [[True, False, False, False, True, False], [True, True, False, False],
+                        [True, True, False, False, False, False], [True, True, False, False],
+                        [True, True, False, False]]
     assert r["dkdv"] == [True, True, False, False, False, False, False]
     assert r["cpu"] == [False, False, False]
     assert {"fixed_in", "fix", "kind"} <= set(r["fields"])
-    assert r["kinds"] == ["guard", "guard", "named", "named", "named", "named", "own", "named"]
+    assert r["kinds"] == ["guard", "guard", "named", "named", "named", "named", "own", "named",
+                          "guard", "guard"] + ["named"] * 6
 
 
 # ---- the real CUDA build of torch 2.14.1 (no GPU) ----
@@ -801,17 +930,19 @@ print(json.dumps({"import": at_import, "cuda": entry(), "loaded_at_import": load
 
 @pytest.mark.parametrize("cc,applies", [("9.0", True), ("8.0", False), ("10.0", False)])
 def test_real_cuda_build_reports_what_the_device_implies(cuda_venv, workdir, nvml, cc, applies):
+    """cuDNN's version is the installed nvidia-cudnn-cu13 wheel's (9.24.0.43):
+    decided at import without loading cuDNN, acted on when CUDA starts. On a
+    10.0 the B200 row turns cuDNN attention off instead."""
     d = last_json(cuda_venv.run(REAL, env=nvml(cc), cwd=workdir, args=("-W", "error")))
     assert d["loaded_at_import"] is False and d["initialized"] is False
     assert d["cudnn"] == 92400
+    assert d["import"]["applies"] is applies and d["import"]["done"] is False
     if applies:
-        assert d["import"]["applies"] is None
         assert d["cuda"]["applies"] is True and d["cuda"]["done"] is True, d["cuda"]
         assert "torch 2.14.1, cuDNN 92400" in d["cuda"]["reason"]
-        assert d["cudnn_sdp"] is False
     else:
-        assert d["import"]["applies"] is False and d["cuda"]["applies"] is False
-        assert d["cudnn_sdp"] is True
+        assert d["cuda"]["applies"] is False
+    assert d["cudnn_sdp"] is (cc == "8.0")
     assert d["error"] is None
 
 

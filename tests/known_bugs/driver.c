@@ -1,6 +1,6 @@
 /* Drives the pure-C known-bugs table (src/kbtable.c built with OC_PURE_C,
  * no Python) from stdin, one case a line:
- *   facts TORCH CUDA_BUILD CUDA CUDNN LOCAL_RANK FOREIGN N_CC CC... ENV
+ *   facts TORCH CUDA_BUILD CUDA CUDNN NCCL AARCH64 OTHER_CUDNN LOCAL_RANK FOREIGN N_CC CC... ENV
  * where ENV is "-" (nothing set) or NAME=VALUE pairs joined by ';'; one line
  * out per case and row: "<row id> <decision> <why>".
  *   off VALUE          -> "<rc> <bits> <unknown>" (oc_known_bugs_parse_off)
@@ -37,8 +37,9 @@ static void facts(char *p)
     oc_kb_facts f;
     int used = 0, fd = 0;
     memset(&f, 0, sizeof f);
-    if (sscanf(p, "%ld %d %ld %ld %ld %d %d%n", &f.torch, &f.cuda_build, &f.cuda, &f.cudnn,
-               &f.local_rank, &fd, &f.n_cc, &used) != 7)
+    if (sscanf(p, "%ld %d %ld %ld %ld %d %d %ld %d %d%n", &f.torch, &f.cuda_build, &f.cuda,
+               &f.cudnn, &f.nccl, &f.aarch64, &f.other_cudnn, &f.local_rank, &fd, &f.n_cc,
+               &used) != 10)
         return;
     f.foreign_dev = fd;
     p += used;
