@@ -73,6 +73,7 @@ def pytest_configure(config):
     # also reach a pytest that a test starts.
     WORKER = getattr(config, "workerinput", {}).get("workerid")
     config.addinivalue_line("markers", "fast: the fast tier (tests/conftest.py FAST_TIER)")
+    config.pluginmanager.register(SanitizedRunCovers(), "outofcuda-sanitized-run-covers")
 
 
 # Two workers (pytest-xdist, in requirements-test.txt), each running whole
@@ -110,6 +111,36 @@ def pytest_collection_modifyitems(items):
         if (item.path.parent.name == "tests" and item.path.name in FAST_TIER
                 and "cuda_venv" not in item.fixturenames):
             item.add_marker(pytest.mark.fast)
+
+
+# tests/test_sanitize.py's test_core_suites_under_sanitizers runs these files
+# again, whole but for the tests whose names hold a word of SANITIZED_LEFT_OUT,
+# against the sanitizer build: each of their assertions is checked there too.
+SANITIZED_FILES = ("test_hook.py", "test_gating.py", "test_config.py")
+SANITIZED_LEFT_OUT = ("collect_env", "ddtrace")
+
+
+class SanitizedRunCovers:
+    """Where that run is part of the session, the tests it runs are not run a
+    second time against the normal build (those marked skipif, which may skip
+    under the sanitizer, still are). After -k and -m have chosen: `-m fast`
+    leaves that run out, and then the files run here."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if SANITIZE or os.environ.get("OUTOFCUDA_TEST_SKIP_SANITIZE"):
+            return
+        if not any(i.path.name == "test_sanitize.py" and i.name == "test_core_suites_under_sanitizers"
+                   for i in items):
+            return
+        covered = [i for i in items
+                   if i.path.parent.name == "tests" and i.path.name in SANITIZED_FILES
+                   and not any(w in i.name for w in SANITIZED_LEFT_OUT)
+                   and next(i.iter_markers("skipif"), None) is None]
+        if covered:
+            config.hook.pytest_deselected(items=covered)
+            gone = set(map(id, covered))
+            items[:] = [i for i in items if id(i) not in gone]
 
 
 # ---- what one run builds once and every worker shares ----
@@ -204,7 +235,8 @@ def _make_venv(path, spec, unavailable=None):
     """A virtual environment at path holding numpy and torch `spec`. pip
     skips compiling every module of torch to bytecode (--no-compile): an
     interpreter compiles what it imports, once, and the run imports a small
-    part of torch."""
+    part of torch: that part is compiled here, so that every hard-link copy
+    of this environment (one per worker, one per sanitizer run) has it."""
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
     try:
         _pip(path / "bin" / "python", "install", "--no-compile", "numpy", spec)
@@ -212,6 +244,8 @@ def _make_venv(path, spec, unavailable=None):
         if unavailable is None:
             raise
         unavailable(f"pip install {spec} failed (exit {e.returncode})")
+    subprocess.run([str(path / "bin" / "python"), "-c", "import torch"], capture_output=True,
+                   env=_clean_env())
 
 
 @pytest.fixture(scope="session")
@@ -323,6 +357,41 @@ def matplotlib_dir(venv, tmp_path_factory):
     stays without it, as test_plot_without_matplotlib_says_how_to_get_it
     needs). OUTOFCUDA_TEST_MATPLOTLIB_DIR reuses one."""
     return pip_target(venv.python, "matplotlib", "OUTOFCUDA_TEST_MATPLOTLIB_DIR", tmp_path_factory)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def run_tmpdir(tmp_path_factory):
+    """The temporary folder (TMPDIR) of every interpreter the tests start: one
+    per worker inside the run's folder, so a passing run leaves nothing in the
+    system's (/tmp). torch.compile's cache sits beside it, shared by the
+    workers and warm for the whole run."""
+    root = run_root(tmp_path_factory)
+    path = root / f"tmp-{WORKER or 'main'}"
+    path.mkdir(exist_ok=True)
+    saved = {k: os.environ.get(k) for k in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
+    os.environ.update(TMPDIR=str(path), TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"))
+    yield path
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(autouse=True)
+def leaves_no_temporary_files(run_tmpdir):
+    """A test whose processes leave anything in the temporary folder (torchrun's
+    torchelastic_*, multiprocessing's pymp-*) fails; what it left goes."""
+    yield
+    left = sorted(p.name for p in run_tmpdir.iterdir())
+    for name in left:
+        path = run_tmpdir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink()
+    if left:
+        pytest.fail(f"left in the temporary folder: {left}", pytrace=False)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """The benchmarks run here as a CPU smoke test and produce well-formed output."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,16 @@ def test_bench_cpu_smoke(venv, workdir):
                  cwd=workdir, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "This run measured NO GPU gains" in r.stdout
+    # The one GPU run so far is named, not "never measured".
+    assert "2f7a4db" in r.stdout and "H100" in r.stdout
+    (head,) = [ln for ln in r.stdout.splitlines() if ln.startswith("workload ")]
+    assert head.split() == ["workload", "config", "ms/step"], head
+    assert max(map(len, r.stdout.splitlines() + r.stderr.splitlines())) <= 80
+    assert "vs defaults" not in r.stdout.split("No \"vs defaults\" ratios")[1]
+    assert not re.search(r"\d\.\d\dx", r.stdout), r.stdout
+    assert "No \"vs defaults\" ratios: a ratio needs 3 repeats" in r.stdout
+    assert "(no PNG: no ratios to draw)" in r.stdout
+    assert not (out / "gain.png").exists()
     d = json.loads((out / "gain.json").read_text())
     assert d["mode"] == "cpu-smoke" and d["gpu_gains_measured"] is False
     assert d["seconds"] > 0

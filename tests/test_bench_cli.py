@@ -2,7 +2,6 @@
 environment, run from a folder outside the checkout, with no benchmarks/
 folder anywhere it could look."""
 import json
-import re
 import subprocess
 
 from conftest import ROOT, _clean_env
@@ -39,23 +38,7 @@ def test_bench_smoke_runs_from_an_installed_copy(venv, workdir):
     assert {row["config"]: row["hook_fired"] for row in rows} == {
         "defaults": False, "outofcuda": True, "expert": False}
     assert json.loads((out / "gain.json").read_text())["rows"] == rows
-
-    r = bench("--out", "text")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "This run measured NO GPU gains" in r.stdout
-    # The one GPU run so far is named, not "never measured".
-    assert "2f7a4db" in r.stdout and "H100" in r.stdout
-    # Smoke: the times only (no ratio, no GPU column), in 80 columns.
-    (head,) = [ln for ln in r.stdout.splitlines() if ln.startswith("workload ")]
-    assert head.split() == ["workload", "config", "ms/step"], head
-    assert not re.search(r"\d\.\d\dx", r.stdout), r.stdout
-    assert max(map(len, r.stdout.splitlines())) <= 80, r.stdout
-    assert "(no PNG: no ratios to draw)" in r.stdout
-    assert not (workdir / "text" / "gain.png").exists()
-    # Progress on stderr as it goes: a line per workload run, in 80 columns.
-    progress = [ln for ln in r.stderr.splitlines() if ln.startswith("outofcuda bench: [")]
-    assert len(progress) == 6 and progress[-1].startswith("outofcuda bench: [6/6]"), r.stderr
-    assert max(map(len, r.stderr.splitlines())) <= 80, r.stderr
+    # The text form is tests/test_bench.py's test_bench_cpu_smoke.
 
 
 def test_bench_table_keeps_to_80_columns_with_ratios_only_on_gpu_sizes(venv, workdir):

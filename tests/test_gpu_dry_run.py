@@ -38,8 +38,10 @@ def _run(tmp_path, python, *args, env=None, timeout=120):
     out = tmp_path / "out"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    # TMPDIR: the script's own folder and its pytest's go with this test's.
     r = subprocess.run(["bash", str(src.joinpath(*SCRIPT)), *args], cwd=elsewhere,
-                       env=_clean_env(dict({"OUT": str(out), "PYTHON": str(python)}, **(env or {}))),
+                       env=_clean_env(dict({"OUT": str(out), "PYTHON": str(python),
+                                            "TMPDIR": str(elsewhere)}, **(env or {}))),
                        capture_output=True, text=True, timeout=timeout)
     return r, out
 

@@ -374,7 +374,8 @@ def test_ddp_split_step_all_reduces_once_and_matches_unsplit(venv, workdir):
     # --standalone: a rendezvous on localhost with a port the system picks.
     r = venv.run(None, args=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              "--max_restarts=0", str(script), str(workdir)],
-                 cwd=workdir, timeout=300, env={"OMP_NUM_THREADS": "1"})
+                 cwd=workdir, timeout=300,
+                 env={"OMP_NUM_THREADS": "1", "TMPDIR": str(workdir)})  # torchelastic_* folders
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     for rank in (0, 1):
         res = json.loads((workdir / f"rank{rank}.json").read_text())

@@ -681,33 +681,24 @@ ROOT = Path(__file__).resolve().parent.parent
 HAS_GPU = os.path.exists("/dev/nvidiactl") or os.path.isdir("/proc/driver/nvidia/gpus")
 
 
-def _pytest_gpu(env_extra, *args):
+def _pytest_gpu(tmp_path, env_extra, *args):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTOFCUDA_", "PYTEST_"))}
-    env.update(env_extra)
+    # The inner run's own folder (pytest-of-*) goes with this test's.
+    env.update(env_extra, TMPDIR=str(tmp_path))
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                            "-p", "no:xdist", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.skipif(HAS_GPU, reason="this machine has an NVIDIA GPU: the no-GPU paths do not run")
-def test_gpu_tests_fail_instead_of_skipping_when_a_gpu_is_required():
+def test_gpu_tests_fail_instead_of_skipping_when_a_gpu_is_required(tmp_path):
     files = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tests" / "gpu").glob("test_*.py"))]
-    r = _pytest_gpu({}, *files)
+    r = _pytest_gpu(tmp_path, {}, *files)
     assert r.returncode == 0, r.stdout[-3000:]
     assert " skipped" in r.stdout.splitlines()[-1] and "passed" not in r.stdout.splitlines()[-1]
     # As benchmarks/gpu_check.sh runs them: nothing skips, everything errors.
-    r = _pytest_gpu({"OUTOFCUDA_TEST_REQUIRE_GPU": "1"}, "--continue-on-collection-errors", *files)
+    r = _pytest_gpu(tmp_path, {"OUTOFCUDA_TEST_REQUIRE_GPU": "1"},
+                    "--continue-on-collection-errors", *files)
     assert r.returncode == 1, r.stdout[-3000:]
     last = r.stdout.splitlines()[-1]
     assert "skipped" not in last and "passed" not in last and " errors" in last, last
     assert "OUTOFCUDA_TEST_REQUIRE_GPU=1 but no NVIDIA GPU on this machine" in r.stdout
-
-
-@pytest.mark.skipif(HAS_GPU, reason="this machine has an NVIDIA GPU: the no-GPU paths do not run")
-def test_gpu_check_script_fails_without_a_gpu(venv, tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTOFCUDA_", "PYTHON"))}
-    env.update(OUT=str(tmp_path / "out"), PYTHON=str(venv.python))
-    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1, r.stdout + r.stderr
-    summary = (tmp_path / "out" / "summary.txt").read_text()
-    assert "FAIL: torch.cuda.is_available() is False" in summary, summary

@@ -91,18 +91,6 @@ def install_watching(tmp_path, *spec):
     return py, before
 
 
-def test_editable_install_has_the_hook_and_uninstalls_clean(tmp_path):
-    src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".git", "build", "dist", "*.egg-info", "*.so", ".venv*", "__pycache__", ".pytest_cache"))
-    py, before = install_watching(tmp_path, "-e", str(src))
-    pip(py, "uninstall", "-y", "outofcuda")
-    assert site_files(py) == before
-    # No private setuptools API: the root files come from the in-tree PEP 517
-    # backend's build_editable.
-    assert "_create_wheel_file" not in (ROOT / "setup.py").read_text()
-
-
 def build_wheel(src, out, **env):
     return subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                            "--no-build-isolation", "-w", str(out), "."], cwd=src,
@@ -201,18 +189,6 @@ def test_bad_hook_file_choice_is_refused_before_compiling(tmp_path):
     assert "gcc" not in r.stdout + r.stderr
 
 
-def test_a_new_compiler_warning_never_breaks_a_users_install(tmp_path):
-    """-Werror belongs to CI and development (OUTOFCUDA_BUILD_WERROR=1, which the
-    tests set): a warning the user's compiler adds (-Wpadded stands in for one)
-    leaves a user's build working."""
-    src = clean_copy(tmp_path / "src")
-    r = build_wheel(src, tmp_path / "user", CFLAGS="-Wpadded")
-    assert r.returncode == 0, r.stderr[-4000:]
-    shutil.rmtree(src / "build")
-    r = build_wheel(src, tmp_path / "dev", CFLAGS="-Wpadded", **WERROR)
-    assert r.returncode != 0 and "-Werror=padded" in r.stdout + r.stderr, r.stderr[-2000:]
-
-
 def pyenv_python(version):
     """The newest pyenv CPython `version`. Missing: a skip on a developer's
     machine, a failure under CI (CI=1), where a skip would pass unseen."""
@@ -282,22 +258,28 @@ def _asan_symbols(wheel_dir, tmp):
     return sum("__asan_" in line for line in syms.splitlines())
 
 
-def test_sanitize_build_over_an_existing_build_dir(tmp_path):
-    """OUTOFCUDA_BUILD_SANITIZE=1 pip wheel . after a plain build in the same
-    folder gives an instrumented extension, and a plain build after it an
-    uninstrumented one: neither reuses the other's object files."""
+def test_a_users_build_warns_without_failing_and_sanitize_builds_reuse_no_objects(tmp_path):
+    """-Werror belongs to CI and development (OUTOFCUDA_BUILD_WERROR=1, which the
+    tests set): a warning the user's compiler adds (-Wpadded stands in for one)
+    leaves a user's build working. OUTOFCUDA_BUILD_SANITIZE=1 pip wheel . after
+    that plain build in the same folder gives an instrumented extension, and a
+    plain build after it an uninstrumented one: neither reuses the other's
+    object files."""
     src = clean_copy(tmp_path / "src")
-    kinds = [("plain", None), ("sanitize", "1"), ("plain-again", None)]
+    kinds = [("plain", {"CFLAGS": "-Wpadded"}), ("sanitize", {"OUTOFCUDA_BUILD_SANITIZE": "1"}),
+             ("plain-again", {})]
     found = {}
-    for name, sanitize in kinds:
+    for name, env in kinds:
         out = tmp_path / name
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                        "--no-build-isolation", "-w", str(out), "."], cwd=src, check=True,
-                       env=_clean_env({"OUTOFCUDA_BUILD_SANITIZE": sanitize}), timeout=600)
+        r = build_wheel(src, out, **env)
+        assert r.returncode == 0, (name, r.stderr[-4000:])
         assert (src / "build").is_dir()
         found[name] = _asan_symbols(out, tmp_path / (name + "-so"))
     assert found["plain"] == 0 and found["plain-again"] == 0, found
     assert found["sanitize"] > 0, found
+    shutil.rmtree(src / "build")
+    r = build_wheel(src, tmp_path / "dev", CFLAGS="-Wpadded", **WERROR)
+    assert r.returncode != 0 and "-Werror=padded" in r.stdout + r.stderr, r.stderr[-2000:]
 
 
 SUBINTERPRETER = """
@@ -435,14 +417,17 @@ def test_start_kind_on_an_older_python_is_named_and_reinstalled_from_the_folder(
 BOOT_CHANGE = '\nconst char oc_rebuilt_in_place[] = "' + "x" * 5000 + '";\n'
 
 
-def test_editable_boot_rebuilt_in_place_is_named_and_reinstalled(tmp_path):
-    """An editable install whose C files are rebuilt in place: the .pth loads
-    the boot only at the size it was built at, so the hook stays off; doctor
-    and status say the boot's size changed (not "see status for the error"),
-    and the fix is `pip install -e` of that checkout, which brings it back."""
+def test_editable_install_rebuilt_in_place_is_named_reinstalled_and_uninstalls_clean(tmp_path):
+    """An editable install has the hook; once its C files are rebuilt in
+    place, the .pth loads the boot only at the size it was built at, so the
+    hook stays off; doctor and status say the boot's size changed (not "see
+    status for the error"), and the fix is `pip install -e` of that checkout,
+    which brings it back. Uninstalling leaves the environment as it was."""
     src = clean_copy(tmp_path / "src")
-    py = make_venv(sys.executable, tmp_path / "v")
-    pip(py, "install", "-e", str(src))
+    py, before = install_watching(tmp_path, "-e", str(src))
+    # No private setuptools API: the root files come from the in-tree PEP 517
+    # backend's build_editable.
+    assert "_create_wheel_file" not in (ROOT / "setup.py").read_text()
     command = [str(py), "-m", "pip", "install", "--no-deps", "-e", str(src)]
     _, d, checks = doctor(py, tmp_path)
     assert (d["reinstall"]["source"], d["reinstall"]["command"]) == ("editable", command)
@@ -459,6 +444,8 @@ def test_editable_boot_rebuilt_in_place_is_named_and_reinstalled(tmp_path):
     subprocess.run(command, check=True, capture_output=True, env=_clean_env(WERROR), timeout=600)
     _, _, checks = doctor(py, tmp_path)
     assert checks["hook_file"]["code"] == "fires", checks["hook_file"]
+    pip(py, "uninstall", "-y", "outofcuda")
+    assert site_files(py) == before
 
 
 def readme_commands():

@@ -112,7 +112,8 @@ def test_torchrun_ddp_on_gloo(venv, workdir):
     # know) in every process, the launcher's included.
     r = venv.run(None, args=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              str(path)], cwd=workdir, timeout=240,
-                 env={"OUTOFCUDA_VERBOSE": "1", "OUTOFCUDA_SUMMARY": "maybe"})
+                 env={"OUTOFCUDA_VERBOSE": "1", "OUTOFCUDA_SUMMARY": "maybe",
+                      "TMPDIR": str(workdir)})  # torchrun's torchelastic_* log folders
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = [json.loads((workdir / f"rank{i}.json").read_text()) for i in range(2)]
     _assert_hooked(res, 2)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, _clean_env, hard_link_copy
+from conftest import ROOT, SANITIZED_FILES, SANITIZED_LEFT_OUT, _clean_env, hard_link_copy
 
 pytestmark = pytest.mark.skipif(bool(os.environ.get("OUTOFCUDA_TEST_SKIP_SANITIZE")),
                                 reason="OUTOFCUDA_TEST_SKIP_SANITIZE is set")
@@ -349,22 +349,25 @@ def test_no_torch_scenario_with_leak_detection(san, tmp_path):
 
 def test_core_suites_under_sanitizers(tmp_path, venv_master):
     """The C-heavy test files (hook and watcher on real torch, release gating
-    over every release, configuration) rerun whole against the sanitizer build, every scenario
+    over every release, configuration) run whole against the sanitizer build, every scenario
     interpreter with the ASan runtime preloaded (tests/conftest.py,
-    OUTOFCUDA_BUILD_SANITIZE=1). The other files run against the normal build."""
+    OUTOFCUDA_BUILD_SANITIZE=1), and only here where this test is part of the
+    run. The other files run against the normal build."""
     if os.environ.get("OUTOFCUDA_BUILD_SANITIZE") == "1":
         pytest.skip("already running under the sanitizer build")
     # torch comes from a hard-link copy of the run's environment: the
     # sanitizer build replaces outofcuda there, never in a file it shares.
     env = _clean_env({"OUTOFCUDA_BUILD_SANITIZE": "1",
                       "OUTOFCUDA_TEST_VENV": str(hard_link_copy(venv_master, tmp_path / "venv")),
-                      "PYTHONDONTWRITEBYTECODE": "1"})
+                      "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": str(tmp_path)})
     # One process (no workers): this test's own worker already shares the cores.
     # ddtrace's tests exercise the same watcher code as the tool tests there.
+    # The main run leaves to this one the tests it runs (conftest.py
+    # SanitizedRunCovers): their failures are shown here.
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                        "tests/test_hook.py", "tests/test_gating.py", "tests/test_config.py",
-                        "-k", "not collect_env and not ddtrace"],
+                        *(f"tests/{name}" for name in SANITIZED_FILES),
+                        "-k", " and ".join(f"not {word}" for word in SANITIZED_LEFT_OUT)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    tail = "\n".join(r.stdout.splitlines()[-15:])
+    tail = "\n".join(r.stdout.splitlines()[-40:])
     assert r.returncode == 0, tail + r.stderr[-3000:]
     assert " passed" in tail and "failed" not in tail
