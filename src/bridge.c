@@ -1411,8 +1411,7 @@ void oc_bridge_after_torch(PyObject *torch)
     settle_allocator(c_mod);
     if (cfg->disable) {
         Py_XDECREF(c_mod);
-        oc_record_set_all(OC_REC_SKIPPED, OC_CODE_DISABLED,
-                          "outofcuda is disabled (OUTOFCUDA_DISABLE)");
+        oc_record_set_all(OC_REC_SKIPPED, OC_CODE_OFF, OC_DISABLED_TEXT);
         return;
     }
     read_version_module(torch);

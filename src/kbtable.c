@@ -294,13 +294,28 @@ static const char *env_of(const oc_kb_facts *f, const char *name)
     return f->getenv_fn ? f->getenv_fn(name, f->ctx) : NULL;
 }
 
+#define OC_KB_NAME(id, name, verdict) name,
+#define OC_KB_VERDICT(id, name, verdict) verdict,
+static const char *const code_names[] = {OC_KB_CODES(OC_KB_NAME)};
+static const int verdicts[] = {OC_KB_CODES(OC_KB_VERDICT)};
+
+const char *oc_kb_code_name(oc_kb_code code)
+{
+    return (unsigned)code < OC_KB_CODE_COUNT ? code_names[code] : "?";
+}
+
+int oc_kb_verdict(oc_kb_code code)
+{
+    return (unsigned)code < OC_KB_CODE_COUNT ? verdicts[code] : OC_KB_UNDECIDED;
+}
+
 #define SAY(...)                                                                                   \
     do {                                                                                           \
         if (why && whysz)                                                                          \
             snprintf(why, whysz, __VA_ARGS__);                                                     \
     } while (0)
 
-int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, size_t whysz)
+oc_kb_code oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, size_t whysz)
 {
     char text[32];
     int unknown = 0, cc_hit = 0;
@@ -308,68 +323,64 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
     if (why && whysz)
         why[0] = '\0';
     if (b == NULL || f == NULL)
-        return OC_KB_UNDECIDED;
+        return OC_KBC_NEEDS_FACT;
     /* Every "no" the facts can prove wins over what is still unknown. */
     if (f->torch > 0 && !oc_range_has(b->torch, f->torch)) {
         version_text(text, sizeof text, f->torch);
-        SAY("not affected: torch %s is outside the affected releases", text);
-        return OC_KB_NO;
+        SAY("torch %s is outside the affected releases", text);
+        return OC_KBC_OUT_OF_RANGE;
     }
     if (f->cuda_build == 0) {
-        SAY("not affected: this torch build has no CUDA");
-        return OC_KB_NO;
+        SAY("this torch build has no CUDA");
+        return OC_KBC_NO_CUDA;
     }
     if (!oc_range_any(b->cuda) && f->cuda > 0 && !oc_range_has(b->cuda, f->cuda)) {
-        SAY("not affected: torch is built for CUDA %ld.%ld, outside the affected builds",
-            f->cuda / 100, f->cuda % 100);
-        return OC_KB_NO;
+        SAY("torch is built for CUDA %ld.%ld, outside the affected builds", f->cuda / 100,
+            f->cuda % 100);
+        return OC_KBC_OUT_OF_RANGE;
     }
     env = b->unless_env ? env_of(f, b->unless_env) : NULL;
     /* c10::utils::check_env: exactly "1" is true. */
     if (env != NULL && strcmp(env, "1") == 0) {
-        SAY("not affected: %s=1 keeps torch off the kernel", b->unless_env);
-        return OC_KB_NO;
+        SAY("%s=1 keeps torch off the kernel", b->unless_env);
+        return OC_KBC_TORCH_AVOIDS;
     }
     if (b->needs & OC_KB_NEEDS_ALLOC_GENERIC) {
         if (env_of(f, OC_VAR("PYTORCH_CUDA_ALLOC_CONF")) != NULL) {
-            SAY("not affected: PYTORCH_CUDA_ALLOC_CONF is set, and this release reads it");
-            return OC_KB_NO;
+            SAY("PYTORCH_CUDA_ALLOC_CONF is set, and this release reads it");
+            return OC_KBC_UNMET;
         }
         if (env_of(f, OC_VAR("PYTORCH_ALLOC_CONF")) == NULL) {
-            SAY("not affected: PYTORCH_ALLOC_CONF is not set");
-            return OC_KB_NO;
+            SAY("PYTORCH_ALLOC_CONF is not set");
+            return OC_KBC_UNMET;
         }
     }
     if (b->needs & OC_KB_NEEDS_FOREIGN_CTX) {
         if (f->local_rank <= 0) {
-            SAY("not affected: %s", f->local_rank < 0 ? "LOCAL_RANK is not set (no torchrun rank)"
-                                                      : "LOCAL_RANK 0 owns cuda:0");
-            return OC_KB_NO;
+            SAY("%s", f->local_rank < 0 ? "LOCAL_RANK is not set (no torchrun rank)"
+                                        : "LOCAL_RANK 0 owns cuda:0");
+            return OC_KBC_UNMET;
         }
         if (f->foreign_dev == -1) {
-            SAY("not affected: NVML lists this process on no visible device but LOCAL_RANK %ld's",
-                f->local_rank);
-            return OC_KB_NO;
+            SAY("NVML lists this process on no visible device but LOCAL_RANK %ld's", f->local_rank);
+            return OC_KBC_UNMET;
         }
     }
     if (!oc_range_any(b->cc)) {
         for (int i = 0; f->n_cc > 0 && i < f->n_cc && i < OC_KB_MAX_DEVICES; i++)
             cc_hit |= oc_range_has(b->cc, f->cc[i]);
         if (f->n_cc >= 0 && !cc_hit) {
-            SAY("not affected: no visible GPU of compute capability ");
+            SAY("no visible GPU of compute capability ");
             cc_text(why, whysz, b->cc);
-            return OC_KB_NO;
+            return OC_KBC_OUT_OF_RANGE;
         }
     }
     if (!oc_range_any(b->cudnn) &&
         (f->cudnn == 0 || (f->cudnn > 0 && !oc_range_has(b->cudnn, f->cudnn)))) {
-        if (f->cudnn == 0)
-            SAY("not affected: torch loads no cuDNN");
-        else
-            SAY("not affected: cuDNN %ld is outside the affected versions", f->cudnn);
-        return OC_KB_NO;
+        SAY(f->cudnn ? "cuDNN %ld is outside the affected versions" : "torch loads no cuDNN",
+            f->cudnn);
+        return f->cudnn ? OC_KBC_OUT_OF_RANGE : OC_KBC_NO_CUDNN;
     }
-    SAY("undecided:");
     if (f->torch <= 0) {
         add_why(why, whysz, " torch's version unknown;", 0, 0);
         unknown = 1;
@@ -399,10 +410,12 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
         size_t n = why ? strlen(why) : 0;
         if (n > 0 && why[n - 1] == ';')
             why[n - 1] = '\0';
-        return OC_KB_UNDECIDED;
+        if (n > 0)
+            memmove(why, why + 1, n); /* the blank before the first */
+        return OC_KBC_NEEDS_FACT;
     }
     version_text(text, sizeof text, f->torch);
-    SAY("affected: torch %s", text);
+    SAY("torch %s", text);
     if (!oc_range_any(b->cuda))
         add_why(why, whysz, ", built for CUDA %ld.%ld", f->cuda / 100, f->cuda % 100);
     if (!oc_range_any(b->cudnn))
@@ -416,5 +429,5 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
     if (b->needs & OC_KB_NEEDS_FOREIGN_CTX)
         add_why(why, whysz, ", NVML lists this process on cuda:%ld, not LOCAL_RANK %ld's",
                 f->foreign_dev, f->local_rank);
-    return OC_KB_YES;
+    return OC_KBC_APPLIES;
 }

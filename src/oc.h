@@ -350,10 +350,29 @@ int oc_kb_foreign_device(long local_rank, int n_visible, const int *ctx, int n);
 #define OC_KB_NO 0
 #define OC_KB_YES 1
 #define OC_KB_UNDECIDED (-1)
-/* Whether bug b applies to facts f: OC_KB_YES, OC_KB_NO (a fact rules it
- * out) or OC_KB_UNDECIDED (a fact it needs is unknown). why (may be NULL)
- * says which, in words. */
-int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, size_t whysz);
+/* Why a row's verdict is what it is (status()'s "code"); the verdict
+ * follows from the code (oc_kb_verdict). */
+#define OC_KB_CODES(X)                                                                             \
+    X(APPLIES, "applies", OC_KB_YES)             /* every fact the row names holds */              \
+    X(AVOIDED, "avoided", OC_KB_YES)             /* outofcuda's steer or own settings avoid it */  \
+    X(NOT_AVOIDED, "not_avoided", OC_KB_YES)     /* the steer could not act (the reason says) */   \
+    X(OUT_OF_RANGE, "out_of_range", OC_KB_NO)    /* a version or capability outside the row's */   \
+    X(NO_CUDA, "no_cuda", OC_KB_NO)              /* a torch build without CUDA */                  \
+    X(NO_CUDNN, "no_cudnn", OC_KB_NO)            /* torch loads no cuDNN */                        \
+    X(TORCH_AVOIDS, "torch_avoids", OC_KB_NO)    /* the row's variable keeps torch off the bug */  \
+    X(UNMET, "condition_unmet", OC_KB_NO)        /* a variable or rank it needs is not so */       \
+    X(NEEDS_FACT, "needs_fact", OC_KB_UNDECIDED) /* a fact it needs is not read (yet) */           \
+    X(OFF, "off", OC_KB_UNDECIDED)               /* OUTOFCUDA_KNOWN_BUGS: nothing checked */       \
+    X(NOT_IMPORTED, "not_imported", OC_KB_UNDECIDED) /* torch not imported through the hook */
+#define OC_KB_CODE_ENUM(id, name, verdict) OC_KBC_##id,
+typedef enum { OC_KB_CODES(OC_KB_CODE_ENUM) OC_KB_CODE_COUNT } oc_kb_code;
+#undef OC_KB_CODE_ENUM
+int oc_kb_verdict(oc_kb_code code); /* OC_KB_YES, OC_KB_NO or OC_KB_UNDECIDED */
+const char *oc_kb_code_name(oc_kb_code code);
+/* Whether bug b applies to facts f, as a code: OC_KBC_APPLIES, one that
+ * rules it out, or OC_KBC_NEEDS_FACT. why (may be NULL) gives the facts. */
+oc_kb_code oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why,
+                               size_t whysz);
 /* The allocator variable the CUDA allocator of release `ver` reads, as torch
  * reads it: up to 2.10 PYTORCH_CUDA_ALLOC_CONF only; from 2.11 the first set
  * of PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF, PYTORCH_ALLOC_CONF wins
@@ -411,12 +430,11 @@ typedef enum { OC_REC_STATES(OC_STATE_ENUM) OC_REC_STATE_COUNT } oc_rec_state;
     X(NOT_IMPORTED, "not_imported")       /* torch not imported in this process yet */             \
     X(IMPORT_BYPASSED, "import_bypassed") /* a finder ahead of the hook loaded torch */            \
     X(NO_HOOK, "no_hook")                 /* the start-up hook did not run */                      \
-    X(DISABLED, "disabled")               /* OUTOFCUDA_DISABLE */                                  \
     X(NOT_PYTORCH, "not_pytorch")         /* the imported `torch` has no torch._C */               \
     X(IMPORTED_EARLY, "imported_early")   /* torch imported before the hook installed */           \
-    X(OFF, "off")                         /* the user's off word (off_by names it) */              \
-    X(NO_CUDA, "no_cuda")                 /* a torch build without CUDA */                         \
-    X(ROCM, "rocm")                       /* a ROCm build: CUDA's allocator only */                \
+    X(OFF, "off")         /* off_by (OUTOFCUDA_DISABLE or a switch) turned it off */               \
+    X(NO_CUDA, "no_cuda") /* a torch build without CUDA */                                         \
+    X(ROCM, "rocm")       /* a ROCm build: CUDA's allocator only */                                \
     X(VERSION_UNKNOWN, "version_unknown") /* torch's version unread before it loaded */            \
     X(NO_SETTER, "no_setter")             /* this torch lacks the function */                      \
     X(SETTER_FAILED, "setter_failed")     /* torch's function raised */                            \
@@ -837,6 +855,8 @@ PyObject *oc_leave(PyObject *result); /* result, or NULL (result released) with 
  * exception. */
 int oc_register_at_exit(PyMethodDef *def, int *registered);
 int oc_disabled_by_env(void);
+/* What every row says under OUTOFCUDA_DISABLE (the boot says it too). */
+#define OC_DISABLED_TEXT "off by OUTOFCUDA_DISABLE: torch imports as without outofcuda"
 
 /* watcher.c */
 int oc_watcher_init(PyObject *module); /* from module_exec */

@@ -76,8 +76,8 @@ static const char *pending_reason(oc_rec_code *code)
         return "torch has not been imported in this process yet";
     }
     if (oc_disabled_by_env()) {
-        *code = OC_CODE_DISABLED;
-        return "outofcuda is disabled (OUTOFCUDA_DISABLE)";
+        *code = OC_CODE_OFF;
+        return OC_DISABLED_TEXT;
     }
     *code = OC_CODE_NO_HOOK;
     return "the start-up hook did not run in this process (python -S, or the hook file is "
@@ -131,15 +131,17 @@ static PyObject *record_entry(oc_opt opt)
     else
         oc_record_reason(opt, reason, sizeof reason);
     /* Turned off by OUTOFCUDA_DISABLE: skipped, not waiting for torch. */
-    if (code == OC_CODE_DISABLED)
+    if (code == OC_CODE_OFF)
         state = OC_REC_SKIPPED;
     value = record_value(r);
     said = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
-    e = value && said ? Py_BuildValue("{s:O,s:s,s:s,s:O,s:O,s:z}", "applied",
-                                      r->state == OC_REC_APPLIED ? Py_True : Py_False, "state",
-                                      oc_rec_state_name(state), "code", oc_rec_code_name(code),
-                                      "value", value, "reason", said, "off_by", r->off_by)
-                      : NULL;
+    e = value && said
+            ? Py_BuildValue("{s:O,s:s,s:s,s:O,s:O,s:z}", "applied",
+                            r->state == OC_REC_APPLIED ? Py_True : Py_False, "state",
+                            oc_rec_state_name(state), "code", oc_rec_code_name(code), "value",
+                            value, "reason", said, "off_by",
+                            code == OC_CODE_OFF && !r->off_by ? "OUTOFCUDA_DISABLE" : r->off_by)
+            : NULL;
     Py_XDECREF(value);
     Py_XDECREF(said);
     if (e != NULL && (r->state == OC_REC_QUEUED || r->state == OC_REC_INTERRUPTED))
@@ -394,7 +396,7 @@ static PyObject *py_status(PyObject *self, PyObject *unused)
 {
     const oc_config *cfg = oc_config_if_loaded();
     PyObject *opts, *warnings, *bugs, *framework, *cuda_init, *error = oc_error();
-    int installed = hook.installed || installed_and_off(self);
+    int installed = hook.installed || (self != NULL && installed_and_off(self));
     (void)unused;
     opts = optimizations();
     warnings = opts ? PyList_New(0) : NULL;
@@ -497,19 +499,40 @@ static size_t wrap_cut(const char *text, size_t len, size_t width, size_t indent
     return kept;
 }
 
-/* Writes text to stderr in lines of at most `first` characters (the first
- * line, after what the caller wrote) and TABLE_WIDTH - indent characters (the
- * others, indented), broken as wrap_cut says. */
-static void write_wrapped(const char *text, size_t first, size_t indent)
+/* The status table's text: pieces appended to a list of str (a piece that
+ * cannot be made is left out: the table is for people). */
+static void put(PyObject *out, const char *fmt, ...)
+#ifdef __GNUC__
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+static void put(PyObject *out, const char *fmt, ...)
+{
+    char buf[1200];
+    va_list ap;
+    PyObject *s;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    s = PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "replace");
+    if (s == NULL || PyList_Append(out, s) < 0)
+        OC_CLEAR();
+    Py_XDECREF(s);
+}
+
+/* Writes text in lines of at most `first` characters (the first line, after
+ * what the caller wrote) and TABLE_WIDTH - indent characters (the others,
+ * indented), broken as wrap_cut says. */
+static void write_wrapped(PyObject *out, const char *text, size_t first, size_t indent)
 {
     size_t width = first, len = strlen(text);
     for (;;) {
         size_t skip, cut = wrap_cut(text, len, width, indent, &skip);
         if (cut == len) {
-            oc_stderr_printf("%s\n", text);
+            put(out, "%s\n", text);
             return;
         }
-        oc_stderr_printf("%.*s\n%*s", (int)cut, text, (int)indent, "");
+        put(out, "%.*s\n%*s", (int)cut, text, (int)indent, "");
         text += cut + skip;
         len -= cut + skip;
         width = TABLE_WIDTH - indent;
@@ -517,7 +540,7 @@ static void write_wrapped(const char *text, size_t first, size_t indent)
 }
 
 /* Writes an optimisation's value from column VALUE_COL on. */
-static void write_value(PyObject *v)
+static void write_value(PyObject *out, PyObject *v)
 {
     char joined[1000], item[520], text[400];
     Py_ssize_t pos = 0;
@@ -525,7 +548,7 @@ static void write_value(PyObject *v)
     size_t used = 0;
     if (v == NULL || !PyDict_Check(v) || PyDict_Size(v) == 0) {
         value_text(v, text, sizeof text);
-        write_wrapped(text, TABLE_WIDTH - VALUE_COL, VALUE_COL);
+        write_wrapped(out, text, TABLE_WIDTH - VALUE_COL, VALUE_COL);
         return;
     }
     joined[0] = '\0';
@@ -539,7 +562,7 @@ static void write_value(PyObject *v)
             break;
     }
     if (used <= TABLE_WIDTH - VALUE_COL) {
-        oc_stderr_printf("%s\n", joined);
+        put(out, "%s\n", joined);
         return;
     }
     /* One item a line, continuation lines two further in. */
@@ -550,85 +573,172 @@ static void write_value(PyObject *v)
         value_text(val, text, sizeof text);
         snprintf(item, sizeof item, "%s=%s", k, text);
         if (i > 0)
-            oc_stderr_printf("%*s", VALUE_COL, "");
-        write_wrapped(item, TABLE_WIDTH - VALUE_COL, VALUE_COL + 2);
+            put(out, "%*s", VALUE_COL, "");
+        write_wrapped(out, item, TABLE_WIDTH - VALUE_COL, VALUE_COL + 2);
     }
 }
 
-/* The known-bugs row (the README's table has one): applied "yes" when a
- * guard acted, "queued" while one waits for CUDA's start; the value names
- * the entries, the reason lines give each entry's verdict (an entry's id
- * before it when there are several). */
-static void write_known_bugs_row(void)
+/* d[key] as text ("-" when d is no dict or has no such key). */
+static void key_text(PyObject *d, const char *key, char *buf, size_t sz)
 {
-    char ids[400], reason[720], id[100];
+    value_text(d && PyDict_Check(d) ? PyDict_GetItemString(d, key) : NULL, buf, sz);
+}
+
+/* The "applied" word of the table, from a row's state and code: queued
+ * (waiting for CUDA's start, or its step was interrupted there), yes, off (a
+ * switch turned it off; off_by names it), no. */
+static const char *applied_word(const char *state, const char *code)
+{
+    if (strcmp(state, "queued") == 0 || strcmp(state, "interrupted") == 0)
+        return "queued";
+    if (strcmp(state, "applied") == 0)
+        return "yes";
+    return strcmp(code, "off") == 0 ? "off" : "no";
+}
+
+/* The optimisations: name, applied word, value, and the reason below; one
+ * reason for all where every row has the same code (and off_by). */
+static void write_optimisations(PyObject *out, PyObject *opts)
+{
+    char name[64], state[32], code[100], first[100] = "", reason[OC_REASON_LEN + 300];
+    char line[sizeof reason + 20];
+    Py_ssize_t pos = 0;
+    PyObject *k, *e;
+    int shared = PyDict_Size(opts) > 1;
+    while (PyDict_Next(opts, &pos, &k, &e)) {
+        key_text(e, "code", code, 50);
+        key_text(e, "off_by", code + strlen(code), 50);
+        shared &= !first[0] || strcmp(first, code) == 0;
+        snprintf(first, sizeof first, "%s", code);
+    }
+    put(out, "  %-20s %-8s %s\n", "optimisation", "applied",
+        shared ? "value" : "value (reason below)");
+    for (pos = 0; PyDict_Next(opts, &pos, &k, &e);) {
+        value_text(k, name, sizeof name);
+        key_text(e, "state", state, sizeof state);
+        key_text(e, "code", code, sizeof code);
+        put(out, "  %-20s %-8s ", name, applied_word(state, code));
+        write_value(out, PyDict_Check(e) ? PyDict_GetItemString(e, "value") : NULL);
+        key_text(e, "reason", reason, sizeof reason);
+        if (!shared) {
+            put(out, "%*s", REASON_INDENT, "");
+            write_wrapped(out, reason, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
+        }
+    }
+    if (shared) {
+        snprintf(line, sizeof line, "  (all: %s)", reason);
+        write_wrapped(out, line, TABLE_WIDTH, REASON_INDENT);
+    }
+}
+
+/* The known-bugs row: applied "yes" when a guard acted, "queued" while one
+ * waits for CUDA's start, "off" when every row is; the value counts the
+ * verdicts, and a line below gives each row that is not "not affected" (one
+ * line when all are off). */
+static void write_known_bugs(PyObject *out, PyObject *bugs, PyObject *cuda_init)
+{
+    static const char *const words[] = {"applies", "undecided", "not affected", "off"};
+    char verdict[32], code[32], id[100], why[600], line[800], value[120], step[32];
+    int count[4] = {0, 0, 0, 0}, avoided = 0;
+    Py_ssize_t n = bugs && PyList_Check(bugs) ? PyList_Size(bugs) : 0;
     size_t used = 0;
-    int done = 0;
-    oc_step_state step;
-    PyObject *bugs = oc_known_bugs_status();
-    Py_ssize_t n = bugs ? PyList_Size(bugs) : -1;
-    if (n <= 0) {
-        Py_XDECREF(bugs);
-        OC_CLEAR();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        key_text(PyList_GetItem(bugs, i), "verdict", verdict, sizeof verdict);
+        key_text(PyList_GetItem(bugs, i), "code", code, sizeof code);
+        count[strcmp(code, "off") == 0            ? 3
+              : strcmp(verdict, "applies") == 0   ? 0
+              : strcmp(verdict, "undecided") == 0 ? 1
+                                                  : 2]++;
+        avoided |= strcmp(code, "avoided") == 0;
+    }
+    for (int k = 0; k < 4 && n > 0; k++) {
+        if (count[k])
+            used += (size_t)snprintf(value + used, sizeof value - used, "%s%d %s", used ? ", " : "",
+                                     count[k], words[k]);
+    }
+    if (n <= 0)
         return;
-    }
-    ids[0] = '\0';
-    for (Py_ssize_t i = 0; i < n; i++) {
+    key_text(cuda_init, "known_bugs", step, sizeof step);
+    put(out, "  %-20s %-8s ", "known_bugs",
+        avoided                                         ? "yes"
+        : strcmp(applied_word(step, ""), "queued") == 0 ? "queued"
+        : count[3] == n                                 ? "off"
+                                                        : "no");
+    write_wrapped(out, value, TABLE_WIDTH - VALUE_COL, VALUE_COL);
+    for (Py_ssize_t i = 0; i < n && !(count[3] == n && i > 0); i++) {
         PyObject *e = PyList_GetItem(bugs, i);
-        value_text(PyDict_GetItemString(e, "id"), id, sizeof id);
-        done |= PyDict_GetItemString(e, "done") == Py_True;
-        if (used < sizeof ids)
-            used += (size_t)snprintf(ids + used, sizeof ids - used, "%s%s", i ? ", " : "", id);
+        key_text(e, "id", id, sizeof id);
+        key_text(e, "verdict", verdict, sizeof verdict);
+        key_text(e, "code", code, sizeof code);
+        key_text(e, "reason", why, sizeof why);
+        if (strcmp(verdict, "not_affected") == 0)
+            continue;
+        if (count[3] == n)
+            snprintf(line, sizeof line, "%s", why);
+        else
+            snprintf(line, sizeof line, "%s: %s, %s: %s", id, verdict, code, why);
+        put(out, "%*s", REASON_INDENT, "");
+        write_wrapped(out, line, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
     }
-    step = oc_cuda_step_state(OC_STEP_KNOWN_BUGS);
-    oc_stderr_printf("  %-20s %-8s ", "known_bugs",
-                     done                                                          ? "yes"
-                     : step == OC_STEP_IS_QUEUED || step == OC_STEP_IS_INTERRUPTED ? "queued"
-                                                                                   : "no");
-    write_wrapped(ids, TABLE_WIDTH - VALUE_COL, VALUE_COL);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *e = PyList_GetItem(bugs, i);
-        char why[600];
-        value_text(PyDict_GetItemString(e, "id"), id, sizeof id);
-        value_text(PyDict_GetItemString(e, "reason"), why, sizeof why);
-        snprintf(reason, sizeof reason, "%s%s%s", n > 1 ? id : "", n > 1 ? ": " : "", why);
-        oc_stderr_printf("%*s", REASON_INDENT, "");
-        write_wrapped(reason, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
+}
+
+/* The status table of a status() dict (or of the command line's, which has
+ * the same keys): the optimisations, the known bugs and the error, as the
+ * verbose table, `outofcuda status` and `outofcuda report --bug` print it.
+ * A new str, or NULL with an exception. */
+static PyObject *status_text(PyObject *st)
+{
+    PyObject *out = PyList_New(0), *opts, *hook, *empty, *text;
+    char error[400];
+    if (out == NULL)
+        return NULL;
+    opts = PyDict_Check(st) ? PyDict_GetItemString(st, "optimizations") : NULL;
+    if (opts != NULL && PyDict_Check(opts))
+        write_optimisations(out, opts);
+    write_known_bugs(out, PyDict_Check(st) ? PyDict_GetItemString(st, "known_bugs") : NULL,
+                     PyDict_Check(st) ? PyDict_GetItemString(st, "cuda_init") : NULL);
+    hook = PyDict_Check(st) ? PyDict_GetItemString(st, "hook") : NULL;
+    key_text(hook, "error", error, sizeof error);
+    if (strcmp(error, "-") != 0) {
+        put(out, "  error: ");
+        write_wrapped(out, error, TABLE_WIDTH - 9, 9);
     }
-    Py_DECREF(bugs);
+    empty = PyUnicode_FromString("");
+    text = empty ? PyUnicode_Join(empty, out) : NULL;
+    Py_XDECREF(empty);
+    Py_DECREF(out);
+    return text;
 }
 
 void oc_report_verbose(void)
 {
-    char tv[64], reason[400];
+    char tv[64];
+    PyObject *st, *text, *bytes;
     /* torchrun's launcher imports torch but runs no model: its table would
      * read as one more rank's. Each worker prints its own, labelled. */
     if (oc_torchrun_launcher())
         return;
     value_text(hook.torch_version, tv, sizeof tv);
     oc_stderr_printf("outofcuda %s: torch %s imported\n", OC_VERSION, tv);
-    oc_stderr_printf("  %-20s %-8s %s\n", "optimisation", "applied", "value (reason below)");
-    for (int i = 0; i < OC_OPT_COUNT; i++) {
-        const oc_record *r = oc_record_get((oc_opt)i);
-        PyObject *e = record_entry((oc_opt)i);
-        oc_stderr_printf("  %-20s %-8s ", oc_opt_name((oc_opt)i),
-                         r->state == OC_REC_QUEUED || r->state == OC_REC_INTERRUPTED ? "queued"
-                         : r->state == OC_REC_APPLIED                                ? "yes"
-                         : r->code == OC_CODE_OFF                                    ? "off"
-                                                                                     : "no");
-        write_value(e ? PyDict_GetItemString(e, "value") : NULL);
-        value_text(e ? PyDict_GetItemString(e, "reason") : NULL, reason, sizeof reason);
-        OC_CLEAR();
-        Py_XDECREF(e);
-        oc_stderr_printf("%*s", REASON_INDENT, "");
-        write_wrapped(reason, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
-    }
-    write_known_bugs_row();
-    if (oc_error() != NULL) {
-        value_text(oc_error(), reason, sizeof reason);
-        oc_stderr_printf("  error: ");
-        write_wrapped(reason, TABLE_WIDTH - 9, 9);
-    }
+    st = py_status(NULL, NULL);
+    text = st ? status_text(st) : NULL;
+    bytes = text ? PyUnicode_AsUTF8String(text) : NULL;
+    if (bytes != NULL)
+        oc_stderr_write(PyBytes_AsString(bytes));
+    OC_CLEAR();
+    Py_XDECREF(bytes);
+    Py_XDECREF(text);
+    Py_XDECREF(st);
+}
+
+/* _status_text(status) -> str: the status table of a status() dict. */
+static PyObject *py_status_text(PyObject *self, PyObject *args)
+{
+    PyObject *st;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!", &PyDict_Type, &st))
+        return NULL;
+    return status_text(st);
 }
 
 /* _text_layout() -> dict: the tables' width and columns (width, value_col,
@@ -712,6 +822,7 @@ OC_EDGE_VARARGS(py_labelled)
 OC_EDGE_VARARGS(py_wrap)
 OC_EDGE_NOARGS(py_text_layout)
 OC_EDGE_NOARGS(py_status)
+OC_EDGE_VARARGS(py_status_text)
 
 PyMethodDef oc_report_methods[] = {
     OC_METHOD(
@@ -724,6 +835,8 @@ PyMethodDef oc_report_methods[] = {
         "most first characters, the others indented)."),
     OC_METHOD("_text_layout", py_text_layout,
               "_text_layout()\n--\n\nThe tables' width and columns."),
+    OC_METHOD("_status_text", py_status_text,
+              "_status_text(status, /)\n--\n\nThe status table of a status() dict, as text."),
     OC_METHOD("status", py_status,
               "status()\n--\n\nWhat outofcuda did in this process, as a JSON-serialisable dict."),
     {NULL, NULL, 0, NULL},
