@@ -741,16 +741,6 @@ static PyObject *py_status_text(PyObject *self, PyObject *args)
     return status_text(st);
 }
 
-/* _text_layout() -> dict: the tables' width and columns (width, value_col,
- * reason_indent), for the CLI's text. */
-static PyObject *py_text_layout(PyObject *self, PyObject *unused)
-{
-    (void)self;
-    (void)unused;
-    return Py_BuildValue("{s:i,s:i,s:i}", "width", TABLE_WIDTH, "value_col", VALUE_COL,
-                         "reason_indent", REASON_INDENT);
-}
-
 /* _wrap(text, first, indent) -> list of str: text in the table's lines (the
  * first at most `first` characters, the others indented, as write_wrapped
  * writes them), for the CLI's text. */
@@ -820,7 +810,6 @@ static PyObject *py_labelled(PyObject *self, PyObject *args)
 
 OC_EDGE_VARARGS(py_labelled)
 OC_EDGE_VARARGS(py_wrap)
-OC_EDGE_NOARGS(py_text_layout)
 OC_EDGE_NOARGS(py_status)
 OC_EDGE_VARARGS(py_status_text)
 
@@ -833,8 +822,6 @@ PyMethodDef oc_report_methods[] = {
         "_wrap", py_wrap,
         "_wrap(text, first, indent, /)\n--\n\nThe text in lines of the tables' width (the first at "
         "most first characters, the others indented)."),
-    OC_METHOD("_text_layout", py_text_layout,
-              "_text_layout()\n--\n\nThe tables' width and columns."),
     OC_METHOD("_status_text", py_status_text,
               "_status_text(status, /)\n--\n\nThe status table of a status() dict, as text."),
     OC_METHOD("status", py_status,

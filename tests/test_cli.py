@@ -335,15 +335,17 @@ def check_table(lines, optimizations, known_bugs=None):
     assert not overflows(lines), overflows(lines)
     rows = parse_table(lines)
     if known_bugs is not None:
-        # The verbose table's known-bugs row, as the README's table has one.
+        # The known-bugs row, as the README's table has one: the verdicts
+        # counted, and a line for each row that is not "not affected".
         row = rows.pop("known_bugs")
-        # The ids, broken only at the blanks between them.
-        assert " ".join(row["value"]) == ", ".join(b["id"] for b in known_bugs)
-        assert row["applied"] is any(b["done"] for b in known_bugs)
-        # Each entry's verdict, its id before it when there are several.
-        named = len(known_bugs) > 1
-        assert _squash("".join(row["reason"])) == _squash("".join(
-            (f"{b['id']}: " if named else "") + b["reason"] for b in known_bugs))
+        assert row["applied"] is any(b["code"] == "avoided" for b in known_bugs)
+        off = sum(b["code"] == "off" for b in known_bugs)
+        unaffected = sum(b["verdict"] == "not_affected" for b in known_bugs)
+        assert (f"{unaffected} not affected" in " ".join(row["value"])) is bool(unaffected)
+        shown = [b for b in known_bugs if b["verdict"] != "not_affected"]
+        said = ([shown[0]["reason"]] if off == len(known_bugs) else
+                [f"{b['id']}: {b['verdict']}, {b['code']}: {b['reason']}" for b in shown])
+        assert _squash("".join(row["reason"])) == _squash("".join(said))
     assert sorted(rows) == sorted(optimizations)
     for name, e in optimizations.items():
         row = rows[name]
@@ -374,6 +376,10 @@ def test_verbose_table_fits_80_columns(venv, workdir):
     lines = r.stderr.splitlines()
     table = lines[next(i for i, ln in enumerate(lines) if ln.startswith("outofcuda ")):]
     rows = check_table(table, st["optimizations"], st["known_bugs"])
+    # print(outofcuda.status()) shows the same table.
+    shown = venv.run("import torch, outofcuda; print(outofcuda.status())",
+                     env={"PYTHONPATH": str(root)}, cwd=workdir).stdout.splitlines()
+    assert shown == table[1:], shown
     # The allocator string stands whole on one line, never broken.
     assert rows["allocator"]["value"] == [st["optimizations"]["allocator"]["value"]]
     # The dict values are shown as key=value, never as a Python repr.
@@ -393,14 +399,11 @@ cases = [("/usr/lib/python3/site-packages/" * 3, 40, 6), ("a " * 50, 80, 16),
          ("hook file /venv/lib/python3.11/site-packages/outofcuda_hook.pth is present", 40, 40),
          ("      " + "\u00e9" * 40 + " b", 36, 6),
          ("hook file       /" + "a" * 70, 80, 16), ("hook file       /" + "a" * 70, 80, 6)]
-print(json.dumps([_outofcuda._text_layout(), [cli._wrap(*c) for c in cases],
-                  [_outofcuda._wrap(*c) for c in cases], cli.WIDTH, cli.VALUE_COL,
-                  cli.REASON_INDENT]))
+print(json.dumps([[cli._wrap(*c) for c in cases], [_outofcuda._wrap(*c) for c in cases],
+                  cli.WIDTH]))
 """, cwd=workdir)
-    layout, mine, engine, width, value_col, reason_indent = got
-    assert layout == {"width": WIDTH, "value_col": VALUE_COL, "reason_indent": REASON_COL}
-    assert (width, value_col, reason_indent) == (WIDTH, VALUE_COL, REASON_COL)
-    assert mine == engine
+    mine, engine, width = got
+    assert width == WIDTH and mine == engine
     path, blanks, alloc, accents, short, sentence, indented, label, early = engine
     # Only at a blank, which is eaten; a word longer than the line (a path,
     # an allocator string) stands whole on its line, past the width.
@@ -426,26 +429,17 @@ def test_status_text_fits_80_columns(venv, workdir):
     r = cli(venv, "status", cwd=workdir)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    check_table(lines, st["optimizations"])
+    check_table(lines, st["optimizations"], st["known_bugs"])
     assert "..." not in r.stdout
     # Hook file paths stand whole on a line (never broken), the NVML reason
     # wraps; nothing is cut.
     for f in st["hook"]["files"]:
         assert any(f["path"] in ln.split() for ln in lines), f["path"]
     assert _squash(st["nvml_error"]) in _squash(r.stdout)
-    # The known bugs that cannot apply here are one line together; another
-    # one's verdict is said once, in its heading.
-    unaffected = [b for b in st["known_bugs"] if b["applies"] is False]
-    assert (f"known bugs      {len(unaffected)} of {len(st['known_bugs'])} not affected"
-            in r.stdout) is bool(unaffected)
+    # The known bugs that cannot apply here are not named (check_table: one
+    # count on the known_bugs row).
     for b in st["known_bugs"]:
-        if b["applies"] is False:
-            assert f"known bug {b['id']}:" not in r.stdout, b["id"]
-            continue
-        state = {True: "applies", None: "undecided"}[b["applies"]]
-        block = r.stdout[r.stdout.index(f"known bug {b['id']}: {state}"):]
-        block = block[:block.find("known bug ", 1)] if "known bug " in block[1:] else block
-        assert block.count(state) == 1, block
+        assert (f"{b['id']}:" in r.stdout) is (b["verdict"] != "not_affected"), b["id"]
 
 
 @pytest.mark.parametrize("args", [[], ["status"], ["doctor"], ["report"], ["bench"]])
@@ -775,32 +769,40 @@ def test_names_and_values_from_the_environment_reach_the_terminal_escaped(venv, 
 
 # ---- one word for each optimisation's state, in every table ----
 
-OFF_SWITCHES = {"OUTOFCUDA_TF32": "0", "OUTOFCUDA_CUDNN_BENCHMARK": "off",
-                "OUTOFCUDA_ALLOC_CONF": "off", "OUTOFCUDA_MEMORY_FRACTION": "off",
-                "OUTOFCUDA_AMP_DTYPE": "off"}
+# Every off switch, each with the row it turns off ("known_bugs": the
+# known-bugs row), and OUTOFCUDA_DISABLE, which turns off every row.
+OFF_SWITCHES = {"OUTOFCUDA_TF32": ("0", "tf32"), "OUTOFCUDA_CUDNN_BENCHMARK": ("off", "cudnn_benchmark"),
+                "OUTOFCUDA_ALLOC_CONF": ("off", "allocator"),
+                "OUTOFCUDA_MEMORY_FRACTION": ("off", "memory_fraction"),
+                "OUTOFCUDA_AMP_DTYPE": ("off", "amp_dtype"), "OUTOFCUDA_KNOWN_BUGS": ("off", "known_bugs")}
 
 
-@pytest.mark.parametrize("switches", [{}, OFF_SWITCHES], ids=["defaults", "off"])
+@pytest.mark.parametrize("switches", [{}, {k: v for k, (v, _) in OFF_SWITCHES.items()},
+                                      {"OUTOFCUDA_DISABLE": "1"}], ids=["defaults", "off", "disable"])
 def test_the_three_tables_say_the_same_word(venv, workdir, switches):
     """The verbose table, `outofcuda status` and `report --bug` give each
-    optimisation the same applied word, on the stand-in CUDA build."""
-    names = oc_h_table("OC_OPTIMISATIONS")
+    optimisation and the known bugs the same applied word, on the stand-in
+    CUDA build: "off" for what a switch turned off, and for everything under
+    OUTOFCUDA_DISABLE (where the verbose table is one line)."""
+    names = oc_h_table("OC_OPTIMISATIONS") + ["known_bugs"]
     env = dict(switches, PYTHONPATH=str(make_fake_torch(workdir / "fake", "2.14.1")))
 
-    def words(text, row):
-        found = {m[1]: m[2] for m in re.finditer(row, text, re.M) if m[1] in names}
+    def words(text):
+        found = {m[1]: m[2] for m in re.finditer(r"^  (\w+) +(yes|no|queued|off) ", text, re.M)
+                 if m[1] in names}
         assert sorted(found) == sorted(names), text
         return found
-    table = r"^  (\w+) +(yes|no|queued|off) "
-    verbose = words(venv.check("import torch", env=dict(env, OUTOFCUDA_VERBOSE="1"),
-                               cwd=workdir).stderr, table)
-    status = words(cli(venv, "status", env=env, cwd=workdir).stdout, table)
-    bug = words(cli(venv, "report", "--bug", env=env, cwd=workdir).stdout,
-                r"^  (\w+): (yes|no|queued|off):")
-    assert verbose == status == bug, (verbose, status, bug)
-    offs = {n for n, w in verbose.items() if w == "off"}
-    assert offs == ({"tf32", "cudnn_benchmark", "allocator", "memory_fraction", "amp_dtype"}
-                    if switches else set()), verbose
+    verbose = venv.check("import torch", env=dict(env, OUTOFCUDA_VERBOSE="1"), cwd=workdir).stderr
+    status = words(cli(venv, "status", env=env, cwd=workdir).stdout)
+    assert words(cli(venv, "report", "--bug", env=env, cwd=workdir).stdout) == status
+    if "OUTOFCUDA_DISABLE" in switches:
+        assert set(status.values()) == {"off"}, status
+        assert verbose.splitlines() == ["outofcuda: off by OUTOFCUDA_DISABLE: torch imports as "
+                                        "without outofcuda"], verbose
+        return
+    assert words(verbose) == status, (verbose, status)
+    offs = {n for n, w in status.items() if w == "off"}
+    assert offs == {row for _, row in OFF_SWITCHES.values() if switches}, status
 
 
 # ---- the CLI on stand-ins of old releases (tests/releases.json) ----
