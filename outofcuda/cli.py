@@ -332,7 +332,7 @@ def _render_status(d):
         lines += _row("hook file" if i == 0 else "", path)
     fires = "yes" if h["fired"] else "no"
     if h["state"] == "disabled_by_env":
-        fires += ": installed, turned off by OUTOFCUDA_DISABLE"
+        fires += ": installed, off by OUTOFCUDA_DISABLE"
     lines += _row("hook fires", fires)
     if h["error"]:
         lines += _row("hook error", h["error"])
@@ -442,7 +442,7 @@ def _hook_verdict(files, pr):
                     "until outofcuda is installed again",
                     *_reinstall())
     if core._disabled_by_env():
-        return ("disabled_by_env", True, f"{runs[0]['path']} is installed and turned off by "
+        return ("disabled_by_env", True, f"{runs[0]['path']} is installed and off by "
                 "OUTOFCUDA_DISABLE: torch imports as without outofcuda", "", None)
     st = pr.get("status") or {}
     if not (st.get("hook") or {}).get("installed"):
@@ -765,12 +765,13 @@ def _check_known_bugs(pr):
             parts.append(head + f"fix: {b['fix']}{fixed}")
         elif kind == "own":
             parts.append(head + "outofcuda's own settings avoid it: " + b["action"]
-                         + (" (OUTOFCUDA_DISABLE: outofcuda sets nothing)" if disabled else ""))
+                         + (" (off by OUTOFCUDA_DISABLE: outofcuda sets nothing)" if disabled
+                            else ""))
         elif disabled:
-            parts.append(head + "outofcuda is disabled (OUTOFCUDA_DISABLE), so nothing avoids it")
+            parts.append(head + "off by OUTOFCUDA_DISABLE: nothing avoids it")
             unavoided.append(b)
         elif off_all or b["id"] in off_ids:
-            parts.append(head + "OUTOFCUDA_KNOWN_BUGS keeps torch's choice" + fixed)
+            parts.append(head + "off by OUTOFCUDA_KNOWN_BUGS: torch's choice kept" + fixed)
             unavoided.append(b)
         else:
             parts.append(head + "outofcuda avoids it: " + b["action"] + fixed)

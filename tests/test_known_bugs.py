@@ -855,7 +855,7 @@ def test_doctor_lines_per_kind_and_the_off_list(cuda_venv, workdir, nvml):
     msg = check["message"]
     assert check["ok"] is False and check["fix"].startswith(f"{BUG}: unset OUTOFCUDA_KNOWN_BUGS")
     assert "tf32-mixed-api" not in check["fix"]
-    assert f"{BUG} applies" in msg and "OUTOFCUDA_KNOWN_BUGS keeps torch's choice; fixed in " \
+    assert f"{BUG} applies" in msg and "off by OUTOFCUDA_KNOWN_BUGS: torch's choice kept; fixed in " \
         "torch 2.15.0" in msg
     assert "tf32-mixed-api applies" in msg and "outofcuda's own settings avoid it" in msg
     for named in ("fsdp2-bf16-premul-sum", "avg-pool2d-channels-last-grad"):
