@@ -289,19 +289,13 @@ static void prepare_allocator(const oc_config *cfg)
      * import that fails after importing torch leaves no framework behind,
      * and the CUDA-init callback then gives it to torch's runtime setter. */
     owned = framework_owns_memory(cfg, fw_note, sizeof fw_note);
-    if (owned) {
+    if (owned)
         alloc_say(OC_CODE_FRAMEWORK,
                   "left to %s: the allocator variable stays as the user set it, and no memory "
                   "fraction is set (OUTOFCUDA_FRAMEWORK_OVERRIDE=1 applies outofcuda's anyway). "
                   "%s",
                   fw->left_to, fw->why);
-        oc_framework_decided(
-            0, "at torch's import: %s in use, allocator and memory fraction left to it",
-            fw->left_to);
-    } else {
-        oc_framework_decided(0, "at torch's import: no framework that owns GPU memory in use%s",
-                             cfg->framework_override ? " (or OUTOFCUDA_FRAMEWORK_OVERRIDE=1)" : "");
-    }
+    oc_framework_decided(0, owned ? OC_FW_LEFT_TO : fw_note[0] ? OC_FW_OVERRIDE : OC_FW_NONE);
     /* Off (OUTOFCUDA_ALLOC_CONF=off): nothing merged, nothing written; the
      * user's own allocator variable is torch's alone. */
     if (oc_config_off(cfg, "OUTOFCUDA_ALLOC_CONF"))
@@ -821,10 +815,7 @@ static void framework_left(PyObject *torch)
     int rc = 1;
     snprintf(gone, sizeof gone, "%s", fw->left_to);
     oc_framework_leave_to(NULL, NULL);
-    oc_framework_decided(1,
-                         "; when CUDA initialised: %s was no longer in use (its import failed), "
-                         "so outofcuda's settings were applied then",
-                         gone);
+    oc_framework_decided(1, OC_FW_GONE);
     snprintf(reason, sizeof reason,
              "%s, in use when torch imported, was gone when CUDA initialised (its import failed)",
              gone);
@@ -869,18 +860,15 @@ static void framework_at_cuda_init(PyObject *torch)
         if (oc_framework_in_use(NULL, 0) == NULL)
             framework_left(torch);
         else
-            oc_framework_decided(1, "; when CUDA initialised: %s still in use", fw->left_to);
+            oc_framework_decided(1, OC_FW_LEFT_TO);
         return;
     }
     if (!framework_owns_memory(oc_config_get(), NULL, 0)) {
-        oc_framework_decided(1, "; when CUDA initialised: none in use");
+        oc_framework_decided(1, oc_framework_in_use(NULL, 0) ? OC_FW_OVERRIDE : OC_FW_NONE);
         return;
     }
-    oc_framework_decided(1,
-                         "; when CUDA initialised: %s in use (imported after torch): torch's "
-                         "allocator handed back to the user's settings and the memory fraction "
-                         "left to it",
-                         fw->left_to);
+    /* imported after torch: the allocator is handed back, the fraction left to it */
+    oc_framework_decided(1, OC_FW_LEFT_TO);
     c_mod = PyObject_GetAttrString(torch, "_C");
     OC_CLEAR();
     hand_back_allocator(c_mod);

@@ -7,7 +7,6 @@
  * own released sources (wheels from PyPI). */
 #include "oc.h"
 
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -113,13 +112,9 @@ void oc_framework_leave_to(const char *name, const char *why)
         snprintf(choice.why, sizeof choice.why, "%s", why);
 }
 
-void oc_framework_decided(int append, const char *fmt, ...)
+void oc_framework_decided(int when, oc_fw_code code)
 {
-    size_t len = append ? strlen(choice.decided) : 0;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(choice.decided + len, sizeof choice.decided - len, fmt, ap);
-    va_end(ap);
+    choice.at[when != 0] = code;
 }
 
 void oc_framework_choice_put_back(const oc_framework_choice *kept)

@@ -294,19 +294,20 @@ static const char *env_of(const oc_kb_facts *f, const char *name)
     return f->getenv_fn ? f->getenv_fn(name, f->ctx) : NULL;
 }
 
-#define OC_KB_NAME(id, name, verdict) name,
-#define OC_KB_VERDICT(id, name, verdict) verdict,
+#define OC_KB_NAME(id, name) name,
 static const char *const code_names[] = {OC_KB_CODES(OC_KB_NAME)};
-static const int verdicts[] = {OC_KB_CODES(OC_KB_VERDICT)};
 
 const char *oc_kb_code_name(oc_kb_code code)
 {
     return (unsigned)code < OC_KB_CODE_COUNT ? code_names[code] : "?";
 }
 
+/* The codes run: those of rows that apply, then of rows that do not. */
 int oc_kb_verdict(oc_kb_code code)
 {
-    return (unsigned)code < OC_KB_CODE_COUNT ? verdicts[code] : OC_KB_UNDECIDED;
+    return code <= OC_KBC_NOT_AVOIDED ? OC_KB_YES
+           : code <= OC_KBC_UNMET     ? OC_KB_NO
+                                      : OC_KB_UNDECIDED;
 }
 
 #define SAY(...)                                                                                   \
@@ -382,36 +383,34 @@ oc_kb_code oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char
         return f->cudnn ? OC_KBC_OUT_OF_RANGE : OC_KBC_NO_CUDNN;
     }
     if (f->torch <= 0) {
-        add_why(why, whysz, " torch's version unknown;", 0, 0);
+        add_why(why, whysz, "torch's version unknown; ", 0, 0);
         unknown = 1;
     }
     if (f->cuda_build < 0) {
-        add_why(why, whysz, " whether torch has CUDA unknown;", 0, 0);
+        add_why(why, whysz, "whether torch has CUDA unknown; ", 0, 0);
         unknown = 1;
     }
     if (!oc_range_any(b->cuda) && f->cuda <= 0) {
-        add_why(why, whysz, " torch's CUDA version unknown;", 0, 0);
+        add_why(why, whysz, "torch's CUDA version unknown; ", 0, 0);
         unknown = 1;
     }
     if ((b->needs & OC_KB_NEEDS_FOREIGN_CTX) && f->foreign_dev < -1) {
-        add_why(why, whysz, " NVML's process list is read by status(), doctor and the summary;", 0,
+        add_why(why, whysz, "NVML's process list is read by status(), doctor and the summary; ", 0,
                 0);
         unknown = 1;
     }
     if (!oc_range_any(b->cc) && f->n_cc < 0) {
-        add_why(why, whysz, " no compute capability read (NVML);", 0, 0);
+        add_why(why, whysz, "no compute capability read (NVML); ", 0, 0);
         unknown = 1;
     }
     if (!oc_range_any(b->cudnn) && f->cudnn < 0) {
-        add_why(why, whysz, " cuDNN's version is read when CUDA starts;", 0, 0);
+        add_why(why, whysz, "cuDNN's version is read when CUDA starts; ", 0, 0);
         unknown = 1;
     }
     if (unknown) {
         size_t n = why ? strlen(why) : 0;
-        if (n > 0 && why[n - 1] == ';')
-            why[n - 1] = '\0';
-        if (n > 0)
-            memmove(why, why + 1, n); /* the blank before the first */
+        if (n > 1)
+            why[n - 2] = '\0'; /* the last "; " */
         return OC_KBC_NEEDS_FACT;
     }
     version_text(text, sizeof text, f->torch);

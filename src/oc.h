@@ -353,18 +353,18 @@ int oc_kb_foreign_device(long local_rank, int n_visible, const int *ctx, int n);
 /* Why a row's verdict is what it is (status()'s "code"); the verdict
  * follows from the code (oc_kb_verdict). */
 #define OC_KB_CODES(X)                                                                             \
-    X(APPLIES, "applies", OC_KB_YES)             /* every fact the row names holds */              \
-    X(AVOIDED, "avoided", OC_KB_YES)             /* outofcuda's steer or own settings avoid it */  \
-    X(NOT_AVOIDED, "not_avoided", OC_KB_YES)     /* the steer could not act (the reason says) */   \
-    X(OUT_OF_RANGE, "out_of_range", OC_KB_NO)    /* a version or capability outside the row's */   \
-    X(NO_CUDA, "no_cuda", OC_KB_NO)              /* a torch build without CUDA */                  \
-    X(NO_CUDNN, "no_cudnn", OC_KB_NO)            /* torch loads no cuDNN */                        \
-    X(TORCH_AVOIDS, "torch_avoids", OC_KB_NO)    /* the row's variable keeps torch off the bug */  \
-    X(UNMET, "condition_unmet", OC_KB_NO)        /* a variable or rank it needs is not so */       \
-    X(NEEDS_FACT, "needs_fact", OC_KB_UNDECIDED) /* a fact it needs is not read (yet) */           \
-    X(OFF, "off", OC_KB_UNDECIDED)               /* OUTOFCUDA_KNOWN_BUGS: nothing checked */       \
-    X(NOT_IMPORTED, "not_imported", OC_KB_UNDECIDED) /* torch not imported through the hook */
-#define OC_KB_CODE_ENUM(id, name, verdict) OC_KBC_##id,
+    X(APPLIES, "applies")           /* every fact the row names holds */                           \
+    X(AVOIDED, "avoided")           /* outofcuda's steer or own settings avoid it */               \
+    X(NOT_AVOIDED, "not_avoided")   /* the steer could not act (the reason says) */                \
+    X(OUT_OF_RANGE, "out_of_range") /* a version or capability outside the row's */                \
+    X(NO_CUDA, "no_cuda")           /* a torch build without CUDA */                               \
+    X(NO_CUDNN, "no_cudnn")         /* torch loads no cuDNN */                                     \
+    X(TORCH_AVOIDS, "torch_avoids") /* the row's variable keeps torch off the bug */               \
+    X(UNMET, "condition_unmet")     /* a variable or rank it needs is not so */                    \
+    X(NEEDS_FACT, "needs_fact")     /* a fact it needs is not read (yet) */                        \
+    X(OFF, "off")                   /* OUTOFCUDA_KNOWN_BUGS or _DISABLE */                         \
+    X(NOT_IMPORTED, "not_imported") /* torch not imported through the hook */
+#define OC_KB_CODE_ENUM(id, name) OC_KBC_##id,
 typedef enum { OC_KB_CODES(OC_KB_CODE_ENUM) OC_KB_CODE_COUNT } oc_kb_code;
 #undef OC_KB_CODE_ENUM
 int oc_kb_verdict(oc_kb_code code); /* OC_KB_YES, OC_KB_NO or OC_KB_UNDECIDED */
@@ -888,24 +888,21 @@ typedef struct {
  * merely installed is not in use. Fills why with what was seen and why
  * outofcuda steps back. Never raises. */
 const char *oc_framework_in_use(char *why, size_t whysz);
-/* What outofcuda decided about frameworks (bridge.c decides, status()
- * shows): the one it left GPU memory to and why that one owns GPU memory,
- * and what was decided, when and why. */
+/* What outofcuda decided about frameworks at torch's import (at[0]) and
+ * when CUDA started (at[1]): OC_FW_UNSET until then (status()'s words in
+ * report.c). */
+typedef enum { OC_FW_UNSET, OC_FW_NONE, OC_FW_LEFT_TO, OC_FW_OVERRIDE, OC_FW_GONE } oc_fw_code;
 typedef struct {
-    char left_to[32];  /* the one outofcuda left GPU memory to, "" none */
-    char why[600];     /* why it owns GPU memory */
-    char decided[700]; /* what was decided, when and why */
+    char left_to[32]; /* the one outofcuda left GPU memory to, "" none */
+    char why[600];    /* why it owns GPU memory */
+    oc_fw_code at[2];
 } oc_framework_choice;
 const oc_framework_choice *oc_framework_choice_get(void);
 /* GPU memory left to the framework name (why: why it owns it), or to none
  * (NULL: the one it was left to is gone; why is kept). */
 void oc_framework_leave_to(const char *name, const char *why);
-/* Writes what was decided (printf format), or appends to it. */
-void oc_framework_decided(int append, const char *fmt, ...)
-#ifdef __GNUC__
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
+/* What was decided at torch's import (when 0) or when CUDA started (1). */
+void oc_framework_decided(int when, oc_fw_code code);
 /* A step at CUDA's start that was interrupted puts back the choice it kept
  * (a copy of *oc_framework_choice_get()) before it ran. */
 void oc_framework_choice_put_back(const oc_framework_choice *kept);

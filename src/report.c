@@ -325,26 +325,17 @@ static PyObject *optimizations(void)
 }
 
 /* status()'s "framework": the framework outofcuda left GPU memory to (or
- * None), the one in use now (or None), and what bridge.c decided, when and
- * why. A framework imported after CUDA started is named: outofcuda's
- * settings were in effect before it came. */
+ * None), the one in use now (or None: one in use now, with at_cuda_init
+ * "none", came after CUDA started and found outofcuda's settings in
+ * effect), and the codes bridge.c decided at torch's import and when CUDA
+ * started (None until then), "code" the later. */
 static PyObject *framework_status(void)
 {
-    const oc_framework_choice *choice = oc_framework_choice_get();
-    char why[600], text[sizeof choice->decided + 300];
-    const char *now = oc_framework_in_use(why, sizeof why);
-    const char *left_to = choice->left_to[0] ? choice->left_to : NULL;
-    snprintf(text, sizeof text, "%s",
-             choice->decided[0] ? choice->decided
-                                : "nothing decided: torch was not imported through the hook");
-    /* The framework step ran: what was decided then still holds. */
-    if (now != NULL && left_to == NULL && oc_cuda_step_state(OC_STEP_FRAMEWORK) == OC_STEP_IS_DONE)
-        snprintf(text + strlen(text), sizeof text - strlen(text),
-                 "; now: %s is in use, imported after CUDA started: outofcuda's allocator "
-                 "settings and memory fraction were already in effect (OUTOFCUDA_DISABLE=1, or "
-                 "import it before using CUDA, leaves them to it)",
-                 now);
-    return Py_BuildValue("{s:z,s:z,s:s}", "left_to", left_to, "in_use_now", now, "decided", text);
+    static const char *const codes[] = {NULL, "none", "left_to", "override", "gone_at_cuda_init"};
+    const oc_framework_choice *c = oc_framework_choice_get();
+    return Py_BuildValue("{s:z,s:z,s:z,s:z,s:z}", "left_to", c->left_to[0] ? c->left_to : NULL,
+                         "in_use_now", oc_framework_in_use(NULL, 0), "at_import", codes[c->at[0]],
+                         "at_cuda_init", codes[c->at[1]], "code", codes[c->at[c->at[1] != 0]]);
 }
 
 /* status()'s "cuda_init": each step of the CUDA-init callback (bridge.c) by
@@ -597,11 +588,10 @@ static const char *applied_word(const char *state, const char *code)
 }
 
 /* The optimisations: name, applied word, value, and the reason below; one
- * reason for all where every row has the same code (and off_by). */
+ * reason for all where every row has the same code and off_by. */
 static void write_optimisations(PyObject *out, PyObject *opts)
 {
     char name[64], state[32], code[100], first[100] = "", reason[OC_REASON_LEN + 300];
-    char line[sizeof reason + 20];
     Py_ssize_t pos = 0;
     PyObject *k, *e;
     int shared = PyDict_Size(opts) > 1;
@@ -611,74 +601,57 @@ static void write_optimisations(PyObject *out, PyObject *opts)
         shared &= !first[0] || strcmp(first, code) == 0;
         snprintf(first, sizeof first, "%s", code);
     }
-    put(out, "  %-20s %-8s %s\n", "optimisation", "applied",
-        shared ? "value" : "value (reason below)");
+    put(out, "  %-20s %-8s value%s\n", "optimisation", "applied", shared ? "" : " (reason below)");
     for (pos = 0; PyDict_Next(opts, &pos, &k, &e);) {
         value_text(k, name, sizeof name);
         key_text(e, "state", state, sizeof state);
         key_text(e, "code", code, sizeof code);
         put(out, "  %-20s %-8s ", name, applied_word(state, code));
         write_value(out, PyDict_Check(e) ? PyDict_GetItemString(e, "value") : NULL);
-        key_text(e, "reason", reason, sizeof reason);
-        if (!shared) {
-            put(out, "%*s", REASON_INDENT, "");
-            write_wrapped(out, reason, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
-        }
+        memcpy(reason, "  (all: ", 8);
+        key_text(e, "reason", reason + 8, sizeof reason - 9);
+        put(out, "%*s", shared ? 0 : REASON_INDENT, "");
+        if (!shared)
+            write_wrapped(out, reason + 8, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
     }
-    if (shared) {
-        snprintf(line, sizeof line, "  (all: %s)", reason);
-        write_wrapped(out, line, TABLE_WIDTH, REASON_INDENT);
-    }
+    if (shared)
+        write_wrapped(out, strcat(reason, ")"), TABLE_WIDTH, REASON_INDENT);
 }
 
 /* The known-bugs row: applied "yes" when a guard acted, "queued" while one
- * waits for CUDA's start, "off" when every row is; the value counts the
- * verdicts, and a line below gives each row that is not "not affected" (one
- * line when all are off). */
+ * waits for CUDA's start, "off" when every row is; the value counts the rows
+ * not affected here, and a line below gives each other row (one line for
+ * all when all are off). */
 static void write_known_bugs(PyObject *out, PyObject *bugs, PyObject *cuda_init)
 {
-    static const char *const words[] = {"applies", "undecided", "not affected", "off"};
-    char verdict[32], code[32], id[100], why[600], line[800], value[120], step[32];
-    int count[4] = {0, 0, 0, 0}, avoided = 0;
+    char verdict[32], code[32], id[100], why[600], line[800], step[32];
+    int unaffected = 0, off = 0, avoided = 0;
     Py_ssize_t n = bugs && PyList_Check(bugs) ? PyList_Size(bugs) : 0;
-    size_t used = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         key_text(PyList_GetItem(bugs, i), "verdict", verdict, sizeof verdict);
         key_text(PyList_GetItem(bugs, i), "code", code, sizeof code);
-        count[strcmp(code, "off") == 0            ? 3
-              : strcmp(verdict, "applies") == 0   ? 0
-              : strcmp(verdict, "undecided") == 0 ? 1
-                                                  : 2]++;
+        unaffected += strcmp(verdict, "not_affected") == 0;
+        off += strcmp(code, "off") == 0;
         avoided |= strcmp(code, "avoided") == 0;
     }
-    for (int k = 0; k < 4 && n > 0; k++) {
-        if (count[k])
-            used += (size_t)snprintf(value + used, sizeof value - used, "%s%d %s", used ? ", " : "",
-                                     count[k], words[k]);
-    }
-    if (n <= 0)
-        return;
     key_text(cuda_init, "known_bugs", step, sizeof step);
-    put(out, "  %-20s %-8s ", "known_bugs",
-        avoided                                         ? "yes"
-        : strcmp(applied_word(step, ""), "queued") == 0 ? "queued"
-        : count[3] == n                                 ? "off"
-                                                        : "no");
-    write_wrapped(out, value, TABLE_WIDTH - VALUE_COL, VALUE_COL);
-    for (Py_ssize_t i = 0; i < n && !(count[3] == n && i > 0); i++) {
+    if (n > 0)
+        put(out, "  %-20s %-8s %d of %d not affected\n", "known_bugs",
+            avoided                                         ? "yes"
+            : strcmp(applied_word(step, ""), "queued") == 0 ? "queued"
+            : off == n                                      ? "off"
+                                                            : "no",
+            unaffected, (int)n);
+    for (Py_ssize_t i = 0; i < n && !(off == n && i > 0); i++) {
         PyObject *e = PyList_GetItem(bugs, i);
         key_text(e, "id", id, sizeof id);
         key_text(e, "verdict", verdict, sizeof verdict);
         key_text(e, "code", code, sizeof code);
         key_text(e, "reason", why, sizeof why);
-        if (strcmp(verdict, "not_affected") == 0)
-            continue;
-        if (count[3] == n)
-            snprintf(line, sizeof line, "%s", why);
-        else
-            snprintf(line, sizeof line, "%s: %s, %s: %s", id, verdict, code, why);
-        put(out, "%*s", REASON_INDENT, "");
-        write_wrapped(out, line, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
+        snprintf(line, sizeof line, "%s: %s, %s: %s", id, verdict, code, why);
+        put(out, "%*s", strcmp(verdict, "not_affected") ? REASON_INDENT : 0, "");
+        if (strcmp(verdict, "not_affected") != 0)
+            write_wrapped(out, off == n ? why : line, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
     }
 }
 
@@ -688,17 +661,15 @@ static void write_known_bugs(PyObject *out, PyObject *bugs, PyObject *cuda_init)
  * A new str, or NULL with an exception. */
 static PyObject *status_text(PyObject *st)
 {
-    PyObject *out = PyList_New(0), *opts, *hook, *empty, *text;
+    PyObject *out = PyList_New(0), *opts = PyDict_GetItemString(st, "optimizations"), *empty, *text;
     char error[400];
     if (out == NULL)
         return NULL;
-    opts = PyDict_Check(st) ? PyDict_GetItemString(st, "optimizations") : NULL;
     if (opts != NULL && PyDict_Check(opts))
         write_optimisations(out, opts);
-    write_known_bugs(out, PyDict_Check(st) ? PyDict_GetItemString(st, "known_bugs") : NULL,
-                     PyDict_Check(st) ? PyDict_GetItemString(st, "cuda_init") : NULL);
-    hook = PyDict_Check(st) ? PyDict_GetItemString(st, "hook") : NULL;
-    key_text(hook, "error", error, sizeof error);
+    write_known_bugs(out, PyDict_GetItemString(st, "known_bugs"),
+                     PyDict_GetItemString(st, "cuda_init"));
+    key_text(PyDict_GetItemString(st, "hook"), "error", error, sizeof error);
     if (strcmp(error, "-") != 0) {
         put(out, "  error: ");
         write_wrapped(out, error, TABLE_WIDTH - 9, 9);
@@ -732,13 +703,13 @@ void oc_report_verbose(void)
 }
 
 /* _status_text(status) -> str: the status table of a status() dict. */
-static PyObject *py_status_text(PyObject *self, PyObject *args)
+static PyObject *py_status_text(PyObject *self, PyObject *st)
 {
-    PyObject *st;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!", &PyDict_Type, &st))
-        return NULL;
-    return status_text(st);
+    if (PyDict_Check(st))
+        return status_text(st);
+    PyErr_SetString(PyExc_TypeError, "_status_text: a status() dict is needed");
+    return NULL;
 }
 
 /* _wrap(text, first, indent) -> list of str: text in the table's lines (the
@@ -811,7 +782,7 @@ static PyObject *py_labelled(PyObject *self, PyObject *args)
 OC_EDGE_VARARGS(py_labelled)
 OC_EDGE_VARARGS(py_wrap)
 OC_EDGE_NOARGS(py_status)
-OC_EDGE_VARARGS(py_status_text)
+OC_EDGE_O(py_status_text)
 
 PyMethodDef oc_report_methods[] = {
     OC_METHOD(
