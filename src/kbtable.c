@@ -8,6 +8,7 @@
 #endif
 #include "oc.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -294,14 +295,6 @@ static const char *env_of(const oc_kb_facts *f, const char *name)
     return f->getenv_fn ? f->getenv_fn(name, f->ctx) : NULL;
 }
 
-#define OC_KB_NAME(id, name) name,
-static const char *const code_names[] = {OC_KB_CODES(OC_KB_NAME)};
-
-const char *oc_kb_code_name(oc_kb_code code)
-{
-    return (unsigned)code < OC_KB_CODE_COUNT ? code_names[code] : "?";
-}
-
 /* The codes run: those of rows that apply, then of rows that do not. */
 int oc_kb_verdict(oc_kb_code code)
 {
@@ -310,11 +303,16 @@ int oc_kb_verdict(oc_kb_code code)
                                       : OC_KB_UNDECIDED;
 }
 
-#define SAY(...)                                                                                   \
-    do {                                                                                           \
-        if (why && whysz)                                                                          \
-            snprintf(why, whysz, __VA_ARGS__);                                                     \
-    } while (0)
+/* Writes the facts' words into why (may be NULL); returns code. */
+static oc_kb_code say(char *why, size_t sz, oc_kb_code code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    if (why != NULL && sz > 0)
+        vsnprintf(why, sz, fmt, ap);
+    va_end(ap);
+    return code;
+}
 
 oc_kb_code oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, size_t whysz)
 {
@@ -328,60 +326,51 @@ oc_kb_code oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char
     /* Every "no" the facts can prove wins over what is still unknown. */
     if (f->torch > 0 && !oc_range_has(b->torch, f->torch)) {
         version_text(text, sizeof text, f->torch);
-        SAY("torch %s is outside the affected releases", text);
-        return OC_KBC_OUT_OF_RANGE;
+        return say(why, whysz, OC_KBC_OUT_OF_RANGE, "torch %s is outside the affected releases",
+                   text);
     }
-    if (f->cuda_build == 0) {
-        SAY("this torch build has no CUDA");
-        return OC_KBC_NO_CUDA;
-    }
-    if (!oc_range_any(b->cuda) && f->cuda > 0 && !oc_range_has(b->cuda, f->cuda)) {
-        SAY("torch is built for CUDA %ld.%ld, outside the affected builds", f->cuda / 100,
-            f->cuda % 100);
-        return OC_KBC_OUT_OF_RANGE;
-    }
+    if (f->cuda_build == 0)
+        return say(why, whysz, OC_KBC_NO_CUDA, "this torch build has no CUDA");
+    if (!oc_range_any(b->cuda) && f->cuda > 0 && !oc_range_has(b->cuda, f->cuda))
+        return say(why, whysz, OC_KBC_OUT_OF_RANGE,
+                   "torch is built for CUDA %ld.%ld, outside the affected builds", f->cuda / 100,
+                   f->cuda % 100);
     env = b->unless_env ? env_of(f, b->unless_env) : NULL;
     /* c10::utils::check_env: exactly "1" is true. */
-    if (env != NULL && strcmp(env, "1") == 0) {
-        SAY("%s=1 keeps torch off the kernel", b->unless_env);
-        return OC_KBC_TORCH_AVOIDS;
-    }
+    if (env != NULL && strcmp(env, "1") == 0)
+        return say(why, whysz, OC_KBC_TORCH_AVOIDS, "%s=1 keeps torch off the kernel",
+                   b->unless_env);
     if (b->needs & OC_KB_NEEDS_ALLOC_GENERIC) {
-        if (env_of(f, OC_VAR("PYTORCH_CUDA_ALLOC_CONF")) != NULL) {
-            SAY("PYTORCH_CUDA_ALLOC_CONF is set, and this release reads it");
-            return OC_KBC_UNMET;
-        }
-        if (env_of(f, OC_VAR("PYTORCH_ALLOC_CONF")) == NULL) {
-            SAY("PYTORCH_ALLOC_CONF is not set");
-            return OC_KBC_UNMET;
-        }
+        if (env_of(f, OC_VAR("PYTORCH_CUDA_ALLOC_CONF")) != NULL)
+            return say(why, whysz, OC_KBC_UNMET,
+                       "PYTORCH_CUDA_ALLOC_CONF is set, and this release reads it");
+        if (env_of(f, OC_VAR("PYTORCH_ALLOC_CONF")) == NULL)
+            return say(why, whysz, OC_KBC_UNMET, "PYTORCH_ALLOC_CONF is not set");
     }
     if (b->needs & OC_KB_NEEDS_FOREIGN_CTX) {
-        if (f->local_rank <= 0) {
-            SAY("%s", f->local_rank < 0 ? "LOCAL_RANK is not set (no torchrun rank)"
-                                        : "LOCAL_RANK 0 owns cuda:0");
-            return OC_KBC_UNMET;
-        }
-        if (f->foreign_dev == -1) {
-            SAY("NVML lists this process on no visible device but LOCAL_RANK %ld's", f->local_rank);
-            return OC_KBC_UNMET;
-        }
+        if (f->local_rank <= 0)
+            return say(why, whysz, OC_KBC_UNMET, "%s",
+                       f->local_rank < 0 ? "LOCAL_RANK is not set (no torchrun rank)"
+                                         : "LOCAL_RANK 0 owns cuda:0");
+        if (f->foreign_dev == -1)
+            return say(why, whysz, OC_KBC_UNMET,
+                       "NVML lists this process on no visible device but LOCAL_RANK %ld's",
+                       f->local_rank);
     }
     if (!oc_range_any(b->cc)) {
         for (int i = 0; f->n_cc > 0 && i < f->n_cc && i < OC_KB_MAX_DEVICES; i++)
             cc_hit |= oc_range_has(b->cc, f->cc[i]);
         if (f->n_cc >= 0 && !cc_hit) {
-            SAY("no visible GPU of compute capability ");
+            say(why, whysz, OC_KBC_OUT_OF_RANGE, "no visible GPU of compute capability ");
             cc_text(why, whysz, b->cc);
             return OC_KBC_OUT_OF_RANGE;
         }
     }
     if (!oc_range_any(b->cudnn) &&
-        (f->cudnn == 0 || (f->cudnn > 0 && !oc_range_has(b->cudnn, f->cudnn)))) {
-        SAY(f->cudnn ? "cuDNN %ld is outside the affected versions" : "torch loads no cuDNN",
-            f->cudnn);
-        return f->cudnn ? OC_KBC_OUT_OF_RANGE : OC_KBC_NO_CUDNN;
-    }
+        (f->cudnn == 0 || (f->cudnn > 0 && !oc_range_has(b->cudnn, f->cudnn))))
+        return say(why, whysz, f->cudnn ? OC_KBC_OUT_OF_RANGE : OC_KBC_NO_CUDNN,
+                   f->cudnn ? "cuDNN %ld is outside the affected versions" : "torch loads no cuDNN",
+                   f->cudnn);
     if (f->torch <= 0) {
         add_why(why, whysz, "torch's version unknown; ", 0, 0);
         unknown = 1;
@@ -414,7 +403,7 @@ oc_kb_code oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char
         return OC_KBC_NEEDS_FACT;
     }
     version_text(text, sizeof text, f->torch);
-    SAY("torch %s", text);
+    say(why, whysz, OC_KBC_APPLIES, "torch %s", text);
     if (!oc_range_any(b->cuda))
         add_why(why, whysz, ", built for CUDA %ld.%ld", f->cuda / 100, f->cuda % 100);
     if (!oc_range_any(b->cudnn))

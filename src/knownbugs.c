@@ -366,13 +366,6 @@ void oc_known_bugs_at_cuda_init(PyObject *torch)
         kb = kept;
 }
 
-static PyObject *verdict_obj(int v)
-{
-    if (v == OC_KB_UNDECIDED)
-        Py_RETURN_NONE;
-    return PyBool_FromLong(v == OC_KB_YES);
-}
-
 /* Whether cuDNN attention is off at the moment status() is called, where
  * its guard applies: "off" or "on" (a program's or an sdpa_kernel() block's
  * choice, or a block open when CUDA started set it back on at its exit), or
@@ -404,19 +397,24 @@ static const char *kind_word(const oc_known_bug *b)
     return b->action == OC_KB_REPORT ? "named" : b->action == OC_KB_TF32_LEGACY ? "own" : "guard";
 }
 
-/* status()'s verdict words, by OC_KB_YES, OC_KB_NO, OC_KB_UNDECIDED. */
+/* status()'s words: verdicts by OC_KB_YES, OC_KB_NO, OC_KB_UNDECIDED; codes. */
 static const char *const verdict_words[] = {"not_affected", "applies", "undecided"};
+#define OC_KB_NAME(id, name) name,
+static const char *const code_names[] = {OC_KB_CODES(OC_KB_NAME)};
 
 static PyObject *entry_dict(const oc_known_bug *b, oc_kb_code code, const char *reason,
                             const char *now)
 {
     int v = oc_kb_verdict(code);
-    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:s,s:s,s:O,s:s,s:s,s:s,s:z,s:z,s:s,s:s}", "id", b->id,
-                         "title", b->title, "evidence", b->evidence, "applies", verdict_obj(v),
-                         "verdict", verdict_words[v < 0 ? 2 : v], "code", oc_kb_code_name(code),
-                         "done", code == OC_KBC_AVOIDED ? Py_True : Py_False, "action",
-                         b->action_text, "condition", b->condition, "reason", reason, "now", now,
-                         "fixed_in", b->fixed_in, "fix", b->fix, "kind", kind_word(b));
+    return Py_BuildValue("{s:s,s:s,s:s,s:O,s:s,s:s,s:O,s:s,s:s,s:s,s:z,s:z,s:s,s:s}", "id", b->id,
+                         "title", b->title, "evidence", b->evidence, "applies",
+                         v < 0 ? Py_None
+                         : v   ? Py_True
+                               : Py_False,
+                         "verdict", verdict_words[v < 0 ? 2 : v], "code", code_names[code], "done",
+                         code == OC_KBC_AVOIDED ? Py_True : Py_False, "action", b->action_text,
+                         "condition", b->condition, "reason", reason, "now", now, "fixed_in",
+                         b->fixed_in, "fix", b->fix, "kind", kind_word(b));
 }
 
 /* Appends one entry to list; on failure drops the list and returns NULL. */

@@ -368,7 +368,6 @@ int oc_kb_foreign_device(long local_rank, int n_visible, const int *ctx, int n);
 typedef enum { OC_KB_CODES(OC_KB_CODE_ENUM) OC_KB_CODE_COUNT } oc_kb_code;
 #undef OC_KB_CODE_ENUM
 int oc_kb_verdict(oc_kb_code code); /* OC_KB_YES, OC_KB_NO or OC_KB_UNDECIDED */
-const char *oc_kb_code_name(oc_kb_code code);
 /* Whether bug b applies to facts f, as a code: OC_KBC_APPLIES, one that
  * rules it out, or OC_KBC_NEEDS_FACT. why (may be NULL) gives the facts. */
 oc_kb_code oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why,

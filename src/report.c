@@ -493,11 +493,6 @@ static size_t wrap_cut(const char *text, size_t len, size_t width, size_t indent
 /* The status table's text: pieces appended to a list of str (a piece that
  * cannot be made is left out: the table is for people). */
 static void put(PyObject *out, const char *fmt, ...)
-#ifdef __GNUC__
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
-static void put(PyObject *out, const char *fmt, ...)
 {
     char buf[1200];
     va_list ap;
@@ -712,49 +707,6 @@ static PyObject *py_status_text(PyObject *self, PyObject *st)
     return NULL;
 }
 
-/* _wrap(text, first, indent) -> list of str: text in the table's lines (the
- * first at most `first` characters, the others indented, as write_wrapped
- * writes them), for the CLI's text. */
-static PyObject *py_wrap(PyObject *self, PyObject *args)
-{
-    char blanks[TABLE_WIDTH];
-    PyObject *str, *bytes, *pad, *lines = NULL;
-    Py_ssize_t first, indent;
-    const char *text;
-    size_t len, width;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "Unn", &str, &first, &indent))
-        return NULL;
-    if (first < 1 || indent < 0 || indent >= TABLE_WIDTH) {
-        PyErr_SetString(PyExc_ValueError, "_wrap: first must be >= 1 and indent under the width");
-        return NULL;
-    }
-    memset(blanks, ' ', sizeof blanks);
-    pad = PyUnicode_FromStringAndSize(blanks, indent);
-    bytes = pad ? PyUnicode_AsEncodedString(str, "utf-8", "surrogatepass") : NULL;
-    text = bytes ? PyBytes_AsString(bytes) : NULL;
-    len = text ? (size_t)PyBytes_Size(bytes) : 0;
-    width = (size_t)first;
-    lines = text ? PyList_New(0) : NULL;
-    for (int i = 0; lines != NULL; i++) {
-        size_t skip, cut = wrap_cut(text, len, width, (size_t)indent, &skip);
-        PyObject *part = PyUnicode_DecodeUTF8(text, (Py_ssize_t)cut, "surrogatepass");
-        PyObject *line = part && i > 0 ? PyUnicode_Concat(pad, part) : (Py_XINCREF(part), part);
-        if (line == NULL || PyList_Append(lines, line) < 0)
-            Py_CLEAR(lines);
-        Py_XDECREF(line);
-        Py_XDECREF(part);
-        if (cut == len)
-            break;
-        text += cut + skip;
-        len -= cut + skip;
-        width = TABLE_WIDTH - (size_t)indent;
-    }
-    Py_XDECREF(bytes);
-    Py_XDECREF(pad);
-    return lines;
-}
-
 /* _labelled(text) -> str: text with the rank label (oc_rank_label) before
  * each of its lines, for what the Python layer prints. */
 static PyObject *py_labelled(PyObject *self, PyObject *args)
@@ -780,7 +732,6 @@ static PyObject *py_labelled(PyObject *self, PyObject *args)
 }
 
 OC_EDGE_VARARGS(py_labelled)
-OC_EDGE_VARARGS(py_wrap)
 OC_EDGE_NOARGS(py_status)
 OC_EDGE_O(py_status_text)
 
@@ -789,10 +740,6 @@ PyMethodDef oc_report_methods[] = {
         "_labelled", py_labelled,
         "_labelled(text, /)\n--\n\nThe text with the rank label ([rank N] under torchrun) before "
         "each line."),
-    OC_METHOD(
-        "_wrap", py_wrap,
-        "_wrap(text, first, indent, /)\n--\n\nThe text in lines of the tables' width (the first at "
-        "most first characters, the others indented)."),
     OC_METHOD("_status_text", py_status_text,
               "_status_text(status, /)\n--\n\nThe status table of a status() dict, as text."),
     OC_METHOD("status", py_status,

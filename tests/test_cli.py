@@ -288,7 +288,7 @@ def _plain(v):
 
 
 def parse_table(lines):
-    """{name: {applied, value, reason}} from the optimisation table: a row
+    """{name: {applied, value, below}} from the optimisation table: a row
     per optimisation (name, applied, value at fixed columns), the value's
     continuation lines from VALUE_COL, the reason below from REASON_COL."""
     start = next(i for i, ln in enumerate(lines) if ln.startswith("  optimisation "))
@@ -306,12 +306,12 @@ def parse_table(lines):
             cur = rows[name] = {"applied": ln[APPLIED_COL:VALUE_COL].strip() == "yes",
                                 "queued": ln[APPLIED_COL:VALUE_COL].strip() == "queued",
                                 "off": ln[APPLIED_COL:VALUE_COL].strip() == "off",
-                                "value": [ln[VALUE_COL:]], "reason": []}
-        elif ln.startswith(" " * VALUE_COL) and not cur["reason"]:
+                                "value": [ln[VALUE_COL:]], "below": []}
+        elif ln.startswith(" " * VALUE_COL) and not cur["below"]:
             cur["value"].append(ln.strip())
         else:
             assert ln.startswith(" " * REASON_COL) and ln[REASON_COL] != " ", ln
-            cur["reason"].append(ln[REASON_COL:])
+            cur["below"].append(ln[REASON_COL:])
     return rows
 
 
@@ -345,7 +345,7 @@ def check_table(lines, optimizations, known_bugs=None):
         shown = [b for b in known_bugs if b["verdict"] != "not_affected"]
         said = ([shown[0]["reason"]] if off == len(known_bugs) else
                 [f"{b['id']}: {b['verdict']}, {b['code']}: {b['reason']}" for b in shown])
-        assert _squash("".join(row["reason"])) == _squash("".join(said))
+        assert _squash("".join(row["below"])) == _squash("".join(said))
     assert sorted(rows) == sorted(optimizations)
     for name, e in optimizations.items():
         row = rows[name]
@@ -361,7 +361,7 @@ def check_table(lines, optimizations, known_bugs=None):
         else:
             want = _plain(v)
         assert got == _squash(want), (name, row["value"], v)
-        assert _squash("".join(row["reason"])) == _squash(e["reason"]), (name, row["reason"])
+        assert _squash("".join(row["below"])) == _squash(e["reason"]), (name, row["below"])
     return rows
 
 
@@ -389,21 +389,28 @@ def test_verbose_table_fits_80_columns(venv, workdir):
 
 
 def test_the_cli_wraps_as_the_verbose_table(venv, workdir):
-    """One wrapping and one layout: the CLI's text asks the engine (report.c)."""
+    """One rule for breaking lines: the CLI's rows break as the engine's
+    table (report.c) breaks a reason."""
     got = venv.json("""
 import json, _outofcuda
 from outofcuda import cli
+def table(text):
+    row = {"state": "skipped", "code": "c", "value": None, "reason": text}
+    return _outofcuda._status_text({"optimizations": {"a": row}})
 cases = [("/usr/lib/python3/site-packages/" * 3, 40, 6), ("a " * 50, 80, 16),
          ("expandable_segments:True,garbage_collection_threshold:0.8", 20, 32),
          ("\u00e9" * 100, 48, 32), ("short", 10, 0),
          ("hook file /venv/lib/python3.11/site-packages/outofcuda_hook.pth is present", 40, 40),
          ("      " + "\u00e9" * 40 + " b", 36, 6),
          ("hook file       /" + "a" * 70, 80, 16), ("hook file       /" + "a" * 70, 80, 6)]
-print(json.dumps([[cli._wrap(*c) for c in cases], [_outofcuda._wrap(*c) for c in cases],
-                  cli.WIDTH]))
+print(json.dumps([[cli._wrap(*c) for c in cases], cli.WIDTH,
+                  [[table(c[0]).splitlines()[2:], cli._wrap(" " * 6 + c[0], 80, 6)]
+                   for c in cases]]))
 """, cwd=workdir)
-    mine, engine, width = got
-    assert width == WIDTH and mine == engine
+    engine, width, reasons = got
+    assert width == WIDTH
+    for table, mine in reasons:
+        assert table == mine
     path, blanks, alloc, accents, short, sentence, indented, label, early = engine
     # Only at a blank, which is eaten; a word longer than the line (a path,
     # an allocator string) stands whole on its line, past the width.

@@ -178,7 +178,6 @@ def test_torch_imported_before_the_hook_installs(venv, workdir):
     assert r.stdout.splitlines()[1] == "no_cuda"       # the bridge ran at install()
     # A CPU build has no CUDA allocator to miss (tests/test_apply.py: a CUDA build's reason).
     assert st["optimizations"]["allocator"]["code"] == "no_cuda"
-    assert st["optimizations"]["allocator"]["reason"] == "this torch build has no CUDA"
 
 
 def test_failed_first_import_then_success_fires_once(venv, workdir):

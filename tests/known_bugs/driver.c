@@ -55,7 +55,7 @@ static void facts(char *p)
     for (size_t i = 0; i < oc_known_bug_count(); i++) {
         char why[400];
         oc_kb_code c = oc_known_bug_decide(oc_known_bug_at(i), &f, why, sizeof why);
-        printf("%s %d %s %s\n", oc_known_bug_at(i)->id, oc_kb_verdict(c), oc_kb_code_name(c), why);
+        printf("%s %d %d %s\n", oc_known_bug_at(i)->id, oc_kb_verdict(c), (int)c, why);
     }
 }
 
