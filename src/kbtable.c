@@ -295,14 +295,6 @@ static const char *env_of(const oc_kb_facts *f, const char *name)
     return f->getenv_fn ? f->getenv_fn(name, f->ctx) : NULL;
 }
 
-/* The codes run: those of rows that apply, then of rows that do not. */
-int oc_kb_verdict(oc_kb_code code)
-{
-    return code <= OC_KBC_NOT_AVOIDED ? OC_KB_YES
-           : code <= OC_KBC_UNMET     ? OC_KB_NO
-                                      : OC_KB_UNDECIDED;
-}
-
 /* Writes the facts' words into why (may be NULL); returns code. */
 static oc_kb_code say(char *why, size_t sz, oc_kb_code code, const char *fmt, ...)
 {

@@ -216,22 +216,16 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
      * row that is only named would load cuDNN (+51 MiB of RSS) for nothing. */
     pending = decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {
+        size_t len = strlen(kb.reason[i]);
         if (kb.code[i] == OC_KBC_APPLIES)
             act_at_import(oc_known_bug_at(i), i);
-    }
-    for (size_t i = 0; i < n; i++) {
-        size_t len = strlen(kb.reason[i]);
-        if (!waits_for_cudnn(i))
-            continue;
-        if (pending && no_queue != NULL) /* nothing will run when CUDA starts */
-            snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, " (never: %s)", no_queue);
-        else if (!pending)
+        else if (waits_for_cudnn(i) && (!pending || no_queue != NULL)) /* never, or not here */
             snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
-                     " (only where a guard needs it; `outofcuda doctor` reads it)");
+                     pending ? " (never: %s)"
+                             : " (only where a guard needs it; `outofcuda doctor` reads it)%s",
+                     pending ? no_queue : "");
     }
-    if (no_queue != NULL)
-        pending = 0;
-    if (pending)
+    if (pending && no_queue == NULL)
         oc_cuda_step_arm(OC_STEP_KNOWN_BUGS);
 }
 

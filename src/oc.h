@@ -367,7 +367,12 @@ int oc_kb_foreign_device(long local_rank, int n_visible, const int *ctx, int n);
 #define OC_KB_CODE_ENUM(id, name) OC_KBC_##id,
 typedef enum { OC_KB_CODES(OC_KB_CODE_ENUM) OC_KB_CODE_COUNT } oc_kb_code;
 #undef OC_KB_CODE_ENUM
-int oc_kb_verdict(oc_kb_code code); /* OC_KB_YES, OC_KB_NO or OC_KB_UNDECIDED */
+static inline int oc_kb_verdict(oc_kb_code code) /* the codes run in the verdicts' order */
+{
+    return code <= OC_KBC_NOT_AVOIDED ? OC_KB_YES
+           : code <= OC_KBC_UNMET     ? OC_KB_NO
+                                      : OC_KB_UNDECIDED;
+}
 /* Whether bug b applies to facts f, as a code: OC_KBC_APPLIES, one that
  * rules it out, or OC_KBC_NEEDS_FACT. why (may be NULL) gives the facts. */
 oc_kb_code oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why,

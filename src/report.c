@@ -678,8 +678,8 @@ static PyObject *status_text(PyObject *st)
 
 void oc_report_verbose(void)
 {
-    char tv[64];
-    PyObject *st, *text, *bytes;
+    char tv[64], table[16384];
+    PyObject *st, *text;
     /* torchrun's launcher imports torch but runs no model: its table would
      * read as one more rank's. Each worker prints its own, labelled. */
     if (oc_torchrun_launcher())
@@ -688,11 +688,9 @@ void oc_report_verbose(void)
     oc_stderr_printf("outofcuda %s: torch %s imported\n", OC_VERSION, tv);
     st = py_status(NULL, NULL);
     text = st ? status_text(st) : NULL;
-    bytes = text ? PyUnicode_AsUTF8String(text) : NULL;
-    if (bytes != NULL)
-        oc_stderr_write(PyBytes_AsString(bytes));
+    if (text != NULL)
+        oc_stderr_write(oc_utf8(text, table, sizeof table));
     OC_CLEAR();
-    Py_XDECREF(bytes);
     Py_XDECREF(text);
     Py_XDECREF(st);
 }
