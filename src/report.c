@@ -140,7 +140,8 @@ static PyObject *record_entry(oc_opt opt)
                             r->state == OC_REC_APPLIED ? Py_True : Py_False, "state",
                             oc_rec_state_name(state), "code", oc_rec_code_name(code), "value",
                             value, "reason", said, "off_by",
-                            code == OC_CODE_OFF && !r->off_by ? "OUTOFCUDA_DISABLE" : r->off_by)
+                            code == OC_CODE_OFF && !r->off_by ? OC_VAR("OUTOFCUDA_DISABLE")
+                                                              : r->off_by)
             : NULL;
     Py_XDECREF(value);
     Py_XDECREF(said);
