@@ -604,7 +604,7 @@ static void write_optimisations(PyObject *out, PyObject *opts)
         key_text(e, "code", code, sizeof code);
         put(out, "  %-20s %-8s ", name, applied_word(state, code));
         write_value(out, PyDict_Check(e) ? PyDict_GetItemString(e, "value") : NULL);
-        memcpy(reason, "  (all: ", 8);
+        snprintf(reason, 9, "  (all: ");
         key_text(e, "reason", reason + 8, sizeof reason - 9);
         put(out, "%*s", shared ? 0 : REASON_INDENT, "");
         if (!shared)
