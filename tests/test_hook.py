@@ -133,7 +133,7 @@ def test_pth_and_start_files_are_constant_and_short(venv):
     assert not (venv.site / "outofcuda_hook.start").exists()
     assert not (venv.site / "outofcuda_hook_start.py").exists()
     assert pth.count("\n") == 1 and pth.startswith("import _imp;")
-    assert len(pth) < 300
+    assert len(pth) < 320  # 303 with a 5-digit boot size
     (so,) = venv.site.glob("outofcuda_hook*.so")
     assert so.name == "outofcuda_hook.abi3.so"
     # OUTOFCUDA_DISABLE=1 is read before the boot's path is even compiled
