@@ -55,8 +55,19 @@ _LAZY = {
 }
 
 
+class Status(dict):
+    """status()'s dict: ``repr()`` is the dict's, ``str()`` (what ``print``
+    shows) the table ``OUTOFCUDA_VERBOSE=1`` prints."""
+
+    __slots__ = ()
+
+    def __str__(self):
+        return _need_core()._status_text(self).rstrip("\n")
+
+
 def status():
-    """What outofcuda did in this process, as a JSON-serialisable dict.
+    """What outofcuda did in this process, as a JSON-serialisable dict
+    (a :class:`Status`: ``print(outofcuda.status())`` shows it as a table).
 
     Each optimisation says whether it was ``applied``, its ``state``, a
     stable ``code`` for why (docs/python-api.md lists them), its ``value``,
@@ -72,7 +83,7 @@ def status():
     >>> st["optimizations"]["tf32"]["applied"]   # no CUDA started here
     False
     """
-    return _need_core().status()
+    return Status(_need_core().status())
 
 
 def apply():
@@ -91,9 +102,8 @@ def apply():
     >>> outofcuda.apply()["hook"]["installed"]   # the hook had installed it already
     True
     """
-    core = _need_core()
-    core.install()
-    return core.status()
+    _need_core().install()
+    return status()
 
 
 def config():

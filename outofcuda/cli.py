@@ -281,6 +281,7 @@ def status_data():
         "cuda_initialized_by_import": pr.get("cuda_initialized"),
         "optimizations": optimizations,
         "known_bugs": known_bugs,
+        "cuda_init": st.get("cuda_init"),
         "config_warnings": st.get("config_warnings") or [],
         "gpus": devices,
         "nvml_error": nvml_reason,
@@ -288,70 +289,56 @@ def status_data():
 
 
 # Text output fits 80 columns and cuts nothing: long values wrap onto
-# continuation lines. The layout and the wrapping are the OUTOFCUDA_VERBOSE
-# table's (report.c): WIDTH, VALUE_COL ("  name(20) applied(8) value") and
-# REASON_INDENT come from there.
-_LAYOUT = core._text_layout()
-WIDTH, VALUE_COL, REASON_INDENT = _LAYOUT["width"], _LAYOUT["value_col"], _LAYOUT["reason_indent"]
+# continuation lines, broken as the engine's status table (report.c's
+# wrap_cut), which `status` and `report --bug` print as the engine renders it.
+WIDTH = 80
 LABEL = 16  # "hook fires      yes"
+
+
+def _cut(text, width, indent):
+    """(kept, skipped): where text's first line ends, in a line of ``width``
+    characters whose continuation lines start at ``indent``. A line breaks
+    only at blanks, never inside a word: a word longer than the line stands
+    whole on its line, past the width, and stays on the first line when it
+    starts there at or before ``indent`` (after a label)."""
+    lead = WIDTH - width if width < WIDTH else 0
+    at = len(text) - len(text.lstrip(" "))
+    kept, first = 0, True
+    while at < len(text):
+        word_col = at
+        while at < len(text) and text[at] != " ":
+            at += 1
+        if not first and at > width and lead + word_col > indent:
+            break
+        first, kept = False, at
+        if at > width:
+            break
+        while at < len(text) and text[at] == " ":
+            at += 1
+        if at > width:
+            break
+    skip = len(text) - kept - len(text[kept:].lstrip(" "))
+    return (len(text), 0) if kept + skip >= len(text) else (kept, skip)
 
 
 def _wrap(text, first, indent):
     """Lines of at most ``first`` characters (the first) and WIDTH - indent
-    (the rest, prefixed with indent spaces), broken as the verbose table's."""
-    return core._wrap(text, first, indent)
+    (the rest, prefixed with indent spaces)."""
+    lines, width = [], first
+    while True:
+        cut, skip = _cut(text, width, indent)
+        lines.append((" " * indent if lines else "") + text[:cut])
+        if cut == len(text):
+            return lines
+        text, width = text[cut + skip:], WIDTH - indent
 
 
 def _row(label, value):
     return _wrap(f"{label:<{LABEL}}{value}", WIDTH, LABEL)
 
 
-def _plain(v):
-    return "-" if v is None else str(v)
-
-
-def _value_lines(v):
-    """An optimisation's value from column VALUE_COL: a dict on one line when
-    it fits, else one key=value a line."""
-    width = WIDTH - VALUE_COL
-    if not isinstance(v, dict) or not v:
-        return _wrap(_plain(v), width, VALUE_COL)
-    items = [f"{k}={_plain(x)}" for k, x in v.items()]
-    if len(", ".join(items)) <= width:
-        return [", ".join(items)]
-    lines = []
-    for i, item in enumerate(items):
-        wrapped = _wrap(item, width, VALUE_COL + 2)
-        lines += [(" " * VALUE_COL if i else "") + wrapped[0]] + wrapped[1:]
-    return lines
-
-
 def _mib(n):
     return f"{n / 2**20:,.0f} MiB"
-
-
-def applied_word(e):
-    """An optimisation's "applied" word in every table: the rule of the
-    engine's verbose table (src/report.c), from the record's state and code."""
-    return ("queued" if e.get("queued") else "yes" if e.get("applied")
-            else "off" if e.get("code") == "off" else "no")
-
-
-def _render_optimizations(opts):
-    reasons = {e.get("reason", "") for e in opts.values()}
-    shared = len(reasons) == 1 and len(opts) > 1
-    lines = [f"  {'optimisation':<20} {'applied':<8} "
-             + ("value" if shared else "value (reason below)")]
-    for name, e in opts.items():
-        value = _value_lines(e.get("value"))
-        applied = applied_word(e)
-        lines.append(f"  {name:<20} {applied:<8} {value[0]}")
-        lines += value[1:]
-        if not shared:
-            lines += _wrap(" " * REASON_INDENT + e.get("reason", ""), WIDTH, REASON_INDENT)
-    if shared:
-        lines += _wrap(f"  (all: {reasons.pop()})", WIDTH, REASON_INDENT)
-    return lines
 
 
 def _render_gpus(d):
@@ -377,7 +364,7 @@ def _render_status(d):
         lines += _row("hook file" if i == 0 else "", path)
     fires = "yes" if h["fired"] else "no"
     if h["state"] == "disabled_by_env":
-        fires += ": installed, turned off by OUTOFCUDA_DISABLE"
+        fires += ": installed, off by OUTOFCUDA_DISABLE"
     lines += _row("hook fires", fires)
     if h["error"]:
         lines += _row("hook error", h["error"])
@@ -388,26 +375,11 @@ def _render_status(d):
     if d["cuda_initialized_by_import"] is not None:
         lines += _row("CUDA at import", "initialised (unexpected)"
                       if d["cuda_initialized_by_import"] else "not initialised")
-    # The known bugs that cannot apply here are one line together.
-    bugs = d.get("known_bugs", [])
-    unaffected = [b for b in bugs if b.get("applies") is False]
-    if unaffected:
-        lines += _row("known bugs", f"{len(unaffected)} of {len(bugs)} not affected here (each "
-                      "with its reason: outofcuda status --json)")
     lines.append("")
-    lines += _render_optimizations(d["optimizations"])
-    for b in bugs:
-        if b.get("applies") is False:
-            continue
-        state = {True: "applies", None: "undecided"}[b.get("applies")]
-        lines.append("")
-        lines += _wrap(f"  known bug {b['id']}: {state}"
-                       + (" (avoided)" if b.get("done") else ""), WIDTH, REASON_INDENT)
-        # The verdict is on the line above: the reason without it.
-        reason = re.sub(r"^(affected|not affected|undecided): ", "", b.get("reason", ""))
-        lines += _wrap(" " * REASON_INDENT + reason, WIDTH, REASON_INDENT)
-        lines += _wrap(" " * REASON_INDENT + "evidence: " + b.get("evidence", ""), WIDTH,
-                       REASON_INDENT)
+    # The engine's table (the verbose table's): each row's reason, and the
+    # known bugs that cannot apply here counted on one line.
+    lines += core._status_text({k: d[k] for k in ("optimizations", "known_bugs", "cuda_init")
+                                if d.get(k) is not None}).rstrip("\n").split("\n")
     for w in d["config_warnings"]:
         lines += _wrap(f"warning: {w}", WIDTH, 9)
     lines.append("")
@@ -502,7 +474,7 @@ def _hook_verdict(files, pr):
                     "until outofcuda is installed again",
                     *_reinstall())
     if core._disabled_by_env():
-        return ("disabled_by_env", True, f"{runs[0]['path']} is installed and turned off by "
+        return ("disabled_by_env", True, f"{runs[0]['path']} is installed and off by "
                 "OUTOFCUDA_DISABLE: torch imports as without outofcuda", "", None)
     st = pr.get("status") or {}
     if not (st.get("hook") or {}).get("installed"):
@@ -825,12 +797,13 @@ def _check_known_bugs(pr):
             parts.append(head + f"fix: {b['fix']}{fixed}")
         elif kind == "own":
             parts.append(head + "outofcuda's own settings avoid it: " + b["action"]
-                         + (" (OUTOFCUDA_DISABLE: outofcuda sets nothing)" if disabled else ""))
+                         + (" (off by OUTOFCUDA_DISABLE: outofcuda sets nothing)" if disabled
+                            else ""))
         elif disabled:
-            parts.append(head + "outofcuda is disabled (OUTOFCUDA_DISABLE), so nothing avoids it")
+            parts.append(head + "off by OUTOFCUDA_DISABLE: nothing avoids it")
             unavoided.append(b)
         elif off_all or b["id"] in off_ids:
-            parts.append(head + "OUTOFCUDA_KNOWN_BUGS keeps torch's choice" + fixed)
+            parts.append(head + "off by OUTOFCUDA_KNOWN_BUGS: torch's choice kept" + fixed)
             unavoided.append(b)
         else:
             parts.append(head + "outofcuda avoids it: " + b["action"] + fixed)
@@ -1116,8 +1089,10 @@ def bug_report_data(timeout=PROBE_TIMEOUT_S):
         "optimizations": opts,
         "skipped": {name: e.get("reason") for name, e in opts.items()
                     if not e.get("applied") and not e.get("queued")},
-        "known_bugs": [{"id": b.get("id"), "applies": b.get("applies"), "done": b.get("done"),
-                        "reason": b.get("reason")} for b in st.get("known_bugs") or []],
+        "known_bugs": [{k: b.get(k) for k in ("id", "applies", "verdict", "code", "done", "reason")}
+                       for b in st.get("known_bugs") or []],
+        "status": {k: st[k] for k in ("optimizations", "known_bugs", "cuda_init", "hook")
+                   if k in st},
         "environment": {k: v for k, v in sorted(os.environ.items())
                         if k.startswith(_BUG_ENV_PREFIXES)},
     }
@@ -1151,14 +1126,7 @@ def _render_bug_report(d):
         f"autocast dtype: cuda={val('autocast_dtype.cuda')} cpu={val('autocast_dtype.cpu')}",
         "outofcuda's decisions (yes / queued for CUDA's start / off / no):",
     ]
-    for name, e in d["optimizations"].items():
-        state = applied_word(e)
-        reason = str(e.get("reason"))
-        lines.append(f"  {name}: {reason}" if reason.startswith(state + ":") else
-                     f"  {name}: {state}: {reason}")
-    for b in d["known_bugs"]:
-        state = "worked around" if b["done"] else "applies" if b["applies"] else "no"
-        lines.append(f"  known bug {b['id']}: {state}: {b['reason']}")
+    lines += core._status_text(d["status"]).rstrip("\n").split("\n")
     env = d["environment"]
     lines.append("environment: " + (" ".join(f"{escaped(k)}={escaped(v)}" for k, v in env.items())
                                     or "none set"))

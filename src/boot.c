@@ -331,8 +331,7 @@ static PyObject *boot_install(PyObject *self, PyObject *unused)
         /* One line, so that "turned off" is told from "not installed"; the
          * .start entry calls this once more after the module's init. */
         if (!said_off && env_yes(OC_VAR("OUTOFCUDA_VERBOSE")) && stderr_usable())
-            PySys_WriteStderr("outofcuda: installed and turned off by OUTOFCUDA_DISABLE: torch "
-                              "imports as without outofcuda\n");
+            PySys_WriteStderr("outofcuda: " OC_DISABLED_TEXT "\n");
         said_off = 1;
         Py_RETURN_NONE;
     }

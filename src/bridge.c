@@ -292,19 +292,13 @@ static void prepare_allocator(const oc_config *cfg)
      * and the CUDA-init callback then gives it to torch's runtime setter. */
     owned = framework_owns_memory(cfg, fw_note, sizeof fw_note);
     snprintf(left_at_import, sizeof left_at_import, "%s", fw->left_to);
-    if (owned) {
+    if (owned)
         alloc_say(OC_CODE_FRAMEWORK,
                   "left to %s: the allocator variable stays as the user set it, and no memory "
                   "fraction is set (OUTOFCUDA_FRAMEWORK_OVERRIDE=1 applies outofcuda's anyway). "
                   "%s",
                   fw->left_to, fw->why);
-        oc_framework_decided(
-            0, "at torch's import: %s in use, allocator and memory fraction left to it",
-            fw->left_to);
-    } else {
-        oc_framework_decided(0, "at torch's import: no framework that owns GPU memory in use%s",
-                             cfg->framework_override ? " (or OUTOFCUDA_FRAMEWORK_OVERRIDE=1)" : "");
-    }
+    oc_framework_decided(0, owned ? OC_FW_LEFT_TO : fw_note[0] ? OC_FW_OVERRIDE : OC_FW_NONE);
     /* Off (OUTOFCUDA_ALLOC_CONF=off): nothing merged, nothing written; the
      * user's own allocator variable is torch's alone. */
     if (oc_config_off(cfg, "OUTOFCUDA_ALLOC_CONF"))
@@ -786,10 +780,7 @@ static void framework_left(PyObject *c_mod, const char *gone)
     const char *user, *used = NULL;
     int rc = 1;
     oc_framework_leave_to(NULL, NULL);
-    oc_framework_decided(1,
-                         "; when CUDA initialised: %s was no longer in use (its import failed), "
-                         "so outofcuda's settings were applied then",
-                         gone);
+    oc_framework_decided(1, OC_FW_GONE);
     snprintf(reason, sizeof reason,
              "%s, in use when torch imported, was gone when CUDA initialised (its import failed)",
              gone);
@@ -832,18 +823,15 @@ static void framework_at_cuda_init(PyObject *c_mod)
         if (oc_framework_in_use(NULL, 0) == NULL)
             framework_left(c_mod, left_at_import);
         else
-            oc_framework_decided(1, "; when CUDA initialised: %s still in use", left_at_import);
+            oc_framework_decided(1, OC_FW_LEFT_TO);
         return;
     }
     if (!framework_owns_memory(oc_config_get(), NULL, 0)) {
-        oc_framework_decided(1, "; when CUDA initialised: none in use");
+        oc_framework_decided(1, oc_framework_in_use(NULL, 0) ? OC_FW_OVERRIDE : OC_FW_NONE);
         return;
     }
-    oc_framework_decided(1,
-                         "; when CUDA initialised: %s in use (imported after torch): torch's "
-                         "allocator handed back to the user's settings and the memory fraction "
-                         "left to it",
-                         fw->left_to);
+    /* imported after torch: the allocator is handed back, the fraction left to it */
+    oc_framework_decided(1, OC_FW_LEFT_TO);
     hand_back_allocator(c_mod);
     if (oc_config_off(oc_config_get(), "OUTOFCUDA_MEMORY_FRACTION"))
         return; /* the record says off */
@@ -1308,8 +1296,7 @@ void oc_bridge_after_torch(PyObject *torch)
     settle_allocator(c_mod);
     if (cfg->disable) {
         Py_XDECREF(c_mod);
-        oc_record_set_all(OC_REC_SKIPPED, OC_CODE_DISABLED,
-                          "outofcuda is disabled (OUTOFCUDA_DISABLE)");
+        oc_record_set_all(OC_REC_SKIPPED, OC_CODE_OFF, OC_DISABLED_TEXT);
         return;
     }
     read_version_module(torch);

@@ -7,7 +7,6 @@
  * own released sources (wheels from PyPI). */
 #include "oc.h"
 
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -105,17 +104,7 @@ void oc_framework_leave_to(const char *name, const char *why)
         snprintf(choice.why, sizeof choice.why, "%s", why);
 }
 
-/* The length of what was decided at torch's import: the CUDA-init step's
- * part follows it, written afresh on each run of the step. */
-static size_t at_import;
-
-void oc_framework_decided(int at_cuda_init, const char *fmt, ...)
+void oc_framework_decided(int when, oc_fw_code code)
 {
-    size_t len = at_cuda_init ? at_import : 0;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(choice.decided + len, sizeof choice.decided - len, fmt, ap);
-    va_end(ap);
-    if (!at_cuda_init)
-        at_import = strlen(choice.decided);
+    choice.at[when != 0] = code;
 }

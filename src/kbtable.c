@@ -8,6 +8,7 @@
 #endif
 #include "oc.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -325,13 +326,18 @@ static const char *env_of(const oc_kb_facts *f, const char *name)
     return f->getenv_fn ? f->getenv_fn(name, f->ctx) : NULL;
 }
 
-#define SAY(...)                                                                                   \
-    do {                                                                                           \
-        if (why && whysz)                                                                          \
-            snprintf(why, whysz, __VA_ARGS__);                                                     \
-    } while (0)
+/* Writes the facts' words into why (may be NULL); returns code. */
+static oc_kb_code say(char *why, size_t sz, oc_kb_code code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    if (why != NULL && sz > 0)
+        vsnprintf(why, sz, fmt, ap);
+    va_end(ap);
+    return code;
+}
 
-int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, size_t whysz)
+oc_kb_code oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, size_t whysz)
 {
     char text[32];
     int unknown = 0, cc_hit = 0;
@@ -339,122 +345,103 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
     if (why && whysz)
         why[0] = '\0';
     if (b == NULL || f == NULL)
-        return OC_KB_UNDECIDED;
+        return OC_KBC_NEEDS_FACT;
     /* Every "no" the facts can prove wins over what is still unknown. */
     if (f->torch > 0 && !oc_range_has(b->torch, f->torch)) {
         version_text(text, sizeof text, f->torch);
-        SAY("not affected: torch %s is outside the affected releases", text);
-        return OC_KB_NO;
+        return say(why, whysz, OC_KBC_OUT_OF_RANGE, "torch %s is outside the affected releases",
+                   text);
     }
-    if (f->cuda_build == 0) {
-        SAY("not affected: this torch build has no CUDA");
-        return OC_KB_NO;
-    }
-    if (!oc_range_any(b->cuda) && f->cuda > 0 && !oc_range_has(b->cuda, f->cuda)) {
-        SAY("not affected: torch is built for CUDA %ld.%ld, outside the affected builds",
-            f->cuda / 100, f->cuda % 100);
-        return OC_KB_NO;
-    }
+    if (f->cuda_build == 0)
+        return say(why, whysz, OC_KBC_NO_CUDA, "this torch build has no CUDA");
+    if (!oc_range_any(b->cuda) && f->cuda > 0 && !oc_range_has(b->cuda, f->cuda))
+        return say(why, whysz, OC_KBC_OUT_OF_RANGE,
+                   "torch is built for CUDA %ld.%ld, outside the affected builds", f->cuda / 100,
+                   f->cuda % 100);
     env = b->unless_env ? env_of(f, b->unless_env) : NULL;
     /* c10::utils::check_env: exactly "1" is true. */
-    if (env != NULL && strcmp(env, "1") == 0) {
-        SAY("not affected: %s=1 keeps torch off the kernel", b->unless_env);
-        return OC_KB_NO;
-    }
+    if (env != NULL && strcmp(env, "1") == 0)
+        return say(why, whysz, OC_KBC_TORCH_AVOIDS, "%s=1 keeps torch off the kernel",
+                   b->unless_env);
     if (b->needs & OC_KB_NEEDS_ALLOC_GENERIC) {
-        if (env_of(f, OC_VAR("PYTORCH_CUDA_ALLOC_CONF")) != NULL) {
-            SAY("not affected: PYTORCH_CUDA_ALLOC_CONF is set, and this release reads it");
-            return OC_KB_NO;
-        }
-        if (env_of(f, OC_VAR("PYTORCH_ALLOC_CONF")) == NULL) {
-            SAY("not affected: PYTORCH_ALLOC_CONF is not set");
-            return OC_KB_NO;
-        }
+        if (env_of(f, OC_VAR("PYTORCH_CUDA_ALLOC_CONF")) != NULL)
+            return say(why, whysz, OC_KBC_UNMET,
+                       "PYTORCH_CUDA_ALLOC_CONF is set, and this release reads it");
+        if (env_of(f, OC_VAR("PYTORCH_ALLOC_CONF")) == NULL)
+            return say(why, whysz, OC_KBC_UNMET, "PYTORCH_ALLOC_CONF is not set");
     }
     if (b->needs & OC_KB_NEEDS_FOREIGN_CTX) {
-        if (f->local_rank <= 0) {
-            SAY("not affected: %s", f->local_rank < 0 ? "LOCAL_RANK is not set (no torchrun rank)"
-                                                      : "LOCAL_RANK 0 owns cuda:0");
-            return OC_KB_NO;
-        }
-        if (f->foreign_dev == -1) {
-            SAY("not affected: NVML lists this process on no visible device but LOCAL_RANK %ld's",
-                f->local_rank);
-            return OC_KB_NO;
-        }
+        if (f->local_rank <= 0)
+            return say(why, whysz, OC_KBC_UNMET, "%s",
+                       f->local_rank < 0 ? "LOCAL_RANK is not set (no torchrun rank)"
+                                         : "LOCAL_RANK 0 owns cuda:0");
+        if (f->foreign_dev == -1)
+            return say(why, whysz, OC_KBC_UNMET,
+                       "NVML lists this process on no visible device but LOCAL_RANK %ld's",
+                       f->local_rank);
     }
     if (!oc_range_any(b->cc)) {
         for (int i = 0; f->n_cc > 0 && i < f->n_cc && i < OC_KB_MAX_DEVICES; i++)
             cc_hit |= oc_range_has(b->cc, f->cc[i]);
         if (f->n_cc >= 0 && !cc_hit) {
-            SAY("not affected: no visible GPU of compute capability ");
+            say(why, whysz, OC_KBC_OUT_OF_RANGE, "no visible GPU of compute capability ");
             cc_text(why, whysz, b->cc);
-            return OC_KB_NO;
+            return OC_KBC_OUT_OF_RANGE;
         }
     }
     if (!oc_range_any(b->cudnn) &&
-        (f->cudnn == 0 || (f->cudnn > 0 && !oc_range_has(b->cudnn, f->cudnn)))) {
-        if (f->cudnn == 0)
-            SAY("not affected: torch loads no cuDNN");
-        else
-            SAY("not affected: cuDNN %ld is outside the affected versions", f->cudnn);
-        return OC_KB_NO;
-    }
-    if (!oc_range_any(b->nccl) && f->nccl >= 0 && !oc_range_has(b->nccl, f->nccl)) {
-        SAY("not affected: %s",
-            f->nccl ? "NCCL's version is outside the affected ones" : "torch loads no NCCL");
-        return OC_KB_NO;
-    }
-    if ((b->needs & OC_KB_NEEDS_AARCH64) && !f->aarch64) {
-        SAY("not affected: not an aarch64 machine");
-        return OC_KB_NO;
-    }
-    if ((b->needs & OC_KB_NEEDS_OTHER_CUDNN) && f->other_cudnn == 0) {
-        SAY("not affected: no cuDNN 9 besides the wheel's on the loader path");
-        return OC_KB_NO;
-    }
-    SAY("undecided:");
+        (f->cudnn == 0 || (f->cudnn > 0 && !oc_range_has(b->cudnn, f->cudnn))))
+        return say(why, whysz, f->cudnn ? OC_KBC_OUT_OF_RANGE : OC_KBC_NO_CUDNN,
+                   f->cudnn ? "cuDNN %ld is outside the affected versions" : "torch loads no cuDNN",
+                   f->cudnn);
+    if (!oc_range_any(b->nccl) && f->nccl >= 0 && !oc_range_has(b->nccl, f->nccl))
+        return say(why, whysz, OC_KBC_OUT_OF_RANGE, "%s",
+                   f->nccl ? "NCCL's version is outside the affected ones" : "torch loads no NCCL");
+    if ((b->needs & OC_KB_NEEDS_AARCH64) && !f->aarch64)
+        return say(why, whysz, OC_KBC_UNMET, "not an aarch64 machine");
+    if ((b->needs & OC_KB_NEEDS_OTHER_CUDNN) && f->other_cudnn == 0)
+        return say(why, whysz, OC_KBC_UNMET, "no cuDNN 9 besides the wheel's on the loader path");
     if (f->torch <= 0) {
-        add_why(why, whysz, " torch's version unknown;", 0, 0);
+        add_why(why, whysz, "torch's version unknown; ", 0, 0);
         unknown = 1;
     }
     if (f->cuda_build < 0) {
-        add_why(why, whysz, " whether torch has CUDA unknown;", 0, 0);
+        add_why(why, whysz, "whether torch has CUDA unknown; ", 0, 0);
         unknown = 1;
     }
     if (!oc_range_any(b->cuda) && f->cuda <= 0) {
-        add_why(why, whysz, " torch's CUDA version unknown;", 0, 0);
+        add_why(why, whysz, "torch's CUDA version unknown; ", 0, 0);
         unknown = 1;
     }
     if ((b->needs & OC_KB_NEEDS_FOREIGN_CTX) && f->foreign_dev < -1) {
-        add_why(why, whysz, " NVML's process list is read by status(), doctor and the summary;", 0,
+        add_why(why, whysz, "NVML's process list is read by status(), doctor and the summary; ", 0,
                 0);
         unknown = 1;
     }
     if (!oc_range_any(b->cc) && f->n_cc < 0) {
-        add_why(why, whysz, " no compute capability read (NVML);", 0, 0);
+        add_why(why, whysz, "no compute capability read (NVML); ", 0, 0);
         unknown = 1;
     }
     if (!oc_range_any(b->cudnn) && f->cudnn < 0) {
-        add_why(why, whysz, " cuDNN's version is read when CUDA starts;", 0, 0);
+        add_why(why, whysz, "cuDNN's version is read when CUDA starts; ", 0, 0);
         unknown = 1;
     }
     if (!oc_range_any(b->nccl) && f->nccl < 0) {
-        add_why(why, whysz, " NCCL's version unread;", 0, 0);
+        add_why(why, whysz, "NCCL's version unread; ", 0, 0);
         unknown = 1;
     }
     if ((b->needs & OC_KB_NEEDS_OTHER_CUDNN) && f->other_cudnn < 0) {
-        add_why(why, whysz, " the loader path not searched for another cuDNN;", 0, 0);
+        add_why(why, whysz, "the loader path not searched for another cuDNN; ", 0, 0);
         unknown = 1;
     }
     if (unknown) {
         size_t n = why ? strlen(why) : 0;
-        if (n > 0 && why[n - 1] == ';')
-            why[n - 1] = '\0';
-        return OC_KB_UNDECIDED;
+        if (n > 1)
+            why[n - 2] = '\0'; /* the last "; " */
+        return OC_KBC_NEEDS_FACT;
     }
     version_text(text, sizeof text, f->torch);
-    SAY("affected: torch %s", text);
+    say(why, whysz, OC_KBC_APPLIES, "torch %s", text);
     if (!oc_range_any(b->cuda))
         add_why(why, whysz, ", built for CUDA %ld.%ld", f->cuda / 100, f->cuda % 100);
     if (!oc_range_any(b->cudnn))
@@ -474,5 +461,5 @@ int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, 
     if (b->needs & OC_KB_NEEDS_FOREIGN_CTX)
         add_why(why, whysz, ", NVML lists this process on cuda:%ld, not LOCAL_RANK %ld's",
                 f->foreign_dev, f->local_rank);
-    return OC_KB_YES;
+    return OC_KBC_APPLIES;
 }

@@ -16,12 +16,11 @@
 
 /* What was decided of each row (process-wide, under the GIL: see oc.h). */
 typedef struct {
-    int decided;                  /* the import-time step ran */
-    int state[OC_KB_MAX_ENTRIES]; /* OC_KB_* per entry */
-    int done[OC_KB_MAX_ENTRIES];  /* the action was taken */
-    char reason[OC_KB_MAX_ENTRIES][400];
-    long cudnn; /* -1 until read */
-    long nccl;  /* -1 until read */
+    int decided;                         /* the import-time step ran */
+    oc_kb_code code[OC_KB_MAX_ENTRIES];  /* its verdict follows (oc_kb_verdict) */
+    char reason[OC_KB_MAX_ENTRIES][400]; /* the facts, in words */
+    long cudnn;                          /* -1 until read */
+    long nccl;                           /* -1 until read */
 } kb_rows;
 static kb_rows kb;
 
@@ -203,16 +202,15 @@ static int decide_all(PyObject *torch, size_t n)
         need_devices = need_cudnn = 0;
         for (size_t i = 0; i < n; i++) {
             const oc_known_bug *b = oc_known_bug_at(i);
-            int s = kb.state[i];
-            if (s == OC_KB_UNDECIDED)
-                s = oc_known_bug_decide(b, &f, row_off(i) ? NULL : kb.reason[i],
+            oc_kb_code c = kb.code[i];
+            if (c == OC_KBC_NEEDS_FACT || c == OC_KBC_OFF)
+                c = oc_known_bug_decide(b, &f, row_off(i) ? NULL : kb.reason[i],
                                         sizeof kb.reason[i]);
             if (!row_off(i))
-                kb.state[i] = s;
-            /* A named row still waiting for cuDNN asks NVML when CUDA starts. */
-            need_devices |= s == OC_KB_UNDECIDED && !oc_range_any(b->cc) &&
-                            (b->action != OC_KB_REPORT || oc_range_any(b->cudnn) || f.cudnn >= 0);
-            need_cudnn |= s == OC_KB_UNDECIDED && !oc_range_any(b->cudnn);
+                kb.code[i] = c;
+            need_devices |= c == OC_KBC_NEEDS_FACT && !oc_range_any(b->cc);
+            need_cudnn |=
+                c == OC_KBC_NEEDS_FACT && !oc_range_any(b->cudnn) && b->action != OC_KB_REPORT;
         }
     }
     return need_cudnn;
@@ -221,8 +219,16 @@ static int decide_all(PyObject *torch, size_t n)
 /* Row i is still undecided for want of cuDNN's version alone. */
 static int waits_for_cudnn(size_t i)
 {
-    return kb.state[i] == OC_KB_UNDECIDED && !row_off(i) &&
-           !oc_range_any(oc_known_bug_at(i)->cudnn);
+    return kb.code[i] == OC_KBC_NEEDS_FACT && !oc_range_any(oc_known_bug_at(i)->cudnn);
+}
+
+/* A steer is still undecided for want of cuDNN's version alone. */
+static int guard_waits_for_cudnn(size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (waits_for_cudnn(i) && oc_known_bug_at(i)->action != OC_KB_REPORT)
+            return 1;
+    return 0;
 }
 
 /* Steers decided at import (the allocator one was taken before torch
@@ -234,17 +240,16 @@ static void act_at_import(const oc_known_bug *b, size_t i)
     size_t room = sizeof kb.reason[i] - len;
     if (b->action == OC_KB_ALLOC_GENERIC) {
         const oc_record *alloc = oc_record_get(OC_OPT_ALLOCATOR);
-        kb.done[i] = alloc->alloc_generic;
-        if (kb.done[i])
-            snprintf(tail, room, "; avoided: %s", b->action_text);
+        kb.code[i] = alloc->alloc_generic ? OC_KBC_AVOIDED : OC_KBC_NOT_AVOIDED;
+        if (alloc->alloc_generic)
+            snprintf(tail, room, "; %s", b->action_text);
         else
             snprintf(tail, room,
-                     "; not avoided: outofcuda's allocator settings did not reach torch "
-                     "(allocator: %s, %s)",
+                     "; outofcuda's allocator settings did not reach torch (allocator: %s, %s)",
                      oc_rec_state_name(alloc->state), oc_rec_code_name(alloc->code));
     } else if (b->action == OC_KB_TF32_LEGACY) {
-        kb.done[i] = 1;
-        snprintf(tail, room, "; avoided: %s", b->action_text);
+        kb.code[i] = OC_KBC_AVOIDED;
+        snprintf(tail, room, "; %s", b->action_text);
     }
 }
 
@@ -252,7 +257,7 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
 {
     const oc_config *cfg = oc_config_get();
     size_t n = oc_known_bug_count();
-    int pending; /* something is left for CUDA's start */
+    int need_cudnn, pending; /* a guard waits for cuDNN; something is left for CUDA's start */
     oc_kb_facts f;
     memset(&kb, 0, sizeof kb);
     kb.cudnn = kb.nccl = -1;
@@ -260,14 +265,11 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
     for (size_t i = 0; i < n; i++) {
-        kb.state[i] = OC_KB_UNDECIDED;
-        if (!cfg->known_bugs)
+        kb.code[i] = row_off(i) ? OC_KBC_OFF : OC_KBC_NEEDS_FACT;
+        if (row_off(i))
             snprintf(kb.reason[i], sizeof kb.reason[i],
-                     "OUTOFCUDA_KNOWN_BUGS=0: torch's own choice kept, nothing checked");
-        else if (row_off(i))
-            snprintf(kb.reason[i], sizeof kb.reason[i],
-                     "OUTOFCUDA_KNOWN_BUGS lists %s: turned off, nothing checked",
-                     oc_known_bug_at(i)->id);
+                     "off by OUTOFCUDA_KNOWN_BUGS%s: torch's own choice kept, nothing checked",
+                     cfg->known_bugs ? " (it names this row)" : "");
     }
     if (!cfg->known_bugs)
         return;
@@ -278,23 +280,22 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     kb.cudnn = dist_version(torch, "nvidia_cudnn_cu", f.cuda);
     kb.nccl = f.nccl;
     /* Left for CUDA's start: reading cuDNN's version where no wheel names it
-     * (+51 MiB of RSS), and the cuDNN-attention steer. */
-    pending = decide_all(torch, n);
-    for (size_t i = 0; i < n; i++) {
-        if (kb.state[i] == OC_KB_YES)
-            act_at_import(oc_known_bug_at(i), i);
-        pending |= kb.state[i] == OC_KB_YES && oc_known_bug_at(i)->action == OC_KB_SDPA_NO_CUDNN;
-    }
+     * (+51 MiB of RSS), only for a steer, and the cuDNN-attention steer. */
+    pending = need_cudnn = decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {
         size_t len = strlen(kb.reason[i]);
-        if (!waits_for_cudnn(i))
-            continue;
-        if (no_queue != NULL) /* nothing will run when CUDA starts */
-            snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, " (never: %s)", no_queue);
+        if (kb.code[i] == OC_KBC_APPLIES)
+            act_at_import(oc_known_bug_at(i), i);
+        else if (waits_for_cudnn(i) && (!need_cudnn || no_queue != NULL)) /* never, or not here */
+            snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
+                     need_cudnn ? " (never: %s)"
+                                : " (only where a guard needs it; `outofcuda doctor` reads it)%s",
+                     need_cudnn ? no_queue : "");
+        /* A guard decided now (the wheel named cuDNN) acts when CUDA starts. */
+        pending |=
+            kb.code[i] == OC_KBC_APPLIES && oc_known_bug_at(i)->action == OC_KB_SDPA_NO_CUDNN;
     }
-    if (no_queue != NULL)
-        pending = 0;
-    if (pending)
+    if (pending && no_queue == NULL)
         oc_cuda_step_arm(OC_STEP_KNOWN_BUGS);
 }
 
@@ -346,8 +347,8 @@ static int sdp_flag(PyObject *c_mod, const char *getter)
     return on;
 }
 
-/* Takes entry i's action. Returns 1 done, 0 not (reason appended). */
-static int act(PyObject *torch, const oc_known_bug *b, size_t i)
+/* Takes entry i's action: its code (the reason appended to). */
+static oc_kb_code act(PyObject *torch, const oc_known_bug *b, size_t i)
 {
     static const char *const others[] = {"_get_flash_sdp_enabled", "_get_mem_efficient_sdp_enabled",
                                          "_get_math_sdp_enabled"};
@@ -355,11 +356,11 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
     PyObject *c_mod;
     int on, other = 0, rc;
     if (b->action != OC_KB_SDPA_NO_CUDNN)
-        return 0;
+        return OC_KBC_APPLIES;
     c_mod = PyObject_GetAttrString(torch, "_C");
     if (c_mod == NULL) {
         OC_CLEAR();
-        return 0;
+        return OC_KBC_NOT_AVOIDED;
     }
     /* Unread, cuDNN attention counts as on and another backend as off: a
      * write is then made only where one is sure to be left. */
@@ -370,10 +371,10 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
      * block CUDA starts in, say): off, no backend would be left to run. */
     if (on && !other) {
         snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
-                 "; not avoided: cuDNN attention was the only SDPA backend on when CUDA started "
+                 "; cuDNN attention was the only SDPA backend on when CUDA started "
                  "(the program's or an sdpa_kernel() block's choice), left on");
         Py_DECREF(c_mod);
-        return 0;
+        return OC_KBC_NOT_AVOIDED;
     }
     /* Already off (the program said so, or OUTOFCUDA was told): nothing to do.
      * Off after a run a Ctrl-C cut short is taken for that run's own write,
@@ -382,21 +383,20 @@ static int act(PyObject *torch, const oc_known_bug *b, size_t i)
         snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
                  "; cuDNN attention was already off");
         Py_DECREF(c_mod);
-        return 1;
+        return OC_KBC_AVOIDED;
     }
     rc = oc_call_bool(c_mod, "_set_sdp_use_cudnn", 0);
     Py_DECREF(c_mod);
     OC_CLEAR();
     if (rc != 1) {
-        snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len,
-                 "; not avoided: torch._C._set_sdp_use_cudnn %s",
+        snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, "; torch._C._set_sdp_use_cudnn %s",
                  rc == 0 ? "is missing" : "failed");
-        return 0;
+        return OC_KBC_NOT_AVOIDED;
     }
     snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, "; when CUDA started: %s",
              b->action_text);
     oc_record_sdpa_guard("cuDNN attention turned off when CUDA started", b->id);
-    return 1;
+    return OC_KBC_AVOIDED;
 }
 
 void oc_known_bugs_at_cuda_init(PyObject *torch)
@@ -411,23 +411,16 @@ void oc_known_bugs_at_cuda_init(PyObject *torch)
     kept = kb;
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
-    if (kb.cudnn < 0)
+    if (kb.cudnn < 0 && guard_waits_for_cudnn(n))
         kb.cudnn = read_cudnn_version(torch);
     decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {
-        if (kb.state[i] == OC_KB_YES && !kb.done[i])
-            kb.done[i] = act(torch, oc_known_bug_at(i), i);
+        if (kb.code[i] == OC_KBC_APPLIES)
+            kb.code[i] = act(torch, oc_known_bug_at(i), i);
     }
     OC_CLEAR();
     if (oc_interrupt_waiting())
         kb = kept;
-}
-
-static PyObject *state_obj(int s)
-{
-    if (s == OC_KB_UNDECIDED)
-        Py_RETURN_NONE;
-    return PyBool_FromLong(s == OC_KB_YES);
 }
 
 /* Whether cuDNN attention is off at the moment status() is called, where
@@ -461,21 +454,31 @@ static const char *kind_word(const oc_known_bug *b)
     return b->action == OC_KB_REPORT ? "named" : b->action == OC_KB_TF32_LEGACY ? "own" : "guard";
 }
 
-static PyObject *entry_dict(const oc_known_bug *b, int state, int done, const char *reason,
+/* status()'s words: verdicts by OC_KB_YES, OC_KB_NO, OC_KB_UNDECIDED; codes. */
+static const char *const verdict_words[] = {"not_affected", "applies", "undecided"};
+#define OC_KB_NAME(id, name) name,
+static const char *const code_names[] = {OC_KB_CODES(OC_KB_NAME)};
+
+static PyObject *entry_dict(const oc_known_bug *b, oc_kb_code code, const char *reason,
                             const char *now)
 {
-    return Py_BuildValue("{s:s,s:s,s:s,s:N,s:O,s:s,s:s,s:s,s:z,s:z,s:s,s:s}", "id", b->id, "title",
-                         b->title, "evidence", b->evidence, "applies", state_obj(state), "done",
-                         done ? Py_True : Py_False, "action", b->action_text, "condition",
-                         b->condition, "reason", reason, "now", now, "fixed_in", b->fixed_in, "fix",
-                         b->fix, "kind", kind_word(b));
+    int v = oc_kb_verdict(code);
+    return Py_BuildValue("{s:s,s:s,s:s,s:O,s:s,s:s,s:O,s:s,s:s,s:s,s:z,s:z,s:s,s:s}", "id", b->id,
+                         "title", b->title, "evidence", b->evidence, "applies",
+                         v < 0 ? Py_None
+                         : v   ? Py_True
+                               : Py_False,
+                         "verdict", verdict_words[v < 0 ? 2 : v], "code", code_names[code], "done",
+                         code == OC_KBC_AVOIDED ? Py_True : Py_False, "action", b->action_text,
+                         "condition", b->condition, "reason", reason, "now", now, "fixed_in",
+                         b->fixed_in, "fix", b->fix, "kind", kind_word(b));
 }
 
 /* Appends one entry to list; on failure drops the list and returns NULL. */
-static PyObject *append_entry(PyObject *list, const oc_known_bug *b, int state, int done,
+static PyObject *append_entry(PyObject *list, const oc_known_bug *b, oc_kb_code code,
                               const char *reason, const char *now)
 {
-    PyObject *e = entry_dict(b, state, done, reason, now);
+    PyObject *e = entry_dict(b, code, reason, now);
     if (e == NULL || PyList_Append(list, e) < 0) {
         Py_XDECREF(e);
         Py_DECREF(list);
@@ -486,25 +489,23 @@ static PyObject *append_entry(PyObject *list, const oc_known_bug *b, int state, 
 }
 
 /* Row i decided again from what NVML lists now (a row that needs this
- * process's contexts): its state, reason into text. */
-static int decide_live(size_t i, char *text, size_t sz)
+ * process's contexts): its code, reason into text. */
+static oc_kb_code decide_live(size_t i, char *text, size_t sz)
 {
     const oc_known_bug *b = oc_known_bug_at(i);
     PyObject *torch;
     oc_kb_facts f;
-    int state;
-    if (!(b->needs & OC_KB_NEEDS_FOREIGN_CTX) || kb.state[i] != OC_KB_UNDECIDED || row_off(i))
-        return kb.state[i];
+    if (!(b->needs & OC_KB_NEEDS_FOREIGN_CTX) || kb.code[i] != OC_KBC_NEEDS_FACT)
+        return kb.code[i];
     torch = oc_sys_module("torch");
     if (torch == NULL)
-        return kb.state[i];
+        return kb.code[i];
     facts_init(&f);
     torch_facts(torch, &f);
     Py_DECREF(torch);
     f.getenv_fn = proc_getenv;
     f.foreign_dev = live_foreign_device(f.local_rank);
-    state = oc_known_bug_decide(b, &f, text, sz);
-    return state;
+    return oc_known_bug_decide(b, &f, text, sz);
 }
 
 PyObject *oc_known_bugs_status(void)
@@ -514,16 +515,16 @@ PyObject *oc_known_bugs_status(void)
     for (size_t i = 0; list != NULL && i < n && i < OC_KB_MAX_ENTRIES; i++) {
         char reason[sizeof kb.reason[i] + 200];
         const char *now = NULL;
-        int state = kb.decided ? kb.state[i] : OC_KB_UNDECIDED;
+        oc_kb_code code = oc_disabled_by_env() ? OC_KBC_OFF : OC_KBC_NOT_IMPORTED;
         snprintf(reason, sizeof reason, "%s",
-                 kb.decided ? kb.reason[i]
-                            : "undecided: torch has not been imported by the hook in this process");
-        if (kb.decided) {
-            state = decide_live(i, reason, sizeof reason);
-            if (state == OC_KB_YES)
-                now = guard_now(oc_known_bug_at(i), reason, sizeof reason);
-        }
-        list = append_entry(list, oc_known_bug_at(i), state, kb.done[i], reason, now);
+                 kb.decided           ? kb.reason[i]
+                 : code == OC_KBC_OFF ? OC_DISABLED_TEXT
+                                      : "torch has not been imported by the hook in this process");
+        if (kb.decided)
+            code = decide_live(i, reason, sizeof reason);
+        if (oc_kb_verdict(code) == OC_KB_YES)
+            now = guard_now(oc_known_bug_at(i), reason, sizeof reason);
+        list = append_entry(list, oc_known_bug_at(i), code, reason, now);
     }
     return list;
 }
@@ -537,13 +538,13 @@ size_t oc_known_bugs_summary(char *buf, size_t sz, const char *prefix)
     for (size_t i = 0; kb.decided && i < n && i < OC_KB_MAX_ENTRIES && len + 1 < sz; i++) {
         const oc_known_bug *b = oc_known_bug_at(i);
         char why[sizeof kb.reason[i] + 200];
-        int state;
+        oc_kb_code code;
         snprintf(why, sizeof why, "%s", kb.reason[i]);
-        state = decide_live(i, why, sizeof why);
+        code = decide_live(i, why, sizeof why);
         /* Named where it applies and outofcuda does not avoid it; the
          * report-only rows that depend on how the program trains (FSDP2,
          * pooling) stay in doctor, where they are one line each. */
-        if (state != OC_KB_YES || kb.done[i] ||
+        if (oc_kb_verdict(code) != OC_KB_YES || code == OC_KBC_AVOIDED ||
             (b->action == OC_KB_REPORT && oc_range_any(b->cudnn) && !b->needs))
             continue;
         snprintf(buf + len, sz - len, "%s  known bug      %s: %s (%s); fix: %s%s%s\n", prefix,
@@ -620,8 +621,7 @@ static PyObject *py_known_bugs_check(PyObject *self, PyObject *args)
     for (size_t i = 0; list != NULL && i < oc_known_bug_count(); i++) {
         char why[400];
         const oc_known_bug *b = oc_known_bug_at(i);
-        int state = oc_known_bug_decide(b, &f, why, sizeof why);
-        list = append_entry(list, b, state, 0, why, NULL);
+        list = append_entry(list, b, oc_known_bug_decide(b, &f, why, sizeof why), why, NULL);
     }
     return list;
 }

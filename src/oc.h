@@ -356,10 +356,33 @@ int oc_kb_foreign_device(long local_rank, int n_visible, const int *ctx, int n);
 #define OC_KB_NO 0
 #define OC_KB_YES 1
 #define OC_KB_UNDECIDED (-1)
-/* Whether bug b applies to facts f: OC_KB_YES, OC_KB_NO (a fact rules it
- * out) or OC_KB_UNDECIDED (a fact it needs is unknown). why (may be NULL)
- * says which, in words. */
-int oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why, size_t whysz);
+/* Why a row's verdict is what it is (status()'s "code"); the verdict
+ * follows from the code (oc_kb_verdict). */
+#define OC_KB_CODES(X)                                                                             \
+    X(APPLIES, "applies")           /* every fact the row names holds */                           \
+    X(AVOIDED, "avoided")           /* outofcuda's steer or own settings avoid it */               \
+    X(NOT_AVOIDED, "not_avoided")   /* the steer could not act (the reason says) */                \
+    X(OUT_OF_RANGE, "out_of_range") /* a version or capability outside the row's */                \
+    X(NO_CUDA, "no_cuda")           /* a torch build without CUDA */                               \
+    X(NO_CUDNN, "no_cudnn")         /* torch loads no cuDNN */                                     \
+    X(TORCH_AVOIDS, "torch_avoids") /* the row's variable keeps torch off the bug */               \
+    X(UNMET, "condition_unmet")     /* a variable or rank it needs is not so */                    \
+    X(NEEDS_FACT, "needs_fact")     /* a fact it needs is not read (yet) */                        \
+    X(OFF, "off")                   /* OUTOFCUDA_KNOWN_BUGS or _DISABLE */                         \
+    X(NOT_IMPORTED, "not_imported") /* torch not imported through the hook */
+#define OC_KB_CODE_ENUM(id, name) OC_KBC_##id,
+typedef enum { OC_KB_CODES(OC_KB_CODE_ENUM) OC_KB_CODE_COUNT } oc_kb_code;
+#undef OC_KB_CODE_ENUM
+static inline int oc_kb_verdict(oc_kb_code code) /* the codes run in the verdicts' order */
+{
+    return code <= OC_KBC_NOT_AVOIDED ? OC_KB_YES
+           : code <= OC_KBC_UNMET     ? OC_KB_NO
+                                      : OC_KB_UNDECIDED;
+}
+/* Whether bug b applies to facts f, as a code: OC_KBC_APPLIES, one that
+ * rules it out, or OC_KBC_NEEDS_FACT. why (may be NULL) gives the facts. */
+oc_kb_code oc_known_bug_decide(const oc_known_bug *b, const oc_kb_facts *f, char *why,
+                               size_t whysz);
 /* The allocator variable the CUDA allocator of release `ver` reads, as torch
  * reads it: up to 2.10 PYTORCH_CUDA_ALLOC_CONF only; from 2.11 the first set
  * of PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF, PYTORCH_ALLOC_CONF wins
@@ -423,12 +446,11 @@ typedef enum { OC_REC_STATES(OC_STATE_ENUM) OC_REC_STATE_COUNT } oc_rec_state;
     X(NOT_IMPORTED, "not_imported")       /* torch not imported in this process yet */             \
     X(IMPORT_BYPASSED, "import_bypassed") /* a finder ahead of the hook loaded torch */            \
     X(NO_HOOK, "no_hook")                 /* the start-up hook did not run */                      \
-    X(DISABLED, "disabled")               /* OUTOFCUDA_DISABLE */                                  \
     X(NOT_PYTORCH, "not_pytorch")         /* the imported `torch` has no torch._C */               \
     X(IMPORTED_EARLY, "imported_early")   /* torch imported before the hook installed */           \
-    X(OFF, "off")                         /* the user's off word (off_by names it) */              \
-    X(NO_CUDA, "no_cuda")                 /* a torch build without CUDA */                         \
-    X(ROCM, "rocm")                       /* a ROCm build: CUDA's allocator only */                \
+    X(OFF, "off")         /* off_by (OUTOFCUDA_DISABLE or a switch) turned it off */               \
+    X(NO_CUDA, "no_cuda") /* a torch build without CUDA */                                         \
+    X(ROCM, "rocm")       /* a ROCm build: CUDA's allocator only */                                \
     X(VERSION_UNKNOWN, "version_unknown") /* torch's version unread before it loaded */            \
     X(NO_SETTER, "no_setter")             /* this torch lacks the function */                      \
     X(SETTER_FAILED, "setter_failed")     /* torch's function raised */                            \
@@ -850,6 +872,8 @@ PyObject *oc_leave(PyObject *result); /* result, or NULL (result released) with 
  * exception. */
 int oc_register_at_exit(PyMethodDef *def, int *registered);
 int oc_disabled_by_env(void);
+/* What every row says under OUTOFCUDA_DISABLE (the boot says it too). */
+#define OC_DISABLED_TEXT "off by OUTOFCUDA_DISABLE: torch imports as without outofcuda"
 
 /* watcher.c */
 int oc_watcher_init(PyObject *module); /* from module_exec */
@@ -881,25 +905,21 @@ typedef struct {
  * merely installed is not in use. Fills why with what was seen and why
  * outofcuda steps back. Never raises. */
 const char *oc_framework_in_use(char *why, size_t whysz);
-/* What outofcuda decided about frameworks (bridge.c decides, status()
- * shows): the one it left GPU memory to and why that one owns GPU memory,
- * and what was decided, when and why. */
+/* What outofcuda decided about frameworks at torch's import (at[0]) and
+ * when CUDA started (at[1]): OC_FW_UNSET until then (status()'s words in
+ * report.c). */
+typedef enum { OC_FW_UNSET, OC_FW_NONE, OC_FW_LEFT_TO, OC_FW_OVERRIDE, OC_FW_GONE } oc_fw_code;
 typedef struct {
-    char left_to[32];  /* the one outofcuda left GPU memory to, "" none */
-    char why[600];     /* why it owns GPU memory */
-    char decided[700]; /* what was decided, when and why */
+    char left_to[32]; /* the one outofcuda left GPU memory to, "" none */
+    char why[600];    /* why it owns GPU memory */
+    oc_fw_code at[2];
 } oc_framework_choice;
 const oc_framework_choice *oc_framework_choice_get(void);
 /* GPU memory left to the framework name (why: why it owns it), or to none
  * (NULL: the one it was left to is gone; why is kept). */
 void oc_framework_leave_to(const char *name, const char *why);
-/* Writes what was decided at torch's import (printf format), or the CUDA-init
- * step's part after it (at_cuda_init), replacing an earlier run's. */
-void oc_framework_decided(int at_cuda_init, const char *fmt, ...)
-#ifdef __GNUC__
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
+/* What was decided at torch's import (when 0) or when CUDA started (1). */
+void oc_framework_decided(int when, oc_fw_code code);
 
 /* platform.c: where one of outofcuda's defaults cannot work. The allocator
  * defaults for this machine: `defaults` itself, or (when they are

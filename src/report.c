@@ -76,8 +76,8 @@ static const char *pending_reason(oc_rec_code *code)
         return "torch has not been imported in this process yet";
     }
     if (oc_disabled_by_env()) {
-        *code = OC_CODE_DISABLED;
-        return "outofcuda is disabled (OUTOFCUDA_DISABLE)";
+        *code = OC_CODE_OFF;
+        return OC_DISABLED_TEXT;
     }
     *code = OC_CODE_NO_HOOK;
     return "the start-up hook did not run in this process (python -S, or the hook file is "
@@ -131,15 +131,18 @@ static PyObject *record_entry(oc_opt opt)
     else
         oc_record_reason(opt, reason, sizeof reason);
     /* Turned off by OUTOFCUDA_DISABLE: skipped, not waiting for torch. */
-    if (code == OC_CODE_DISABLED)
+    if (code == OC_CODE_OFF)
         state = OC_REC_SKIPPED;
     value = record_value(r);
     said = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
-    e = value && said ? Py_BuildValue("{s:O,s:s,s:s,s:O,s:O,s:z}", "applied",
-                                      r->state == OC_REC_APPLIED ? Py_True : Py_False, "state",
-                                      oc_rec_state_name(state), "code", oc_rec_code_name(code),
-                                      "value", value, "reason", said, "off_by", r->off_by)
-                      : NULL;
+    e = value && said
+            ? Py_BuildValue("{s:O,s:s,s:s,s:O,s:O,s:z}", "applied",
+                            r->state == OC_REC_APPLIED ? Py_True : Py_False, "state",
+                            oc_rec_state_name(state), "code", oc_rec_code_name(code), "value",
+                            value, "reason", said, "off_by",
+                            code == OC_CODE_OFF && !r->off_by ? OC_VAR("OUTOFCUDA_DISABLE")
+                                                              : r->off_by)
+            : NULL;
     Py_XDECREF(value);
     Py_XDECREF(said);
     if (e != NULL && (r->state == OC_REC_QUEUED || r->state == OC_REC_INTERRUPTED))
@@ -313,26 +316,17 @@ static PyObject *optimizations(void)
 }
 
 /* status()'s "framework": the framework outofcuda left GPU memory to (or
- * None), the one in use now (or None), and what bridge.c decided, when and
- * why. A framework imported after CUDA started is named: outofcuda's
- * settings were in effect before it came. */
+ * None), the one in use now (or None: one in use now, with at_cuda_init
+ * "none", came after CUDA started and found outofcuda's settings in
+ * effect), and the codes bridge.c decided at torch's import and when CUDA
+ * started (None until then), "code" the later. */
 static PyObject *framework_status(void)
 {
-    const oc_framework_choice *choice = oc_framework_choice_get();
-    char why[600], text[sizeof choice->decided + 300];
-    const char *now = oc_framework_in_use(why, sizeof why);
-    const char *left_to = choice->left_to[0] ? choice->left_to : NULL;
-    snprintf(text, sizeof text, "%s",
-             choice->decided[0] ? choice->decided
-                                : "nothing decided: torch was not imported through the hook");
-    /* The framework step ran: what was decided then still holds. */
-    if (now != NULL && left_to == NULL && oc_cuda_step_state(OC_STEP_FRAMEWORK) == OC_STEP_IS_DONE)
-        snprintf(text + strlen(text), sizeof text - strlen(text),
-                 "; now: %s is in use, imported after CUDA started: outofcuda's allocator "
-                 "settings and memory fraction were already in effect (OUTOFCUDA_DISABLE=1, or "
-                 "import it before using CUDA, leaves them to it)",
-                 now);
-    return Py_BuildValue("{s:z,s:z,s:s}", "left_to", left_to, "in_use_now", now, "decided", text);
+    static const char *const codes[] = {NULL, "none", "left_to", "override", "gone_at_cuda_init"};
+    const oc_framework_choice *c = oc_framework_choice_get();
+    return Py_BuildValue("{s:z,s:z,s:z,s:z,s:z}", "left_to", c->left_to[0] ? c->left_to : NULL,
+                         "in_use_now", oc_framework_in_use(NULL, 0), "at_import", codes[c->at[0]],
+                         "at_cuda_init", codes[c->at[1]], "code", codes[c->at[c->at[1] != 0]]);
 }
 
 /* status()'s "cuda_init": each step of the CUDA-init callback (bridge.c) by
@@ -384,7 +378,7 @@ static PyObject *py_status(PyObject *self, PyObject *unused)
 {
     const oc_config *cfg = oc_config_if_loaded();
     PyObject *opts, *warnings, *bugs, *framework, *cuda_init, *error = oc_error();
-    int installed = hook.installed || installed_and_off(self);
+    int installed = hook.installed || (self != NULL && installed_and_off(self));
     (void)unused;
     opts = optimizations();
     warnings = opts ? PyList_New(0) : NULL;
@@ -487,19 +481,35 @@ static size_t wrap_cut(const char *text, size_t len, size_t width, size_t indent
     return kept;
 }
 
-/* Writes text to stderr in lines of at most `first` characters (the first
- * line, after what the caller wrote) and TABLE_WIDTH - indent characters (the
- * others, indented), broken as wrap_cut says. */
-static void write_wrapped(const char *text, size_t first, size_t indent)
+/* The status table's text: pieces appended to a list of str (a piece that
+ * cannot be made is left out: the table is for people). */
+static void put(PyObject *out, const char *fmt, ...)
+{
+    char buf[1200];
+    va_list ap;
+    PyObject *s;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    s = PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "replace");
+    if (s == NULL || PyList_Append(out, s) < 0)
+        OC_CLEAR();
+    Py_XDECREF(s);
+}
+
+/* Writes text in lines of at most `first` characters (the first line, after
+ * what the caller wrote) and TABLE_WIDTH - indent characters (the others,
+ * indented), broken as wrap_cut says. */
+static void write_wrapped(PyObject *out, const char *text, size_t first, size_t indent)
 {
     size_t width = first, len = strlen(text);
     for (;;) {
         size_t skip, cut = wrap_cut(text, len, width, indent, &skip);
         if (cut == len) {
-            oc_stderr_printf("%s\n", text);
+            put(out, "%s\n", text);
             return;
         }
-        oc_stderr_printf("%.*s\n%*s", (int)cut, text, (int)indent, "");
+        put(out, "%.*s\n%*s", (int)cut, text, (int)indent, "");
         text += cut + skip;
         len -= cut + skip;
         width = TABLE_WIDTH - indent;
@@ -507,7 +517,7 @@ static void write_wrapped(const char *text, size_t first, size_t indent)
 }
 
 /* Writes an optimisation's value from column VALUE_COL on. */
-static void write_value(PyObject *v)
+static void write_value(PyObject *out, PyObject *v)
 {
     char joined[1000], item[520], text[400];
     Py_ssize_t pos = 0;
@@ -515,7 +525,7 @@ static void write_value(PyObject *v)
     size_t used = 0;
     if (v == NULL || !PyDict_Check(v) || PyDict_Size(v) == 0) {
         value_text(v, text, sizeof text);
-        write_wrapped(text, TABLE_WIDTH - VALUE_COL, VALUE_COL);
+        write_wrapped(out, text, TABLE_WIDTH - VALUE_COL, VALUE_COL);
         return;
     }
     joined[0] = '\0';
@@ -529,7 +539,7 @@ static void write_value(PyObject *v)
             break;
     }
     if (used <= TABLE_WIDTH - VALUE_COL) {
-        oc_stderr_printf("%s\n", joined);
+        put(out, "%s\n", joined);
         return;
     }
     /* One item a line, continuation lines two further in. */
@@ -540,138 +550,150 @@ static void write_value(PyObject *v)
         value_text(val, text, sizeof text);
         snprintf(item, sizeof item, "%s=%s", k, text);
         if (i > 0)
-            oc_stderr_printf("%*s", VALUE_COL, "");
-        write_wrapped(item, TABLE_WIDTH - VALUE_COL, VALUE_COL + 2);
+            put(out, "%*s", VALUE_COL, "");
+        write_wrapped(out, item, TABLE_WIDTH - VALUE_COL, VALUE_COL + 2);
     }
 }
 
-/* The known-bugs row (the README's table has one): applied "yes" when a
- * guard acted, "queued" while one waits for CUDA's start; the value names
- * the entries, the reason lines give each entry's verdict (an entry's id
- * before it when there are several). */
-static void write_known_bugs_row(void)
+/* d[key] as text ("-" when d is no dict or has no such key). */
+static void key_text(PyObject *d, const char *key, char *buf, size_t sz)
 {
-    char ids[400], reason[720], id[100];
-    size_t used = 0;
-    int done = 0;
-    oc_step_state step;
-    PyObject *bugs = oc_known_bugs_status();
-    Py_ssize_t n = bugs ? PyList_Size(bugs) : -1;
-    if (n <= 0) {
-        Py_XDECREF(bugs);
-        OC_CLEAR();
-        return;
+    value_text(d && PyDict_Check(d) ? PyDict_GetItemString(d, key) : NULL, buf, sz);
+}
+
+/* The "applied" word of the table, from a row's state and code: queued
+ * (waiting for CUDA's start, or its step was interrupted there), yes, off (a
+ * switch turned it off; off_by names it), no. */
+static const char *applied_word(const char *state, const char *code)
+{
+    if (strcmp(state, "queued") == 0 || strcmp(state, "interrupted") == 0)
+        return "queued";
+    if (strcmp(state, "applied") == 0)
+        return "yes";
+    return strcmp(code, "off") == 0 ? "off" : "no";
+}
+
+/* The optimisations: name, applied word, value, and the reason below; one
+ * reason for all where every row has the same code and off_by. */
+static void write_optimisations(PyObject *out, PyObject *opts)
+{
+    char name[64], state[32], code[100], first[100] = "", reason[OC_REASON_LEN + 300];
+    Py_ssize_t pos = 0;
+    PyObject *k, *e;
+    int shared = PyDict_Size(opts) > 1;
+    while (PyDict_Next(opts, &pos, &k, &e)) {
+        key_text(e, "code", code, 50);
+        key_text(e, "off_by", code + strlen(code), 50);
+        shared &= !first[0] || strcmp(first, code) == 0;
+        snprintf(first, sizeof first, "%s", code);
     }
-    ids[0] = '\0';
+    put(out, "  %-20s %-8s value%s\n", "optimisation", "applied", shared ? "" : " (reason below)");
+    for (pos = 0; PyDict_Next(opts, &pos, &k, &e);) {
+        value_text(k, name, sizeof name);
+        key_text(e, "state", state, sizeof state);
+        key_text(e, "code", code, sizeof code);
+        put(out, "  %-20s %-8s ", name, applied_word(state, code));
+        write_value(out, PyDict_Check(e) ? PyDict_GetItemString(e, "value") : NULL);
+        snprintf(reason, 9, "  (all: ");
+        key_text(e, "reason", reason + 8, sizeof reason - 9);
+        put(out, "%*s", shared ? 0 : REASON_INDENT, "");
+        if (!shared)
+            write_wrapped(out, reason + 8, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
+    }
+    if (shared)
+        write_wrapped(out, strcat(reason, ")"), TABLE_WIDTH, REASON_INDENT);
+}
+
+/* The known-bugs row: applied "yes" when a guard acted, "queued" while one
+ * waits for CUDA's start, "off" when every row is; the value counts the rows
+ * not affected here, and a line below gives each other row (one line for
+ * all when all are off). */
+static void write_known_bugs(PyObject *out, PyObject *bugs, PyObject *cuda_init)
+{
+    char verdict[32], code[32], id[100], why[600], line[800], step[32];
+    int unaffected = 0, off = 0, avoided = 0;
+    Py_ssize_t n = bugs && PyList_Check(bugs) ? PyList_Size(bugs) : 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *e = PyList_GetItem(bugs, i);
-        value_text(PyDict_GetItemString(e, "id"), id, sizeof id);
-        done |= PyDict_GetItemString(e, "done") == Py_True;
-        if (used < sizeof ids)
-            used += (size_t)snprintf(ids + used, sizeof ids - used, "%s%s", i ? ", " : "", id);
+        key_text(PyList_GetItem(bugs, i), "verdict", verdict, sizeof verdict);
+        key_text(PyList_GetItem(bugs, i), "code", code, sizeof code);
+        unaffected += strcmp(verdict, "not_affected") == 0;
+        off += strcmp(code, "off") == 0;
+        avoided |= strcmp(code, "avoided") == 0;
     }
-    step = oc_cuda_step_state(OC_STEP_KNOWN_BUGS);
-    oc_stderr_printf("  %-20s %-8s ", "known_bugs",
-                     done                                                          ? "yes"
-                     : step == OC_STEP_IS_QUEUED || step == OC_STEP_IS_INTERRUPTED ? "queued"
-                                                                                   : "no");
-    write_wrapped(ids, TABLE_WIDTH - VALUE_COL, VALUE_COL);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    key_text(cuda_init, "known_bugs", step, sizeof step);
+    if (n > 0)
+        put(out, "  %-20s %-8s %d of %d not affected\n", "known_bugs",
+            avoided                                         ? "yes"
+            : strcmp(applied_word(step, ""), "queued") == 0 ? "queued"
+            : off == n                                      ? "off"
+                                                            : "no",
+            unaffected, (int)n);
+    for (Py_ssize_t i = 0; i < n && !(off == n && i > 0); i++) {
         PyObject *e = PyList_GetItem(bugs, i);
-        char why[600];
-        value_text(PyDict_GetItemString(e, "id"), id, sizeof id);
-        value_text(PyDict_GetItemString(e, "reason"), why, sizeof why);
-        snprintf(reason, sizeof reason, "%s%s%s", n > 1 ? id : "", n > 1 ? ": " : "", why);
-        oc_stderr_printf("%*s", REASON_INDENT, "");
-        write_wrapped(reason, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
+        key_text(e, "id", id, sizeof id);
+        key_text(e, "verdict", verdict, sizeof verdict);
+        key_text(e, "code", code, sizeof code);
+        key_text(e, "reason", why, sizeof why);
+        snprintf(line, sizeof line, "%s: %s, %s: %s", id, verdict, code, why);
+        put(out, "%*s", strcmp(verdict, "not_affected") ? REASON_INDENT : 0, "");
+        if (strcmp(verdict, "not_affected") != 0)
+            write_wrapped(out, off == n ? why : line, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
     }
-    Py_DECREF(bugs);
+}
+
+/* The status table of a status() dict (or of the command line's, which has
+ * the same keys): the optimisations, the known bugs and the error, as the
+ * verbose table, `outofcuda status` and `outofcuda report --bug` print it.
+ * A new str, or NULL with an exception. */
+static PyObject *status_text(PyObject *st)
+{
+    PyObject *out = PyList_New(0), *opts = PyDict_GetItemString(st, "optimizations"), *empty, *text;
+    char error[400];
+    if (out == NULL)
+        return NULL;
+    if (opts != NULL && PyDict_Check(opts))
+        write_optimisations(out, opts);
+    write_known_bugs(out, PyDict_GetItemString(st, "known_bugs"),
+                     PyDict_GetItemString(st, "cuda_init"));
+    key_text(PyDict_GetItemString(st, "hook"), "error", error, sizeof error);
+    if (strcmp(error, "-") != 0) {
+        put(out, "  error: ");
+        write_wrapped(out, error, TABLE_WIDTH - 9, 9);
+    }
+    empty = PyUnicode_FromString("");
+    text = empty ? PyUnicode_Join(empty, out) : NULL;
+    Py_XDECREF(empty);
+    Py_DECREF(out);
+    return text;
 }
 
 void oc_report_verbose(void)
 {
-    char tv[64], reason[400];
+    char tv[64], table[16384];
+    PyObject *st, *text;
     /* torchrun's launcher imports torch but runs no model: its table would
      * read as one more rank's. Each worker prints its own, labelled. */
     if (oc_torchrun_launcher())
         return;
     value_text(hook.torch_version, tv, sizeof tv);
     oc_stderr_printf("outofcuda %s: torch %s imported\n", OC_VERSION, tv);
-    oc_stderr_printf("  %-20s %-8s %s\n", "optimisation", "applied", "value (reason below)");
-    for (int i = 0; i < OC_OPT_COUNT; i++) {
-        const oc_record *r = oc_record_get((oc_opt)i);
-        PyObject *e = record_entry((oc_opt)i);
-        oc_stderr_printf("  %-20s %-8s ", oc_opt_name((oc_opt)i),
-                         r->state == OC_REC_QUEUED || r->state == OC_REC_INTERRUPTED ? "queued"
-                         : r->state == OC_REC_APPLIED                                ? "yes"
-                         : r->code == OC_CODE_OFF                                    ? "off"
-                                                                                     : "no");
-        write_value(e ? PyDict_GetItemString(e, "value") : NULL);
-        value_text(e ? PyDict_GetItemString(e, "reason") : NULL, reason, sizeof reason);
-        OC_CLEAR();
-        Py_XDECREF(e);
-        oc_stderr_printf("%*s", REASON_INDENT, "");
-        write_wrapped(reason, TABLE_WIDTH - REASON_INDENT, REASON_INDENT);
-    }
-    write_known_bugs_row();
-    if (oc_error() != NULL) {
-        value_text(oc_error(), reason, sizeof reason);
-        oc_stderr_printf("  error: ");
-        write_wrapped(reason, TABLE_WIDTH - 9, 9);
-    }
+    st = py_status(NULL, NULL);
+    text = st ? status_text(st) : NULL;
+    if (text != NULL)
+        oc_stderr_write(oc_utf8(text, table, sizeof table));
+    OC_CLEAR();
+    Py_XDECREF(text);
+    Py_XDECREF(st);
 }
 
-/* _text_layout() -> dict: the tables' width and columns (width, value_col,
- * reason_indent), for the CLI's text. */
-static PyObject *py_text_layout(PyObject *self, PyObject *unused)
+/* _status_text(status) -> str: the status table of a status() dict. */
+static PyObject *py_status_text(PyObject *self, PyObject *st)
 {
     (void)self;
-    (void)unused;
-    return Py_BuildValue("{s:i,s:i,s:i}", "width", TABLE_WIDTH, "value_col", VALUE_COL,
-                         "reason_indent", REASON_INDENT);
-}
-
-/* _wrap(text, first, indent) -> list of str: text in the table's lines (the
- * first at most `first` characters, the others indented, as write_wrapped
- * writes them), for the CLI's text. */
-static PyObject *py_wrap(PyObject *self, PyObject *args)
-{
-    char blanks[TABLE_WIDTH];
-    PyObject *str, *bytes, *pad, *lines = NULL;
-    Py_ssize_t first, indent;
-    const char *text;
-    size_t len, width;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "Unn", &str, &first, &indent))
-        return NULL;
-    if (first < 1 || indent < 0 || indent >= TABLE_WIDTH) {
-        PyErr_SetString(PyExc_ValueError, "_wrap: first must be >= 1 and indent under the width");
-        return NULL;
-    }
-    memset(blanks, ' ', sizeof blanks);
-    pad = PyUnicode_FromStringAndSize(blanks, indent);
-    bytes = pad ? PyUnicode_AsEncodedString(str, "utf-8", "surrogatepass") : NULL;
-    text = bytes ? PyBytes_AsString(bytes) : NULL;
-    len = text ? (size_t)PyBytes_Size(bytes) : 0;
-    width = (size_t)first;
-    lines = text ? PyList_New(0) : NULL;
-    for (int i = 0; lines != NULL; i++) {
-        size_t skip, cut = wrap_cut(text, len, width, (size_t)indent, &skip);
-        PyObject *part = PyUnicode_DecodeUTF8(text, (Py_ssize_t)cut, "surrogatepass");
-        PyObject *line = part && i > 0 ? PyUnicode_Concat(pad, part) : (Py_XINCREF(part), part);
-        if (line == NULL || PyList_Append(lines, line) < 0)
-            Py_CLEAR(lines);
-        Py_XDECREF(line);
-        Py_XDECREF(part);
-        if (cut == len)
-            break;
-        text += cut + skip;
-        len -= cut + skip;
-        width = TABLE_WIDTH - (size_t)indent;
-    }
-    Py_XDECREF(bytes);
-    Py_XDECREF(pad);
-    return lines;
+    if (PyDict_Check(st))
+        return status_text(st);
+    PyErr_SetString(PyExc_TypeError, "_status_text: a status() dict is needed");
+    return NULL;
 }
 
 /* _labelled(text) -> str: text with the rank label (oc_rank_label) before
@@ -699,21 +721,16 @@ static PyObject *py_labelled(PyObject *self, PyObject *args)
 }
 
 OC_EDGE_VARARGS(py_labelled)
-OC_EDGE_VARARGS(py_wrap)
-OC_EDGE_NOARGS(py_text_layout)
 OC_EDGE_NOARGS(py_status)
+OC_EDGE_O(py_status_text)
 
 PyMethodDef oc_report_methods[] = {
     OC_METHOD(
         "_labelled", py_labelled,
         "_labelled(text, /)\n--\n\nThe text with the rank label ([rank N] under torchrun) before "
         "each line."),
-    OC_METHOD(
-        "_wrap", py_wrap,
-        "_wrap(text, first, indent, /)\n--\n\nThe text in lines of the tables' width (the first at "
-        "most first characters, the others indented)."),
-    OC_METHOD("_text_layout", py_text_layout,
-              "_text_layout()\n--\n\nThe tables' width and columns."),
+    OC_METHOD("_status_text", py_status_text,
+              "_status_text(status, /)\n--\n\nThe status table of a status() dict, as text."),
     OC_METHOD("status", py_status,
               "status()\n--\n\nWhat outofcuda did in this process, as a JSON-serialisable dict."),
     {NULL, NULL, 0, NULL},

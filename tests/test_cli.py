@@ -11,7 +11,7 @@ from kit import oc_h_table
 
 STATUS_KEYS = {"version", "python", "executable", "hook", "torch", "torch_error", "cuda",
                "cuda_initialized_by_import", "optimizations", "config_warnings", "gpus",
-               "nvml_error", "known_bugs"}
+               "nvml_error", "known_bugs", "cuda_init"}
 CHECKS = ["hook_file", "extension", "torch", "alloc_conf", "nvidia_tf32_override",
           "cuda_visible_devices", "dev_shm", "multiple_installs", "older_package", "python_no_site",
           "outofcuda_env", "known_bugs", "amp_dtype"]
@@ -288,7 +288,7 @@ def _plain(v):
 
 
 def parse_table(lines):
-    """{name: {applied, value, reason}} from the optimisation table: a row
+    """{name: {applied, value, below}} from the optimisation table: a row
     per optimisation (name, applied, value at fixed columns), the value's
     continuation lines from VALUE_COL, the reason below from REASON_COL."""
     start = next(i for i, ln in enumerate(lines) if ln.startswith("  optimisation "))
@@ -306,12 +306,12 @@ def parse_table(lines):
             cur = rows[name] = {"applied": ln[APPLIED_COL:VALUE_COL].strip() == "yes",
                                 "queued": ln[APPLIED_COL:VALUE_COL].strip() == "queued",
                                 "off": ln[APPLIED_COL:VALUE_COL].strip() == "off",
-                                "value": [ln[VALUE_COL:]], "reason": []}
-        elif ln.startswith(" " * VALUE_COL) and not cur["reason"]:
+                                "value": [ln[VALUE_COL:]], "below": []}
+        elif ln.startswith(" " * VALUE_COL) and not cur["below"]:
             cur["value"].append(ln.strip())
         else:
             assert ln.startswith(" " * REASON_COL) and ln[REASON_COL] != " ", ln
-            cur["reason"].append(ln[REASON_COL:])
+            cur["below"].append(ln[REASON_COL:])
     return rows
 
 
@@ -335,15 +335,17 @@ def check_table(lines, optimizations, known_bugs=None):
     assert not overflows(lines), overflows(lines)
     rows = parse_table(lines)
     if known_bugs is not None:
-        # The verbose table's known-bugs row, as the README's table has one.
+        # The known-bugs row, as the README's table has one: the verdicts
+        # counted, and a line for each row that is not "not affected".
         row = rows.pop("known_bugs")
-        # The ids, broken only at the blanks between them.
-        assert " ".join(row["value"]) == ", ".join(b["id"] for b in known_bugs)
-        assert row["applied"] is any(b["done"] for b in known_bugs)
-        # Each entry's verdict, its id before it when there are several.
-        named = len(known_bugs) > 1
-        assert _squash("".join(row["reason"])) == _squash("".join(
-            (f"{b['id']}: " if named else "") + b["reason"] for b in known_bugs))
+        assert row["applied"] is any(b["code"] == "avoided" for b in known_bugs)
+        off = sum(b["code"] == "off" for b in known_bugs)
+        unaffected = sum(b["verdict"] == "not_affected" for b in known_bugs)
+        assert row["value"] == [f"{unaffected} of {len(known_bugs)} not affected"], row
+        shown = [b for b in known_bugs if b["verdict"] != "not_affected"]
+        said = ([shown[0]["reason"]] if off == len(known_bugs) else
+                [f"{b['id']}: {b['verdict']}, {b['code']}: {b['reason']}" for b in shown])
+        assert _squash("".join(row["below"])) == _squash("".join(said))
     assert sorted(rows) == sorted(optimizations)
     for name, e in optimizations.items():
         row = rows[name]
@@ -359,7 +361,7 @@ def check_table(lines, optimizations, known_bugs=None):
         else:
             want = _plain(v)
         assert got == _squash(want), (name, row["value"], v)
-        assert _squash("".join(row["reason"])) == _squash(e["reason"]), (name, row["reason"])
+        assert _squash("".join(row["below"])) == _squash(e["reason"]), (name, row["below"])
     return rows
 
 
@@ -374,6 +376,10 @@ def test_verbose_table_fits_80_columns(venv, workdir):
     lines = r.stderr.splitlines()
     table = lines[next(i for i, ln in enumerate(lines) if ln.startswith("outofcuda ")):]
     rows = check_table(table, st["optimizations"], st["known_bugs"])
+    # print(outofcuda.status()) shows the same table.
+    shown = venv.run("import torch, outofcuda; print(outofcuda.status())",
+                     env={"PYTHONPATH": str(root)}, cwd=workdir).stdout.splitlines()
+    assert shown == table[1:], shown
     # The allocator string stands whole on one line, never broken.
     assert rows["allocator"]["value"] == [st["optimizations"]["allocator"]["value"]]
     # The dict values are shown as key=value, never as a Python repr.
@@ -383,24 +389,28 @@ def test_verbose_table_fits_80_columns(venv, workdir):
 
 
 def test_the_cli_wraps_as_the_verbose_table(venv, workdir):
-    """One wrapping and one layout: the CLI's text asks the engine (report.c)."""
+    """One rule for breaking lines: the CLI's rows break as the engine's
+    table (report.c) breaks a reason."""
     got = venv.json("""
 import json, _outofcuda
 from outofcuda import cli
+def table(text):
+    row = {"state": "skipped", "code": "c", "value": None, "reason": text}
+    return _outofcuda._status_text({"optimizations": {"a": row}})
 cases = [("/usr/lib/python3/site-packages/" * 3, 40, 6), ("a " * 50, 80, 16),
          ("expandable_segments:True,garbage_collection_threshold:0.8", 20, 32),
          ("\u00e9" * 100, 48, 32), ("short", 10, 0),
          ("hook file /venv/lib/python3.11/site-packages/outofcuda_hook.pth is present", 40, 40),
          ("      " + "\u00e9" * 40 + " b", 36, 6),
          ("hook file       /" + "a" * 70, 80, 16), ("hook file       /" + "a" * 70, 80, 6)]
-print(json.dumps([_outofcuda._text_layout(), [cli._wrap(*c) for c in cases],
-                  [_outofcuda._wrap(*c) for c in cases], cli.WIDTH, cli.VALUE_COL,
-                  cli.REASON_INDENT]))
+print(json.dumps([[cli._wrap(*c) for c in cases], cli.WIDTH,
+                  [[table(c[0]).splitlines()[2:], cli._wrap(" " * 6 + c[0], 80, 6)]
+                   for c in cases]]))
 """, cwd=workdir)
-    layout, mine, engine, width, value_col, reason_indent = got
-    assert layout == {"width": WIDTH, "value_col": VALUE_COL, "reason_indent": REASON_COL}
-    assert (width, value_col, reason_indent) == (WIDTH, VALUE_COL, REASON_COL)
-    assert mine == engine
+    engine, width, reasons = got
+    assert width == WIDTH
+    for table, mine in reasons:
+        assert table == mine
     path, blanks, alloc, accents, short, sentence, indented, label, early = engine
     # Only at a blank, which is eaten; a word longer than the line (a path,
     # an allocator string) stands whole on its line, past the width.
@@ -426,26 +436,17 @@ def test_status_text_fits_80_columns(venv, workdir):
     r = cli(venv, "status", cwd=workdir)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    check_table(lines, st["optimizations"])
-    assert "..." not in r.stdout
+    check_table(lines, st["optimizations"], st["known_bugs"])
+    assert len(lines) <= 30 and "..." not in r.stdout, len(lines)  # one screen (CPU build)
     # Hook file paths stand whole on a line (never broken), the NVML reason
     # wraps; nothing is cut.
     for f in st["hook"]["files"]:
         assert any(f["path"] in ln.split() for ln in lines), f["path"]
     assert _squash(st["nvml_error"]) in _squash(r.stdout)
-    # The known bugs that cannot apply here are one line together; another
-    # one's verdict is said once, in its heading.
-    unaffected = [b for b in st["known_bugs"] if b["applies"] is False]
-    assert (f"known bugs      {len(unaffected)} of {len(st['known_bugs'])} not affected"
-            in r.stdout) is bool(unaffected)
+    # The known bugs that cannot apply here are not named (check_table: one
+    # count on the known_bugs row).
     for b in st["known_bugs"]:
-        if b["applies"] is False:
-            assert f"known bug {b['id']}:" not in r.stdout, b["id"]
-            continue
-        state = {True: "applies", None: "undecided"}[b["applies"]]
-        block = r.stdout[r.stdout.index(f"known bug {b['id']}: {state}"):]
-        block = block[:block.find("known bug ", 1)] if "known bug " in block[1:] else block
-        assert block.count(state) == 1, block
+        assert (f"{b['id']}:" in r.stdout) is (b["verdict"] != "not_affected"), b["id"]
 
 
 @pytest.mark.parametrize("args", [[], ["status"], ["doctor"], ["report"], ["bench"]])
@@ -775,32 +776,40 @@ def test_names_and_values_from_the_environment_reach_the_terminal_escaped(venv, 
 
 # ---- one word for each optimisation's state, in every table ----
 
-OFF_SWITCHES = {"OUTOFCUDA_TF32": "0", "OUTOFCUDA_CUDNN_BENCHMARK": "off",
-                "OUTOFCUDA_ALLOC_CONF": "off", "OUTOFCUDA_MEMORY_FRACTION": "off",
-                "OUTOFCUDA_AMP_DTYPE": "off"}
+# Every off switch, each with the row it turns off ("known_bugs": the
+# known-bugs row), and OUTOFCUDA_DISABLE, which turns off every row.
+OFF_SWITCHES = {"OUTOFCUDA_TF32": ("0", "tf32"), "OUTOFCUDA_CUDNN_BENCHMARK": ("off", "cudnn_benchmark"),
+                "OUTOFCUDA_ALLOC_CONF": ("off", "allocator"),
+                "OUTOFCUDA_MEMORY_FRACTION": ("off", "memory_fraction"),
+                "OUTOFCUDA_AMP_DTYPE": ("off", "amp_dtype"), "OUTOFCUDA_KNOWN_BUGS": ("off", "known_bugs")}
 
 
-@pytest.mark.parametrize("switches", [{}, OFF_SWITCHES], ids=["defaults", "off"])
+@pytest.mark.parametrize("switches", [{}, {k: v for k, (v, _) in OFF_SWITCHES.items()},
+                                      {"OUTOFCUDA_DISABLE": "1"}], ids=["defaults", "off", "disable"])
 def test_the_three_tables_say_the_same_word(venv, workdir, switches):
     """The verbose table, `outofcuda status` and `report --bug` give each
-    optimisation the same applied word, on the stand-in CUDA build."""
-    names = oc_h_table("OC_OPTIMISATIONS")
+    optimisation and the known bugs the same applied word, on the stand-in
+    CUDA build: "off" for what a switch turned off, and for everything under
+    OUTOFCUDA_DISABLE (where the verbose table is one line)."""
+    names = oc_h_table("OC_OPTIMISATIONS") + ["known_bugs"]
     env = dict(switches, PYTHONPATH=str(make_fake_torch(workdir / "fake", "2.14.1")))
 
-    def words(text, row):
-        found = {m[1]: m[2] for m in re.finditer(row, text, re.M) if m[1] in names}
+    def words(text):
+        found = {m[1]: m[2] for m in re.finditer(r"^  (\w+) +(yes|no|queued|off) ", text, re.M)
+                 if m[1] in names}
         assert sorted(found) == sorted(names), text
         return found
-    table = r"^  (\w+) +(yes|no|queued|off) "
-    verbose = words(venv.check("import torch", env=dict(env, OUTOFCUDA_VERBOSE="1"),
-                               cwd=workdir).stderr, table)
-    status = words(cli(venv, "status", env=env, cwd=workdir).stdout, table)
-    bug = words(cli(venv, "report", "--bug", env=env, cwd=workdir).stdout,
-                r"^  (\w+): (yes|no|queued|off):")
-    assert verbose == status == bug, (verbose, status, bug)
-    offs = {n for n, w in verbose.items() if w == "off"}
-    assert offs == ({"tf32", "cudnn_benchmark", "allocator", "memory_fraction", "amp_dtype"}
-                    if switches else set()), verbose
+    verbose = venv.check("import torch", env=dict(env, OUTOFCUDA_VERBOSE="1"), cwd=workdir).stderr
+    status = words(cli(venv, "status", env=env, cwd=workdir).stdout)
+    assert words(cli(venv, "report", "--bug", env=env, cwd=workdir).stdout) == status
+    if "OUTOFCUDA_DISABLE" in switches:
+        assert set(status.values()) == {"off"}, status
+        assert verbose.splitlines() == ["outofcuda: off by OUTOFCUDA_DISABLE: torch imports as "
+                                        "without outofcuda"], verbose
+        return
+    assert words(verbose) == status, (verbose, status)
+    offs = {n for n, w in status.items() if w == "off"}
+    assert offs == {row for _, row in OFF_SWITCHES.values() if switches}, status
 
 
 # ---- the CLI on stand-ins of old releases (tests/releases.json) ----

@@ -100,9 +100,10 @@ def test_framework_importing_torch_keeps_allocator_and_fraction(venv, tmp_path, 
     assert not opts["allocator"]["applied"] and not opts["memory_fraction"]["applied"]
     for entry in (opts["allocator"], opts["memory_fraction"]):
         assert (entry["state"], entry["code"]) == ("skipped", "framework"), entry
-        # Which framework and the evidence for it: words, by name.
-        assert "evidence: https://" in entry["reason"]
-        assert framework.split("_")[0] in entry["reason"].lower()
+    # Which framework, by name; the evidence for it in the words.
+    fw = rep["status"]["framework"]
+    assert (fw["left_to"].lower(), fw["at_import"]) == (framework.lower(), "left_to"), fw
+    assert "evidence: https://" in opts["allocator"]["reason"]
     assert opts["tf32"]["applied"]  # the rest is not the framework's
 
 
@@ -116,8 +117,8 @@ def test_torch_memory_saver_through_ld_preload(venv, tmp_path):
     rep, r = run_release(venv, tmp_path, "2.14.1", env={"LD_PRELOAD": str(lib)})
     assert r.stderr == ""
     assert rep["conf_read"] == "" and setter_calls(rep) == [] and fractions(rep) == []
-    reason = rep["status"]["optimizations"]["allocator"]["reason"]
-    assert "torch_memory_saver (preloaded through LD_PRELOAD)" in reason
+    fw = rep["status"]["framework"]
+    assert fw["left_to"] == fw["in_use_now"] == "torch_memory_saver" and fw["code"] == "left_to"
 
 
 # ---- frameworks imported after torch: found again when CUDA initialises ----
@@ -148,7 +149,8 @@ def test_framework_imported_after_torch_gets_the_users_allocator(venv, tmp_path,
     opts = rep["status"]["optimizations"]
     assert not opts["allocator"]["applied"] and opts["allocator"]["code"] == "handed_back"
     assert opts["memory_fraction"]["code"] == "framework"
-    assert "vLLM" in opts["memory_fraction"]["reason"]
+    fw = rep["status"]["framework"]
+    assert (fw["left_to"], fw["at_import"], fw["at_cuda_init"]) == ("vLLM", "none", "left_to")
     assert rep["status"]["hook"]["error"] is None
 
 
@@ -170,8 +172,9 @@ def test_override_applies_outofcuda_beside_a_framework(venv, tmp_path, code):
     assert len(fractions(rep)) == 1
     opts = rep["status"]["optimizations"]
     assert opts["allocator"]["applied"] and opts["memory_fraction"]["applied"]
-    if code.startswith("import vllm"):
-        assert "OUTOFCUDA_FRAMEWORK_OVERRIDE=1 keeps" in opts["allocator"]["reason"]
+    fw = rep["status"]["framework"]
+    assert fw["left_to"] is None and fw["code"] == "override", fw
+    assert fw["at_import"] == ("override" if code.startswith("import vllm") else "none")
 
 
 # ---- decided by what is true when it matters ----
@@ -192,11 +195,8 @@ def test_a_framework_whose_import_failed_is_not_in_use(venv, tmp_path):
     assert opts["allocator"]["applied"] and opts["memory_fraction"]["applied"]
     assert opts["allocator"]["code"] == "framework_left"
     assert opts["memory_fraction"]["code"] == "at_cuda_init"
-    assert "gone when CUDA initialised (its import failed)" in opts["allocator"]["reason"]
-    assert st["framework"]["left_to"] is None and st["framework"]["in_use_now"] is None
-    decided = st["framework"]["decided"]
-    assert "at torch's import: vLLM in use" in decided
-    assert "when CUDA initialised: vLLM was no longer in use" in decided, decided
+    assert st["framework"] == {"left_to": None, "in_use_now": None, "at_import": "left_to",
+                               "at_cuda_init": "gone_at_cuda_init", "code": "gone_at_cuda_init"}
     assert st["hook"]["error"] is None
 
 
@@ -206,7 +206,7 @@ def test_a_framework_still_in_use_when_cuda_starts_keeps_everything(venv, tmp_pa
     assert setter_calls(rep) == [] and fractions(rep) == []
     fw = rep["status"]["framework"]
     assert fw["left_to"] == "vLLM" and fw["in_use_now"] == "vLLM"
-    assert "when CUDA initialised: vLLM still in use" in fw["decided"]
+    assert (fw["at_import"], fw["at_cuda_init"]) == ("left_to", "left_to"), fw
 
 
 def test_preload_matched_by_the_library_file_name(venv, tmp_path):
@@ -231,4 +231,5 @@ def test_a_framework_imported_after_cuda_started_is_named(venv, tmp_path):
     assert len(fractions(rep)) == 1                  # already in effect before it came
     fw = rep["status"]["framework"]
     assert fw["in_use_now"] == "SGLang" and fw["left_to"] is None
-    assert "SGLang is in use, imported after CUDA started" in fw["decided"], fw["decided"]
+    # imported after CUDA started: none was in use then
+    assert (fw["at_import"], fw["at_cuda_init"]) == ("none", "none"), fw

@@ -68,33 +68,32 @@ def test_disable_skips_even_loading_the_extension(venv, workdir):
 
 def test_disabled_is_told_from_not_installed(venv, workdir):
     """OUTOFCUDA_DISABLE=1: status() says the hook is installed and every step
-    skipped with the code `disabled` (not pending, as if torch were still to
-    come); OUTOFCUDA_VERBOSE=1 prints one line saying so where the boot loads
-    to refuse (`yes`; `1` stops the hook file's line before it loads, so as to
-    get past a damaged boot: nothing prints); without the hook (python -S) it
-    is not installed."""
+    skipped with the code `off` (not pending, as if torch were still to
+    come); OUTOFCUDA_VERBOSE=1 prints one line saying so (`1` without it stops
+    the hook file's line before the boot loads, so as to get past a damaged
+    boot); without the hook (python -S) it is not installed."""
     code = """
         import json, sys, torch, outofcuda
         st = outofcuda.status()
-        print(json.dumps([st["hook"], sorted({(e["state"], e["code"])
+        print(json.dumps([st["hook"], sorted({(e["state"], e["code"], e["off_by"])
                                               for e in st["optimizations"].values()})]))
     """
     env = {"OUTOFCUDA_DISABLE": "yes", "OUTOFCUDA_VERBOSE": "1"}
     r = venv.check(code, env=env, cwd=workdir)
     hook, states = json.loads(r.stdout)
     assert hook == {"installed": True, "fired": False, "error": None}
-    assert states == [["skipped", "disabled"]]
+    assert states == [["skipped", "off", "OUTOFCUDA_DISABLE"]]
     (line,) = r.stderr.splitlines()
-    assert line.startswith("outofcuda: ") and "OUTOFCUDA_DISABLE" in line, r.stderr
+    assert line == "outofcuda: off by OUTOFCUDA_DISABLE: torch imports as without outofcuda"
     quiet = venv.check(code, env={"OUTOFCUDA_DISABLE": "yes"}, cwd=workdir)
     assert quiet.stdout == r.stdout and quiet.stderr == ""
     env = {"OUTOFCUDA_DISABLE": "1", "OUTOFCUDA_VERBOSE": "1"}
     one = venv.check(code, env=env, cwd=workdir)
-    assert one.stdout == r.stdout and one.stderr == ""
+    assert one.stdout == r.stdout and one.stderr == r.stderr
     bare = venv.check(code, args=("-S",), env=dict(env, PYTHONPATH=str(venv.site)), cwd=workdir)
     hook, states = json.loads(bare.stdout)
     assert hook == {"installed": False, "fired": False, "error": None}
-    assert states == [["skipped", "disabled"]] and bare.stderr == ""
+    assert states == [["skipped", "off", "OUTOFCUDA_DISABLE"]] and bare.stderr == ""
 
 
 def test_disable_with_blanks_is_honoured_by_the_c_check(venv, workdir):
@@ -134,11 +133,13 @@ def test_pth_and_start_files_are_constant_and_short(venv):
     assert not (venv.site / "outofcuda_hook.start").exists()
     assert not (venv.site / "outofcuda_hook_start.py").exists()
     assert pth.count("\n") == 1 and pth.startswith("import _imp;")
-    assert len(pth) < 300
+    assert len(pth) < 320  # 303 with a 5-digit boot size
     (so,) = venv.site.glob("outofcuda_hook*.so")
     assert so.name == "outofcuda_hook.abi3.so"
-    # OUTOFCUDA_DISABLE=1 is read before the boot's path is even compiled.
-    assert pth.index("os.getenv('OUTOFCUDA_DISABLE')=='1'or exec(") < pth.index("sitedir")
+    # OUTOFCUDA_DISABLE=1 is read before the boot's path is even compiled
+    # (but with OUTOFCUDA_VERBOSE=1, the boot loads to say it is off).
+    assert pth.index("os.getenv('OUTOFCUDA_DISABLE')=='1'!=os.getenv('OUTOFCUDA_VERBOSE')or "
+                     "exec(") < pth.index("sitedir")
     assert f" if os.stat(p).st_size=={so.stat().st_size}:" in pth
     start = (ROOT / "outofcuda_hook.start").read_text()
     assert start.strip() == "outofcuda_hook_start:install"
@@ -177,7 +178,6 @@ def test_torch_imported_before_the_hook_installs(venv, workdir):
     assert r.stdout.splitlines()[1] == "no_cuda"       # the bridge ran at install()
     # A CPU build has no CUDA allocator to miss (tests/test_apply.py: a CUDA build's reason).
     assert st["optimizations"]["allocator"]["code"] == "no_cuda"
-    assert st["optimizations"]["allocator"]["reason"] == "this torch build has no CUDA"
 
 
 def test_failed_first_import_then_success_fires_once(venv, workdir):

@@ -214,7 +214,6 @@ print(json.dumps(_outofcuda.status()["optimizations"]["amp_dtype"]))
     table = r.stderr[r.stderr.index("  amp_dtype "):r.stderr.index("  oom_handler ")]
     for way in BF16_CONV["ways_back"]:
         assert (way in table) == (cost is not None), table
-        assert (way in entry["reason"]) == (cost is not None), entry
     # doctor and report --bug render the same record.
     # (doctor's exit says whether other checks want attention: not this test's)
     r = venv.run(None, args=["-m", "outofcuda", "doctor", "--json"], env=env, cwd=tmp_path,
@@ -288,7 +287,6 @@ print(json.dumps([_outofcuda.status()["optimizations"]["amp_dtype"],
                   _outofcuda._api_autocast_dtype("cuda")]))
 """, env=nvml(cfg), cwd=workdir))
     assert entry["applied"] is False and entry["code"] == "no_cuda"
-    assert entry["reason"] == "this torch build has no CUDA"
     assert decision[0] == "bfloat16"
 
 

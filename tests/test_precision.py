@@ -156,7 +156,6 @@ def test_status_tells_what_is_in_effect_when_it_is_called(cuda_venv, after):
     else:
         assert stages[3]["fp32_precision"] == "ieee"
         assert st["now"] == {"matmul": False} and st["changed"] is True
-        assert "changed by the program since" in st["reason"]
 
 
 FLAGS_NOW = """
@@ -176,7 +175,6 @@ def test_status_reads_flags_and_the_allocator_from_torch(cuda_venv):
     s = out["S"]
     assert s["cudnn_benchmark"]["value"] is True and s["cudnn_benchmark"]["now"] is False
     assert s["cudnn_benchmark"]["changed"] is True
-    assert "changed by the program since" in s["cudnn_benchmark"]["reason"]
     # outofcuda wrote no SDPA flag (torch's default): nothing of its own changed.
     assert s["sdpa"]["now"] == {"flash": False, "mem_efficient": True, "math": True}
     assert s["sdpa"]["changed"] is None

@@ -55,8 +55,8 @@ static void facts(char *p)
     f.getenv_fn = one_env;
     for (size_t i = 0; i < oc_known_bug_count(); i++) {
         char why[400];
-        int d = oc_known_bug_decide(oc_known_bug_at(i), &f, why, sizeof why);
-        printf("%s %d %s\n", oc_known_bug_at(i)->id, d, why);
+        oc_kb_code c = oc_known_bug_decide(oc_known_bug_at(i), &f, why, sizeof why);
+        printf("%s %d %d %s\n", oc_known_bug_at(i)->id, oc_kb_verdict(c), (int)c, why);
     }
 }
 
