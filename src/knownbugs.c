@@ -21,6 +21,7 @@ typedef struct {
     char reason[OC_KB_MAX_ENTRIES][400]; /* the facts, in words */
     long cudnn;                          /* -1 until read */
     long nccl;                           /* -1 until read */
+    int need_cudnn;                      /* a steer, on or off, waits for cuDNN's version */
 } kb_rows;
 static kb_rows kb;
 
@@ -208,7 +209,9 @@ static int decide_all(PyObject *torch, size_t n)
                                         sizeof kb.reason[i]);
             if (!row_off(i))
                 kb.code[i] = c;
-            need_devices |= c == OC_KBC_NEEDS_FACT && !oc_range_any(b->cc);
+            /* A named row still waiting for cuDNN asks NVML when CUDA starts. */
+            need_devices |= c == OC_KBC_NEEDS_FACT && !oc_range_any(b->cc) &&
+                            (b->action != OC_KB_REPORT || oc_range_any(b->cudnn) || f.cudnn >= 0);
             need_cudnn |=
                 c == OC_KBC_NEEDS_FACT && !oc_range_any(b->cudnn) && b->action != OC_KB_REPORT;
         }
@@ -220,15 +223,6 @@ static int decide_all(PyObject *torch, size_t n)
 static int waits_for_cudnn(size_t i)
 {
     return kb.code[i] == OC_KBC_NEEDS_FACT && !oc_range_any(oc_known_bug_at(i)->cudnn);
-}
-
-/* A steer is still undecided for want of cuDNN's version alone. */
-static int guard_waits_for_cudnn(size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        if (waits_for_cudnn(i) && oc_known_bug_at(i)->action != OC_KB_REPORT)
-            return 1;
-    return 0;
 }
 
 /* Steers decided at import (the allocator one was taken before torch
@@ -281,7 +275,7 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     kb.nccl = f.nccl;
     /* Left for CUDA's start: reading cuDNN's version where no wheel names it
      * (+51 MiB of RSS), only for a steer, and the cuDNN-attention steer. */
-    pending = need_cudnn = decide_all(torch, n);
+    pending = need_cudnn = kb.need_cudnn = decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {
         size_t len = strlen(kb.reason[i]);
         if (kb.code[i] == OC_KBC_APPLIES)
@@ -411,7 +405,7 @@ void oc_known_bugs_at_cuda_init(PyObject *torch)
     kept = kb;
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
-    if (kb.cudnn < 0 && guard_waits_for_cudnn(n))
+    if (kb.cudnn < 0 && kb.need_cudnn)
         kb.cudnn = read_cudnn_version(torch);
     decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {

@@ -843,21 +843,25 @@ def test_the_new_attention_guards_at_their_edges(venv, tmp_path, nvml, row, rele
     assert (["_set_sdp_use_cudnn", False] in d["cudnn_calls"]) is off
     assert d["cuda"]["done"] is off and ["cudnn.version"] not in d["cudnn_calls"]
     if "OUTOFCUDA_KNOWN_BUGS" in env:
-        assert d["cuda"]["applies"] is None and "turned off" in d["cuda"]["reason"]
+        assert [d["cuda"]["applies"], d["cuda"]["code"]] == [None, "off"]
     else:
         assert d["import"]["applies"] is off, d["import"]
 
 
-def test_the_nccl_row_reads_the_wheels_nccl(venv, tmp_path, nvml):
-    """2.11.0's CUDA wheel pins NCCL 2.28.9 (the record): read from the
-    wheel's folder; the row needs an aarch64 machine."""
-    root = make_fake_torch(tmp_path / "fake", "2.11.0", cuda_version="12.8", wheels=True)
+@pytest.mark.parametrize("release,cuda,nccl_inside", [("2.11.0", "12.8", True),
+                                                     ("2.14.1", "13.0", False)])
+def test_the_nccl_row_reads_the_wheels_nccl(venv, tmp_path, nvml, release, cuda, nccl_inside):
+    """2.11.0's CUDA wheel pins NCCL 2.28.9, 2.14.1's 2.30.7 (the records):
+    read from the wheel's folder; the row needs an aarch64 machine too."""
+    root = make_fake_torch(tmp_path / "fake", release, cuda_version=cuda, wheels=True)
     d = last_json(venv.run(SUBLIB, env=dict(nvml("9.0"), PYTHONPATH=str(root)), cwd=tmp_path))
-    applies, why = d["import"]["nccl-aarch64-hang"]
-    if platform.machine() == "aarch64":
-        assert applies is True and "NCCL 22809" in why
+    applies, code = d["import"]["nccl-aarch64-hang"]
+    if not nccl_inside:
+        assert [applies, code] == [False, "out_of_range"]
+    elif platform.machine() == "aarch64":
+        assert [applies, code] == [True, "applies"]
     else:
-        assert applies is False and why == "not affected: not an aarch64 machine"
+        assert [applies, code] == [False, "condition_unmet"]
 
 
 def test_named_rows_on_given_facts(venv, tmp_path):
