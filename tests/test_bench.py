@@ -29,9 +29,8 @@ def test_bench_cpu_smoke(venv, workdir):
     (head,) = [ln for ln in r.stdout.splitlines() if ln.startswith("workload ")]
     assert head.split() == ["workload", "config", "ms/step"], head
     assert max(map(len, r.stdout.splitlines() + r.stderr.splitlines())) <= 80
-    assert "vs defaults" not in r.stdout.split("No \"vs defaults\" ratios")[1]
+    assert "vs defaults" not in r.stdout
     assert not re.search(r"\d\.\d\dx", r.stdout), r.stdout
-    assert "No \"vs defaults\" ratios: a ratio needs 3 repeats" in r.stdout
     assert "(no PNG: no ratios to draw)" in r.stdout
     assert not (out / "gain.png").exists()
     d = json.loads((out / "gain.json").read_text())

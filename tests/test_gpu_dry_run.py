@@ -63,7 +63,7 @@ def test_dry_run_runs_every_step(venv, tmp_path, notebook_dir):
         assert line in summary, summary
     # The package imported is the one the script installed, not the checkout's.
     installed = next(ln for ln in summary.splitlines() if ln.startswith("installed: "))
-    assert str(tmp_path) not in installed and "/venv/" in installed, installed
+    assert str(tmp_path / "checkout") not in installed and "/venv/" in installed, installed
     assert not re.search(r"\d+ (failed|errors?)\b", log.splitlines()[-1]), log
     # Every GPU test ran (-v names each with its outcome); none skipped
     # before its body started (the fixture fails there).
