@@ -39,25 +39,16 @@ static int copy_trimmed(const char *b, const char *e, char *out, size_t outsz)
     return 0;
 }
 
-static int valid_key(const char *k)
+/* 1 when s is not empty and holds only a-z, 0-9 and _ (a key's characters),
+ * or, given extra (a value's), also any letter and the characters of extra. */
+static int valid_word(const char *s, const char *extra)
 {
-    if (!*k)
+    if (!*s)
         return 0;
-    for (; *k; k++) {
-        if (!(islower((unsigned char)*k) || isdigit((unsigned char)*k) || *k == '_'))
-            return 0;
-    }
-    return 1;
-}
-
-static int valid_value(const char *v)
-{
-    if (!*v)
-        return 0;
-    for (; *v; v++) {
-        unsigned char c = (unsigned char)*v;
-        if (!(isalnum(c) || c == '_' || c == '.' || c == ':' || c == '[' || c == ']' || c == ',' ||
-              c == '>' || c == '-' || c == '+'))
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (!(islower(c) || isdigit(c) || c == '_' ||
+              (extra != NULL && (isalnum(c) || strchr(extra, c) != NULL))))
             return 0;
     }
     return 1;
@@ -84,11 +75,11 @@ static int parse_item(const char *b, const char *e, oc_alloc_list *out, char *er
         set_err(err, errsz, "a key or value is too long");
         return -1;
     }
-    if (!valid_key(out->e[i].key)) {
+    if (!valid_word(out->e[i].key, NULL)) {
         set_err(err, errsz, "a key is empty or holds characters other than a-z, 0-9 and _");
         return -1;
     }
-    if (!valid_value(out->e[i].value)) {
+    if (!valid_word(out->e[i].value, ".:[],>-+")) {
         set_err(err, errsz, "a value is empty or holds characters torch does not accept");
         return -1;
     }

@@ -24,24 +24,14 @@
 static PyObject *initialised_torch_cuda(void)
 {
     PyObject *torch = oc_sys_module("torch");
-    PyObject *cuda = NULL, *r = NULL;
-    if (torch == NULL)
-        goto error;
-    cuda = PyObject_GetAttrString(torch, "cuda");
-    if (cuda == NULL)
-        goto error;
-    r = PyObject_CallMethod(cuda, "is_initialized", NULL);
-    if (r == NULL || r != Py_True)
-        goto error;
-    Py_DECREF(r);
-    Py_DECREF(torch);
-    return cuda;
-error:
+    PyObject *cuda = torch ? PyObject_GetAttrString(torch, "cuda") : NULL;
+    PyObject *r = cuda ? PyObject_CallMethod(cuda, "is_initialized", NULL) : NULL;
+    if (r != Py_True)
+        Py_CLEAR(cuda);
     OC_CLEAR();
     Py_XDECREF(r);
-    Py_XDECREF(cuda);
     Py_XDECREF(torch);
-    return NULL;
+    return cuda;
 }
 
 static long long stat_value(PyObject *stats, const char *key)
@@ -224,17 +214,6 @@ long oc_loader_suggestion(long *cpus)
     return cfg->num_workers < *cpus ? cfg->num_workers : *cpus;
 }
 
-/* Fills *total with the size of the shared-memory filesystem at path.
- * Returns 0, or -1 when it cannot be read (no /dev/shm). */
-static int shm_size(const char *path, unsigned long long *total)
-{
-    struct statvfs st;
-    if (statvfs(path, &st) != 0)
-        return -1;
-    *total = (unsigned long long)st.f_blocks * st.f_frsize;
-    return 0;
-}
-
 static int shm_warned; /* the shared-memory warning was given, once per process */
 
 /* _api_loader_plan(cuda_available, num_workers=-1, shm_path="/dev/shm",
@@ -253,6 +232,7 @@ static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
     int cuda_available, shm_ok, shm_enough;
     long cpus, workers, requested = -1;
     char warning[400] = "";
+    struct statvfs st;
     (void)self;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "p|lsK", kwlist, &cuda_available, &requested,
                                      &shm_path, &shm_min))
@@ -261,7 +241,9 @@ static PyObject *py_loader_plan(PyObject *self, PyObject *args, PyObject *kw)
      * away, which compares with the affinity mask. */
     workers = oc_loader_suggestion(&cpus);
     workers = requested >= 0 ? requested : workers;
-    shm_ok = shm_size(shm_path, &shm_total) == 0;
+    shm_ok = statvfs(shm_path, &st) == 0; /* -1: no /dev/shm */
+    if (shm_ok)
+        shm_total = (unsigned long long)st.f_blocks * st.f_frsize;
     shm_enough = workers <= 0 || (shm_ok && shm_total >= shm_min);
     if (!shm_enough && !shm_warned) {
         shm_warned = 1;

@@ -66,11 +66,6 @@ static int env_yes(const char *name)
     return 0;
 }
 
-static int disabled_by_env(void)
-{
-    return env_yes(OC_VAR("OUTOFCUDA_DISABLE"));
-}
-
 /* sys.stderr is there and open (the engine's oc_stderr_write, which the
  * boot does not link, makes the same check). */
 static int stderr_usable(void)
@@ -327,7 +322,7 @@ static PyObject *boot_install(PyObject *self, PyObject *unused)
 {
     static int said_off;
     PyObject *res, *none;
-    if (disabled_by_env()) {
+    if (env_yes(OC_VAR("OUTOFCUDA_DISABLE"))) {
         /* One line, so that "turned off" is told from "not installed"; the
          * .start entry calls this once more after the module's init. */
         if (!said_off && env_yes(OC_VAR("OUTOFCUDA_VERBOSE")) && stderr_usable())

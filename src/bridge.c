@@ -423,18 +423,12 @@ static int set_flag(PyObject *c_mod, const char *fn, int value, const char *step
 static int flags_frozen(PyObject *torch)
 {
     PyObject *fn = oc_getattr_chain(torch, "backends.flags_frozen");
-    PyObject *r;
-    int frozen = 0;
-    if (fn == NULL)
-        return 0;
-    r = PyObject_CallObject(fn, NULL);
-    Py_DECREF(fn);
-    if (r == NULL) {
-        OC_CLEAR();
-        return 0;
-    }
-    frozen = PyObject_IsTrue(r) == 1;
-    Py_DECREF(r);
+    PyObject *r = fn ? PyObject_CallObject(fn, NULL) : NULL;
+    int frozen;
+    OC_CLEAR();
+    frozen = r != NULL && PyObject_IsTrue(r) == 1;
+    Py_XDECREF(r);
+    Py_XDECREF(fn);
     return frozen;
 }
 

@@ -404,15 +404,12 @@ PyObject *oc_error(void)
 
 void oc_set_error(const char *where)
 {
-    PyObject *type, *value, *tb, *text = NULL;
+    PyObject *type, *value, *tb, *text;
     if (PyErr_Occurred() && keep_interrupt())
         return;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
-    if (value != NULL)
-        text = PyUnicode_FromFormat("%s: %S", where, value);
-    else
-        text = PyUnicode_FromString(where);
+    text = value ? PyUnicode_FromFormat("%s: %S", where, value) : PyUnicode_FromString(where);
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(tb);

@@ -42,6 +42,7 @@ static PyObject *setting_value(const oc_config *c, const oc_setting *s)
         Py_RETURN_NONE;
     switch (s->kind) {
     case OC_SET_BOOL:
+    case OC_SET_KNOWN_BUGS:
         memcpy(&i_val, base, sizeof i_val);
         return PyBool_FromLong(i_val);
     case OC_SET_LONG:
@@ -64,9 +65,6 @@ static PyObject *setting_value(const oc_config *c, const oc_setting *s)
         const char *text = c->summary == OC_SUMMARY_JSON ? c->summary_path : modes[c->summary];
         return PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
     }
-    case OC_SET_KNOWN_BUGS:
-        memcpy(&i_val, base, sizeof i_val);
-        return PyBool_FromLong(i_val);
     case OC_SET_TEXT:
     case OC_SET_FOREIGN:
         break;

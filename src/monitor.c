@@ -227,24 +227,18 @@ static int read_memory(oc_monitor *m, mon_sample *s)
     }
 }
 
-static void push_sample(oc_monitor *m, const mon_sample *s)
+/* Appends item to a ring of cap items of `size` bytes, dropping the oldest
+ * when it is full. Returns 1 when it dropped one. */
+static int ring_push(void *ring, size_t *head, size_t *count, size_t cap, size_t size,
+                     const void *item)
 {
-    m->ring[(m->head + m->count) % m->cap] = *s;
-    if (m->count < m->cap) {
-        m->count++;
-    } else {
-        m->head = (m->head + 1) % m->cap;
-        m->dropped++;
+    memcpy((char *)ring + ((*head + *count) % cap) * size, item, size);
+    if (*count < cap) {
+        (*count)++;
+        return 0;
     }
-}
-
-static void push_event(oc_monitor *m, const mon_event *e)
-{
-    m->events[(m->ev_head + m->ev_count) % EVENTS_MAX] = *e;
-    if (m->ev_count < EVENTS_MAX)
-        m->ev_count++;
-    else
-        m->ev_head = (m->ev_head + 1) % EVENTS_MAX;
+    *head = (*head + 1) % cap;
+    return 1;
 }
 
 static PyObject *event_dict(const oc_monitor *m, const mon_event *e)
@@ -330,9 +324,9 @@ static void act_on_high(oc_monitor *m, const mon_sample *s)
         PyGILState_Release(gil);
     }
     pthread_mutex_lock(&m->th.lock);
-    push_event(m, &e);
+    ring_push(m->events, &m->ev_head, &m->ev_count, EVENTS_MAX, sizeof e, &e);
     if (err.error)
-        push_event(m, &err);
+        ring_push(m->events, &m->ev_head, &m->ev_count, EVENTS_MAX, sizeof err, &err);
     pthread_mutex_unlock(&m->th.lock);
 }
 
@@ -383,7 +377,7 @@ static void *watchdog(void *arg)
             if (m->allocator_stats)
                 read_allocator(m, &s);
             pthread_mutex_lock(&m->th.lock);
-            push_sample(m, &s);
+            m->dropped += ring_push(m->ring, &m->head, &m->count, m->cap, sizeof s, &s);
             pthread_mutex_unlock(&m->th.lock);
             /* Act on each upward crossing, and again while it stays high only
              * after `cooldown`: empty_cache() in a loop slows training. */
@@ -643,36 +637,23 @@ static PyObject *none_if_negative(long long x)
     return PyLong_FromLongLong(x);
 }
 
-/* Copies a ring's items, oldest first, under m's lock into a new malloc'd
- * array (*n items; free() it). Python objects are built only after the lock
- * is released, so no Python code runs while it is held. NULL when out of
- * memory. */
-static void *copy_ring(oc_monitor *m, const void *ring, const size_t *head, const size_t *count,
-                       size_t cap, size_t size, size_t *n)
-{
-    char *copy = malloc(cap * size);
-    if (copy == NULL)
-        return NULL;
-    pthread_mutex_lock(&m->th.lock);
-    *n = *count;
-    for (size_t i = 0; i < *n; i++)
-        memcpy(copy + i * size, (const char *)ring + ((*head + i) % cap) * size, size);
-    pthread_mutex_unlock(&m->th.lock);
-    return copy;
-}
-
 /* One ring's items, oldest first, as a new list of item(m, x) (NULL with an
- * exception). The items are copied under m's lock, and built after it is
- * released. */
+ * exception). The items are copied under m's lock, and the Python objects
+ * built after it is released, so no Python code runs while it is held. */
 static PyObject *ring_list(oc_monitor *m, const void *ring, const size_t *head, const size_t *count,
                            size_t cap, size_t size,
                            PyObject *(*item)(const oc_monitor *m, const void *x))
 {
     size_t n;
-    char *copy = copy_ring(m, ring, head, count, cap, size, &n);
+    char *copy = malloc(cap * size);
     PyObject *list;
     if (copy == NULL)
         return PyErr_NoMemory();
+    pthread_mutex_lock(&m->th.lock);
+    n = *count;
+    for (size_t i = 0; i < n; i++)
+        memcpy(copy + i * size, (const char *)ring + ((*head + i) % cap) * size, size);
+    pthread_mutex_unlock(&m->th.lock);
     list = PyList_New(0);
     for (size_t i = 0; list != NULL && i < n; i++) {
         PyObject *x = item(m, copy + i * size);

@@ -32,6 +32,11 @@ typedef struct {
 #define PID_LIMIT 4194304u
 /* Bytes the buffer is filled with before the driver writes into it. */
 #define UNTOUCHED 0xA5
+/* nvmlUtilization_t */
+typedef struct {
+    unsigned int gpu, memory;
+} nvml_utilization;
+
 typedef nvml_return (*nvml_procs_fn)(nvml_device, unsigned int *, void *);
 
 /* The driver's library: loaded once per process behind pthread_once and
@@ -52,6 +57,8 @@ static struct {
     nvml_return (*by_uuid)(const char *, nvml_device *);
     nvml_return (*mig_parent)(nvml_device, nvml_device *);
     nvml_return (*get_index)(nvml_device, unsigned int *);
+    /* Absent before R270 and on some virtual GPUs. */
+    nvml_return (*utilization)(nvml_device, nvml_utilization *);
 } nv;
 
 static pthread_once_t nv_once = PTHREAD_ONCE_INIT;
@@ -69,22 +76,26 @@ static void *sym(const char *const *names)
 
 static void nv_load(void)
 {
-    static const char *const n_init[] = {"nvmlInit_v2", "nvmlInit", NULL};
-    static const char *const n_count[] = {"nvmlDeviceGetCount_v2", "nvmlDeviceGetCount", NULL};
-    static const char *const n_handle[] = {"nvmlDeviceGetHandleByIndex_v2",
-                                           "nvmlDeviceGetHandleByIndex", NULL};
-    static const char *const n_name[] = {"nvmlDeviceGetName", NULL};
-    static const char *const n_uuid[] = {"nvmlDeviceGetUUID", NULL};
-    static const char *const n_mem[] = {"nvmlDeviceGetMemoryInfo", NULL};
-    static const char *const n_cc[] = {"nvmlDeviceGetCudaComputeCapability", NULL};
-    static const char *const n_drv[] = {"nvmlSystemGetDriverVersion", NULL};
-    static const char *const n_procs[3][2] = {{"nvmlDeviceGetComputeRunningProcesses_v3", NULL},
-                                              {"nvmlDeviceGetComputeRunningProcesses_v2", NULL},
-                                              {"nvmlDeviceGetComputeRunningProcesses", NULL}};
-    static const char *const n_by_uuid[] = {"nvmlDeviceGetHandleByUUID", NULL};
-    static const char *const n_mig_parent[] = {"nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
-                                               NULL};
-    static const char *const n_get_index[] = {"nvmlDeviceGetIndex", NULL};
+    static const struct {
+        void **slot;
+        const char *const names[3];
+    } syms[] = {
+        {(void **)&nv.init, {"nvmlInit_v2", "nvmlInit"}},
+        {(void **)&nv.count, {"nvmlDeviceGetCount_v2", "nvmlDeviceGetCount"}},
+        {(void **)&nv.handle, {"nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetHandleByIndex"}},
+        {(void **)&nv.name, {"nvmlDeviceGetName"}},
+        {(void **)&nv.uuid, {"nvmlDeviceGetUUID"}},
+        {(void **)&nv.memory, {"nvmlDeviceGetMemoryInfo"}},
+        {(void **)&nv.cc, {"nvmlDeviceGetCudaComputeCapability"}},
+        {(void **)&nv.driver, {"nvmlSystemGetDriverVersion"}},
+        {(void **)&nv.procs[0], {"nvmlDeviceGetComputeRunningProcesses_v3"}},
+        {(void **)&nv.procs[1], {"nvmlDeviceGetComputeRunningProcesses_v2"}},
+        {(void **)&nv.procs[2], {"nvmlDeviceGetComputeRunningProcesses"}},
+        {(void **)&nv.by_uuid, {"nvmlDeviceGetHandleByUUID"}},
+        {(void **)&nv.mig_parent, {"nvmlDeviceGetDeviceHandleFromMigDeviceHandle"}},
+        {(void **)&nv.get_index, {"nvmlDeviceGetIndex"}},
+        {(void **)&nv.utilization, {"nvmlDeviceGetUtilizationRates"}},
+    };
     const char *err;
     /* Only the copy torch may already hold, or the bare driver soname through
      * the system loader: never a relative path or a directory of ours. */
@@ -97,19 +108,8 @@ static void nv_load(void)
                  err ? err : "libnvidia-ml.so.1");
         return;
     }
-    *(void **)&nv.init = sym(n_init);
-    *(void **)&nv.count = sym(n_count);
-    *(void **)&nv.handle = sym(n_handle);
-    *(void **)&nv.name = sym(n_name);
-    *(void **)&nv.uuid = sym(n_uuid);
-    *(void **)&nv.memory = sym(n_mem);
-    *(void **)&nv.cc = sym(n_cc);
-    *(void **)&nv.driver = sym(n_drv);
-    for (int i = 0; i < 3; i++)
-        *(void **)&nv.procs[i] = sym(n_procs[i]);
-    *(void **)&nv.by_uuid = sym(n_by_uuid);
-    *(void **)&nv.mig_parent = sym(n_mig_parent);
-    *(void **)&nv.get_index = sym(n_get_index);
+    for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++)
+        *syms[i].slot = sym(syms[i].names);
     if (!nv.init || !nv.count || !nv.handle || !nv.memory) {
         snprintf(nv.why, sizeof nv.why, "NVML is missing a required function (driver too old?)");
         return;
@@ -158,14 +158,6 @@ int oc_nvml_device_info(int index, oc_gpu_info *out)
         out->used = mem.used;
     }
     return 0;
-}
-
-static int oc_nvml_driver_version(char *buf, size_t sz)
-{
-    buf[0] = '\0';
-    if (!oc_nvml_available(NULL, 0) || nv.driver == NULL)
-        return -1;
-    return nv.driver(buf, (unsigned int)sz) == 0 ? 0 : -1;
 }
 
 /* Are n entries `stride` bytes apart believable: a pid Linux can have, and
@@ -502,7 +494,8 @@ static PyObject *py_nvml_devices(PyObject *self, PyObject *unused)
         return NULL;
     if (!oc_nvml_available(why, sizeof why))
         return Py_BuildValue("(Ns)", list, why);
-    oc_nvml_driver_version(driver, sizeof driver);
+    if (nv.driver == NULL || nv.driver(driver, sizeof driver) != 0)
+        driver[0] = '\0';
     n = oc_nvml_device_count();
     for (int i = 0; i < n; i++) {
         oc_gpu_info g;
@@ -630,31 +623,12 @@ PyMethodDef oc_nvml_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-/* ---- utilisation (looked up on first use, apart from the table above) ---- */
-
-/* nvmlUtilization_t */
-typedef struct {
-    unsigned int gpu, memory;
-} nvml_utilization;
-
-static nvml_return (*nv_utilization)(nvml_device, nvml_utilization *);
-static pthread_once_t nv_utilization_once = PTHREAD_ONCE_INIT;
-
-/* Optional: drivers before R270 and some virtual GPUs lack it. */
-static void nv_utilization_load(void)
-{
-    static const char *const n_util[] = {"nvmlDeviceGetUtilizationRates", NULL};
-    if (oc_nvml_available(NULL, 0))
-        *(void **)&nv_utilization = sym(n_util);
-}
-
 int oc_nvml_utilization(int index, unsigned *gpu, unsigned *mem)
 {
     nvml_device dev;
     nvml_utilization u;
-    pthread_once(&nv_utilization_once, nv_utilization_load);
-    if (nv_utilization == NULL || index < 0 || nv.handle((unsigned int)index, &dev) != 0 ||
-        nv_utilization(dev, &u) != 0)
+    if (!oc_nvml_available(NULL, 0) || nv.utilization == NULL || index < 0 ||
+        nv.handle((unsigned int)index, &dev) != 0 || nv.utilization(dev, &u) != 0)
         return -1;
     *gpu = u.gpu;
     *mem = u.memory;

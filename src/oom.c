@@ -1103,17 +1103,13 @@ static double fraction_set(void)
 static int allocator_config(PyObject *torch, char *buf, size_t sz)
 {
     const oc_record *r = oc_record_get(OC_OPT_ALLOCATOR);
-    buf[0] = '\0';
-    if (r->kind == OC_VAL_TEXT) {
-        snprintf(buf, sz, "%s", r->text);
-        return 1;
-    }
-    {
-        const char *value = NULL;
+    const char *value = NULL;
+    if (r->kind == OC_VAL_TEXT)
+        value = r->text;
+    else
         oc_alloc_user_var(oc_torch_version(torch), &value);
-        snprintf(buf, sz, "%s", value ? value : "");
-        return value != NULL;
-    }
+    snprintf(buf, sz, "%s", value ? value : "");
+    return value != NULL;
 }
 
 /* Adds a note to r (dropped when NOTES_MAX are there). */

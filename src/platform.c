@@ -76,28 +76,21 @@ static const char *no_expandable_why(void)
     return why;
 }
 
+static int not_expandable(const char *key, void *ctx)
+{
+    (void)ctx;
+    return strcmp(key, "expandable_segments") != 0;
+}
+
 /* The defaults for this platform: defaults itself, or a copy in out without
  * expandable_segments (see oc_platform_alloc_defaults). */
 static const char *platform_defaults(const char *defaults, int are_outofcudas, char *out,
                                      size_t outsz)
 {
-    static oc_alloc_list list;
-    size_t used = 0;
     /* The user's own OUTOFCUDA_ALLOC_CONF stands as written, here too. */
     if (!are_outofcudas || outsz == 0 || no_expandable_why() == NULL ||
-        oc_alloc_parse(defaults, &list, NULL, 0) != 0)
+        oc_alloc_merge(defaults, "", not_expandable, NULL, out, outsz, NULL, 0, NULL, 0) != 0)
         return defaults;
-    out[0] = '\0';
-    for (int i = 0; i < list.n; i++) {
-        int n;
-        if (strcmp(list.e[i].key, "expandable_segments") == 0)
-            continue;
-        n = snprintf(out + used, outsz - used, "%s%s:%s", used ? "," : "", list.e[i].key,
-                     list.e[i].value);
-        if (n < 0 || (size_t)n >= outsz - used)
-            return defaults;
-        used += (size_t)n;
-    }
     return out;
 }
 

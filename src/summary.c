@@ -731,16 +731,6 @@ static PyObject *wait_dict(const proc_figs *p, const oc_summary_figures *f, cons
                          p->suggested_workers, "gpu_under_50_while_waiting_share", paired);
 }
 
-/* "x.json" -> "x.rank3.json" so that ranks do not overwrite each other. */
-static void json_target(long rank, char *path, size_t sz)
-{
-    size_t n = strlen(output.json_path);
-    if (rank < 0)
-        snprintf(path, sz, "%s", output.json_path);
-    else
-        snprintf(path, sz, "%.*s.rank%ld.json", (int)(n - 5), output.json_path, rank);
-}
-
 /* Writes the JSON form through a temporary file renamed into place. The
  * temporary file is made new (O_EXCL, never through a link) under a name
  * with the clock's nanoseconds in it: a name another user planted in a
@@ -753,7 +743,12 @@ static int write_json(PyObject *doc, long rank, char *err, size_t errsz)
     PyObject *s = json ? PyObject_CallMethod(json, "dumps", "O", doc) : NULL;
     PyObject *b = s ? PyUnicode_AsUTF8String(s) : NULL;
     int rc = -1, fd, written;
-    json_target(rank, path, sizeof path);
+    /* "x.json" -> "x.rank3.json" so that ranks do not overwrite each other. */
+    if (rank < 0)
+        snprintf(path, sizeof path, "%s", output.json_path);
+    else
+        snprintf(path, sizeof path, "%.*s.rank%ld.json", (int)(strlen(output.json_path) - 5),
+                 output.json_path, rank);
     snprintf(tmp, sizeof tmp, "%s.tmp%ld.%ld", path, (long)getpid(),
              oc_thread_deadline(0, 0).tv_nsec);
     if (b == NULL) {
@@ -871,15 +866,6 @@ static int multiprocessing_child(void)
     return child;
 }
 
-/* One line where the process has nothing to say (a program that only
- * imported torch, with no CUDA and no data loop): why, rather than silence. */
-static void nothing_to_report(const proc_figs *p)
-{
-    oc_stderr_printf("outofcuda summary: nothing to report: %s%s\n",
-                     p->no_gpu != NULL ? p->no_gpu : "no CUDA device was used",
-                     output.mode == OC_SUMMARY_JSON ? " (no JSON written)" : "");
-}
-
 /* atexit callback: join the sampler, gather, print or write. Raises only
  * the program's Ctrl-C or exit, through its edge (one that ended the wait
  * for the sampler skips the summary). */
@@ -925,13 +911,15 @@ static PyObject *py_summary_at_exit(PyObject *self, PyObject *unused)
         p.workers = dataloader_workers();
     /* Without CUDA, only a process that iterated data has something to say
      * (not torchrun's launcher, not a program that only imports torch); a
-     * DataLoader worker never does. */
+     * DataLoader worker never does. The rest say why, rather than nothing. */
     if (output.mode != OC_SUMMARY_OFF && !in_worker &&
         (cuda || p.frame_waits > 0 || p.workers >= 0))
         emit(&p, dev, cuda ? n : 0);
     else if (output.mode != OC_SUMMARY_OFF && !in_worker && !oc_torchrun_launcher() &&
              !multiprocessing_child())
-        nothing_to_report(&p);
+        oc_stderr_printf("outofcuda summary: nothing to report: %s%s\n",
+                         p.no_gpu != NULL ? p.no_gpu : "no CUDA device was used",
+                         output.mode == OC_SUMMARY_JSON ? " (no JSON written)" : "");
     OC_CLEAR();
     Py_RETURN_NONE;
 }

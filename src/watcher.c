@@ -129,13 +129,10 @@ static void restore_loader(PyObject *self, PyObject *module, PyObject *loader)
     PyObject *spec;
     restore_in(self, module, "__loader__", loader);
     spec = PyObject_GetAttrString(module, "__spec__");
-    if (spec == NULL) {
-        OC_CLEAR();
-        return;
-    }
-    if (spec != Py_None)
+    OC_CLEAR();
+    if (spec != NULL && spec != Py_None)
         restore_in(self, spec, "loader", loader);
-    Py_DECREF(spec);
+    Py_XDECREF(spec);
 }
 
 static void fire(PyObject *fallback_module)
@@ -540,12 +537,9 @@ static PyObject *py_find_torch_spec(PyObject *module, PyObject *args, PyObject *
     Py_DECREF(exec_module);
     proxy = make_proxy(loader, NULL);
     Py_DECREF(loader);
-    if (proxy == NULL || PyObject_SetAttrString(spec, "loader", proxy) < 0) {
+    if (proxy == NULL || PyObject_SetAttrString(spec, "loader", proxy) < 0)
         oc_set_error("wrapping torch's loader failed");
-        Py_XDECREF(proxy);
-        return spec;
-    }
-    Py_DECREF(proxy);
+    Py_XDECREF(proxy);
     return spec;
 }
 
@@ -570,7 +564,6 @@ static PyObject *boot_module(void)
         Py_INCREF(mod);
         return mod;
     }
-    mod = NULL;
     if (engine_module == NULL) {
         PyErr_SetString(PyExc_ImportError, "outofcuda's engine was not initialised");
         return NULL;
@@ -591,13 +584,10 @@ int oc_watcher_init(PyObject *module)
     if (boot == NULL || !PyObject_HasAttrString(boot, "_finder"))
         return 0;
     f = PyObject_CallMethod(boot, "_finder", NULL);
-    if (f == NULL) {
-        OC_CLEAR();
-        return 0;
-    }
-    if (f != Py_None)
+    OC_CLEAR();
+    if (f != NULL && f != Py_None)
         oc_report_hook_installed();
-    Py_DECREF(f);
+    Py_XDECREF(f);
     return 0;
 }
 
