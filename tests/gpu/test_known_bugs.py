@@ -48,7 +48,7 @@ def repro(gpu, tmp_path_factory):
     return runs
 
 
-def test_reproduction_with_and_without_the_guard(repro):
+def test_reproduction_with_and_without_the_guard(gpu, repro):
     guarded, bare = repro["guarded"], repro["bare"]
     print("guarded:", json.dumps(guarded), "\nOUTOFCUDA_KNOWN_BUGS=0:", json.dumps(bare))
     bug = guarded["bugs"]["cudnn-sdpa-nan-grad-sm90"]
@@ -68,7 +68,7 @@ def test_reproduction_with_and_without_the_guard(repro):
                 f"compute capability {bare['cc']}): {bug['reason']}")
 
 
-def test_cudnn_attention_row_for_sm100(repro):
+def test_cudnn_attention_row_for_sm100(gpu, repro):
     """A place for a B200 (compute capability 10.x) cuDNN-attention row: the
     reproduction's figures there, with the row's decision, where the table
     has a row naming sm100 and the device is one."""
