@@ -93,7 +93,7 @@ def extension(name, sources):
     return Extension(
         name,
         sources=sources,
-        depends=["src/oc.h"],
+        depends=sorted(glob("src/*.h")),  # oc.h and the headers it includes
         define_macros=[("Py_LIMITED_API", "0x03090000"), ("_GNU_SOURCE", "1")],
         py_limited_api=True,
         extra_compile_args=extra_compile_args(),

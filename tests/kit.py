@@ -30,15 +30,25 @@ def last_json(r, prefix=None, *, quiet=False, status=0):
 
 
 
+def oc_headers():
+    """The text of the engine's headers: src/oc.h and the two it includes
+    (oc_core.h, the pure C part; oc_edge.h), where a #define may live."""
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parent.parent / "src"
+    paths = sorted(src.glob("*.h"))
+    assert {p.name for p in paths} >= {"oc.h", "oc_core.h", "oc_edge.h"}, paths
+    return "\n".join(p.read_text() for p in paths)
+
+
 def oc_h_table(macro):
-    """The names an X-macro table of src/oc.h lists (OC_REC_CODES,
+    """The names an X-macro table of the engine's headers lists (OC_REC_CODES,
     OC_REC_STATES, OC_OPTIMISATIONS, ...), in order: its definition runs
     while its lines end in a backslash; a row's other columns follow its
     name."""
-    from pathlib import Path
     import re
 
-    lines = (Path(__file__).resolve().parent.parent / "src" / "oc.h").read_text().splitlines()
+    lines = oc_headers().splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith(f"#define {macro}(X)"))
     block = []
     for ln in lines[start:]:

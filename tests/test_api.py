@@ -436,7 +436,7 @@ def as_if_named(text, ref, name, module):
 def test_bad_arguments_get_cpythons_own_messages(venv, workdir):
     """A call with bad arguments fails with the TypeError a built-in of the
     same calling convention gives on the same interpreter: each table entry
-    carries its function's own convention (src/oc.h, the edge), so CPython
+    carries its function's own convention (src/oc_edge.h), so CPython
     checks the arguments itself and the engine re-implements nothing."""
     seen = last_json(venv.check(BAD_CALLS % (CONVENTIONS,), cwd=workdir))
     assert len(seen) == sum(len(f) * len(c) for _, f, c in CONVENTIONS.values())

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT
 from fake_torch import make_fake_torch
-from kit import oc_h_table
+from kit import oc_h_table, oc_headers
 
 STATUS_KEYS = {"version", "python", "executable", "hook", "torch", "torch_error", "cuda",
                "cuda_initialized_by_import", "optimizations", "config_warnings", "gpus",
@@ -241,7 +241,7 @@ def test_bad_option_shows_the_subcommands_usage(venv, workdir, command):
 
 
 def test_version(venv, workdir):
-    version = re.search(r'#define OC_VERSION "([^"]+)"', (ROOT / "src" / "oc.h").read_text())[1]
+    version = re.search(r'#define OC_VERSION "([^"]+)"', oc_headers())[1]
     r = cli(venv, "--version", cwd=workdir)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"outofcuda {version}"
@@ -652,7 +652,8 @@ def test_source_tree_shadowing_is_named(venv, tmp_path):
     shutil.copytree(ROOT / "outofcuda", tree / "outofcuda",
                     ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     (tree / "src").mkdir()
-    shutil.copy2(ROOT / "src" / "oc.h", tree / "src" / "oc.h")
+    for header in (ROOT / "src").glob("*.h"):  # oc.h and the headers it includes
+        shutil.copy2(header, tree / "src" / header.name)
     shutil.copy2(ROOT / "setup.py", tree / "setup.py")
     r = cli(venv, "status", cwd=tree)
     assert r.returncode == 1

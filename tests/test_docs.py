@@ -5,7 +5,7 @@ the code states. Pure file reads: no build, no virtual environment."""
 import re
 from pathlib import Path
 
-from kit import oc_h_table
+from kit import oc_h_table, oc_headers
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -91,7 +91,7 @@ def test_layout_names_every_folder():
 
 
 def test_changelog_names_the_version_the_code_states():
-    version = re.search(r'#define OC_VERSION "([^"]+)"', (ROOT / "src" / "oc.h").read_text())[1]
+    version = re.search(r'#define OC_VERSION "([^"]+)"', oc_headers())[1]
     releases = re.findall(r"^## (\d+\.\d+\.\d+)\b", (ROOT / "CHANGELOG.md").read_text(), re.M)
     assert releases and releases[0] == version, (releases, version)
 
@@ -119,7 +119,7 @@ def test_every_test_variable_the_tests_read_is_documented():
 
 def test_every_record_code_and_state_is_documented():
     """status()'s `code` words are an interface: docs/python-api.md's table
-    lists exactly the codes of src/oc.h's OC_REC_CODES, in its order, and
+    lists exactly the codes of src/oc_core.h's OC_REC_CODES, in its order, and
     names every state of OC_REC_STATES."""
     codes = oc_h_table("OC_REC_CODES")
     states = oc_h_table("OC_REC_STATES")

@@ -19,9 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kit import oc_headers
+
 ROOT = Path(__file__).resolve().parent.parent
-# A warning fits the engine's buffer for one (src/oc.h).
-WARN_LEN = int(re.search(r"#define OC_WARN_LEN (\d+)", (ROOT / "src" / "oc.h").read_text())[1])
+# A warning fits the engine's buffer for one (src/oc_core.h).
+WARN_LEN = int(re.search(r"#define OC_WARN_LEN (\d+)", oc_headers())[1])
 FUZZ = ROOT / "fuzz"
 # Executions per target: config runs ~10x faster than the allocator merge.
 RUNS = {"fuzz_config": 750_000, "fuzz_allocconf": 300_000}

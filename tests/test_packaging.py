@@ -243,7 +243,8 @@ def test_sdist_builds_installs_and_hooks(tmp_path):
 
     with tarfile.open(sdist) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
-    assert {"outofcuda_hook.pth", "outofcuda_hook.start", "src/oc.h", "LICENSE",
+    assert {"outofcuda_hook.pth", "outofcuda_hook.start", "src/oc.h", "src/oc_core.h",
+            "src/oc_edge.h", "LICENSE",
             "buildsys/backend.py", "buildsys/hookfiles.py"} <= names
     # tests/test_docs.py, which the sdist carries, reads the reference and the changelog.
     assert {"CHANGELOG.md", "docs/README.md", "docs/environment.md", "docs/layout.md"} <= names

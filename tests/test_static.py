@@ -23,7 +23,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 C_FILES = sorted(SRC.glob("*.c"))
-FORMATTED = C_FILES + [SRC / "oc.h"] + sorted((ROOT / "fuzz").glob("*.c"))
+# oc.h, which every C file includes, and the headers it includes (oc_core.h, oc_edge.h).
+HEADERS = sorted(SRC.glob("*.h"))
+FORMATTED = C_FILES + HEADERS + sorted((ROOT / "fuzz").glob("*.c"))
 # The stand-in NVIDIA library the tests build is C of this project too.
 FORMATTED += sorted((ROOT / "tests").glob("*/*.c"))
 DEFINES = ["-DPy_LIMITED_API=0x03090000", "-D_GNU_SOURCE"]
@@ -190,7 +192,7 @@ def bare_clears(text, own=()):
     return bad
 
 
-@pytest.mark.parametrize("path", C_FILES + [SRC / "oc.h"], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", C_FILES + HEADERS, ids=lambda p: p.name)
 def test_c_source_rules(path):
     text = path.read_text()
     problems = gil_problems(text) + header_problems(text) + dlopen_problems(text)
@@ -253,7 +255,7 @@ def test_rules_read_the_whole_tree():
     ensure, dlopen = r"\bPyGILState_Ensure\s*\(", r"\bdlopen\s*\("
     totals = {"functions": 0, "ensure": 0, "ensure_read": 0, "release": 0, "dlopen": 0,
               "dlopen_read": 0}
-    for path in C_FILES + [SRC / "oc.h"]:
+    for path in C_FILES + HEADERS:
         text = path.read_text()
         assert unread_bodies(text) == 0, f"{path.name}: function bodies the rules do not read"
         bodies = [b for _, b in _functions(_strip_comments(text))]
@@ -414,10 +416,10 @@ def shared_state_problems(texts, header):
 def test_each_file_keeps_its_own_state():
     """Data follows the order calls do: no file names another's variable;
     what another file needs goes through a function of the lower file. The
-    rule reads every file: each keeps state of its own, and oc.h shares the
-    method tables module.c gathers."""
+    rule reads every file: each keeps state of its own, and the headers share
+    only the method tables module.c gathers."""
     texts = {p.name: p.read_text() for p in C_FILES}
-    header = (SRC / "oc.h").read_text()
+    header = "\n".join(p.read_text() for p in HEADERS)
     assert shared_state_problems(texts, header) == []
     owners = {name for name, text in texts.items() if file_variables(text)}
     assert {"common.c", "watcher.c", "bridge.c", "report.c", "summary.c", "api.c", "knownbugs.c",
@@ -448,7 +450,7 @@ def test_state_rule_catches_violations():
 # ---- the edge: every C function CPython calls goes through a wrapper ----
 
 # Slots that may stay bare: they cannot raise, so no interrupt can be handed
-# back through them (oc.h, "the edge").
+# back through them (src/oc_edge.h).
 BARE_SLOTS = {"Py_tp_dealloc", "Py_tp_traverse", "Py_tp_clear", "Py_tp_free"}
 # Slots that hold data or a table (whose entries are checked in their own right).
 DATA_SLOTS = {"Py_tp_methods", "Py_tp_getset", "Py_tp_members", "Py_tp_doc", "Py_tp_base",
@@ -503,7 +505,7 @@ def _entries(code, kind):
 
 def edge_problems(text):
     """What CPython would call in a C file of the engine without the edge
-    (src/oc.h): a function or callback definition not made by OC_METHOD, a
+    (src/oc_edge.h): a function or callback definition not made by OC_METHOD, a
     getter not by OC_GETTER, a type or module slot holding a function not by
     OC_SLOT (BARE_SLOTS aside), an export slot or a pending call that is not
     an edge_ wrapper, and a PyMethodDef built at run time."""
@@ -538,7 +540,7 @@ def misnamed_functions(text):
 
 def test_every_function_cpython_calls_goes_through_the_edge():
     """A Ctrl-C set aside while an engine function or callback runs is raised
-    as it returns only through its edge_ wrapper (src/oc.h); and CPython checks
+    as it returns only through its edge_ wrapper (src/oc_edge.h); and CPython checks
     the arguments of a function only where its table entry carries the
     function's own calling convention, which OC_METHOD takes from the wrapper.
     Function objects are made only from the definitions checked here
@@ -612,7 +614,7 @@ def _table():
 
 # The engine's functions whose argument at this index is a variable's name
 # (asked_by: bridge.c's); any other name is written through OC_VAR()
-# (src/oc.h).
+# (src/oc_core.h).
 VAR_TAKERS = {"oc_env": 0, "oc_env_rank": 0, "oc_config_off": 1, "oc_record_off": 1,
               "asked_by": 0}
 STRING = r'"(?:[^"\\\n]|\\.)*"'
@@ -681,7 +683,7 @@ def test_the_environment_is_read_through_the_table():
     the loader does not parse into the configuration (no field) is read by
     its name somewhere: a row nothing reads would be stale."""
     table = _table()
-    texts = {p.name: p.read_text() for p in C_FILES + [SRC / "oc.h"]}
+    texts = {p.name: p.read_text() for p in C_FILES + HEADERS}
     problems, named = variable_name_problems(texts, table)
     assert not problems, "\n".join(problems)
     unread = {n for n, row in table.items() if "OC_NO_FIELD" in row} - named
