@@ -134,7 +134,9 @@ def test_compile_model_really_compiles_with_outofcuda_compile(venv, workdir):
                           float((out - ref).abs().max())]))
     """, cwd=workdir, timeout=600,
         env={"OUTOFCUDA_COMPILE": "1", "OUTOFCUDA_COMPILE_MODE": "default",
-             "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor")})
+             "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor"),
+             # inductor keeps more than its cache under gettempdir()/torchinductor_<user>
+             "TMPDIR": str(workdir)})
     name, frames_ok, graphs, equal, diff = last_json(r)
     assert name == "OptimizedModule"
     assert frames_ok >= 1 and graphs >= 1

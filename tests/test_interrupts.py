@@ -226,7 +226,9 @@ def test_the_framework_step_cut_short_decides_again_from_the_start(venv, tmp_pat
                            cwd=tmp_path, args=("-W", "error")))
     assert (d["first"], d["step"], d["error"]) == ("interrupted", "done", None), d
     assert d["codes"] == codes and d["framework"]["left_to"] == left_to, d
-    assert d["framework"]["decided"].count("when CUDA initialised") == 1, d["framework"]
+    # Decided once more from the start: the CUDA-start code, typed, not appended.
+    assert d["framework"]["at_cuda_init"] == ("left_to" if left_to else "gone_at_cuda_init"), d
+    assert d["framework"]["code"] == d["framework"]["at_cuda_init"], d
 
 
 # Real SIGINTs at random moments of CUDA's start. One interpreter imports

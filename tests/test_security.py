@@ -203,7 +203,8 @@ def test_pth_and_start_are_constant_and_short(venv, wheel):
                 "outofcuda_hook.start": (ROOT / "outofcuda_hook.start").read_text()}
     for name, text in files.items():
         assert text == expected[name], f"installed {name} differs from the checkout"
-        assert len(text) <= 300 and text.count("\n") <= 1, f"{name} is not one short line"
+        # 320: the line reads OUTOFCUDA_VERBOSE beside OUTOFCUDA_DISABLE=1 (tests/test_hook.py).
+        assert len(text) <= 320 and text.count("\n") <= 1, f"{name} is not one short line"
     assert files["outofcuda_hook.start"].strip() == "outofcuda_hook_start:install"
     pth = files["outofcuda_hook.pth"].strip()
     assert pth.startswith("import ")

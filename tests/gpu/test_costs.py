@@ -6,6 +6,9 @@ second process under expandable segments; and where a ResNet-50 step's time
 goes under bfloat16 and float16 autocast (BatchNorm and convolution kernels,
 torch.profiler). Each check writes its figures to OUTOFCUDA_TEST_GPU_FIGURES
 (a JSON file, summarised by benchmarks/gpu_figures.py) before it asserts."""
+import shutil
+import tempfile
+
 from gpu import DRY_RUN, keep, size
 from kit import last_json
 
@@ -171,8 +174,15 @@ def test_a_cuda_tensor_shared_with_another_process_under_expandable_segments(gpu
     script.write_text(IPC)
     configs = size({"outofcuda": {}, "without": {"OUTOFCUDA_DISABLE": "1"}},
                    {"outofcuda": {}})
-    runs = {c: last_json(gpu.run(None, args=[str(script)], env=dict(ENV, **env), cwd=workdir,
-                                 timeout=150), "IPC=") for c, env in configs.items()}
+    # A short TMPDIR of its own: torch.multiprocessing passes the storage
+    # through a Unix socket made there, whose path may not pass 107 bytes.
+    short = tempfile.mkdtemp(prefix="oc-ipc-", dir="/tmp")
+    try:
+        runs = {c: last_json(gpu.run(None, args=[str(script)], cwd=workdir, timeout=150,
+                                     env=dict(ENV, TMPDIR=short, **env)), "IPC=")
+                for c, env in configs.items()}
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
     keep("ipc.json", runs)
     mine = runs["outofcuda"]
     # The check means something only where outofcuda's default turned
