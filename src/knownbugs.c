@@ -21,6 +21,7 @@ typedef struct {
     char reason[OC_KB_MAX_ENTRIES][400]; /* the facts, in words */
     long cudnn;                          /* -1 until read */
     long nccl;                           /* -1 until read */
+    int other_cudnn;                     /* read once, at import */
     int need_cudnn;                      /* a steer, on or off, waits for cuDNN's version */
 } kb_rows;
 static kb_rows kb;
@@ -46,7 +47,7 @@ static void facts_init(oc_kb_facts *f)
 {
     memset(f, 0, sizeof *f);
     f->n_cc = -1;
-    f->cudnn = f->nccl = -1;
+    f->cudnn = f->nccl = f->other_cudnn = -1;
     f->local_rank = -1;
     f->foreign_dev = -2;
 #ifdef __aarch64__
@@ -111,8 +112,6 @@ static void torch_facts(PyObject *torch, oc_kb_facts *f)
     Py_XDECREF(cuda);
     OC_CLEAR();
     f->local_rank = oc_env_rank("LOCAL_RANK");
-    f->nccl = dist_version(torch, "nvidia_nccl_cu", f->cuda);
-    f->other_cudnn = other_cudnn(oc_env("LD_LIBRARY_PATH"));
 }
 
 /* A device NVML lists this process on that is not LOCAL_RANK's (what
@@ -193,6 +192,7 @@ static int decide_all(PyObject *torch, size_t n)
     torch_facts(torch, &f);
     f.cudnn = kb.cudnn;
     f.nccl = kb.nccl;
+    f.other_cudnn = kb.other_cudnn;
     f.getenv_fn = proc_getenv;
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1) {
@@ -272,7 +272,8 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     /* The cuDNN wheel's version needs no library loaded: with it, no row
      * waits for CUDA's start to read the runtime's. */
     kb.cudnn = dist_version(torch, "nvidia_cudnn_cu", f.cuda);
-    kb.nccl = f.nccl;
+    kb.nccl = dist_version(torch, "nvidia_nccl_cu", f.cuda);
+    kb.other_cudnn = other_cudnn(oc_env("LD_LIBRARY_PATH"));
     /* Left for CUDA's start: reading cuDNN's version where no wheel names it
      * (+51 MiB of RSS), only for a steer, and the cuDNN-attention steer. */
     pending = need_cudnn = kb.need_cudnn = decide_all(torch, n);
