@@ -645,10 +645,12 @@ static PyObject *py_ipython_handler(PyObject *self, PyObject *args, PyObject *kw
     Py_XDECREF(r);
     OC_CLEAR(); /* an interrupt: set aside */
     if (is_oom(type)) {
-        int keep = keep_frames();
+        /* Decided before the report says it: a Ctrl-C during the report does
+         * not leave it saying "released" of frames still held. */
+        int release = !keep_frames() && !oc_interrupt_waiting();
         ipython_reported = value;
-        print_report(value, keep ? FRAMES_KEPT : FRAMES_RELEASED);
-        if (!keep && !oc_interrupt_waiting())
+        print_report(value, release ? FRAMES_RELEASED : FRAMES_KEPT);
+        if (release)
             release_cell(value, tb);
         if (!oc_interrupt_waiting())
             oom_relief();
