@@ -64,15 +64,21 @@ trap 'rm -rf "$WORK"' EXIT
 # on one), and the dry run measures nothing.
 [ "$DRY" = 1 ] && export OMP_NUM_THREADS=1
 
-if ! "$PY" -c "import torch" >> "$SUMMARY" 2>&1; then
+# One interpreter (an import of torch takes seconds), which fails only where
+# torch does not import: a device name that cannot be read is printed.
+"$PY" - >> "$SUMMARY" 2>&1 <<'EOF'
+import traceback
+import torch
+try:
+    print("torch", torch.__version__, "cuda", torch.version.cuda,
+          "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+except Exception:
+    traceback.print_exc()
+EOF
+if [ $? -ne 0 ]; then
     note "torch is not importable with $PY (error above)"
     exit 1
 fi
-"$PY" - >> "$SUMMARY" 2>&1 <<'EOF'
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda,
-      "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
-EOF
 if [ "$DRY" = 1 ]; then
     note "nvidia-smi: not asked (dry run)"
 else
@@ -100,17 +106,20 @@ else
     VENV=""
 fi
 # Built by setuptools' own build hook and unpacked by hand: no pip (the GPU
-# machine need not have it), no network, nothing downloaded.
+# machine need not have it), no network, nothing downloaded. GPU_CHECK_WHEEL
+# names a wheel already built from this checkout to unpack instead (the
+# suite's dry run: its session built one with the same hook).
 site="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-if ! (cd "$CHECKOUT" && timeout 240 "$VPY" - "$WORK/wheel" "$site" >> "$OUT/install.log" 2>&1 <<'EOF'
+if ! (cd "$CHECKOUT" && timeout 240 "$VPY" - "$WORK/wheel" "$site" "${GPU_CHECK_WHEEL:-}" \
+        >> "$OUT/install.log" 2>&1 <<'EOF'
 import os, sys, zipfile
-out, site = sys.argv[1:3]  # read first: the build hook rewrites sys.argv
+out, site, built = sys.argv[1:4]  # read first: the build hook rewrites sys.argv
 from setuptools import build_meta
 os.makedirs(out, exist_ok=True)
-name = build_meta.build_wheel(out)
-with zipfile.ZipFile(os.path.join(out, name)) as z:
+path = built or os.path.join(out, build_meta.build_wheel(out))
+with zipfile.ZipFile(path) as z:
     z.extractall(site)
-print("installed", name, "into", site)
+print("installed", os.path.basename(path), "into", site)
 EOF
 ); then
     note "building or installing the wheel failed: see install.log"

@@ -203,9 +203,10 @@ class Aside:
             p.with_name(p.name + ".aside").rename(p)
 
 
-def anchor_distutils(py_without, repeats):
+def anchor_distutils(py_without, repeats, as_is):
     """setuptools' distutils-precedence.pth (with its _distutils_hack package)
-    in the "without" venv, against the same venv without that .pth."""
+    in the "without" venv, against the same venv without that .pth. as_is:
+    that venv's counts as it is (instruction counts repeat exactly)."""
     site = site_dir(py_without)
     pth = site / "distutils-precedence.pth"
     added = []
@@ -219,7 +220,7 @@ def anchor_distutils(py_without, repeats):
                        "'local') == 'local'; enabled and __import__('_distutils_hack').add_shim(); \n")
         added = [site / "_distutils_hack", pth]
     try:
-        with_ = counts(py_without, repeats)
+        with_ = counts(py_without, repeats) if added else as_is
         with Aside([pth]):
             without = counts(py_without, repeats)
     finally:
@@ -228,12 +229,11 @@ def anchor_distutils(py_without, repeats):
     return dict(compare(with_, without), what="setuptools distutils-precedence.pth")
 
 
-def anchor_floor(py_without, repeats):
-    """A comment-only .pth in the "without" venv: what site charges for any
-    .pth file at all (on 3.13 the first one costs about 3 %: site decodes it as
-    utf-8-sig, which imports that codec)."""
+def anchor_floor(py_without, repeats, base):
+    """A comment-only .pth in the "without" venv (base: its counts without it):
+    what site charges for any .pth file at all (on 3.13 the first one costs
+    about 3 %: site decodes it as utf-8-sig, which imports that codec)."""
     pth = site_dir(py_without) / "zz_floor.pth"
-    base = counts(py_without, repeats)
     pth.write_text("# comment only\n")
     try:
         with_ = counts(py_without, repeats)
@@ -282,8 +282,9 @@ def measure(py_with, py_without, runs, repeats, skip_torch, wall_runs):
         "per_import": finder / max(1, n_mods - n_base), "ratio": many_on / many_off,
         "note": "(with hook - disabled) for the imports, minus the same difference for "
                 "`python -c pass` (installing the finder)"}
-    res["anchors"] = {"comment-only .pth": anchor_floor(py_without, repeats),
-                      "distutils-precedence.pth": anchor_distutils(py_without, repeats)}
+    res["anchors"] = {"comment-only .pth": anchor_floor(py_without, repeats, without_pass),
+                      "distutils-precedence.pth": anchor_distutils(py_without, repeats,
+                                                                   without_pass)}
     if not skip_torch:
         t_on = callgrind_instructions(py_with, "import torch")
         t_off = callgrind_instructions(py_with, "import torch", off)

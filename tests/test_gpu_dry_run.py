@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 
-from conftest import ROOT, _clean_env
+from conftest import ROOT, SANITIZE, _clean_env
 
 SCRIPT = ("benchmarks", "gpu_check.sh")
 
@@ -46,13 +46,16 @@ def _run(tmp_path, python, *args, env=None, timeout=120):
     return r, out
 
 
-def test_dry_run_runs_every_step(venv, tmp_path, notebook_dir):
+def test_dry_run_runs_every_step(venv, wheel, tmp_path, notebook_dir):
     # The GPU machine's interpreter holds torch, pytest and setuptools: here
     # the test environment's (torch, setuptools) with this runner's packages
     # (pytest) on PYTHONPATH. IPython comes from the folder
-    # OUTOFCUDA_TEST_NOTEBOOK_DIR names, as it may on the GPU machine.
+    # OUTOFCUDA_TEST_NOTEBOOK_DIR names, as it may on the GPU machine. The
+    # session's wheel, built from this checkout by the same setuptools hook,
+    # is unpacked rather than built a second time.
     runner = [p for p in sys.path if p.endswith("site-packages")]
-    env = {"PYTHONPATH": os.pathsep.join(runner), "OUTOFCUDA_TEST_NOTEBOOK_DIR": notebook_dir}
+    env = {"PYTHONPATH": os.pathsep.join(runner), "OUTOFCUDA_TEST_NOTEBOOK_DIR": notebook_dir,
+           "GPU_CHECK_WHEEL": None if SANITIZE else str(wheel)}
     r, out = _run(tmp_path, venv.python, "--dry-run", env=env, timeout=1500)
     log = (out / "gpu_tests.log").read_text() if (out / "gpu_tests.log").exists() else ""
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr}\n--- gpu_tests.log ---\n{log[-6000:]}"

@@ -12,7 +12,12 @@ In a dry run (OUTOFCUDA_TEST_GPU_DRY_RUN=1, tests/gpu/__init__.py) the fixture i
 the same environment with "cuda" made the CPU and the stand-in NVIDIA library
 of an H200: each scenario runs end to end. A scenario that dies of a mistake
 in its own code (a name, an import, a path: DRY_RUN_MISTAKES) fails the dry
-run; an assertion about a figure only a GPU gives is reported as xfailed."""
+run; an assertion about a figure only a GPU gives is reported as xfailed. A
+scenario runs once per dry run: run again, in the same folder, with only
+outofcuda's decisions changed (SAME_CODE_PATH: outofcuda on or off, its cap,
+its allocator or dtype), it gives back its first result, since on the CPU those
+change figures, not which lines run (the CPU cost of a dry run is its
+interpreters, each about 3 s of importing torch)."""
 import os
 import re
 import textwrap
@@ -28,6 +33,13 @@ REQUIRED = os.environ.get("OUTOFCUDA_TEST_REQUIRE_GPU", "").strip() == "1"
 DRY_RUN_MISTAKES = ("SyntaxError", "IndentationError", "NameError", "UnboundLocalError",
                     "ImportError", "ModuleNotFoundError", "AttributeError", "FileNotFoundError",
                     "TypeError", "KeyError", "IndexError")
+
+
+# The variables whose values a scenario is run under again in the GPU run,
+# to compare figures (with and without outofcuda, with and without its cap):
+# none names a file the scenario writes.
+SAME_CODE_PATH = ("OUTOFCUDA_DISABLE", "OUTOFCUDA_MEMORY_FRACTION", "OUTOFCUDA_ALLOC_CONF",
+                  "OUTOFCUDA_AMP_DTYPE", "OUTOFCUDA_KNOWN_BUGS")
 
 
 class DryRunMistake(Exception):
@@ -74,15 +86,21 @@ class DryRunVenv:
 
     def __init__(self, venv, env):
         self.venv, self.env, self.path, self.python = venv, env, venv.path, venv.python
+        self.done = {}
 
     def run(self, code="", *, env=None, **kw):
-        r = self.venv.run(textwrap.dedent(code) if code is not None else None,
-                          env=dict(self.env, **(env or {})), **kw)
+        env = dict(self.env, **(env or {}))
+        key = repr((code, kw.get("args"), kw.get("cwd"), kw.get("input"),
+                    sorted((k, v) for k, v in env.items() if k not in SAME_CODE_PATH)))
+        if key in self.done:
+            return self.done[key]
+        r = self.venv.run(textwrap.dedent(code) if code is not None else None, env=env, **kw)
         last = [ln for ln in r.stderr.strip().splitlines() if ln and not ln.startswith(" ")]
         m = re.match(r"(\w+)(:|$)", last[-1]) if r.returncode and last else None
         if m and m.group(1) in DRY_RUN_MISTAKES:
             raise DryRunMistake(f"the scenario died of {m.group(1)} on the CPU:\n{r.stderr[-3000:]}"
                                 f"\n--- scenario ---\n{code}")
+        self.done[key] = r
         return r
 
     def check(self, code, **kw):

@@ -114,7 +114,7 @@ def test_monitor_crosses_a_provoked_threshold_clears_and_records(gpu, workdir):
         mon = MemoryMonitor(threshold=threshold, interval=0.05, on_high=calls.append,
                             allocator_stats=True)
         with mon:
-            end = time.monotonic() + 10
+            end = time.monotonic() + WAIT             # a dry run has no threshold to cross
             while not mon.events and time.monotonic() < end:
                 time.sleep(0.05)
             time.sleep(0.3)
@@ -124,7 +124,8 @@ def test_monitor_crosses_a_provoked_threshold_clears_and_records(gpu, workdir):
                           "reserved_after": torch.cuda.memory_reserved(),
                           "max_sample_reserved": max((s.reserved or 0) for s in samples),
                           "n": len(samples), "csv_rows": mon.to_csv("vram.csv")}))
-    """.replace("HELD", str(size(4 << 30, 4 << 20))), cwd=workdir, timeout=180)
+    """.replace("HELD", str(size(4 << 30, 4 << 20))).replace("WAIT", str(size(10, 1))),
+        cwd=workdir, timeout=180)
     d = last_json(r)
     assert d["n"] > 5
     assert d["events"], "the watchdog never saw the threshold crossed"
@@ -140,8 +141,11 @@ def test_monitor_crosses_a_provoked_threshold_clears_and_records(gpu, workdir):
 
 def test_monitor_plot_of_a_gpu_timeline_is_a_png(gpu, workdir):
     """Its own test, so a missing matplotlib skips only this check."""
+    # No PYTHONPATH: finding matplotlib needs no torch, which the dry run's
+    # stand-ins would import.
     if gpu.run("import importlib.util, sys; "
-               "sys.exit(importlib.util.find_spec('matplotlib') is None)").returncode != 0:
+               "sys.exit(importlib.util.find_spec('matplotlib') is None)",
+               env={"PYTHONPATH": ""}).returncode != 0:
         pytest.skip("matplotlib is not installed: the PNG check did not run "
                     "(pip install matplotlib in the test environment)")
     r = gpu.check("""

@@ -164,8 +164,10 @@ def test_ipython_failed_cell_gives_its_memory_back(gpu, workdir):
         paths.append(gpu.env["PYTHONPATH"])
     env = {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
     env["IPYTHONDIR"] = str(workdir / "ipython")
+    # IPython's folder only: finding it needs no torch, which the dry run's
+    # stand-ins (on PYTHONPATH) would import.
     probe = gpu.run("import importlib.util; print(importlib.util.find_spec('IPython') is not None)",
-                    env=env)
+                    env=dict(env, PYTHONPATH=folder or ""))
     if probe.stdout.strip() != "True":
         pytest.skip("IPython is not importable here (set OUTOFCUDA_TEST_NOTEBOOK_DIR to a "
                     "folder holding it)")

@@ -23,7 +23,7 @@ while time.monotonic() < deadline:
 else:
     raise SystemExit(f"the sampler took no 10 samples in {WAIT} s: {_outofcuda._summary_stats()}")
 """.replace(
-    "N", str(size(4096, 64))).replace("WAIT", str(size(60, 3)))
+    "N", str(size(4096, 64))).replace("WAIT", str(size(60, 1)))
 
 
 def test_matmul_loop_prints_the_block_with_utilisation(gpu, workdir):
@@ -66,7 +66,7 @@ for batch in torch.utils.data.DataLoader(Stream(), batch_size=4):
     devs = _outofcuda._summary_stats()["devices"]
     if (devs and devs[0]["paired"] >= 20) or time.monotonic() > deadline:
         break
-""".replace("N", str(size(4096, 64))).replace("WAIT", str(size(60, 3)))
+""".replace("N", str(size(4096, 64))).replace("WAIT", str(size(60, 1)))
 
 
 def test_a_loop_waiting_on_its_data_is_named_with_the_gpu_idle_meanwhile(gpu, workdir):
