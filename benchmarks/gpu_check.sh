@@ -26,9 +26,9 @@
 #
 # --dry-run: every step on a machine without a GPU (the suite runs it,
 # tests/test_gpu_dry_run.py), so the first run on a lent GPU cannot die of a
-# typo, a missing import or a wrong path: tests/gpu with tiny shapes, "cuda"
-# made the CPU and the stand-in NVIDIA library (tests/gpu/conftest.py), the
-# benchmark at its smoke sizes. It measures nothing.
+# typo, a missing import or a wrong path: tests/gpu with tiny shapes, each
+# scenario once, "cuda" made the CPU and the stand-in NVIDIA library
+# (tests/gpu/conftest.py), the benchmark at its smoke sizes. It measures nothing.
 #
 # The package goes into a virtual environment made here that sees the
 # interpreter's own packages (torch, pytest, setuptools), built with those and
