@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, WERROR, _clean_env
+from conftest import ROOT, WERROR, _clean_env, wait_for_chroot
 from fake_torch import make_fake_torch
 from test_packaging import clean_copy, pyenv_python
 
@@ -85,6 +85,7 @@ def chroot():
     given = os.environ.get("OUTOFCUDA_TEST_CHROOT")
     mounted = None
     if given:
+        wait_for_chroot()
         root = Path(given)
         missing = [p for p in ("usr/bin/python3.14", "usr/bin/python3.15", "usr/bin/gcc",
                                "usr/bin/valgrind", "proc/self") if not (root / p).exists()]
