@@ -77,23 +77,25 @@ def pytest_configure(config):
     config.pluginmanager.register(SanitizedRunCovers(), "outofcuda-sanitized-run-covers")
 
 
-def wait_for_chroot():
-    """.ci/run builds the sid chroot (OUTOFCUDA_TEST_CHROOT) while the tests
-    run; the build writes its exit status to OUTOFCUDA_TEST_CHROOT_STATUS
-    last. A test that uses the chroot waits for it here."""
-    status = os.environ.get("OUTOFCUDA_TEST_CHROOT_STATUS")
-    if not status:
+def wait_for_setup(step):
+    """.ci/run installs the system tools (step "tools") and builds the sid
+    chroot ("chroot") while the tests run; each step writes its exit status
+    last, to a file of its name in OUTOFCUDA_TEST_SETUP. A test that uses
+    one waits for it here (elsewhere there is nothing to wait for)."""
+    folder = os.environ.get("OUTOFCUDA_TEST_SETUP")
+    if not folder or (step == "chroot" and not os.environ.get("OUTOFCUDA_TEST_CHROOT")):
         return
+    status = Path(folder, step)
     deadline = time.monotonic() + 1800
-    while not os.path.exists(status):
+    while not status.exists():
         if time.monotonic() > deadline:
-            pytest.fail(f"the chroot build has not written {status} in 30 minutes")
+            pytest.fail(f"CI's setup step {step} has not written {status} in 30 minutes")
         time.sleep(1)
-    rc = Path(status).read_text().strip()
+    rc = status.read_text().strip()
     if rc != "0":
-        log = Path(os.environ.get("OUTOFCUDA_TEST_CHROOT", "") + ".log")
+        log = Path(folder, step + ".log")
         tail = log.read_text()[-2000:] if log.is_file() else ""
-        pytest.fail(f"the chroot build (.ci/chroot) exited {rc}:\n{tail}")
+        pytest.fail(f"CI's setup step {step} (.ci/run) exited {rc}:\n{tail}")
 
 
 # Two workers (pytest-xdist, in requirements-test.txt), each running whole
