@@ -71,8 +71,8 @@ typedef struct {
 } oom_proc;
 
 /* What the IPython handler did with a failed cell's frames ("cell_frames"). */
-typedef enum { FRAMES_NOT_A_CELL, FRAMES_RELEASED, FRAMES_KEPT } oom_frames;
-static const char *const frames_word[] = {"", "released", "kept"};
+typedef enum { FRAMES_NOT_A_CELL, FRAMES_RELEASED, FRAMES_KEPT, FRAMES_INTERRUPTED } oom_frames;
+static const char *const frames_word[] = {"", "released", "kept", "interrupted"};
 
 /* One report, gathered (build_report) or read back from its dict
  * (report_from_dict). Byte counts and the device are -1 where unknown,
@@ -647,10 +647,12 @@ static PyObject *py_ipython_handler(PyObject *self, PyObject *args, PyObject *kw
     if (is_oom(type)) {
         /* Decided before the report says it: a Ctrl-C during the report does
          * not leave it saying "released" of frames still held. */
-        int release = !keep_frames() && !oc_interrupt_waiting();
+        oom_frames frames = keep_frames()            ? FRAMES_KEPT
+                            : oc_interrupt_waiting() ? FRAMES_INTERRUPTED
+                                                     : FRAMES_RELEASED;
         ipython_reported = value;
-        print_report(value, release ? FRAMES_RELEASED : FRAMES_KEPT);
-        if (release)
+        print_report(value, frames);
+        if (frames == FRAMES_RELEASED)
             release_cell(value, tb);
         if (!oc_interrupt_waiting())
             oom_relief();
@@ -1475,7 +1477,7 @@ static int report_from_dict(PyObject *report, oom_report *r)
     Py_DECREF(v);
     /* borrowed; a report made before the key was there has none */
     v = PyDict_GetItemString(report, "cell_frames");
-    for (int i = 1; v != NULL && PyUnicode_Check(v) && i < 3; i++) {
+    for (int i = 1; v != NULL && PyUnicode_Check(v) && i <= FRAMES_INTERRUPTED; i++) {
         if (PyUnicode_CompareWithASCIIString(v, frames_word[i]) == 0)
             r->frames = (oom_frames)i;
     }
@@ -1564,6 +1566,8 @@ static void item_lines(oc_text *t, const oom_report *r)
     else if (r->frames == FRAMES_KEPT)
         oc_appendf(t, "\n  cell frames        kept for %%debug (OUTOFCUDA_OOM_KEEP_FRAMES=1): they "
                       "hold the cell's tensors until the next error");
+    else if (r->frames == FRAMES_INTERRUPTED)
+        oc_appendf(t, "\n  cell frames        kept: a Ctrl-C came before their release");
     oc_appendf(t, "\n  what to try, most useful first:");
     for (int i = 0; i < r->n_advice; i++)
         oc_appendf(t, "\n    %d. %s", i + 1, r->advice[i].text);

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,27 @@ def pytest_configure(config):
     config.pluginmanager.register(SanitizedRunCovers(), "outofcuda-sanitized-run-covers")
 
 
+def wait_for_setup(step):
+    """.ci/run installs the system tools (step "tools") and builds the sid
+    chroot ("chroot") while the tests run; each step writes its exit status
+    last, to a file of its name in OUTOFCUDA_TEST_SETUP. A test that uses
+    one waits for it here (elsewhere there is nothing to wait for)."""
+    folder = os.environ.get("OUTOFCUDA_TEST_SETUP")
+    if not folder or (step == "chroot" and not os.environ.get("OUTOFCUDA_TEST_CHROOT")):
+        return
+    status = Path(folder, step)
+    deadline = time.monotonic() + 1800
+    while not status.exists():
+        if time.monotonic() > deadline:
+            pytest.fail(f"CI's setup step {step} has not written {status} in 30 minutes")
+        time.sleep(1)
+    rc = status.read_text().strip()
+    if rc != "0":
+        log = Path(folder, step + ".log")
+        tail = log.read_text()[-2000:] if log.is_file() else ""
+        pytest.fail(f"CI's setup step {step} (.ci/run) exited {rc}:\n{tail}")
+
+
 # Two workers (pytest-xdist, in requirements-test.txt), each running whole
 # files: nearly every test waits on a scenario interpreter that uses one core,
 # so a second worker halves the run on CI's two cores. Set here rather than in
@@ -98,10 +120,12 @@ def pytest_cmdline_main(config):
 
 
 # The files that take longest run first, so that the last file a worker gets
-# is a short one (figures in docs/testing.md).
-LONGEST_FIRST = ("test_sanitize.py", "test_interpreters.py", "test_gpu_dry_run.py",
-                 "test_packaging.py", "test_api.py", "test_cli.py", "test_cuda_build.py",
-                 "test_oom.py", "test_monitor.py", "test_nvml.py", "test_leaks.py")
+# is a short one (figures in docs/testing.md). test_interpreters.py waits
+# for the chroot .ci/run builds meanwhile (wait_for_chroot): it starts
+# after a few minutes of others.
+LONGEST_FIRST = ("test_sanitize.py", "test_gpu_dry_run.py", "test_packaging.py", "test_api.py",
+                 "test_cli.py", "test_cuda_build.py", "test_interpreters.py", "test_oom.py",
+                 "test_monitor.py", "test_nvml.py", "test_leaks.py")
 
 
 def pytest_collection_modifyitems(items):

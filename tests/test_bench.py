@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, wait_for_setup
 
 GAIN_KEYS = {"workload", "config", "steps_per_s", "samples_per_s", "rates", "flops_per_step",
              "tflops", "fraction_of_peak", "precision", "peak_allocated_bytes",
@@ -68,6 +68,7 @@ def test_startup_pass_ratio(wheel, workdir):
     """Two fresh venvs alike (paths of equal length), one with the wheel, under
     callgrind: instruction counts are deterministic, so a start-up regression
     past the ceiling fails here (this is not a wall-clock assert)."""
+    wait_for_setup("tools")
     if shutil.which("valgrind") is None:
         if os.environ.get("CI"):
             pytest.fail("valgrind is required in CI (apt-get install valgrind)")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, _clean_env
+from conftest import ROOT, _clean_env, wait_for_setup
 from test_packaging import clean_copy, make_venv, pip, pyenv_python
 
 # sysconfig answers as a free-threaded build's would, in every interpreter
@@ -224,6 +224,7 @@ def test_abi3t_build_loads_and_works_on_gil_enabled_315(tmp_path):
     import shutil
 
     root = os.environ.get("OUTOFCUDA_TEST_CHROOT")
+    wait_for_setup("chroot")
     if not root or not Path(root, "usr/bin/python3.15").exists():
         pytest.skip("OUTOFCUDA_TEST_CHROOT does not name a root with python3.15 and gcc")
     work = Path(root, "tmp", f"oc-abi3t-{os.getpid()}")

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import wait_for_setup
 from kit import oc_headers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +32,7 @@ HANG_GUARD_S = 900
 
 
 def _require(name, how):
+    wait_for_setup("tools")
     if shutil.which(name) is None:
         if os.environ.get("CI"):
             pytest.fail(f"{name} is required in CI ({how})")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, WERROR, _clean_env
+from conftest import ROOT, WERROR, _clean_env, wait_for_setup
 from fake_torch import make_fake_torch
 from test_packaging import clean_copy, pyenv_python
 
@@ -85,6 +85,7 @@ def chroot():
     given = os.environ.get("OUTOFCUDA_TEST_CHROOT")
     mounted = None
     if given:
+        wait_for_setup("chroot")
         root = Path(given)
         missing = [p for p in ("usr/bin/python3.14", "usr/bin/python3.15", "usr/bin/gcc",
                                "usr/bin/valgrind", "proc/self") if not (root / p).exists()]
@@ -238,6 +239,7 @@ def _collected(argv, python, code):
 
 def _pyenv_venvs(wheel, tmp_path, version):
     python = pyenv_python(version)
+    wait_for_setup("tools")
     if shutil.which("valgrind") is None:
         _fail_or_skip("valgrind is not installed")
     pys = {}

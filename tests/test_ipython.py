@@ -282,6 +282,19 @@ res = {"first": cell("fill(10)"), "ours": sh.CustomTB is ours, "status": oc_stat
        "first_alive": refs[-1]() is not None}
 res.update(second=cell("fill(10)"), second_alive=refs[-1]() is not None,
            after=cell("went_on = 1"), still_ours=sh.CustomTB is ours)
+# A Ctrl-C during IPython's traceback, before the handler decides: the
+# frames stay, and the report says why.
+shown = sh.showtraceback
+
+
+def showtraceback(*args, **kwargs):
+    sh.showtraceback = shown
+    shown(*args, **kwargs)
+    raise KeyboardInterrupt
+
+
+sh.showtraceback = showtraceback
+res.update(third=cell("fill(10)"), third_alive=refs[-1]() is not None, third_frames=oc_frames())
 print("INT=" + json.dumps(res))
 """
 
@@ -305,6 +318,11 @@ def test_ctrl_c_during_the_handler_keeps_it_registered(cuda_venv, notebook_dir, 
     assert "KeyboardInterrupt" not in second["err"] and out["second_alive"] is False
     # Nothing of the interrupt is left over for a later cell.
     assert out["after"] == {"out": "", "err": "", "error": None}
+    # Interrupted before the handler decided: kept, and not said to be by the setting.
+    third = out["third"]
+    assert third["error"] == "OutOfMemoryError" and third["err"].count(report) == 1, third
+    assert out["third_frames"] == "interrupted" and out["third_alive"] is True
+    assert "OUTOFCUDA_OOM_KEEP_FRAMES" not in third["err"], third["err"]
 
 
 # A generator that caught the OOM and yielded it is suspended with its frame

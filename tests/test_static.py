@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_for_setup
+
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 C_FILES = sorted(SRC.glob("*.c"))
@@ -34,6 +36,7 @@ DEFINES = ["-DPy_LIMITED_API=0x03090000", "-D_GNU_SOURCE"]
 def _tool(name, install=None):
     """The tool's path; skips when it is missing, except under CI (CI set),
     where a missing tool must fail rather than pass silently."""
+    wait_for_setup("tools")
     # Tools pip installed sit beside this interpreter, which is not on PATH
     # when the tests run as `.venv-ci/bin/python3 -m pytest` (no activation).
     beside = Path(sys.executable).parent / name
