@@ -3,9 +3,10 @@
     python buildsys/record_releases.py 2.15.0 [2.14.1 ...] [--python 3.11] [--write]
 
 Each release's wheel for Linux (the CUDA build the package index serves) is
-fetched with `pip download torch==X --no-deps` (about 0.8 to 2.5 GB each; pip
-takes a wheel from its configured indexes, local ones included) and read as a
-zip, nothing installed or imported: torch._C's names from torch/_C/__init__.pyi,
+fetched with `pip download torch==X --no-deps` from the package index alone
+(pip's configuration files, local wheels and constraints left out; 0.5 to 0.9
+GB each, 13 minutes for 2.0 to 2.15) and read as a zip, nothing installed or
+imported: torch._C's names from torch/_C/__init__.pyi,
 the bundled cuDNN, NCCL and CUDA versions from the wheel's METADATA
 (nvidia-cudnn-cuXX==..., nvidia-nccl-cuXX==...) and torch/version.py, FSDP's
 divide-factor setters from torch.distributed.fsdp's source, and the allocator
@@ -17,6 +18,7 @@ suite (the downloads); a new release is one run of it.
 import argparse
 import datetime
 import json
+import os
 import re
 import subprocess
 import sys
@@ -30,11 +32,25 @@ RECORDS = Path(__file__).resolve().parent.parent / "tests" / "releases.json"
 ALLOCATOR = ("_cuda_cudaCachingAllocator_set_allocator_settings",
              "_accelerator_getAllocatorSettings", "_accelerator_setAllocatorSettings")
 # Keys any release's allocator parser has named (CUDAAllocatorConfig, AcceleratorAllocatorConfig).
-KEYS = ("max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
+KEYS = ("backend", "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
         "roundup_power2_divisions", "expandable_segments", "release_lock_on_cudamalloc",
         "pinned_use_cuda_host_register", "pinned_num_register_threads",
         "pinned_use_background_threads", "pinned_reserve_segment_size_mb",
-        "per_process_memory_fraction", "graph_capture_record_stream_reuse")
+        "per_process_memory_fraction", "graph_capture_record_stream_reuse",
+        "large_segment_size_mb")
+# What each record's fields mean (written into releases.json with the records).
+FIELDS = {
+    "checked": "the patch release whose wheel was read",
+    "allocator": "which of torch._C's allocator functions outofcuda calls the release has",
+    "cudnn": "the cuDNN the wheel pins or bundles, as torch.backends.cudnn.version() numbers it",
+    "nccl": "the NCCL the wheel pins (nvidia-nccl-cuXX)",
+    "fsdp": "torch.distributed.fsdp: null without FSDPModule, 'no_divide_factor' with an FSDPModule "
+            "without a divide-factor setter, 'divide_factor' with set_reduce_scatter_divide_factor "
+            "or set_gradient_divide_factor",
+    "autocast_getter": "the function that reads the autocast dtype",
+    "cuda": "torch.version.cuda",
+    "allocator_keys": "which of the allocator keys outofcuda knows the release's parser names",
+}
 FSDP_FILES = ("torch/distributed/fsdp/_fully_shard/_fully_shard.py",
               "torch/distributed/_composable/fsdp/fully_shard.py")
 
@@ -51,7 +67,8 @@ def inspect(wheel):
     z = zipfile.ZipFile(wheel)
     names = set(z.namelist())
     meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    deps = dict(re.findall(r"^Requires-Dist: (nvidia-\w+?)(?:-cu\d+)?==([\d.]+)", meta, re.M))
+    # "nvidia-cudnn-cu12==9.1.0.70", or on old wheels "nvidia-cudnn-cu11 (==8.5.0.96)".
+    deps = dict(re.findall(r"^Requires-Dist: (nvidia-\w+?)(?:-cu\d+)? ?\(?==([\d.]+)", meta, re.M))
     version = re.search(r"__version__ = '([^']+)'", z.read("torch/version.py").decode()).group(1)
     cuda = re.search(r"^cuda\b[^=\n]*= '?([\d.]+|None)", z.read("torch/version.py").decode(), re.M)
     pyi = z.read("torch/_C/__init__.pyi").decode()
@@ -95,7 +112,10 @@ def download(release, python, dest):
     if python:
         cmd += ["--python-version", python, "--platform", "manylinux_2_28_x86_64",
                 "--platform", "manylinux2014_x86_64", "--platform", "manylinux1_x86_64"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    # The index's own wheel: no configuration file, no local wheels or constraints.
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX", "PIP_CONSTRAINT")}
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(env, PIP_CONFIG_FILE=os.devnull))
     return next(Path(dest).glob(f"torch-{release}*.whl"))
 
 
@@ -113,17 +133,28 @@ def main(argv=None):
             start = time.monotonic()
             wheel = Path(args.wheel[i]) if i < len(args.wheel) else download(
                 release, args.python, tmp)
+            fetched = time.monotonic()
             rec = inspect(wheel)
+            if i >= len(args.wheel):
+                print(f"# {wheel.name}: {wheel.stat().st_size / 1e9:.2f} GB,"
+                      f" {fetched - start:.0f} s to fetch", flush=True)
+                wheel.unlink()  # read: the next one may be as large
             series = ".".join(release.split(".")[:2])
             old = data["releases"].get(series, {})
             diff = {k: (old.get(k), v) for k, v in rec.items() if k in old and old[k] != v}
-            print(json.dumps({series: rec}), f"# {time.monotonic() - start:.0f} s,",
+            print(json.dumps({series: rec}), f"# {time.monotonic() - start:.0f} s in all,",
                   "differs from the record: " + json.dumps(diff) if diff else "as recorded")
             changed += bool(diff)
             if args.write:
                 data["releases"][series] = dict(old, **rec)
     if args.write:
-        data["recorded"] = datetime.date.today().isoformat()
+        today = datetime.date.today().isoformat()
+        python = args.python or "%d.%d" % sys.version_info[:2]
+        data.update(recorded=today, fields=FIELDS, source=(
+            f"buildsys/record_releases.py, {today}: the real CUDA wheels that pip takes from the "
+            f"package index for Linux x86_64 and Python {python} (torch==X, no local index), one "
+            "patch release per series, read as zips without installing or importing them; the "
+            "series' key is its major.minor"))
         RECORDS.write_text(dumps(data))
     return 1 if changed and not args.write else 0
 

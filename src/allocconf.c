@@ -321,8 +321,7 @@ long oc_torch_version_number(const char *v)
 }
 
 /* First release (oc_torch_version_number) whose CUDA allocator parser accepts
- * each key, read from c10/cuda/CUDAAllocatorConfig.cpp and
- * c10/core/AllocatorConfig.cpp of each release. */
+ * each key, as recorded from the wheels (tests/releases.json). */
 static const struct {
     const char *key;
     long since;
@@ -332,15 +331,15 @@ static const struct {
     {"garbage_collection_threshold", 20000},
     {"backend", 20000},
     {"expandable_segments", 20100},
-    {"release_lock_on_cudamalloc", 20400},
-    {"pinned_use_cuda_host_register", 20400},
-    {"pinned_num_register_threads", 20400},
-    {"max_non_split_rounding_mb", 20900},
-    {"pinned_use_background_threads", 20900},
+    {"release_lock_on_cudamalloc", 20200},
+    {"pinned_use_cuda_host_register", 20200},
+    {"pinned_num_register_threads", 20200},
+    {"max_non_split_rounding_mb", 20600},
+    {"pinned_use_background_threads", 20600},
     {"graph_capture_record_stream_reuse", 20900},
     {"large_segment_size_mb", 21100},
-    {"pinned_reserve_segment_size_mb", 21100},
-    {"per_process_memory_fraction", 21100},
+    {"pinned_reserve_segment_size_mb", 21000},
+    {"per_process_memory_fraction", 21000},
 };
 
 int oc_alloc_key_known(const char *key, long ver)

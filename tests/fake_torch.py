@@ -4,10 +4,11 @@ allocator variables and warnings that release has, as read from its sources
 and wheels; every call is recorded so a test can see what outofcuda did.
 
 RELEASES names the stand-ins. What was recorded from the real wheels
-(tests/releases.json: the allocator functions of `torch._C`, the bundled
-cuDNN, FSDPModule and the autocast getters of each series) is taken from the
-record of the stand-in's series, never written here; the allocator keys,
-variables, warnings and the other `_C` names are read from torch's sources.
+(tests/releases.json: the allocator functions of `torch._C` and the keys its
+parser knows, the bundled cuDNN and NCCL, torch.version.cuda, FSDPModule and
+the autocast getters of each series) is taken from the record of the
+stand-in's series, never written here; the allocator variables, warnings and
+the other `_C` names are read from torch's sources.
 
 Where this stand-in and the real CUDA build of torch 2.14.1 disagreed, the real
 build was followed (tests/test_cuda_build.py runs the same checks on it):
@@ -38,26 +39,14 @@ BASE_C = {"_set_cublas_allow_tf32", "_get_cublas_allow_tf32", "_set_cudnn_allow_
           # CUDA-build-only names
           "_cuda_setMemoryFraction", "_cuda_getDeviceCount", "_cuda_getDevice",
           "_cuda_attach_out_of_memory_observer"}
-# Allocator keys, each release adding to the one before.
-KEYS_20 = {"max_split_size_mb", "garbage_collection_threshold", "roundup_power2_divisions", "backend"}
-KEYS_21 = KEYS_20 | {"expandable_segments"}
-KEYS_24 = KEYS_21 | {"release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
-                     "pinned_num_register_threads"}
-KEYS_29 = KEYS_24 | {"max_non_split_rounding_mb", "pinned_use_background_threads",
-                     "graph_capture_record_stream_reuse"}
-KEYS_211 = KEYS_29 | {"large_segment_size_mb", "pinned_reserve_segment_size_mb",
-                      "per_process_memory_fraction"}
-
 LEGACY_SETTER = "_cuda_cudaCachingAllocator_set_allocator_settings"
 ACCEL_SETTER = "_accelerator_setAllocatorSettings"
 ACCEL_GETTER = "_accelerator_getAllocatorSettings"
 CUDA_ONLY_VAR = ("PYTORCH_CUDA_ALLOC_CONF",)
 VARS_211 = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-# torch's allocator key per_process_memory_fraction arrived in 2.10 (PR 161035).
-KEYS_210 = KEYS_29 | {"per_process_memory_fraction"}
 
 # What was recorded from the real wheels, one record per release series
-# (tests/releases.json): the allocator functions, the bundled cuDNN,
+# (tests/releases.json): the allocator functions and keys, cuDNN, NCCL, CUDA,
 # FSDPModule and the autocast getters of each stand-in come from there.
 RECORDS = json.loads((Path(__file__).with_name("releases.json")).read_text())
 
@@ -73,36 +62,37 @@ FP32_API = {"_get_fp32_precision_getter", "_set_fp32_precision_setter"}
 GET_FRACTION = {"_cuda_getMemoryFraction"}
 
 
-def _release(name, c, keys, env, warns=frozenset()):
+def _release(name, c, env, warns=frozenset()):
     # c: the hand-written names beside the recorded ones; the record gives
-    # the allocator functions, cuDNN (what torch.backends.cudnn.version()
-    # reports on the CUDA build), FSDPModule and the autocast getters
-    # (2.4+: get_autocast_dtype, set_autocast_dtype, annotated version.py).
+    # the allocator functions and keys, cuDNN (what torch.backends.cudnn.version()
+    # reports on the CUDA build), NCCL, CUDA, FSDPModule and the autocast
+    # getters (2.4+: get_autocast_dtype, set_autocast_dtype, annotated version.py).
     rec = record_of(name)
     if "_set_sdp_use_cudnn" in c:
         c = c | {"_get_cudnn_sdp_enabled"}
     modern = rec["autocast_getter"] == "get_autocast_dtype"
-    return dict(c=BASE_C | c | set(rec["allocator"]), keys=keys, autocast_new=modern,
-                annotated_version=modern, warns=set(warns), env=env, cudnn=rec["cudnn"],
-                fsdp=rec["fsdp"], autocast_getter=rec["autocast_getter"], nccl=rec["nccl"])
+    return dict(c=BASE_C | c | set(rec["allocator"]), keys=set(rec["allocator_keys"]),
+                autocast_new=modern, annotated_version=modern, warns=set(warns), env=env,
+                cudnn=rec["cudnn"], fsdp=rec["fsdp"], autocast_getter=rec["autocast_getter"],
+                nccl=rec["nccl"], cuda=rec["cuda"])
 
 
 SDPA_CUDNN = {"_set_sdp_use_cudnn"}
 RELEASES = {
-    "2.0.1": _release("2.0.1", set(), KEYS_20, CUDA_ONLY_VAR),
-    "2.1.0": _release("2.1.0", set(), KEYS_21, CUDA_ONLY_VAR),
-    "2.4.1": _release("2.4.1", SDPA_CUDNN, KEYS_24, CUDA_ONLY_VAR),
+    "2.0.1": _release("2.0.1", set(), CUDA_ONLY_VAR),
+    "2.1.0": _release("2.1.0", set(), CUDA_ONLY_VAR),
+    "2.4.1": _release("2.4.1", SDPA_CUDNN, CUDA_ONLY_VAR),
     # 2.9.0 alone warns on the cuDNN TF32 setter, setFloat32MatmulPrecision
     # and the legacy getters (PR 158209).
-    "2.9.0": _release("2.9.0", SDPA_CUDNN | FP32_API | GET_FRACTION, KEYS_29, CUDA_ONLY_VAR,
+    "2.9.0": _release("2.9.0", SDPA_CUDNN | FP32_API | GET_FRACTION, CUDA_ONLY_VAR,
                       {"_set_cudnn_allow_tf32", "_get_cublas_allow_tf32", "_get_cudnn_allow_tf32",
                        "_set_float32_matmul_precision", "_get_float32_matmul_precision"}),
-    "2.9.1": _release("2.9.1", SDPA_CUDNN | FP32_API | GET_FRACTION, KEYS_29, CUDA_ONLY_VAR),
-    "2.10.0": _release("2.10.0", SDPA_CUDNN | FP32_API | GET_FRACTION, KEYS_210, CUDA_ONLY_VAR),
-    "2.11.0": _release("2.11.0", SDPA_CUDNN | FP32_API | GET_FRACTION, KEYS_211, VARS_211),
-    "2.12.1": _release("2.12.1", SDPA_CUDNN | FP32_API | GET_FRACTION, KEYS_211, VARS_211),
-    "2.14.1": _release("2.14.1", SDPA_CUDNN | FP32_API | GET_FRACTION, KEYS_211, VARS_211),
-    "2.15.0": _release("2.15.0", SDPA_CUDNN | FP32_API | GET_FRACTION, KEYS_211, VARS_211),
+    "2.9.1": _release("2.9.1", SDPA_CUDNN | FP32_API | GET_FRACTION, CUDA_ONLY_VAR),
+    "2.10.0": _release("2.10.0", SDPA_CUDNN | FP32_API | GET_FRACTION, CUDA_ONLY_VAR),
+    "2.11.0": _release("2.11.0", SDPA_CUDNN | FP32_API | GET_FRACTION, VARS_211),
+    "2.12.1": _release("2.12.1", SDPA_CUDNN | FP32_API | GET_FRACTION, VARS_211),
+    "2.14.1": _release("2.14.1", SDPA_CUDNN | FP32_API | GET_FRACTION, VARS_211),
+    "2.15.0": _release("2.15.0", SDPA_CUDNN | FP32_API | GET_FRACTION, VARS_211),
 }
 
 _INIT = '''
@@ -411,18 +401,19 @@ _FSDP_DIVIDE = '''
 
 
 def make_fake_torch(root: Path, release: str, cuda: bool = True, cudnn=None,
-                    version: str = None, cuda_version: str = "12.1", wheels: bool = False,
+                    version: str = None, cuda_version: str = None, wheels: bool = False,
                     nccl: str = None) -> Path:
     """Writes a fake torch `release` under root and returns the directory to
     put first on PYTHONPATH. cudnn: the version torch.backends.cudnn.version()
     reports (default: the release's). version: the __version__ it reports
     (default: release), for a release between two of RELEASES that behaves as
     `release` does (a range's edge); cuda_version: torch.version.cuda of a
-    CUDA build; wheels: the nvidia-cudnn and nvidia-nccl distributions' folders
+    CUDA build (default: the release's); wheels: the nvidia-cudnn and nvidia-nccl distributions' folders
     beside torch, as pip installs the CUDA wheel's dependencies (cuDNN's
     version as torch reports it, NCCL's the record's or nccl)."""
     spec = RELEASES[release]
     version = version or release
+    cuda_version = cuda_version or spec["cuda"]
     cudnn = (cudnn if cudnn is not None else spec["cudnn"]) if cuda else None
     pkg = root / "torch"
     (pkg / "backends").mkdir(parents=True)

@@ -176,6 +176,18 @@ def test_merge_user_keys_win_key_by_key(venv):
     assert got[10] == ["expandable_segments:False,garbage_collection_threshold:0.8", ""]
 
 
+def test_merge_keeps_the_keys_each_release_was_recorded_to_parse(venv):
+    # A default key joins on the releases whose parser knows it (the records,
+    # tests/releases.json) and is dropped on the others.
+    from fake_torch import RECORDS
+    from test_gating import KNOWN_KEYS
+    cases = [[f"{k}:{'native' if k == 'backend' else 1}", "", f"{series}.0"]
+             for series in RECORDS["releases"] for k in KNOWN_KEYS]
+    got = [not dropped for _, dropped in merge_many(venv, cases)]
+    assert got == [k in RECORDS["releases"][s]["allocator_keys"]
+                   for s in RECORDS["releases"] for k in KNOWN_KEYS]
+
+
 def test_merge_rejects_malformed_strings(venv):
     got = merge_many(venv, [[DEFAULTS, "nocolon"], [DEFAULTS, "a:[1"], [DEFAULTS, "a:1]"],
                             [DEFAULTS, "A:1"], [DEFAULTS, "a:1;rm"], [DEFAULTS, "k:" + "9" * 300]])

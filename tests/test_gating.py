@@ -2,6 +2,7 @@
 newest (tests/fake_torch.py holds the table of names, keys and warnings per
 release). Each run is `python -W error`, so any deprecated or warning call fails."""
 import json
+import runpy
 from pathlib import Path
 
 import pytest
@@ -549,7 +550,17 @@ try:
     fsdp = getattr(fsdp, "FSDPModule", None)
 except ImportError:
     fsdp = None
+setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+    torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings")
+keys = []
+for key in %r:  # each key its parser knows; an unknown one raises
+    try:
+        setter(key + ":1")
+        keys.append(key)
+    except RuntimeError:
+        pass
 print('REPORT=' + json.dumps({
+    'allocator_keys': keys, 'cuda': torch.version.cuda,
     'allocator': sorted(n for n in dir(torch._C) if n in (%r)),
     'cudnn': torch.backends.cudnn.version(),
     'fsdp': None if fsdp is None else (
@@ -561,6 +572,9 @@ print('REPORT=' + json.dumps({
                        else None,
 }))
 """
+# The allocator keys the records were read for (buildsys/record_releases.py).
+KNOWN_KEYS = runpy.run_path(str(Path(__file__).parents[1] / "buildsys" / "record_releases.py"))[
+    "KEYS"]
 ALLOCATOR_FNS = ("_cuda_cudaCachingAllocator_set_allocator_settings", ACCEL,
                  "_accelerator_getAllocatorSettings")
 
@@ -570,12 +584,17 @@ def test_each_stand_in_is_what_its_release_was_recorded_as(tmp_path, release):
     import subprocess
     import sys
     from fake_torch import RECORDS, record_of
-    root = make_fake_torch(tmp_path / "fake", release)
-    r = subprocess.run([sys.executable, "-W", "error", "-c", RECORD_PROBE % (ALLOCATOR_FNS,)],
+    root = make_fake_torch(tmp_path / "fake", release, wheels=True)
+    keys = KNOWN_KEYS + ("not_a_key",)
+    r = subprocess.run([sys.executable, "-W", "error", "-c",
+                        RECORD_PROBE % (keys, ALLOCATOR_FNS)],
                        env={"PYTHONPATH": str(root)}, cwd=tmp_path, capture_output=True,
                        text=True)
     got = last_json(r, "REPORT=")
     rec = record_of(release)
-    assert got == {k: (sorted(rec[k]) if k == "allocator" else rec[k])
-                   for k in ("allocator", "cudnn", "fsdp", "autocast_getter")}, (release, got)
+    assert got == {k: (sorted(rec[k]) if k == "allocator" else rec[k]) for k in (
+        "allocator", "cudnn", "fsdp", "autocast_getter", "cuda", "allocator_keys")}, (release, got)
+    # NCCL: the nvidia-nccl wheel pip installs beside torch, where outofcuda reads it.
+    assert [p.name for p in root.glob("nvidia_nccl_*")] == [
+        f"nvidia_nccl_cu{rec['cuda'].split('.')[0]}-{rec['nccl']}.dist-info"]
     assert RECORDS["recorded"] == "2026-12-07" and "real CUDA wheels" in RECORDS["source"]
