@@ -87,6 +87,15 @@ const char *oc_framework_in_use(char *why, size_t whysz)
     return NULL;
 }
 
+const char *oc_framework_evidence(const char *name)
+{
+    for (const oc_framework *f = oc_frameworks; f->package; f++) {
+        if (strcmp(f->name, name) == 0)
+            return f->evidence;
+    }
+    return NULL;
+}
+
 /* What bridge.c decided about frameworks, here below both bridge.c, which
  * decides it at torch's import and at CUDA's start, and report.c, which
  * shows it. */

@@ -390,7 +390,7 @@ static oc_kb_code act(PyObject *torch, const oc_known_bug *b, size_t i)
     }
     snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, "; when CUDA started: %s",
              b->action_text);
-    oc_record_sdpa_guard("cuDNN attention turned off when CUDA started", b->id);
+    oc_record_note(OC_OPT_SDPA, OC_NOTE_CUDNN_ATTENTION_OFF, b->id);
     return OC_KBC_AVOIDED;
 }
 

@@ -102,16 +102,19 @@ const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas,
     return r;
 }
 
-void oc_platform_note(char *reason, size_t reasonsz, const char *value)
+unsigned oc_platform_note(char *reason, size_t reasonsz, const char *value)
 {
     size_t len = strlen(reason);
-    const char *what =
-        oc_alloc_expandable(value)
-            ? "the user's expandable_segments:True kept, though on this platform"
-            : "expandable_segments left out of outofcuda's defaults on this platform";
-    if (platform.defaults_changed && len < reasonsz)
-        snprintf(reason + len, reasonsz - len, "; %s: %s", what, no_expandable_why());
+    int kept = oc_alloc_expandable(value), changed = platform.defaults_changed;
+    if (changed && len < reasonsz)
+        snprintf(reason + len, reasonsz - len, "; %s: %s",
+                 kept ? "the user's expandable_segments:True kept, though on this platform"
+                      : "expandable_segments left out of outofcuda's defaults on this platform",
+                 no_expandable_why());
     platform.defaults_changed = 0; /* said once, for the preparation that changed them */
+    return !changed ? 0u
+           : kept   ? 1u << OC_NOTE_USER_EXPANDABLE_KEPT
+                    : 1u << OC_NOTE_PLATFORM_NO_EXPANDABLE;
 }
 
 int oc_platform_no_expandable(void)

@@ -113,6 +113,40 @@ static PyObject *record_value(const oc_record *r)
     Py_RETURN_NONE;
 }
 
+/* Adds a record's "notes" (codes) to e, and "left_out", "chosen",
+ * "variable" and "known_bug" where it has them. Returns 0, or -1. */
+static int add_notes(PyObject *e, oc_opt opt, const oc_record *r)
+{
+    PyObject *notes = PyList_New(0), *sep = PyUnicode_FromString(","), *v;
+    int rc = notes && sep ? PyDict_SetItemString(e, "notes", notes) : -1;
+    for (int i = 0; rc == 0 && i < OC_REC_NOTE_COUNT; i++) {
+        v = PyUnicode_FromString(oc_rec_note_name((oc_rec_note)i));
+        rc = v == NULL ? -1 : r->notes >> i & 1u ? PyList_Append(notes, v) : 0;
+        Py_XDECREF(v);
+    }
+    v = rc == 0 && r->left_out[0] ? PyUnicode_FromString(r->left_out) : NULL;
+    if (v != NULL) {
+        PyObject *keys = PyUnicode_Split(v, sep, -1);
+        rc = keys ? PyDict_SetItemString(e, "left_out", keys) : -1;
+        Py_XDECREF(keys);
+        Py_DECREF(v);
+    }
+    v = opt == OC_OPT_FRACTION && r->code == OC_CODE_PROGRAM_CHOSE ? PyFloat_FromDouble(r->fraction)
+                                                                   : NULL;
+    if (rc == 0 && v != NULL)
+        rc = PyDict_SetItemString(e, "chosen", v);
+    Py_XDECREF(v);
+    Py_XDECREF(sep);
+    Py_XDECREF(notes);
+    for (int i = 0; i < 2 && rc == 0; i++) {
+        const char *text = i ? r->known_bug : r->variable;
+        v = text ? PyUnicode_FromString(text) : NULL;
+        rc = v ? PyDict_SetItemString(e, i ? "known_bug" : "variable", v) : text ? -1 : 0;
+        Py_XDECREF(v);
+    }
+    return rc;
+}
+
 /* An optimisation's record as status() gives it (new ref): applied, state,
  * code, value, reason and off_by; "queued" True while it waits for CUDA's
  * start (or was interrupted there) and "interrupted" True when its step was
@@ -149,6 +183,8 @@ static PyObject *record_entry(oc_opt opt)
         rc = PyDict_SetItemString(e, "queued", Py_True);
     if (e != NULL && rc == 0 && r->state == OC_REC_INTERRUPTED)
         rc = PyDict_SetItemString(e, "interrupted", Py_True);
+    if (e != NULL && rc == 0)
+        rc = add_notes(e, opt, r);
     if (e != NULL && rc == 0 && oc_cost_get(r->cost) != NULL) {
         const oc_cost *c = oc_cost_get(r->cost);
         PyObject *cost = Py_BuildValue("{s:s,s:[ss]}", "id", c->id, "ways_back", c->ways_back[0],
@@ -324,9 +360,10 @@ static PyObject *framework_status(void)
 {
     static const char *const codes[] = {NULL, "none", "left_to", "override", "gone_at_cuda_init"};
     const oc_framework_choice *c = oc_framework_choice_get();
-    return Py_BuildValue("{s:z,s:z,s:z,s:z,s:z}", "left_to", c->left_to[0] ? c->left_to : NULL,
+    return Py_BuildValue("{s:z,s:z,s:z,s:z,s:z,s:z}", "left_to", c->left_to[0] ? c->left_to : NULL,
                          "in_use_now", oc_framework_in_use(NULL, 0), "at_import", codes[c->at[0]],
-                         "at_cuda_init", codes[c->at[1]], "code", codes[c->at[c->at[1] != 0]]);
+                         "at_cuda_init", codes[c->at[1]], "code", codes[c->at[c->at[1] != 0]],
+                         "evidence", oc_framework_evidence(c->left_to));
 }
 
 /* status()'s "cuda_init": each step of the CUDA-init callback (bridge.c) by
