@@ -1178,6 +1178,8 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
                   cfg->amp_dtype == OC_AMP_AUTO ? OC_CODE_DEFAULT : OC_CODE_USER_SETTING, "%s",
                   reason);
     oc_record_text(OC_OPT_AMP_DTYPE, dtype_name);
+    if (cfg->amp_dtype == OC_AMP_AUTO)
+        oc_record_capability(oc_nvml_min_visible_cc());
     if (cfg->amp_dtype == OC_AMP_AUTO && strcmp(dtype_name, "bfloat16") == 0)
         oc_record_cost(OC_OPT_AMP_DTYPE, OC_COST_BF16_CONV);
 }
@@ -1273,10 +1275,12 @@ static void record_allocator(const oc_config *cfg)
                       ? OC_REC_FAILED
                       : OC_REC_SKIPPED,
                   alloc_code, "%s", alloc_reason);
-    oc_record_notes(OC_OPT_ALLOCATOR, alloc_notes, alloc_variable, alloc_left_out);
+    oc_record_notes(OC_OPT_ALLOCATOR,
+                    alloc_notes |
+                        (alloc_generic && alloc_applied ? 1u << OC_NOTE_GENERIC_VARIABLE : 0),
+                    alloc_variable, alloc_left_out);
     if (alloc_value[0] && alloc_applied)
         oc_record_text(OC_OPT_ALLOCATOR, alloc_value);
-    oc_record_alloc_generic(alloc_generic && alloc_applied);
 }
 
 void oc_bridge_after_torch(PyObject *torch)

@@ -234,8 +234,9 @@ static void act_at_import(const oc_known_bug *b, size_t i)
     size_t room = sizeof kb.reason[i] - len;
     if (b->action == OC_KB_ALLOC_GENERIC) {
         const oc_record *alloc = oc_record_get(OC_OPT_ALLOCATOR);
-        kb.code[i] = alloc->alloc_generic ? OC_KBC_AVOIDED : OC_KBC_NOT_AVOIDED;
-        if (alloc->alloc_generic)
+        int handed = alloc->notes >> OC_NOTE_GENERIC_VARIABLE & 1u;
+        kb.code[i] = handed ? OC_KBC_AVOIDED : OC_KBC_NOT_AVOIDED;
+        if (handed)
             snprintf(tail, room, "; %s", b->action_text);
         else
             snprintf(tail, room,

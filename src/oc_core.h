@@ -441,17 +441,21 @@ typedef enum { OC_REC_CODES(OC_CODE_ENUM) OC_REC_CODE_COUNT } oc_rec_code;
     X(NATIVE_KEYS_LEFT_OUT, "native_keys_left_out",                                                \
       "left out (the cudaMallocAsync backend ignores them): ")                                     \
     X(EXPANDABLE_HELD_BACK, "expandable_held_back",                                                \
-      "expandable_segments left off beside the user's max_split_size_mb (together they let "      \
-      "reserved memory grow, pytorch issue 123548)")                                              \
-    X(FRAMEWORK_OVERRIDE, "framework_override", NULL) /* OUTOFCUDA_FRAMEWORK_OVERRIDE=1 */        \
-    X(PLATFORM_NO_EXPANDABLE, "platform_no_expandable", NULL) /* _platform()["why"] */            \
-    X(USER_EXPANDABLE_KEPT, "user_expandable_kept", NULL)     /* though the platform's lack */    \
+      "expandable_segments left off beside the user's max_split_size_mb (together they let "       \
+      "reserved memory grow, pytorch issue 123548)")                                               \
+    X(FRAMEWORK_OVERRIDE, "framework_override", NULL)         /* OUTOFCUDA_FRAMEWORK_OVERRIDE=1 */ \
+    X(PLATFORM_NO_EXPANDABLE, "platform_no_expandable", NULL) /* _platform()["why"] */             \
+    X(USER_EXPANDABLE_KEPT, "user_expandable_kept", NULL)     /* though the platform's lack */     \
     X(RESTORED, "restored_for_children",                                                           \
-      "the variable was restored for child processes (it was written while torch imported: "      \
-      "this release reads `backend` only then)")                                                  \
-    X(GC_THRESHOLD_IDLE, "gc_threshold_idle", NULL) /* no fraction below 1 for it to act under */ \
-    X(LOCAL_RANK, "local_rank", NULL)               /* the device is LOCAL_RANK's */              \
-    X(CUDNN_ATTENTION_OFF, "cudnn_attention_off", "cuDNN attention turned off when CUDA started")
+      "the variable was restored for child processes (it was written while torch imported: "       \
+      "this release reads `backend` only then)")                                                   \
+    X(GC_THRESHOLD_IDLE, "gc_threshold_idle", NULL) /* no fraction below 1 for it to act under */  \
+    X(LOCAL_RANK, "local_rank", NULL)               /* the device is LOCAL_RANK's */               \
+    X(CUDNN_ATTENTION_OFF, "cudnn_attention_off", "cuDNN attention turned off when CUDA started")  \
+    X(CAPABILITY_FROM_NVML, "capability_from_nvml", NULL)                                          \
+    X(GENERIC_VARIABLE, "generic_variable",                                                        \
+      NULL) /* the user's PYTORCH_ALLOC_CONF, which 2.9 and \
+                                                     2.10 ignore, reached torch */
 #define OC_NOTE_ENUM(id, name, words) OC_NOTE_##id,
 typedef enum { OC_REC_NOTES(OC_NOTE_ENUM) OC_REC_NOTE_COUNT } oc_rec_note;
 #undef OC_NOTE_ENUM
@@ -483,6 +487,7 @@ typedef struct {
      * read (static), or NULL. */
     const char *known_bug, *variable;
     unsigned notes; /* 1 << oc_rec_note */
+    int cc;         /* the compute capability decided from (major*10+minor), 0 none */
     double fraction;
     long device;
     oc_rec_state state;
@@ -490,10 +495,6 @@ typedef struct {
     oc_rec_value kind;
     int flag;
     int sdpa[3];
-    /* The allocator: the user's PYTORCH_ALLOC_CONF, which 2.9 and 2.10
-     * ignore, went to torch in outofcuda's string (known bug
-     * alloc-conf-generic-ignored avoided). */
-    int alloc_generic;
     struct {
         const char *hooks; /* static text */
         char observer[400];
@@ -539,7 +540,8 @@ void oc_record_notes(oc_opt opt, unsigned notes, const char *variable, const cha
 /* The program's own memory fraction (status()'s "chosen" with program_chose)
  * and the variable that holds it, or NULL. */
 void oc_record_chosen(double fraction, const char *variable);
-void oc_record_alloc_generic(int handed);
+/* The autocast dtype's compute capability (major*10+minor), from NVML. */
+void oc_record_capability(int cc);
 /* The OOM handler's value; NULL leaves a field as it was. */
 void oc_record_oom(const char *hooks, const char *observer, const char *snapshot);
 /* Adds a note (and the known bug it acts on, or NULL) to opt's record. */

@@ -78,6 +78,7 @@ static void vset(oc_opt opt, oc_rec_state state, oc_rec_code code, const char *f
     r->cost = OC_COST_NONE;
     r->kind = OC_VAL_NONE;
     r->notes = 0;
+    r->cc = 0;
     r->known_bug = r->variable = NULL;
     r->left_out[0] = '\0';
     vsnprintf(r->reason, sizeof r->reason, fmt, ap);
@@ -145,11 +146,6 @@ void oc_record_fraction(double fraction, long device)
     r->device = device;
 }
 
-void oc_record_alloc_generic(int handed)
-{
-    records[OC_OPT_ALLOCATOR].alloc_generic = handed != 0;
-}
-
 void oc_record_oom(const char *hooks, const char *observer, const char *snapshot)
 {
     oc_record *r = &records[OC_OPT_OOM];
@@ -178,6 +174,12 @@ void oc_record_notes(oc_opt opt, unsigned bits, const char *variable, const char
     records[opt].notes |= bits;
     records[opt].variable = variable;
     snprintf(records[opt].left_out, sizeof records[opt].left_out, "%s", left_out ? left_out : "");
+}
+
+void oc_record_capability(int cc)
+{
+    records[OC_OPT_AMP_DTYPE].cc = cc;
+    records[OC_OPT_AMP_DTYPE].notes |= 1u << OC_NOTE_CAPABILITY_FROM_NVML;
 }
 
 void oc_record_chosen(double fraction, const char *variable)

@@ -138,10 +138,13 @@ static int add_notes(PyObject *e, oc_opt opt, const oc_record *r)
     Py_XDECREF(v);
     Py_XDECREF(sep);
     Py_XDECREF(notes);
-    for (int i = 0; i < 2 && rc == 0; i++) {
-        const char *text = i ? r->known_bug : r->variable;
+    for (int i = 0; i < 3 && rc == 0; i++) {
+        static const char *const keys[] = {"variable", "known_bug", "capability"};
+        char cc[16];
+        const char *text = i == 0 ? r->variable : i == 1 ? r->known_bug : r->cc > 0 ? cc : NULL;
+        snprintf(cc, sizeof cc, "%d.%d", r->cc / 10, r->cc % 10);
         v = text ? PyUnicode_FromString(text) : NULL;
-        rc = v ? PyDict_SetItemString(e, i ? "known_bug" : "variable", v) : text ? -1 : 0;
+        rc = v ? PyDict_SetItemString(e, keys[i], v) : text ? -1 : 0;
         Py_XDECREF(v);
     }
     return rc;

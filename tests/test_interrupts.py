@@ -162,7 +162,7 @@ except KeyboardInterrupt:
     first = outcome()["steps"]
 torch.cuda._fake_cuda_init()
 print(json.dumps({"first": first, "end": outcome(),
-                  "sdpa": _outofcuda.status()["optimizations"]["sdpa"]["reason"]}))
+                  "sdpa": _outofcuda.status()["optimizations"]["sdpa"]}))
 """
 
 
@@ -173,8 +173,8 @@ def test_a_ctrl_c_after_torchs_write_leaves_the_step_applied(venv, tmp_path, sm9
                            args=("-W", "error")))
     assert d["first"] is not None and d["first"][step] == "interrupted", d["first"]
     check_all_applied(d["end"], once=False)
-    # The guard's words on the sdpa row: no typed field carries them.
-    assert f"turned off when CUDA started (known bug {BUG})" in d["sdpa"], d["sdpa"]
+    # The guard's note on the sdpa row, with the known bug it acts on.
+    assert "cudnn_attention_off" in d["sdpa"]["notes"] and d["sdpa"]["known_bug"] == BUG, d
 
 
 # The framework step cut short inside torch's allocator setter (a Ctrl-C the
