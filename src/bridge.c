@@ -333,6 +333,9 @@ static void prepare_allocator(const oc_config *cfg)
                                                     : OC_NOTE_UNKNOWN_KEYS_LEFT_OUT)
                                      : 0) |
                   (held_back ? 1u << OC_NOTE_EXPANDABLE_HELD_BACK : 0) |
+                  (defaults == cfg->alloc_conf        ? 0
+                   : oc_alloc_expandable(alloc_value) ? 1u << OC_NOTE_USER_EXPANDABLE_KEPT
+                                                      : 1u << OC_NOTE_PLATFORM_NO_EXPANDABLE) |
                   (fw_note[0] ? 1u << OC_NOTE_FRAMEWORK_OVERRIDE : 0);
     /* Where torch ignores the user's variable, the user's string still has
      * to reach it, even with nothing added. */
@@ -388,7 +391,6 @@ void oc_bridge_before_torch(PyObject *spec)
         return;
     read_version_file(spec);
     prepare_allocator(cfg);
-    alloc_notes |= oc_platform_note(alloc_reason, sizeof alloc_reason, alloc_value);
 }
 
 void oc_bridge_import_failed(void)

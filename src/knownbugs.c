@@ -398,25 +398,25 @@ static oc_kb_code act(PyObject *torch, const oc_known_bug *b, size_t i)
 void oc_known_bugs_at_cuda_init(PyObject *torch)
 {
     size_t n = oc_known_bug_count();
-    /* The rows as they were: a run that is interrupted puts them back, so
-     * that its next run (when torch runs its queue again) decides and acts
-     * from where this one began. */
-    kb_rows kept;
     if (!kb.decided || torch == NULL)
         return;
-    kept = kb;
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
     if (kb.cudnn < 0 && kb.need_cudnn)
         kb.cudnn = read_cudnn_version(torch);
     decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {
-        if (kb.code[i] == OC_KBC_APPLIES)
-            kb.code[i] = act(torch, oc_known_bug_at(i), i);
+        size_t len = strlen(kb.reason[i]);
+        oc_kb_code c =
+            kb.code[i] == OC_KBC_APPLIES ? act(torch, oc_known_bug_at(i), i) : kb.code[i];
+        /* A row a Ctrl-C cut short stays as decided: the step runs again, and
+         * its action reads torch's flag afresh (act). */
+        if (oc_interrupt_waiting())
+            kb.reason[i][len] = '\0';
+        else
+            kb.code[i] = c;
     }
     OC_CLEAR();
-    if (oc_interrupt_waiting())
-        kb = kept;
 }
 
 /* Whether cuDNN attention is off at the moment status() is called, where

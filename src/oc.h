@@ -286,12 +286,9 @@ void oc_framework_decided(int when, oc_fw_code code);
  * a copy in out without expandable_segments. */
 const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas, char *out,
                                        size_t outsz);
-/* Appends to reason why the last oc_platform_alloc_defaults changed them
- * (value: the allocator string that resulted, the user's keys in it), and
- * returns the note that says so (1 << oc_rec_note), or 0. */
-unsigned oc_platform_note(char *reason, size_t reasonsz, const char *value);
-/* 1 where expandable segments cannot work (WSL), so no advice names them. */
-int oc_platform_no_expandable(void);
+/* Why expandable segments cannot work here (WSL), so no advice names them;
+ * NULL where they can. */
+const char *oc_platform_no_expandable(void);
 extern PyMethodDef oc_platform_methods[];
 /* Behind the test door, _outofcuda._testing (module.c). */
 extern PyMethodDef oc_platform_testing_methods[];

@@ -113,41 +113,14 @@ static PyObject *record_value(const oc_record *r)
     Py_RETURN_NONE;
 }
 
-/* Adds a record's "notes" (codes) to e, and "left_out", "chosen",
- * "variable" and "known_bug" where it has them. Returns 0, or -1. */
-static int add_notes(PyObject *e, oc_opt opt, const oc_record *r)
+/* csv's comma-separated words as a list (new ref; [] for ""). */
+static PyObject *word_list(const char *csv)
 {
-    PyObject *notes = PyList_New(0), *sep = PyUnicode_FromString(","), *v;
-    int rc = notes && sep ? PyDict_SetItemString(e, "notes", notes) : -1;
-    for (int i = 0; rc == 0 && i < OC_REC_NOTE_COUNT; i++) {
-        v = PyUnicode_FromString(oc_rec_note_name((oc_rec_note)i));
-        rc = v == NULL ? -1 : r->notes >> i & 1u ? PyList_Append(notes, v) : 0;
-        Py_XDECREF(v);
-    }
-    v = rc == 0 && r->left_out[0] ? PyUnicode_FromString(r->left_out) : NULL;
-    if (v != NULL) {
-        PyObject *keys = PyUnicode_Split(v, sep, -1);
-        rc = keys ? PyDict_SetItemString(e, "left_out", keys) : -1;
-        Py_XDECREF(keys);
-        Py_DECREF(v);
-    }
-    v = opt == OC_OPT_FRACTION && r->code == OC_CODE_PROGRAM_CHOSE ? PyFloat_FromDouble(r->fraction)
-                                                                   : NULL;
-    if (rc == 0 && v != NULL)
-        rc = PyDict_SetItemString(e, "chosen", v);
-    Py_XDECREF(v);
+    PyObject *text = PyUnicode_FromString(csv), *sep = PyUnicode_FromString(",");
+    PyObject *list = !text || !sep ? NULL : csv[0] ? PyUnicode_Split(text, sep, -1) : PyList_New(0);
+    Py_XDECREF(text);
     Py_XDECREF(sep);
-    Py_XDECREF(notes);
-    for (int i = 0; i < 3 && rc == 0; i++) {
-        static const char *const keys[] = {"variable", "known_bug", "capability"};
-        char cc[16];
-        const char *text = i == 0 ? r->variable : i == 1 ? r->known_bug : r->cc > 0 ? cc : NULL;
-        snprintf(cc, sizeof cc, "%d.%d", r->cc / 10, r->cc % 10);
-        v = text ? PyUnicode_FromString(text) : NULL;
-        rc = v ? PyDict_SetItemString(e, keys[i], v) : text ? -1 : 0;
-        Py_XDECREF(v);
-    }
-    return rc;
+    return list;
 }
 
 /* An optimisation's record as status() gives it (new ref): applied, state,
@@ -157,12 +130,12 @@ static int add_notes(PyObject *e, oc_opt opt, const oc_record *r)
 static PyObject *record_entry(oc_opt opt)
 {
     const oc_record *r = oc_record_get(opt);
-    char reason[OC_REASON_LEN + 300];
+    char reason[OC_REASON_LEN + 300], notes[400] = "", cc[16];
     const char *text = reason;
     oc_rec_code code = r->code;
     oc_rec_state state = r->state;
-    PyObject *e, *value, *said;
-    int rc = 0;
+    int chose = opt == OC_OPT_FRACTION && code == OC_CODE_PROGRAM_CHOSE, rc = 0;
+    PyObject *e, *value, *said, *chosen = chose ? PyFloat_FromDouble(r->fraction) : NULL;
     if (r->state == OC_REC_PENDING)
         text = pending_reason(&code);
     else
@@ -170,24 +143,32 @@ static PyObject *record_entry(oc_opt opt)
     /* Turned off by OUTOFCUDA_DISABLE: skipped, not waiting for torch. */
     if (code == OC_CODE_OFF)
         state = OC_REC_SKIPPED;
+    for (int i = 0; i < OC_REC_NOTE_COUNT; i++) {
+        size_t n = strlen(notes);
+        if (r->notes >> i & 1u)
+            snprintf(notes + n, sizeof notes - n, ",%s", oc_rec_note_name((oc_rec_note)i));
+    }
+    snprintf(cc, sizeof cc, "%d.%d", r->cc / 10, r->cc % 10);
     value = record_value(r);
     said = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
-    e = value && said
-            ? Py_BuildValue("{s:O,s:s,s:s,s:O,s:O,s:z}", "applied",
-                            r->state == OC_REC_APPLIED ? Py_True : Py_False, "state",
-                            oc_rec_state_name(state), "code", oc_rec_code_name(code), "value",
-                            value, "reason", said, "off_by",
-                            code == OC_CODE_OFF && !r->off_by ? OC_VAR("OUTOFCUDA_DISABLE")
-                                                              : r->off_by)
+    e = value && said && (chosen || !chose)
+            ? Py_BuildValue(
+                  "{s:O,s:s,s:s,s:O,s:O,s:z,s:N,s:N,s:z,s:O,s:z,s:z}", "applied",
+                  r->state == OC_REC_APPLIED ? Py_True : Py_False, "state",
+                  oc_rec_state_name(state), "code", oc_rec_code_name(code), "value", value,
+                  "reason", said, "off_by",
+                  code == OC_CODE_OFF && !r->off_by ? OC_VAR("OUTOFCUDA_DISABLE") : r->off_by,
+                  "notes", word_list(notes[0] ? notes + 1 : ""), "left_out", word_list(r->left_out),
+                  "variable", r->variable, "chosen", chosen ? chosen : Py_None, "known_bug",
+                  r->known_bug, "capability", r->cc > 0 ? cc : NULL)
             : NULL;
+    Py_XDECREF(chosen);
     Py_XDECREF(value);
     Py_XDECREF(said);
     if (e != NULL && (r->state == OC_REC_QUEUED || r->state == OC_REC_INTERRUPTED))
         rc = PyDict_SetItemString(e, "queued", Py_True);
     if (e != NULL && rc == 0 && r->state == OC_REC_INTERRUPTED)
         rc = PyDict_SetItemString(e, "interrupted", Py_True);
-    if (e != NULL && rc == 0)
-        rc = add_notes(e, opt, r);
     if (e != NULL && rc == 0 && oc_cost_get(r->cost) != NULL) {
         const oc_cost *c = oc_cost_get(r->cost);
         PyObject *cost = Py_BuildValue("{s:s,s:[ss]}", "id", c->id, "ways_back", c->ways_back[0],

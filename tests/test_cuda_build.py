@@ -408,7 +408,7 @@ def test_the_users_own_memory_fraction_wins(cuda_venv, how):
     assert f["calls"] == [["observer"]]
     assert not f["status"]["applied"] and f["status"]["code"] == "program_chose", f["status"]
     assert f["status"]["chosen"] == 0.5, f["status"]
-    assert f["status"].get("variable") == (None if how == "setter" else how), f["status"]
+    assert f["status"]["variable"] == (None if how == "setter" else how), f["status"]
 
 
 def test_what_waits_for_cuda_shows_as_queued(cuda_venv, tmp_path):

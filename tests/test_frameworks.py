@@ -196,7 +196,8 @@ def test_a_framework_whose_import_failed_is_not_in_use(venv, tmp_path):
     assert opts["allocator"]["code"] == "framework_left"
     assert opts["memory_fraction"]["code"] == "at_cuda_init"
     assert st["framework"] == {"left_to": None, "in_use_now": None, "at_import": "left_to",
-                               "at_cuda_init": "gone_at_cuda_init", "code": "gone_at_cuda_init"}
+                               "at_cuda_init": "gone_at_cuda_init", "code": "gone_at_cuda_init",
+                               "evidence": None}
     assert st["hook"]["error"] is None
 
 

@@ -569,7 +569,7 @@ print(json.dumps([_outofcuda.status()["optimizations"]["amp_dtype"],
 """, cwd=workdir))
     hook, (dtype, reason) = d
     assert hook["applied"] is False and hook["code"] == "dtype_unknown"
-    assert "capability" not in hook and hook["notes"] == []
+    assert hook["capability"] is None and hook["notes"] == []
     assert dtype is None and reason.startswith("compute capability unknown: ")
 
 
