@@ -391,6 +391,14 @@ void oc_bridge_before_torch(PyObject *spec)
         return;
     read_version_file(spec);
     prepare_allocator(cfg);
+    /* Said once, for the preparation that changed the defaults. */
+    if (alloc_notes & (1u << OC_NOTE_PLATFORM_NO_EXPANDABLE | 1u << OC_NOTE_USER_EXPANDABLE_KEPT))
+        snprintf(alloc_reason + strlen(alloc_reason), sizeof alloc_reason - strlen(alloc_reason),
+                 "; %s on this platform: %s",
+                 alloc_notes >> OC_NOTE_USER_EXPANDABLE_KEPT & 1u
+                     ? "the user's expandable_segments:True kept, though"
+                     : "expandable_segments left out of outofcuda's defaults",
+                 oc_platform_no_expandable());
 }
 
 void oc_bridge_import_failed(void)

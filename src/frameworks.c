@@ -89,11 +89,10 @@ const char *oc_framework_in_use(char *why, size_t whysz)
 
 const char *oc_framework_evidence(const char *name)
 {
-    for (const oc_framework *f = oc_frameworks; f->package; f++) {
-        if (strcmp(f->name, name) == 0)
-            return f->evidence;
-    }
-    return NULL;
+    const oc_framework *f = oc_frameworks;
+    while (f->package && strcmp(f->name, name) != 0)
+        f++;
+    return f->evidence; /* the end row's: NULL */
 }
 
 /* What bridge.c decided about frameworks, here below both bridge.c, which

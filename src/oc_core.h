@@ -443,18 +443,16 @@ typedef enum { OC_REC_CODES(OC_CODE_ENUM) OC_REC_CODE_COUNT } oc_rec_code;
     X(EXPANDABLE_HELD_BACK, "expandable_held_back",                                                \
       "expandable_segments left off beside the user's max_split_size_mb (together they let "       \
       "reserved memory grow, pytorch issue 123548)")                                               \
-    X(PLATFORM_NO_EXPANDABLE, "platform_no_expandable",                                            \
-      "expandable_segments left out of outofcuda's defaults on this platform: ")                   \
-    X(USER_EXPANDABLE_KEPT, "user_expandable_kept",                                                \
-      "the user's expandable_segments:True kept, though on this platform: ")                       \
     X(RESTORED, "restored_for_children",                                                           \
       "the variable was restored for child processes (it was written while torch imported: "       \
       "this release reads `backend` only then)")                                                   \
     X(CUDNN_ATTENTION_OFF, "cudnn_attention_off", "cuDNN attention turned off when CUDA started")  \
     /* The writer's sentence says these: */                                                        \
-    X(FRAMEWORK_OVERRIDE, "framework_override", NULL) /* OUTOFCUDA_FRAMEWORK_OVERRIDE=1 */         \
-    X(GC_THRESHOLD_IDLE, "gc_threshold_idle", NULL)   /* no fraction below 1 to act under */       \
-    X(LOCAL_RANK, "local_rank", NULL)                 /* the device is LOCAL_RANK's */             \
+    X(PLATFORM_NO_EXPANDABLE, "platform_no_expandable", NULL) /* on this platform (WSL) */         \
+    X(USER_EXPANDABLE_KEPT, "user_expandable_kept", NULL)     /* though not on this platform */    \
+    X(FRAMEWORK_OVERRIDE, "framework_override", NULL)         /* OUTOFCUDA_FRAMEWORK_OVERRIDE=1 */ \
+    X(GC_THRESHOLD_IDLE, "gc_threshold_idle", NULL) /* no fraction below 1 to act under */         \
+    X(LOCAL_RANK, "local_rank", NULL)               /* the device is LOCAL_RANK's */               \
     X(CAPABILITY_FROM_NVML, "capability_from_nvml", NULL)                                          \
     X(GENERIC_VARIABLE, "generic_variable", NULL) /* PYTORCH_ALLOC_CONF reached 2.9 or 2.10 */
 #define OC_NOTE_ENUM(id, name, words) OC_NOTE_##id,

@@ -206,14 +206,11 @@ void oc_record_reason(oc_opt opt, char *buf, size_t sz)
      * decides at CUDA's start, after the sentence was written). */
     for (int i = 0; r != NULL && i < OC_REC_NOTE_COUNT; i++) {
         len = strlen(buf);
-        /* The keys left out, or why the platform's defaults lack one. */
-        const char *tail =
-            i == OC_NOTE_UNKNOWN_KEYS_LEFT_OUT || i == OC_NOTE_NATIVE_KEYS_LEFT_OUT ? r->left_out
-            : i == OC_NOTE_PLATFORM_NO_EXPANDABLE || i == OC_NOTE_USER_EXPANDABLE_KEPT
-                ? oc_platform_no_expandable()
-                : "";
         if ((r->notes >> i & 1u) && notes[i][1] != NULL && len < sz)
-            snprintf(buf + len, sz - len, "; %s%s", notes[i][1], tail ? tail : "");
+            snprintf(buf + len, sz - len, "; %s%s", notes[i][1],
+                     i == OC_NOTE_UNKNOWN_KEYS_LEFT_OUT || i == OC_NOTE_NATIVE_KEYS_LEFT_OUT
+                         ? r->left_out
+                         : "");
     }
     len = strlen(buf);
     if (r == NULL || len >= sz)
