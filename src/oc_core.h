@@ -547,7 +547,7 @@ void oc_record_oom(const char *hooks, const char *observer, const char *snapshot
 void oc_record_note(oc_opt opt, oc_rec_note note, const char *known_bug);
 void oc_record_cost(oc_opt opt, oc_cost_id cost);
 const oc_cost *oc_cost_get(oc_cost_id cost); /* NULL for OC_COST_NONE */
-/* The sentence status() shows: the writer's, with the sdpa guard's words. */
+/* The sentence status() shows: the writer's, with its notes' words. */
 void oc_record_reason(oc_opt opt, char *buf, size_t sz);
 
 /* advice.c: ranked advice. Each rule that fits the figures adds an item;

@@ -160,8 +160,6 @@ void oc_record_oom(const char *hooks, const char *observer, const char *snapshot
 
 void oc_record_note(oc_opt opt, oc_rec_note note, const char *known_bug)
 {
-    if (!valid(opt))
-        return;
     records[opt].notes |= 1u << note;
     if (known_bug != NULL)
         records[opt].known_bug = known_bug;
@@ -169,8 +167,6 @@ void oc_record_note(oc_opt opt, oc_rec_note note, const char *known_bug)
 
 void oc_record_notes(oc_opt opt, unsigned bits, const char *variable, const char *left_out)
 {
-    if (!valid(opt))
-        return;
     records[opt].notes |= bits;
     records[opt].variable = variable;
     snprintf(records[opt].left_out, sizeof records[opt].left_out, "%s", left_out ? left_out : "");

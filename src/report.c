@@ -124,9 +124,9 @@ static PyObject *word_list(const char *csv)
 }
 
 /* An optimisation's record as status() gives it (new ref): applied, state,
- * code, value, reason and off_by; "queued" True while it waits for CUDA's
- * start (or was interrupted there) and "interrupted" True when its step was
- * interrupted, both absent otherwise. */
+ * code, value, reason, off_by, notes and the typed values they name (None
+ * where unset); "queued" True while it waits for CUDA's start (or was
+ * interrupted there) and "interrupted" True when its step was interrupted. */
 static PyObject *record_entry(oc_opt opt)
 {
     const oc_record *r = oc_record_get(opt);
@@ -336,10 +336,10 @@ static PyObject *optimizations(void)
 }
 
 /* status()'s "framework": the framework outofcuda left GPU memory to (or
- * None), the one in use now (or None: one in use now, with at_cuda_init
- * "none", came after CUDA started and found outofcuda's settings in
- * effect), and the codes bridge.c decided at torch's import and when CUDA
- * started (None until then), "code" the later. */
+ * None) and the evidence that it owns it, the one in use now (or None: one
+ * in use now, with at_cuda_init "none", came after CUDA started and found
+ * outofcuda's settings in effect), and the codes bridge.c decided at torch's
+ * import and when CUDA started (None until then), "code" the later. */
 static PyObject *framework_status(void)
 {
     static const char *const codes[] = {NULL, "none", "left_to", "override", "gone_at_cuda_init"};

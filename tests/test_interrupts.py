@@ -136,8 +136,9 @@ def test_a_step_cut_short_runs_again_when_torch_runs_its_queue_again(venv, tmp_p
             assert r["records"][order[i]] == {"applied": False, "state": "interrupted",
                                               "code": "at_cuda_init", "queued": True,
                                               "interrupted": True}, r
-    # The guard cut short is decided again, not left half done.
-    assert runs[2]["guard"] == [None, False]
+    # The guard cut short is not left half done: decided from the facts, its
+    # action not taken, it acts when the step runs again.
+    assert runs[2]["guard"] == [True, False]
     check_all_applied(d["end"])
 
 
