@@ -275,7 +275,8 @@ static void prepare_allocator(const oc_config *cfg)
     alloc_applied = 0;
     alloc_generic = 0;
     alloc_notes = 0;
-    alloc_value[0] = '\0';
+    alloc_variable = NULL;
+    alloc_value[0] = alloc_left_out[0] = '\0';
     alloc_code = OC_CODE_NOT_IMPORTED;
     /* The framework's own import is in progress (vllm/__init__.py imports
      * torch through vllm.env_override): it reads the variable as the user
@@ -322,7 +323,7 @@ static void prepare_allocator(const oc_config *cfg)
         /* A value outofcuda cannot parse is the user's business: leave it whole. */
         if (!owned)
             alloc_say(OC_CODE_NOT_UNDERSTOOD, "left alone: %s is not understood (%s)", name, err);
-        alloc_value[0] = '\0';
+        alloc_value[0] = alloc_left_out[0] = '\0';
         return;
     }
     if (owned) {
