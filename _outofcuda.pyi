@@ -25,6 +25,14 @@ def _find_torch_spec(
 ) -> Any: ...
 
 # report.c
+# Each status()["optimizations"] row's "notes" holds codes (src/oc_core.h's
+# OC_REC_NOTES) for what its reason adds: user_keys_kept,
+# unknown_keys_left_out and native_keys_left_out (the keys in "left_out"),
+# expandable_held_back, platform_no_expandable, user_expandable_kept,
+# restored_for_children, cudnn_attention_off (the bug in "known_bug"),
+# framework_override, gc_threshold_idle, local_rank, capability_from_nvml
+# (the one in "capability") and generic_variable. "variable" names the
+# allocator variable read; "chosen" the program's own memory fraction.
 def status() -> Dict[str, Any]: ...
 def _status_text(status: Dict[str, Any], /) -> str: ...
 def _labelled(text: str, /) -> str: ...

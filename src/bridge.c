@@ -122,6 +122,10 @@ static char left_at_import[32];
 static int alloc_by_setter; /* the merge went to torch's runtime setter alone */
 /* The user's PYTORCH_ALLOC_CONF, which 2.9 and 2.10 ignore, went to torch. */
 static int alloc_generic;
+/* The record's notes (1 << oc_rec_note), the variable read, the keys left out. */
+static unsigned alloc_notes;
+static const char *alloc_variable;
+static char alloc_left_out[200];
 /* The variable as the user left it, given back once torch has read
  * outofcuda's value: children inherit the user's environment. */
 static struct {
@@ -200,19 +204,6 @@ static int restore_allocator_env(void)
     return 0;
 }
 
-#define HELD_BACK_NOTE                                                                             \
-    "; expandable_segments left off beside the user's max_split_size_mb (together they let "       \
-    "reserved memory grow, pytorch issue 123548)"
-
-/* The words before the list of defaults' keys the merge left out. */
-static const char *dropped_note(const char *dropped, int async)
-{
-    if (!dropped[0])
-        return "";
-    return async ? "; left out (the cudaMallocAsync backend ignores them): "
-                 : "; left out (unknown to this torch): ";
-}
-
 /* Returns 1 when a framework owns GPU memory in this process and outofcuda
  * steps back (remembered by oc_framework_leave_to); 0 otherwise, with a note in
  * override_note when OUTOFCUDA_FRAMEWORK_OVERRIDE=1 kept outofcuda's
@@ -277,13 +268,15 @@ static void alloc_say(oc_rec_code code, const char *fmt, ...)
 
 static void prepare_allocator(const oc_config *cfg)
 {
-    char dropped[256], err[160], fw_note[120], platform_defaults[OC_ALLOC_CONF_MAX];
+    char err[160], fw_note[120], platform_defaults[OC_ALLOC_CONF_MAX];
     const oc_framework_choice *fw = oc_framework_choice_get();
     const char *name, *user, *defaults, *write_name;
     int async, held_back, owned, generic;
     alloc_applied = 0;
     alloc_generic = 0;
-    alloc_value[0] = '\0';
+    alloc_notes = 0;
+    alloc_variable = NULL;
+    alloc_value[0] = alloc_left_out[0] = '\0';
     alloc_code = OC_CODE_NOT_IMPORTED;
     /* The framework's own import is in progress (vllm/__init__.py imports
      * torch through vllm.env_override): it reads the variable as the user
@@ -317,7 +310,7 @@ static void prepare_allocator(const oc_config *cfg)
                           : "this torch build has no CUDA");
         return;
     }
-    name = user_alloc_var(&user);
+    alloc_variable = name = user_alloc_var(&user);
     generic = strcmp(name, OC_VAR("PYTORCH_ALLOC_CONF")) == 0 && build.ver < 21100;
     /* OUTOFCUDA_ALLOC_CONF unset (config.c keeps the conditional defaults
      * then): the defaults may lose a key this machine cannot use. */
@@ -325,33 +318,42 @@ static void prepare_allocator(const oc_config *cfg)
                                           platform_defaults, sizeof platform_defaults);
     async = async_backend(user) || (!user[0] && async_backend(defaults));
     if (oc_alloc_merge_defaults(defaults, cfg->alloc_conf_no_expandable, user, key_allowed, &async,
-                                alloc_value, sizeof alloc_value, dropped, sizeof dropped, err,
-                                sizeof err, &held_back) != 0) {
+                                alloc_value, sizeof alloc_value, alloc_left_out,
+                                sizeof alloc_left_out, err, sizeof err, &held_back) != 0) {
         /* A value outofcuda cannot parse is the user's business: leave it whole. */
         if (!owned)
             alloc_say(OC_CODE_NOT_UNDERSTOOD, "left alone: %s is not understood (%s)", name, err);
-        alloc_value[0] = '\0';
+        alloc_value[0] = alloc_left_out[0] = '\0';
         return;
     }
-    if (owned)
+    if (owned) {
+        alloc_left_out[0] = '\0'; /* the sentence says the framework's, not the merge's */
         return;
+    }
+    alloc_notes = (alloc_left_out[0] ? 1u << (async ? OC_NOTE_NATIVE_KEYS_LEFT_OUT
+                                                    : OC_NOTE_UNKNOWN_KEYS_LEFT_OUT)
+                                     : 0) |
+                  (held_back ? 1u << OC_NOTE_EXPANDABLE_HELD_BACK : 0) |
+                  (defaults == cfg->alloc_conf        ? 0
+                   : oc_alloc_expandable(alloc_value) ? 1u << OC_NOTE_USER_EXPANDABLE_KEPT
+                                                      : 1u << OC_NOTE_PLATFORM_NO_EXPANDABLE) |
+                  (fw_note[0] ? 1u << OC_NOTE_FRAMEWORK_OVERRIDE : 0);
     /* Where torch ignores the user's variable, the user's string still has
      * to reach it, even with nothing added. */
     if (strcmp(alloc_value, user) == 0 && !generic) {
         /* Nothing to add: the variable stays exactly as the user set it. */
-        alloc_say(OC_CODE_NOTHING_TO_ADD, "nothing added to %s%s%.200s%s%s", name,
-                  dropped_note(dropped, async), dropped, held_back ? HELD_BACK_NOTE : "", fw_note);
+        alloc_say(OC_CODE_NOTHING_TO_ADD, "nothing added to %s%s", name, fw_note);
         return;
     }
     alloc_generic = generic;
+    alloc_notes |= user[0] ? 1u << OC_NOTE_USER_KEYS_KEPT : 0;
     if (setter_configures(user)) {
         alloc_by_setter = 1;
         alloc_applied = 1;
         alloc_say(OC_CODE_RUNTIME_SETTER,
                   "given to torch's runtime setter once torch loaded, the environment never "
-                  "written (%s read as the user set it)%s%s%.200s%s%s",
-                  name, user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async),
-                  dropped, held_back ? HELD_BACK_NOTE : "", fw_note);
+                  "written (%s read as the user set it)%s",
+                  name, fw_note);
         return;
     }
     /* The variable this release reads (not the ignored one the user set). */
@@ -370,9 +372,7 @@ static void prepare_allocator(const oc_config *cfg)
     }
     alloc_saved.written = 1;
     alloc_applied = 1;
-    alloc_say(OC_CODE_ENV_WRITTEN, "%s set while torch loaded%s%s%.200s%s%s", write_name,
-              user[0] ? "; the user's keys kept" : "", dropped_note(dropped, async), dropped,
-              held_back ? HELD_BACK_NOTE : "", fw_note);
+    alloc_say(OC_CODE_ENV_WRITTEN, "%s set while torch loaded%s", write_name, fw_note);
 }
 
 /* The work before torch's code runs is done for this import attempt (the
@@ -392,7 +392,14 @@ void oc_bridge_before_torch(PyObject *spec)
         return;
     read_version_file(spec);
     prepare_allocator(cfg);
-    oc_platform_note(alloc_reason, sizeof alloc_reason, alloc_value);
+    /* Said once, for the preparation that changed the defaults. */
+    if (alloc_notes & (1u << OC_NOTE_PLATFORM_NO_EXPANDABLE | 1u << OC_NOTE_USER_EXPANDABLE_KEPT))
+        snprintf(alloc_reason + strlen(alloc_reason), sizeof alloc_reason - strlen(alloc_reason),
+                 "; %s on this platform: %s",
+                 alloc_notes >> OC_NOTE_USER_EXPANDABLE_KEPT & 1u
+                     ? "the user's expandable_segments:True kept, though"
+                     : "expandable_segments left out of outofcuda's defaults",
+                 oc_platform_no_expandable());
 }
 
 void oc_bridge_import_failed(void)
@@ -734,6 +741,7 @@ static void hand_back_allocator(PyObject *c_mod)
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_SKIPPED, OC_CODE_FRAMEWORK,
                       "%s; left to %s from CUDA initialisation. %s", alloc_reason, fw->left_to,
                       fw->why);
+        oc_record_notes(OC_OPT_ALLOCATOR, alloc_notes, alloc_variable, alloc_left_out);
         return;
     }
     name = user_alloc_var(&user);
@@ -751,6 +759,7 @@ static void hand_back_allocator(PyObject *c_mod)
                       "%s; %s is in use but torch's setter refused the user's %s, so "
                       "outofcuda's settings stay",
                       alloc_reason, fw->left_to, name);
+        oc_record_notes(OC_OPT_ALLOCATOR, alloc_notes, alloc_variable, alloc_left_out);
         return;
     }
     oc_record_set(OC_OPT_ALLOCATOR, OC_REC_SKIPPED, OC_CODE_HANDED_BACK,
@@ -837,35 +846,44 @@ static void framework_at_cuda_init(PyObject *c_mod)
 
 /* torch's allocator key per_process_memory_fraction (2.10+) is the program's
  * own fraction: torch's allocator takes it when it starts, before the
- * lazy-init queue runs, where outofcuda's would overwrite it. Returns 1, with
- * where in `where`, when the user's allocator variable holds the key or, at
+ * lazy-init queue runs, where outofcuda's would overwrite it. Returns it, with
+ * where in `where` (*var the variable, else NULL), when the user's allocator
+ * variable holds the key or, at
  * CUDA's start (c_mod given), torch's settings getter (2.12+) shows it or
  * `device`'s allocator holds a fraction below 1 (a runtime setter's on 2.10
  * and 2.11, which have no getter) other than outofcuda's own (set by a run of
- * this step a Ctrl-C cut short, the queue then run again: own). */
-static int program_fraction(PyObject *c_mod, long device, double own, char *where, size_t sz)
+ * this step a Ctrl-C cut short, the queue then run again: own); -1 when none. */
+static double program_fraction(PyObject *c_mod, long device, double own, const char **var,
+                               char *where, size_t sz)
 {
-    const char *name, *user;
+    const char *user;
     char v[64], conf[OC_ALLOC_CONF_MAX];
     PyObject *live;
     double held;
-    name = user_alloc_var(&user);
+    *var = user_alloc_var(&user);
     if (oc_alloc_value(user, "per_process_memory_fraction", v, sizeof v) == 1)
-        return snprintf(where, sz, "%s sets per_process_memory_fraction:%s", name, v) > 0;
+        return snprintf(where, sz, "%s sets per_process_memory_fraction:%s", *var, v) > 0 ? atof(v)
+                                                                                          : -1.0;
+    *var = NULL;
     if (c_mod == NULL)
-        return 0;
+        return -1.0;
     live = oc_call_quiet(c_mod, "_accelerator_getAllocatorSettings", NULL, NULL);
     oc_utf8(live != NULL && PyUnicode_Check(live) ? live : NULL, conf, sizeof conf);
     Py_XDECREF(live);
     if (oc_alloc_value(conf, "per_process_memory_fraction", v, sizeof v) == 1)
-        return snprintf(where, sz, "torch's settings hold per_process_memory_fraction:%s", v) > 0;
+        return snprintf(where, sz, "torch's settings hold per_process_memory_fraction:%s", v) > 0
+                   ? atof(v)
+                   : -1.0;
     live = PyObject_CallMethod(c_mod, "_cuda_getMemoryFraction", "l", device);
     held = live != NULL && PyFloat_Check(live) ? PyFloat_AsDouble(live) : 1.0;
     OC_CLEAR_ABSENT(); /* a torch without the reader holds none */
     Py_XDECREF(live);
     return held > 0.0 && held < 1.0 && (held - own) * (held - own) > 1e-12 &&
-           snprintf(where, sz, "torch's allocator holds a memory fraction of %.2f for cuda:%ld",
-                    held, device) > 0;
+                   snprintf(where, sz,
+                            "torch's allocator holds a memory fraction of %.2f for cuda:%ld", held,
+                            device) > 0
+               ? held
+               : -1.0;
 }
 
 /* Records the memory fraction as left to the program's own and returns 1
@@ -874,12 +892,15 @@ static int fraction_left_to_program(PyObject *c_mod, long device, double own, co
                                     const char *torch_does)
 {
     char where[200];
-    if (!program_fraction(c_mod, device, own, where, sizeof where))
+    const char *var;
+    double chosen = program_fraction(c_mod, device, own, &var, where, sizeof where);
+    if (chosen < 0.0)
         return 0;
     oc_record_set(OC_OPT_FRACTION, OC_REC_SKIPPED, OC_CODE_PROGRAM_CHOSE,
                   "%s: %s, which torch %s (the user's fraction wins over "
                   "OUTOFCUDA_MEMORY_FRACTION)",
                   what, where, torch_does);
+    oc_record_chosen(chosen, var);
     return 1;
 }
 
@@ -944,6 +965,8 @@ static void fraction_at_cuda_init(PyObject *c_mod)
                   "applied to cuda:%ld when CUDA initialised%s%s", device,
                   rank >= 0 && rank == device ? " (LOCAL_RANK)" : "", sized);
     oc_record_fraction(fraction, device);
+    oc_record_notes(OC_OPT_FRACTION, rank >= 0 && rank == device ? 1u << OC_NOTE_LOCAL_RANK : 0,
+                    NULL, NULL);
     goto done;
 error:
     /* oc_set_error sets an interrupt aside instead of recording it: no
@@ -1166,6 +1189,8 @@ static void apply_amp_dtype(const oc_config *cfg, PyObject *torch)
                   cfg->amp_dtype == OC_AMP_AUTO ? OC_CODE_DEFAULT : OC_CODE_USER_SETTING, "%s",
                   reason);
     oc_record_text(OC_OPT_AMP_DTYPE, dtype_name);
+    if (cfg->amp_dtype == OC_AMP_AUTO)
+        oc_record_capability(oc_nvml_min_visible_cc());
     if (cfg->amp_dtype == OC_AMP_AUTO && strcmp(dtype_name, "bfloat16") == 0)
         oc_record_cost(OC_OPT_AMP_DTYPE, OC_COST_BF16_CONV);
 }
@@ -1197,13 +1222,8 @@ static void settle_allocator(PyObject *c_mod)
                  used ? "torch's setter failed" : "this torch has no runtime allocator setter",
                  alloc_by_setter ? "" : ", so the variable was restored");
     } else {
-        snprintf(alloc_reason + len, sizeof alloc_reason - len,
-                 alloc_by_setter
-                     ? "; given to torch._C.%s"
-                     : "; given to torch._C.%s, then the variable was restored for child "
-                       "processes (it was written while torch imported: this release reads "
-                       "`backend` only then)",
-                 used);
+        snprintf(alloc_reason + len, sizeof alloc_reason - len, "; given to torch._C.%s", used);
+        alloc_notes |= alloc_by_setter ? 0 : 1u << OC_NOTE_RESTORED;
     }
     alloc_by_setter = 0;
     restore_allocator_env();
@@ -1231,6 +1251,7 @@ static void note_idle_gc(const oc_config *cfg)
         why = "OUTOFCUDA_MEMORY_FRACTION=1 sets no limit on this torch";
     if (why == NULL)
         return;
+    alloc_notes |= 1u << OC_NOTE_GC_THRESHOLD_IDLE;
     snprintf(alloc_reason + len, sizeof alloc_reason - len,
              "; garbage_collection_threshold cannot act: torch's allocator collects cached "
              "blocks only under a memory fraction below 1, and %s (unless the program sets one)",
@@ -1265,9 +1286,12 @@ static void record_allocator(const oc_config *cfg)
                       ? OC_REC_FAILED
                       : OC_REC_SKIPPED,
                   alloc_code, "%s", alloc_reason);
+    oc_record_notes(OC_OPT_ALLOCATOR,
+                    alloc_notes |
+                        (alloc_generic && alloc_applied ? 1u << OC_NOTE_GENERIC_VARIABLE : 0),
+                    alloc_variable, alloc_left_out);
     if (alloc_value[0] && alloc_applied)
         oc_record_text(OC_OPT_ALLOCATOR, alloc_value);
-    oc_record_alloc_generic(alloc_generic && alloc_applied);
 }
 
 void oc_bridge_after_torch(PyObject *torch)

@@ -87,6 +87,14 @@ const char *oc_framework_in_use(char *why, size_t whysz)
     return NULL;
 }
 
+const char *oc_framework_evidence(const char *name)
+{
+    const oc_framework *f = oc_frameworks;
+    while (f->package && strcmp(f->name, name) != 0)
+        f++;
+    return f->evidence; /* the end row's: NULL */
+}
+
 /* What bridge.c decided about frameworks, here below both bridge.c, which
  * decides it at torch's import and at CUDA's start, and report.c, which
  * shows it. */

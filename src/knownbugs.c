@@ -234,8 +234,9 @@ static void act_at_import(const oc_known_bug *b, size_t i)
     size_t room = sizeof kb.reason[i] - len;
     if (b->action == OC_KB_ALLOC_GENERIC) {
         const oc_record *alloc = oc_record_get(OC_OPT_ALLOCATOR);
-        kb.code[i] = alloc->alloc_generic ? OC_KBC_AVOIDED : OC_KBC_NOT_AVOIDED;
-        if (alloc->alloc_generic)
+        int handed = alloc->notes >> OC_NOTE_GENERIC_VARIABLE & 1u;
+        kb.code[i] = handed ? OC_KBC_AVOIDED : OC_KBC_NOT_AVOIDED;
+        if (handed)
             snprintf(tail, room, "; %s", b->action_text);
         else
             snprintf(tail, room,
@@ -390,32 +391,32 @@ static oc_kb_code act(PyObject *torch, const oc_known_bug *b, size_t i)
     }
     snprintf(kb.reason[i] + len, sizeof kb.reason[i] - len, "; when CUDA started: %s",
              b->action_text);
-    oc_record_sdpa_guard("cuDNN attention turned off when CUDA started", b->id);
+    oc_record_note(OC_OPT_SDPA, OC_NOTE_CUDNN_ATTENTION_OFF, b->id);
     return OC_KBC_AVOIDED;
 }
 
 void oc_known_bugs_at_cuda_init(PyObject *torch)
 {
     size_t n = oc_known_bug_count();
-    /* The rows as they were: a run that is interrupted puts them back, so
-     * that its next run (when torch runs its queue again) decides and acts
-     * from where this one began. */
-    kb_rows kept;
     if (!kb.decided || torch == NULL)
         return;
-    kept = kb;
     if (n > OC_KB_MAX_ENTRIES)
         n = OC_KB_MAX_ENTRIES;
     if (kb.cudnn < 0 && kb.need_cudnn)
         kb.cudnn = read_cudnn_version(torch);
     decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {
-        if (kb.code[i] == OC_KBC_APPLIES)
-            kb.code[i] = act(torch, oc_known_bug_at(i), i);
+        size_t len = strlen(kb.reason[i]);
+        oc_kb_code c =
+            kb.code[i] == OC_KBC_APPLIES ? act(torch, oc_known_bug_at(i), i) : kb.code[i];
+        /* A row a Ctrl-C cut short stays as decided: the step runs again, and
+         * its action reads torch's flag afresh (act). */
+        if (oc_interrupt_waiting())
+            kb.reason[i][len] = '\0';
+        else
+            kb.code[i] = c;
     }
     OC_CLEAR();
-    if (oc_interrupt_waiting())
-        kb = kept;
 }
 
 /* Whether cuDNN attention is off at the moment status() is called, where

@@ -262,6 +262,8 @@ typedef struct {
  * merely installed is not in use. Fills why with what was seen and why
  * outofcuda steps back. Never raises. */
 const char *oc_framework_in_use(char *why, size_t whysz);
+/* The page that shows framework `name` owns GPU memory, or NULL. */
+const char *oc_framework_evidence(const char *name);
 /* What outofcuda decided about frameworks at torch's import (at[0]) and
  * when CUDA started (at[1]): OC_FW_UNSET until then (status()'s words in
  * report.c). */
@@ -284,11 +286,9 @@ void oc_framework_decided(int when, oc_fw_code code);
  * a copy in out without expandable_segments. */
 const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas, char *out,
                                        size_t outsz);
-/* Appends to reason why the last oc_platform_alloc_defaults changed them
- * (value: the allocator string that resulted, the user's keys in it). */
-void oc_platform_note(char *reason, size_t reasonsz, const char *value);
-/* 1 where expandable segments cannot work (WSL), so no advice names them. */
-int oc_platform_no_expandable(void);
+/* Why expandable segments cannot work here (WSL), so no advice names them;
+ * NULL where they can. */
+const char *oc_platform_no_expandable(void);
 extern PyMethodDef oc_platform_methods[];
 /* Behind the test door, _outofcuda._testing (module.c). */
 extern PyMethodDef oc_platform_testing_methods[];

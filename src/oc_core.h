@@ -433,6 +433,32 @@ typedef enum { OC_REC_STATES(OC_STATE_ENUM) OC_REC_STATE_COUNT } oc_rec_state;
 typedef enum { OC_REC_CODES(OC_CODE_ENUM) OC_REC_CODE_COUNT } oc_rec_code;
 #undef OC_CODE_ENUM
 
+/* Notes on a decision, as stable codes (status()'s "notes"), each with the
+ * words it adds to the sentence (NULL: the writer's sentence says it). */
+#define OC_REC_NOTES(X)                                                                            \
+    X(USER_KEYS_KEPT, "user_keys_kept", "the user's keys kept")                                    \
+    X(UNKNOWN_KEYS_LEFT_OUT, "unknown_keys_left_out", "left out (unknown to this torch): ")        \
+    X(NATIVE_KEYS_LEFT_OUT, "native_keys_left_out",                                                \
+      "left out (the cudaMallocAsync backend ignores them): ")                                     \
+    X(EXPANDABLE_HELD_BACK, "expandable_held_back",                                                \
+      "expandable_segments left off beside the user's max_split_size_mb (together they let "       \
+      "reserved memory grow, pytorch issue 123548)")                                               \
+    X(RESTORED, "restored_for_children",                                                           \
+      "the variable was restored for child processes (it was written while torch imported: "       \
+      "this release reads `backend` only then)")                                                   \
+    X(CUDNN_ATTENTION_OFF, "cudnn_attention_off", "cuDNN attention turned off when CUDA started")  \
+    /* The writer's sentence says these: */                                                        \
+    X(PLATFORM_NO_EXPANDABLE, "platform_no_expandable", NULL) /* on this platform (WSL) */         \
+    X(USER_EXPANDABLE_KEPT, "user_expandable_kept", NULL)     /* though not on this platform */    \
+    X(FRAMEWORK_OVERRIDE, "framework_override", NULL)         /* OUTOFCUDA_FRAMEWORK_OVERRIDE=1 */ \
+    X(GC_THRESHOLD_IDLE, "gc_threshold_idle", NULL) /* no fraction below 1 to act under */         \
+    X(LOCAL_RANK, "local_rank", NULL)               /* the device is LOCAL_RANK's */               \
+    X(CAPABILITY_FROM_NVML, "capability_from_nvml", NULL)                                          \
+    X(GENERIC_VARIABLE, "generic_variable", NULL) /* PYTORCH_ALLOC_CONF reached 2.9 or 2.10 */
+#define OC_NOTE_ENUM(id, name, words) OC_NOTE_##id,
+typedef enum { OC_REC_NOTES(OC_NOTE_ENUM) OC_REC_NOTE_COUNT } oc_rec_note;
+#undef OC_NOTE_ENUM
+
 /* Which typed field is the record's value (status()'s "value"). */
 typedef enum {
     OC_VAL_NONE,     /* None */
@@ -456,9 +482,11 @@ typedef enum { OC_COST_NONE, OC_COST_BF16_CONV } oc_cost_id;
 typedef struct {
     const char *off_by; /* the OUTOFCUDA_* variable of OC_CODE_OFF (static), else NULL */
     oc_cost_id cost;    /* a known cost of the choice (oc_record_cost) */
-    /* The sdpa record: what the cuDNN-attention guard did (static text) and
-     * the known bug's id, or NULL: cuDNN attention left as torch has it. */
-    const char *guard, *guard_id;
+    /* The known bug a note acts on (static), or NULL; the allocator variable
+     * read (static), or NULL. */
+    const char *known_bug, *variable;
+    unsigned notes; /* 1 << oc_rec_note */
+    int cc;         /* the compute capability decided from (major*10+minor), 0 none */
     double fraction;
     long device;
     oc_rec_state state;
@@ -466,10 +494,6 @@ typedef struct {
     oc_rec_value kind;
     int flag;
     int sdpa[3];
-    /* The allocator: the user's PYTORCH_ALLOC_CONF, which 2.9 and 2.10
-     * ignore, went to torch in outofcuda's string (known bug
-     * alloc-conf-generic-ignored avoided). */
-    int alloc_generic;
     struct {
         const char *hooks; /* static text */
         char observer[400];
@@ -477,6 +501,7 @@ typedef struct {
     } oom;
     char reason[OC_REASON_LEN];
     char text[OC_ALLOC_CONF_MAX];
+    char left_out[200]; /* the defaults' keys the allocator's merge left out, comma-separated */
 } oc_record;
 
 const char *oc_opt_name(oc_opt opt);
@@ -488,6 +513,7 @@ typedef struct {
 const oc_opt_row *oc_opt_row_of(oc_opt opt);
 const char *oc_rec_state_name(oc_rec_state state);
 const char *oc_rec_code_name(oc_rec_code code);
+const char *oc_rec_note_name(oc_rec_note note);
 /* The record of opt (read-only: every write goes through the functions
  * below); NULL for an opt out of range. */
 const oc_record *oc_record_get(oc_opt opt);
@@ -507,13 +533,21 @@ void oc_record_matmul(int tf32);
 void oc_record_sdpa(int flash, int mem_efficient, int math);
 void oc_record_text(oc_opt opt, const char *text);
 void oc_record_fraction(double fraction, long device);
-void oc_record_alloc_generic(int handed);
+/* Adds notes (1 << oc_rec_note), the variable read (static) and the keys
+ * left out (NULL: kept) to opt's record. */
+void oc_record_notes(oc_opt opt, unsigned notes, const char *variable, const char *left_out);
+/* The program's own memory fraction (status()'s "chosen" with program_chose)
+ * and the variable that holds it, or NULL. */
+void oc_record_chosen(double fraction, const char *variable);
+/* The autocast dtype's compute capability (major*10+minor), from NVML. */
+void oc_record_capability(int cc);
 /* The OOM handler's value; NULL leaves a field as it was. */
 void oc_record_oom(const char *hooks, const char *observer, const char *snapshot);
-void oc_record_sdpa_guard(const char *what, const char *id);
+/* Adds a note (and the known bug it acts on, or NULL) to opt's record. */
+void oc_record_note(oc_opt opt, oc_rec_note note, const char *known_bug);
 void oc_record_cost(oc_opt opt, oc_cost_id cost);
 const oc_cost *oc_cost_get(oc_cost_id cost); /* NULL for OC_COST_NONE */
-/* The sentence status() shows: the writer's, with the sdpa guard's words. */
+/* The sentence status() shows: the writer's, with its notes' words. */
 void oc_record_reason(oc_opt opt, char *buf, size_t sz);
 
 /* advice.c: ranked advice. Each rule that fits the figures adds an item;

@@ -1251,7 +1251,7 @@ static void gather_settings(oom_report *r, PyObject *torch, const oc_oom_seen *s
     double fraction = fraction_set();
     r->has_allocator = allocator_config(torch, r->allocator, sizeof r->allocator);
     r->expandable = oc_alloc_expandable(r->allocator);
-    r->no_expandable_here = oc_platform_no_expandable();
+    r->no_expandable_here = oc_platform_no_expandable() != NULL;
     r->fraction = fraction > 0.0 ? fraction : -1.0;
     r->limit = r->from_observer && fraction > 0.0 ? (long long)seen->limit : -1;
     r->autocast =

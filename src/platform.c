@@ -30,7 +30,6 @@
 
 /* platform.c's own state (process-wide, under the GIL: see oc.h). */
 static struct {
-    int defaults_changed; /* changed for this platform at the last preparation */
     /* Test door: a kernel release that replaces uname()'s. */
     int simulated;
     char simulated_release[128];
@@ -82,10 +81,8 @@ static int not_expandable(const char *key, void *ctx)
     return strcmp(key, "expandable_segments") != 0;
 }
 
-/* The defaults for this platform: defaults itself, or a copy in out without
- * expandable_segments (see oc_platform_alloc_defaults). */
-static const char *platform_defaults(const char *defaults, int are_outofcudas, char *out,
-                                     size_t outsz)
+const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas, char *out,
+                                       size_t outsz)
 {
     /* The user's own OUTOFCUDA_ALLOC_CONF stands as written, here too. */
     if (!are_outofcudas || outsz == 0 || no_expandable_why() == NULL ||
@@ -94,29 +91,9 @@ static const char *platform_defaults(const char *defaults, int are_outofcudas, c
     return out;
 }
 
-const char *oc_platform_alloc_defaults(const char *defaults, int are_outofcudas, char *out,
-                                       size_t outsz)
+const char *oc_platform_no_expandable(void)
 {
-    const char *r = platform_defaults(defaults, are_outofcudas, out, outsz);
-    platform.defaults_changed = r != defaults;
-    return r;
-}
-
-void oc_platform_note(char *reason, size_t reasonsz, const char *value)
-{
-    size_t len = strlen(reason);
-    const char *what =
-        oc_alloc_expandable(value)
-            ? "the user's expandable_segments:True kept, though on this platform"
-            : "expandable_segments left out of outofcuda's defaults on this platform";
-    if (platform.defaults_changed && len < reasonsz)
-        snprintf(reason + len, reasonsz - len, "; %s: %s", what, no_expandable_why());
-    platform.defaults_changed = 0; /* said once, for the preparation that changed them */
-}
-
-int oc_platform_no_expandable(void)
-{
-    return no_expandable_why() != NULL;
+    return no_expandable_why();
 }
 
 /* _platform() -> {"kernel_release", "expandable_segments_work", "why",
@@ -132,8 +109,8 @@ static PyObject *py_platform(PyObject *self, PyObject *unused)
     return Py_BuildValue(
         "{s:s,s:O,s:z,s:s}", "kernel_release", kernel_release(), "expandable_segments_work",
         why ? Py_False : Py_True, "why", why, "alloc_defaults",
-        platform_defaults(cfg->alloc_conf, cfg->alloc_conf_no_expandable[0] != '\0', buf,
-                          sizeof buf));
+        oc_platform_alloc_defaults(cfg->alloc_conf, cfg->alloc_conf_no_expandable[0] != '\0', buf,
+                                   sizeof buf));
 }
 
 /* _testing.simulate_kernel_release(release or None): the tests' one way to stand on

@@ -30,6 +30,9 @@ static const oc_opt_row rows[] = {OC_OPTIMISATIONS(OC_ROW_OF)};
 static const char *const state_names[] = {OC_REC_STATES(OC_NAME_OF)};
 static const char *const code_names[] = {OC_REC_CODES(OC_NAME_OF)};
 #undef OC_NAME_OF
+#define OC_NOTE_OF(id, name, words) {name, words},
+static const char *const notes[][2] = {OC_REC_NOTES(OC_NOTE_OF)};
+#undef OC_NOTE_OF
 
 static int valid(oc_opt opt)
 {
@@ -56,6 +59,11 @@ const char *oc_rec_code_name(oc_rec_code code)
     return (unsigned)code < OC_REC_CODE_COUNT ? code_names[code] : "?";
 }
 
+const char *oc_rec_note_name(oc_rec_note note)
+{
+    return (unsigned)note < OC_REC_NOTE_COUNT ? notes[note][0] : "?";
+}
+
 const oc_record *oc_record_get(oc_opt opt)
 {
     return valid(opt) ? &records[opt] : NULL;
@@ -69,6 +77,10 @@ static void vset(oc_opt opt, oc_rec_state state, oc_rec_code code, const char *f
     r->off_by = NULL;
     r->cost = OC_COST_NONE;
     r->kind = OC_VAL_NONE;
+    r->notes = 0;
+    r->cc = 0;
+    r->known_bug = r->variable = NULL;
+    r->left_out[0] = '\0';
     vsnprintf(r->reason, sizeof r->reason, fmt, ap);
 }
 
@@ -134,11 +146,6 @@ void oc_record_fraction(double fraction, long device)
     r->device = device;
 }
 
-void oc_record_alloc_generic(int handed)
-{
-    records[OC_OPT_ALLOCATOR].alloc_generic = handed != 0;
-}
-
 void oc_record_oom(const char *hooks, const char *observer, const char *snapshot)
 {
     oc_record *r = &records[OC_OPT_OOM];
@@ -151,10 +158,30 @@ void oc_record_oom(const char *hooks, const char *observer, const char *snapshot
         snprintf(r->oom.snapshot, sizeof r->oom.snapshot, "%s", snapshot);
 }
 
-void oc_record_sdpa_guard(const char *what, const char *id)
+void oc_record_note(oc_opt opt, oc_rec_note note, const char *known_bug)
 {
-    records[OC_OPT_SDPA].guard = what;
-    records[OC_OPT_SDPA].guard_id = id;
+    records[opt].notes |= 1u << note;
+    if (known_bug != NULL)
+        records[opt].known_bug = known_bug;
+}
+
+void oc_record_notes(oc_opt opt, unsigned bits, const char *variable, const char *left_out)
+{
+    records[opt].notes |= bits;
+    records[opt].variable = variable;
+    snprintf(records[opt].left_out, sizeof records[opt].left_out, "%s", left_out ? left_out : "");
+}
+
+void oc_record_capability(int cc)
+{
+    records[OC_OPT_AMP_DTYPE].cc = cc;
+    records[OC_OPT_AMP_DTYPE].notes |= 1u << OC_NOTE_CAPABILITY_FROM_NVML;
+}
+
+void oc_record_chosen(double fraction, const char *variable)
+{
+    records[OC_OPT_FRACTION].fraction = fraction;
+    records[OC_OPT_FRACTION].variable = variable;
 }
 
 void oc_record_cost(oc_opt opt, oc_cost_id cost)
@@ -167,22 +194,29 @@ void oc_record_reason(oc_opt opt, char *buf, size_t sz)
 {
     const oc_record *r = oc_record_get(opt);
     const oc_cost *cost;
+    size_t len;
     if (sz == 0)
         return;
-    if (r == NULL) {
-        buf[0] = '\0';
-        return;
+    snprintf(buf, sz, "%s", r ? r->reason : "");
+    /* Words the notes add (cuDNN attention's, which the known-bugs guard
+     * decides at CUDA's start, after the sentence was written). */
+    for (int i = 0; r != NULL && i < OC_REC_NOTE_COUNT; i++) {
+        len = strlen(buf);
+        if ((r->notes >> i & 1u) && notes[i][1] != NULL && len < sz)
+            snprintf(buf + len, sz - len, "; %s%s", notes[i][1],
+                     i == OC_NOTE_UNKNOWN_KEYS_LEFT_OUT || i == OC_NOTE_NATIVE_KEYS_LEFT_OUT
+                         ? r->left_out
+                         : "");
     }
-    /* The sdpa sentence says what became of cuDNN attention, which the
-     * known-bugs guard decides at CUDA's start, after the sentence was
-     * written; the guard's words take the place of the default's. */
-    if (opt == OC_OPT_SDPA && r->guard != NULL)
-        snprintf(buf, sz, "%s; %s (known bug %s)", r->reason, r->guard, r->guard_id);
+    len = strlen(buf);
+    if (r == NULL || len >= sz)
+        return;
+    if (r->known_bug != NULL)
+        snprintf(buf + len, sz - len, " (known bug %s)", r->known_bug);
     else if (opt == OC_OPT_SDPA && r->code == OC_CODE_TORCH_DEFAULT)
-        snprintf(buf, sz, "%s; cuDNN attention left as torch has it", r->reason);
+        snprintf(buf + len, sz - len, "; cuDNN attention left as torch has it");
     else if ((cost = oc_cost_get(r->cost)) != NULL)
-        snprintf(buf, sz, "%s; cost: %s; ways back: %s, or %s (outofcuda.compile_model applies it)",
-                 r->reason, cost->words, cost->ways_back[0], cost->ways_back[1]);
-    else
-        snprintf(buf, sz, "%s", r->reason);
+        snprintf(buf + len, sz - len,
+                 "; cost: %s; ways back: %s, or %s (outofcuda.compile_model applies it)",
+                 cost->words, cost->ways_back[0], cost->ways_back[1]);
 }

@@ -113,19 +113,29 @@ static PyObject *record_value(const oc_record *r)
     Py_RETURN_NONE;
 }
 
+/* csv's comma-separated words as a list (new ref; [] for ""). */
+static PyObject *word_list(const char *csv)
+{
+    PyObject *text = PyUnicode_FromString(csv), *sep = PyUnicode_FromString(",");
+    PyObject *list = !text || !sep ? NULL : csv[0] ? PyUnicode_Split(text, sep, -1) : PyList_New(0);
+    Py_XDECREF(text);
+    Py_XDECREF(sep);
+    return list;
+}
+
 /* An optimisation's record as status() gives it (new ref): applied, state,
- * code, value, reason and off_by; "queued" True while it waits for CUDA's
- * start (or was interrupted there) and "interrupted" True when its step was
- * interrupted, both absent otherwise. */
+ * code, value, reason, off_by, notes and the typed values they name (None
+ * where unset); "queued" True while it waits for CUDA's start (or was
+ * interrupted there) and "interrupted" True when its step was interrupted. */
 static PyObject *record_entry(oc_opt opt)
 {
     const oc_record *r = oc_record_get(opt);
-    char reason[OC_REASON_LEN + 300];
+    char reason[OC_REASON_LEN + 300], notes[400] = "", cc[16];
     const char *text = reason;
     oc_rec_code code = r->code;
     oc_rec_state state = r->state;
-    PyObject *e, *value, *said;
-    int rc = 0;
+    int chose = opt == OC_OPT_FRACTION && code == OC_CODE_PROGRAM_CHOSE, rc = 0;
+    PyObject *e, *value, *said, *chosen = chose ? PyFloat_FromDouble(r->fraction) : NULL;
     if (r->state == OC_REC_PENDING)
         text = pending_reason(&code);
     else
@@ -133,16 +143,26 @@ static PyObject *record_entry(oc_opt opt)
     /* Turned off by OUTOFCUDA_DISABLE: skipped, not waiting for torch. */
     if (code == OC_CODE_OFF)
         state = OC_REC_SKIPPED;
+    for (int i = 0; i < OC_REC_NOTE_COUNT; i++) {
+        size_t n = strlen(notes);
+        if (r->notes >> i & 1u)
+            snprintf(notes + n, sizeof notes - n, ",%s", oc_rec_note_name((oc_rec_note)i));
+    }
+    snprintf(cc, sizeof cc, "%d.%d", r->cc / 10, r->cc % 10);
     value = record_value(r);
     said = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
-    e = value && said
-            ? Py_BuildValue("{s:O,s:s,s:s,s:O,s:O,s:z}", "applied",
-                            r->state == OC_REC_APPLIED ? Py_True : Py_False, "state",
-                            oc_rec_state_name(state), "code", oc_rec_code_name(code), "value",
-                            value, "reason", said, "off_by",
-                            code == OC_CODE_OFF && !r->off_by ? OC_VAR("OUTOFCUDA_DISABLE")
-                                                              : r->off_by)
+    e = value && said && (chosen || !chose)
+            ? Py_BuildValue(
+                  "{s:O,s:s,s:s,s:O,s:O,s:z,s:N,s:N,s:z,s:O,s:z,s:z}", "applied",
+                  r->state == OC_REC_APPLIED ? Py_True : Py_False, "state",
+                  oc_rec_state_name(state), "code", oc_rec_code_name(code), "value", value,
+                  "reason", said, "off_by",
+                  code == OC_CODE_OFF && !r->off_by ? OC_VAR("OUTOFCUDA_DISABLE") : r->off_by,
+                  "notes", word_list(notes[0] ? notes + 1 : ""), "left_out", word_list(r->left_out),
+                  "variable", r->variable, "chosen", chosen ? chosen : Py_None, "known_bug",
+                  r->known_bug, "capability", r->cc > 0 ? cc : NULL)
             : NULL;
+    Py_XDECREF(chosen);
     Py_XDECREF(value);
     Py_XDECREF(said);
     if (e != NULL && (r->state == OC_REC_QUEUED || r->state == OC_REC_INTERRUPTED))
@@ -316,17 +336,18 @@ static PyObject *optimizations(void)
 }
 
 /* status()'s "framework": the framework outofcuda left GPU memory to (or
- * None), the one in use now (or None: one in use now, with at_cuda_init
- * "none", came after CUDA started and found outofcuda's settings in
- * effect), and the codes bridge.c decided at torch's import and when CUDA
- * started (None until then), "code" the later. */
+ * None) and the evidence that it owns it, the one in use now (or None: one
+ * in use now, with at_cuda_init "none", came after CUDA started and found
+ * outofcuda's settings in effect), and the codes bridge.c decided at torch's
+ * import and when CUDA started (None until then), "code" the later. */
 static PyObject *framework_status(void)
 {
     static const char *const codes[] = {NULL, "none", "left_to", "override", "gone_at_cuda_init"};
     const oc_framework_choice *c = oc_framework_choice_get();
-    return Py_BuildValue("{s:z,s:z,s:z,s:z,s:z}", "left_to", c->left_to[0] ? c->left_to : NULL,
+    return Py_BuildValue("{s:z,s:z,s:z,s:z,s:z,s:z}", "left_to", c->left_to[0] ? c->left_to : NULL,
                          "in_use_now", oc_framework_in_use(NULL, 0), "at_import", codes[c->at[0]],
-                         "at_cuda_init", codes[c->at[1]], "code", codes[c->at[c->at[1] != 0]]);
+                         "at_cuda_init", codes[c->at[1]], "code", codes[c->at[c->at[1] != 0]],
+                         "evidence", oc_framework_evidence(c->left_to));
 }
 
 /* status()'s "cuda_init": each step of the CUDA-init callback (bridge.c) by

@@ -589,7 +589,7 @@ static int make_hints(const sum_device *d, const proc_figs *p, oc_summary_figure
     f->cpus = p->cpus;
     f->suggested_workers = p->suggested_workers;
     f->expandable = torch_facts.expandable;
-    f->no_expandable_here = oc_platform_no_expandable();
+    f->no_expandable_here = oc_platform_no_expandable() != NULL;
     return oc_summary_hints(f, h, HINTS_MAX + 1);
 }
 

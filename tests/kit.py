@@ -66,6 +66,7 @@ def assert_records(optimizations):
     for name, e in optimizations.items():
         assert e["state"] in states and e["code"] in codes, (name, e)
         assert e["applied"] is (e["state"] == "applied"), (name, e)
+        assert set(e["notes"]) <= set(oc_h_table("OC_REC_NOTES")), (name, e)
         assert e.get("queued", False) is (e["state"] in ("queued", "interrupted")), (name, e)
 
 

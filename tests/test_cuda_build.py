@@ -212,7 +212,7 @@ def test_queued_memory_fraction_takes_local_rank(cuda_venv, local_rank, device):
     assert f["calls"] == [[0.95, device], ["observer"]]  # in the stated order
     assert f["status"]["applied"] and f["status"]["value"] == {"fraction": 0.95, "device": device}
     assert (f["status"]["state"], f["status"]["code"]) == ("applied", "at_cuda_init")
-    assert ("LOCAL_RANK" in f["status"]["reason"]) == (local_rank == "2")
+    assert ("local_rank" in f["status"]["notes"]) == (local_rank == "2")
     assert f["oom_queued"] and f["cuda_initialized"] is False
 
 
@@ -272,6 +272,7 @@ print('INIT=' + json.dumps({{
     'allocator': C._accelerator_getAllocatorSettings(), 'fractions': calls,
     'alloc_env': {{k: v for k, v in os.environ.items() if k.endswith('ALLOC_CONF')}},
     'status': {{k: opts[k] for k in ('allocator', 'memory_fraction')}},
+    'framework': _outofcuda.status()['framework'],
     'error': _outofcuda.status()['hook']['error'],
     'expandable': expandable_flag(), 'cuda_initialized': torch.cuda.is_initialized()}}))
 """
@@ -328,7 +329,7 @@ def test_framework_imported_after_torch_gets_the_users_allocator(cuda_venv, fram
     assert f["fractions"] == []
     assert f["status"]["allocator"]["code"] == "handed_back"
     assert f["status"]["memory_fraction"]["code"] == "framework"
-    assert "vLLM" in f["status"]["memory_fraction"]["reason"]  # which framework, by name
+    assert f["framework"]["left_to"] == "vLLM"  # which framework, by name
     assert f["error"] is None and f["cuda_initialized"] is False
 
 
@@ -366,7 +367,7 @@ def test_the_real_vllm_wheel_keeps_its_allocator(cuda_venv, vllm_dir, imports):
     assert f["allocator"] == "" and f["alloc_env"] == {}
     assert f["expandable"] is False and f["fractions"] == []
     alloc = f["status"]["allocator"]
-    assert "vLLM" in alloc["reason"]  # which framework, by name
+    assert f["framework"]["left_to"] == "vLLM"  # which framework, by name
     # Found at torch's import when vllm imported torch, else at CUDA initialisation.
     assert alloc["code"] == ("handed_back" if imports.startswith("import torch") else "framework")
     assert f["error"] is None and f["cuda_initialized"] is False
@@ -406,7 +407,8 @@ def test_the_users_own_memory_fraction_wins(cuda_venv, how):
     f = report(cuda_venv, code, env=env, prefix="FRACTION=")
     assert f["calls"] == [["observer"]]
     assert not f["status"]["applied"] and f["status"]["code"] == "program_chose", f["status"]
-    assert "per_process_memory_fraction:0.5" in f["status"]["reason"], f["status"]
+    assert f["status"]["chosen"] == 0.5, f["status"]
+    assert f["status"]["variable"] == (None if how == "setter" else how), f["status"]
 
 
 def test_what_waits_for_cuda_shows_as_queued(cuda_venv, tmp_path):

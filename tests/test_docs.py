@@ -130,6 +130,10 @@ def test_every_record_code_and_state_is_documented():
     assert documented == codes
     for state in states:
         assert f"`{state}`" in text, state
+    # The notes' codes, named where python-api.md says they are.
+    stub = (ROOT / "_outofcuda.pyi").read_text()
+    notes = oc_h_table("OC_REC_NOTES")
+    assert len(notes) > 10 and [n for n in notes if f" {n}" not in stub] == [], notes
 
 
 def test_the_record_table_reader_reads_what_it_should():

@@ -136,8 +136,9 @@ def test_a_step_cut_short_runs_again_when_torch_runs_its_queue_again(venv, tmp_p
             assert r["records"][order[i]] == {"applied": False, "state": "interrupted",
                                               "code": "at_cuda_init", "queued": True,
                                               "interrupted": True}, r
-    # The guard cut short is decided again, not left half done.
-    assert runs[2]["guard"] == [None, False]
+    # The guard cut short is not left half done: decided from the facts, its
+    # action not taken, it acts when the step runs again.
+    assert runs[2]["guard"] == [True, False]
     check_all_applied(d["end"])
 
 
@@ -162,7 +163,7 @@ except KeyboardInterrupt:
     first = outcome()["steps"]
 torch.cuda._fake_cuda_init()
 print(json.dumps({"first": first, "end": outcome(),
-                  "sdpa": _outofcuda.status()["optimizations"]["sdpa"]["reason"]}))
+                  "sdpa": _outofcuda.status()["optimizations"]["sdpa"]}))
 """
 
 
@@ -173,8 +174,8 @@ def test_a_ctrl_c_after_torchs_write_leaves_the_step_applied(venv, tmp_path, sm9
                            args=("-W", "error")))
     assert d["first"] is not None and d["first"][step] == "interrupted", d["first"]
     check_all_applied(d["end"], once=False)
-    # The guard's words on the sdpa row: no typed field carries them.
-    assert f"turned off when CUDA started (known bug {BUG})" in d["sdpa"], d["sdpa"]
+    # The guard's note on the sdpa row, with the known bug it acts on.
+    assert "cudnn_attention_off" in d["sdpa"]["notes"] and d["sdpa"]["known_bug"] == BUG, d
 
 
 # The framework step cut short inside torch's allocator setter (a Ctrl-C the

@@ -356,9 +356,8 @@ print(json.dumps({"calls": calls, "st": st[0], "now_on": _outofcuda.status()["kn
     row = d["st"]["known_bugs"][0]
     assert [row["applies"], row["done"], row["now"]] == [True, True, "off"]
     assert [d["now_on"]["done"], d["now_on"]["now"]] == [True, "on"]
-    reason = d["st"]["optimizations"]["sdpa"]["reason"]
-    assert "cuDNN attention turned off when CUDA started (known bug %s)" % BUG in reason, reason
-    assert "left as torch has it" not in reason
+    sdpa = d["st"]["optimizations"]["sdpa"]
+    assert (sdpa["notes"], sdpa["known_bug"]) == (["cudnn_attention_off"], BUG), sdpa
 
 
 def test_turning_one_row_off_leaves_the_other_rows_as_they_were(venv, tmp_path, nvml):

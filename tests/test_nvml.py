@@ -185,7 +185,7 @@ print(json.dumps([_outofcuda.status()["optimizations"]["amp_dtype"],
                                           cwd=tmp_path))
         assert entry["applied"] is True and entry["value"] == dtype, entry
         assert entry["code"] == "default"  # OUTOFCUDA_AMP_DTYPE=auto, outofcuda's default
-        assert f"compute capability {cc}" in entry["reason"] and "(from NVML)" in entry["reason"]
+        assert entry["capability"] == cc and entry["notes"] == ["capability_from_nvml"], entry
         assert calls == [["set_autocast_dtype", "cuda", f"torch.{dtype}"]]
 
 
@@ -569,8 +569,8 @@ print(json.dumps([_outofcuda.status()["optimizations"]["amp_dtype"],
 """, cwd=workdir))
     hook, (dtype, reason) = d
     assert hook["applied"] is False and hook["code"] == "dtype_unknown"
-    assert hook["reason"].startswith("compute capability unknown: ")
-    assert dtype is None and reason == hook["reason"]
+    assert hook["capability"] is None and hook["notes"] == []
+    assert dtype is None and reason.startswith("compute capability unknown: ")
 
 
 @pytest.mark.parametrize("variant,errors,why", [
