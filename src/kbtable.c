@@ -205,20 +205,23 @@ static const oc_known_bug table[] = {
               OC_KB_REPORT, 0, "named in `outofcuda doctor`",
               "https://github.com/pytorch/pytorch/issues/175058", {0, 0}, "torch 2.12",
               "upgrade to torch 2.12"),
-    /* After PR 179618 (2.13) the same expandable segment is shared under
-     * different handles, and 2.13's handles cannot be read by 2.11. */
+    /* PR 179618 (2.13) widened the header of an expandable segment's IPC
+     * handle to 32 bytes and stores 24 of them: read in libc10_cuda.so of
+     * 2.14.1 and 2.15.0 (handle version 3, which 2.12 and older refuse);
+     * 2.12.1 zeroes its 24-byte header (version 2). */
     OC_KB_ROW("expandable-ipc-2.13",
-              "CUDA IPC of expandable segments (outofcuda's default) gives a new handle for the "
-              "same segment each time, which torch 2.11 and older cannot read",
+              "a CUDA IPC handle of an expandable segment (outofcuda's default) holds 8 "
+              "uninitialised bytes: memory shared twice gets two handles, and the receiving "
+              "process imports and maps it again each time",
               {21300, 0}, {0, 0}, {0, 0}, NULL,
-              "CUDA tensors shared between processes (torch.multiprocessing, weight refit to an "
-              "inference process)",
+              "CUDA tensors sent to another process (torch.multiprocessing, DataLoader workers, "
+              "weight refit to an inference process)",
               OC_KB_REPORT, 0,
-              "named in `outofcuda doctor`: which tensors a process will share cannot be seen "
-              "when outofcuda sets the allocator, at import",
+              "named in `outofcuda doctor`: which process will send CUDA tensors cannot be seen "
+              "when outofcuda sets the allocator",
               "https://github.com/pytorch/pytorch/issues/198305", {0, 0}, NULL,
               "OUTOFCUDA_ALLOC_CONF=garbage_collection_threshold:0.8 (expandable segments off) in "
-              "processes that share CUDA tensors"),
+              "processes that send CUDA tensors; torch 2.12 and older read no 2.13 handle"),
 };
 
 size_t oc_known_bug_count(void)
