@@ -216,9 +216,9 @@ static const oc_known_bug table[] = {
               {21300, 0}, {0, 0}, {0, 0}, NULL,
               "CUDA tensors sent to another process (torch.multiprocessing, DataLoader workers, "
               "weight refit to an inference process)",
-              OC_KB_REPORT, 0,
-              "named in `outofcuda doctor`: which process will send CUDA tensors cannot be seen "
-              "when outofcuda sets the allocator",
+              OC_KB_IPC_NO_EXPANDABLE, 0,
+              "expandable segments of outofcuda's defaults off from CUDA's start in a DataLoader "
+              "worker (its CUDA tensors leave it only by CUDA IPC); named in doctor elsewhere",
               "https://github.com/pytorch/pytorch/issues/198305", {0, 0}, NULL,
               "OUTOFCUDA_ALLOC_CONF=garbage_collection_threshold:0.8 (expandable segments off) in "
               "processes that send CUDA tensors; torch 2.12 and older read no 2.13 handle"),

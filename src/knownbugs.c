@@ -23,6 +23,7 @@ typedef struct {
     long nccl;                           /* -1 until read */
     int other_cudnn;                     /* read once, at import */
     int need_cudnn;                      /* a steer, on or off, waits for cuDNN's version */
+    int redecide;                        /* an attention guard acts or waits: decide again */
 } kb_rows;
 static kb_rows kb;
 
@@ -277,7 +278,7 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     kb.other_cudnn = other_cudnn(oc_env("LD_LIBRARY_PATH"));
     /* Left for CUDA's start: reading cuDNN's version where no wheel names it
      * (+51 MiB of RSS), only for a steer, and the cuDNN-attention steer. */
-    pending = need_cudnn = kb.need_cudnn = decide_all(torch, n);
+    pending = need_cudnn = kb.need_cudnn = kb.redecide = decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {
         size_t len = strlen(kb.reason[i]);
         if (kb.code[i] == OC_KBC_APPLIES)
@@ -288,8 +289,9 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
                                 : " (only where a guard needs it; `outofcuda doctor` reads it)%s",
                      need_cudnn ? no_queue : "");
         /* A guard decided now (the wheel named cuDNN) acts when CUDA starts. */
-        pending |=
+        kb.redecide |=
             kb.code[i] == OC_KBC_APPLIES && oc_known_bug_at(i)->action == OC_KB_SDPA_NO_CUDNN;
+        pending |= kb.code[i] == OC_KBC_APPLIES && oc_known_bug_at(i)->action != OC_KB_REPORT;
     }
     if (pending && no_queue == NULL)
         oc_cuda_step_arm(OC_STEP_KNOWN_BUGS);
@@ -343,6 +345,46 @@ static int sdp_flag(PyObject *c_mod, const char *getter)
     return on;
 }
 
+/* Known bug expandable-ipc-2.13's steer, when CUDA starts: a DataLoader worker's CUDA tensors
+ * leave it only through CUDA IPC, and it allocates little, so expandable segments from
+ * outofcuda's defaults (a user's own expandable_segments wins) go off there, before its first
+ * allocation. A run a Ctrl-C cut short finds its own record (at_cuda_init): done. */
+static oc_kb_code ipc_steer(PyObject *torch, const oc_known_bug *b, char *why, size_t sz)
+{
+    const oc_record *alloc = oc_record_get(OC_OPT_ALLOCATOR);
+    PyObject *m = oc_sys_module("torch.utils.data._utils.worker"), *r = NULL;
+    PyObject *w = m ? PyObject_GetAttrString(m, "_worker_info") : NULL;
+    const char *user = NULL;
+    char conf[OC_ALLOC_CONF_MAX];
+    int worker = w != NULL && w != Py_None, done = alloc->code == OC_CODE_AT_CUDA_INIT;
+    Py_XDECREF(w);
+    Py_XDECREF(m);
+    OC_CLEAR();
+    oc_alloc_user_var(oc_torch_version(torch), &user);
+    if (worker && !done && alloc->state == OC_REC_APPLIED && oc_alloc_expandable(alloc->text) &&
+        oc_config_get()->alloc_conf_no_expandable[0] &&
+        oc_alloc_value(user, "expandable_segments", NULL, 0) == 0 &&
+        oc_alloc_merge(alloc->text, "expandable_segments:False", NULL, NULL, conf, sizeof conf,
+                       NULL, 0, NULL, 0) == 0) {
+        m = PyObject_GetAttrString(torch, "_C");
+        r = m ? PyObject_CallMethod(m, "_accelerator_setAllocatorSettings", "s", conf) : NULL;
+        Py_XDECREF(m);
+        OC_CLEAR();
+        if (r == NULL)
+            return OC_KBC_NOT_AVOIDED; /* the reason stays the row's: applies */
+        Py_DECREF(r);
+        oc_record_set(OC_OPT_ALLOCATOR, OC_REC_APPLIED, OC_CODE_AT_CUDA_INIT,
+                      "given to torch's setter when CUDA started in this DataLoader worker, "
+                      "expandable segments off (known bug %s)",
+                      b->id);
+        oc_record_text(OC_OPT_ALLOCATOR, conf);
+        done = 1;
+    }
+    if (done)
+        snprintf(why, sz, "; %s", b->action_text);
+    return done ? OC_KBC_AVOIDED : OC_KBC_APPLIES;
+}
+
 /* Takes entry i's action: its code (the reason appended to). */
 static oc_kb_code act(PyObject *torch, const oc_known_bug *b, size_t i)
 {
@@ -351,6 +393,8 @@ static oc_kb_code act(PyObject *torch, const oc_known_bug *b, size_t i)
     size_t len = strlen(kb.reason[i]);
     PyObject *c_mod;
     int on, other = 0, rc;
+    if (b->action == OC_KB_IPC_NO_EXPANDABLE)
+        return ipc_steer(torch, b, kb.reason[i] + len, sizeof kb.reason[i] - len);
     if (b->action != OC_KB_SDPA_NO_CUDNN)
         return OC_KBC_APPLIES;
     c_mod = PyObject_GetAttrString(torch, "_C");
@@ -404,7 +448,8 @@ void oc_known_bugs_at_cuda_init(PyObject *torch)
         n = OC_KB_MAX_ENTRIES;
     if (kb.cudnn < 0 && kb.need_cudnn)
         kb.cudnn = read_cudnn_version(torch);
-    decide_all(torch, n);
+    if (kb.redecide) /* the IPC steer alone decides nothing again */
+        decide_all(torch, n);
     for (size_t i = 0; i < n; i++) {
         size_t len = strlen(kb.reason[i]);
         oc_kb_code c =
@@ -541,7 +586,7 @@ size_t oc_known_bugs_summary(char *buf, size_t sz, const char *prefix)
          * report-only rows that depend on how the program trains (FSDP2,
          * pooling) stay in doctor, where they are one line each. */
         if (oc_kb_verdict(code) != OC_KB_YES || code == OC_KBC_AVOIDED ||
-            (b->action == OC_KB_REPORT && oc_range_any(b->cudnn) && !b->needs))
+            (b->action >= OC_KB_REPORT && oc_range_any(b->cudnn) && !b->needs))
             continue;
         snprintf(buf + len, sz - len, "%s  known bug      %s: %s (%s); fix: %s%s%s\n", prefix,
                  b->id, why, b->evidence, b->fix, b->fixed_in ? "; fixed in " : "",

@@ -244,6 +244,7 @@ typedef enum {
     OC_KB_ALLOC_GENERIC,     /* the user's PYTORCH_ALLOC_CONF handed to torch's setter */
     OC_KB_TF32_LEGACY,       /* TF32 set only through the legacy setter (both APIs agree) */
     OC_KB_REPORT,            /* named, with the versions and the fix */
+    OC_KB_IPC_NO_EXPANDABLE, /* expandable segments off in a DataLoader worker when CUDA starts */
 } oc_kb_action;
 
 /* Facts a row needs beside torch's version and build. */

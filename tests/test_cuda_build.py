@@ -297,6 +297,42 @@ print('KEPT=' + json.dumps([torch._C._accelerator_getAllocatorSettings(), expand
     assert f == ["max_split_size_mb:256", True]
 
 
+# expandable-ipc-2.13 on the real 2.14.1 (an affected release): a real DataLoader
+# worker, forked from a parent that never started CUDA, runs outofcuda's CUDA-start
+# callback as CUDA's start would (the device calls stood in), then the parent does.
+WORKER = EXPANDABLE + """
+import json, torch, _outofcuda
+from torch.utils.data import DataLoader, Dataset
+C = torch._C
+C._cuda_getDeviceCount = lambda: 1
+C._cuda_getDevice = lambda: 0
+C._cuda_setMemoryFraction = lambda fraction, device: None
+C._cuda_attach_out_of_memory_observer = lambda fn: None
+def start_cuda():
+    for fn, _stack in torch.cuda._queued_calls:
+        if getattr(fn, '__name__', '').startswith('outofcuda'):
+            fn()
+    st = _outofcuda.status()
+    (e,) = [b for b in st['known_bugs'] if b['id'] == 'expandable-ipc-2.13']
+    return json.dumps([e['code'], st['optimizations']['allocator']['code'],
+                       C._accelerator_getAllocatorSettings(), expandable_flag()])
+class D(Dataset):
+    def __len__(self):
+        return 1
+    def __getitem__(self, i):
+        return start_cuda()
+(w,) = DataLoader(D(), batch_size=None, num_workers=1, multiprocessing_context='fork')
+print('IPC=' + json.dumps([json.loads(w), json.loads(start_cuda())]))
+"""
+
+
+def test_a_dataloader_worker_starts_cuda_without_outofcudas_expandable_segments(cuda_venv):
+    worker, main = report(cuda_venv, WORKER, prefix="IPC=")
+    assert worker == ["avoided", "at_cuda_init",
+                      "expandable_segments:False,garbage_collection_threshold:0.8", False], worker
+    assert main == ["applies", "runtime_setter", DEFAULTS, True], main
+
+
 @pytest.fixture
 def frameworks_path(tmp_path):
     from fake_frameworks import FILES, make_fake_framework

@@ -561,6 +561,50 @@ def test_the_string_given_to_the_setter_is_whole(venv, tmp_path, release, user):
     assert d["parsed"] == d["setters"][0]
 
 
+# expandable-ipc-2.13: from 2.13 an expandable segment's IPC handle carries 8
+# uninitialised bytes (read in the 2.14.1 and 2.15.0 binaries). A DataLoader
+# worker (torch's _worker_info set, as _worker_loop sets it before the dataset
+# runs) sends its CUDA tensors only through CUDA IPC: there outofcuda's own
+# expandable segments go off when CUDA starts.
+IPC = """
+import json, sys, types, torch, _outofcuda
+if %r:
+    worker = types.ModuleType("torch.utils.data._utils.worker")
+    worker._worker_info = object()
+    sys.modules[worker.__name__] = worker
+torch.cuda._fake_cuda_init()
+st = _outofcuda.status()
+(e,) = [b for b in st["known_bugs"] if b["id"] == "expandable-ipc-2.13"]
+a = st["optimizations"]["allocator"]
+print(json.dumps({"row": [e["applies"], e["done"], e["code"], e["kind"]], "parsed": torch._alloc_conf(),
+                  "alloc": [a["state"], a["code"], a["value"]], "error": st["hook"]["error"]}))
+"""
+STEERED = "expandable_segments:False,garbage_collection_threshold:0.8"
+
+
+@pytest.mark.parametrize("release,version,worker,env,code", [
+    ("2.12.1", "2.13.0", True, {}, "avoided"),
+    ("2.15.0", None, True, {}, "avoided"),
+    ("2.12.1", None, True, {}, "out_of_range"),
+    ("2.15.0", None, False, {}, "applies"),
+    ("2.15.0", None, True, {"OUTOFCUDA_KNOWN_BUGS": "expandable-ipc-2.13"}, "off"),
+    ("2.15.0", None, True, {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, "applies"),
+    ("2.15.0", None, True, {"OUTOFCUDA_ALLOC_CONF": "expandable_segments:True"}, "applies")])
+def test_a_dataloader_worker_gets_no_expandable_segments_of_outofcudas(
+        venv, tmp_path, release, version, worker, env, code):
+    root = make_fake_torch(tmp_path / "fake", release, version=version)
+    d = last_json(venv.run(IPC % worker, env=dict(env, PYTHONPATH=str(root)), cwd=tmp_path))
+    assert d["row"][2] == code and d["error"] is None, d
+    assert d["row"][3] == "guard" and d["row"][1] is (code == "avoided"), d
+    if code == "avoided":
+        # Whole (the gc threshold kept), before the first allocation, and said so.
+        assert keys(d["parsed"]) == keys(STEERED) and d["alloc"] == ["applied", "at_cuda_init",
+                                                                      STEERED], d
+    else:
+        assert keys(d["parsed"])["expandable_segments"] == "True", d
+        assert d["alloc"][1] != "at_cuda_init", d
+
+
 # ---- the TF32 mixed-API trap ----
 
 # Per program choice (a forked child each): the program sets TF32 through
@@ -912,7 +956,7 @@ print(json.dumps({
     assert r["cpu"] == [False, False, False]
     assert {"fixed_in", "fix", "kind"} <= set(r["fields"])
     assert r["kinds"] == ["guard", "guard", "named", "named", "named", "named", "own", "named",
-                          "guard", "guard"] + ["named"] * 6
+                          "guard", "guard"] + ["named"] * 5 + ["guard"]
 
 
 # ---- the real CUDA build of torch 2.14.1 (no GPU) ----
