@@ -461,6 +461,13 @@ PyObject *oc_advice_texts(const oc_advice_item *items, int n)
     return list;
 }
 
+PyObject *oc_none_or_ll(long long x)
+{
+    if (x < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLongLong(x);
+}
+
 PyObject *oc_sys_module(const char *name)
 {
     PyObject *key = PyUnicode_FromString(name);

@@ -197,10 +197,12 @@ static void defer_join(pthread_t t)
 /* Reads one sample from the test source file or NVML. Returns 0 or -1. */
 static int read_memory(oc_monitor *m, mon_sample *s)
 {
+    oc_gpu_info g;
+    oc_gpu_proc *procs;
+    int n;
     s->process = s->reserved = s->allocated = -1;
     if (m->source[0]) {
         FILE *f = fopen(m->source, "r");
-        int n;
         if (f == NULL)
             return -1;
         n = fscanf(f, "%lld %lld %lld", &s->used, &s->total, &s->process);
@@ -208,23 +210,19 @@ static int read_memory(oc_monitor *m, mon_sample *s)
         if (n < 3)
             s->process = -1;
         return n >= 2 && s->total > 0 ? 0 : -1;
-    } else {
-        oc_gpu_info g;
-        oc_gpu_proc *procs;
-        int n;
-        if (oc_nvml_device_info(m->nvml_index, &g) != 0 || g.total == 0)
-            return -1;
-        s->used = (long long)g.used;
-        s->total = (long long)g.total;
-        /* The whole list: on a busy GPU this process may come after the
-         * first few dozen entries. */
-        n = oc_nvml_process_list(m->nvml_index, &procs);
-        for (int i = 0; i < n; i++)
-            if (procs[i].pid == (unsigned int)getpid() && procs[i].used != OC_NVML_NOT_AVAILABLE)
-                s->process = (long long)procs[i].used;
-        free(procs);
-        return 0;
     }
+    if (oc_nvml_device_info(m->nvml_index, &g) != 0 || g.total == 0)
+        return -1;
+    s->used = (long long)g.used;
+    s->total = (long long)g.total;
+    /* The whole list: on a busy GPU this process may come after the
+     * first few dozen entries. */
+    n = oc_nvml_process_list(m->nvml_index, &procs);
+    for (int i = 0; i < n; i++)
+        if (procs[i].pid == (unsigned int)getpid() && procs[i].used != OC_NVML_NOT_AVAILABLE)
+            s->process = (long long)procs[i].used;
+    free(procs);
+    return 0;
 }
 
 /* Appends item to a ring of cap items of `size` bytes, dropping the oldest
@@ -241,8 +239,10 @@ static int ring_push(void *ring, size_t *head, size_t *count, size_t cap, size_t
     return 1;
 }
 
-static PyObject *event_dict(const oc_monitor *m, const mon_event *e)
+/* One event as a dict; also ring_list's item for the events ring. */
+static PyObject *event_dict(const oc_monitor *m, const void *x)
 {
+    const mon_event *e = x;
     return Py_BuildValue("{s:d,s:s,s:i,s:L,s:L,s:d,s:L,s:L,s:s}", "time", e->t, "kind",
                          e->error ? "on_high_error" : "high", "device", m->torch_index, "used",
                          e->used, "total", e->total, "fraction",
@@ -297,14 +297,9 @@ static void call_on_high(oc_monitor *m, const mon_event *e, mon_event *err)
  * reference to m, so m outlives whatever the Python code here frees. */
 static void act_on_high(oc_monitor *m, const mon_sample *s)
 {
-    mon_event e, err;
+    mon_event e = {.t = s->t, .used = s->used, .total = s->total}, err = {0};
     mon_sample after;
     PyGILState_STATE gil;
-    memset(&e, 0, sizeof e);
-    memset(&err, 0, sizeof err);
-    e.t = s->t;
-    e.used = s->used;
-    e.total = s->total;
     if (should_stop(m))
         return;
     gil = PyGILState_Ensure();
@@ -630,13 +625,6 @@ static PyObject *py_monitor_info(PyObject *self, PyObject *capsule)
                          (Py_ssize_t)count, "interval", m->interval);
 }
 
-static PyObject *none_if_negative(long long x)
-{
-    if (x < 0)
-        Py_RETURN_NONE;
-    return PyLong_FromLongLong(x);
-}
-
 /* One ring's items, oldest first, as a new list of item(m, x) (NULL with an
  * exception). The items are copied under m's lock, and the Python objects
  * built after it is released, so no Python code runs while it is held. */
@@ -669,13 +657,8 @@ static PyObject *sample_tuple(const oc_monitor *m, const void *x)
 {
     const mon_sample *s = x;
     (void)m;
-    return Py_BuildValue("(dLLNNN)", s->t, s->used, s->total, none_if_negative(s->process),
-                         none_if_negative(s->reserved), none_if_negative(s->allocated));
-}
-
-static PyObject *event_item(const oc_monitor *m, const void *x)
-{
-    return event_dict(m, x);
+    return Py_BuildValue("(dLLNNN)", s->t, s->used, s->total, oc_none_or_ll(s->process),
+                         oc_none_or_ll(s->reserved), oc_none_or_ll(s->allocated));
 }
 
 /* _monitor_samples(capsule) -> [(time, used, total, process, reserved,
@@ -697,7 +680,7 @@ static PyObject *py_monitor_events(PyObject *self, PyObject *capsule)
     if (m == NULL)
         return NULL;
     return ring_list(m, m->events, &m->ev_head, &m->ev_count, EVENTS_MAX, sizeof(mon_event),
-                     event_item);
+                     event_dict);
 }
 
 static PyObject *py_monitor_start(PyObject *self, PyObject *args)

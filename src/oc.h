@@ -388,6 +388,7 @@ extern PyMethodDef oc_monitor_testing_methods[];
 PyObject *oc_getattr_chain(PyObject *obj, const char *dotted);
 /* The texts of n advice items as a new list of str, or NULL. */
 PyObject *oc_advice_texts(const oc_advice_item *items, int n);
+PyObject *oc_none_or_ll(long long x); /* x, or None when negative (unknown): new ref */
 /* sys.modules[name] (new ref), or NULL with no exception: never imports. */
 PyObject *oc_sys_module(const char *name);                      /* new ref or NULL, no exception */
 int oc_call_bool(PyObject *owner, const char *name, int value); /* 1 called, 0 missing, -1 error */

@@ -176,20 +176,17 @@ static int main_thread_in_data(long *workers, int *worker)
     Py_XINCREF(frame);
     for (int depth = 0; frame != NULL && frame != Py_None && depth < MAX_STACK_DEPTH; depth++) {
         PyObject *code = PyObject_GetAttrString(frame, "f_code"), *name = NULL, *back;
-        int in = code != NULL && in_data_code(code, needle, &name);
+        int in = code != NULL && in_data_code(code, needle, &name), next;
         Py_XDECREF(code);
-        if (in) {
-            where = 1;
-            *worker = name_is(name, "_worker_loop");
-            /* The iterator's entry: the frames further out are the program's. */
-            if (name_is(name, "__next__") || *worker) {
-                if (!*worker)
-                    *workers = iterator_workers(frame);
-                Py_XDECREF(name);
-                break;
-            }
-        }
+        where = in ? 1 : where;
+        *worker = name_is(name, "_worker_loop");
+        next = name_is(name, "__next__");
+        if (next)
+            *workers = iterator_workers(frame);
         Py_XDECREF(name);
+        /* The iterator's entry: the frames further out are the program's. */
+        if (next || *worker)
+            break;
         back = PyObject_GetAttrString(frame, "f_back");
         Py_DECREF(frame);
         frame = back;
@@ -399,15 +396,13 @@ static int devices_begin(const int *torch_index, int n)
     S.cuda = 1;
     S.t_cuda = oc_thread_now();
     pthread_mutex_unlock(&S.th.lock);
-    if (!oc_nvml_available(why, sizeof why)) {
+    if (!oc_nvml_available(why, sizeof why))
         snprintf(S.why, sizeof S.why, "%s", why);
-        return 0;
-    }
-    if (sampled == 0) {
+    else if (sampled == 0)
         snprintf(S.why, sizeof S.why, "NVML shows none of this process's CUDA devices");
-        return 0;
-    }
-    return start_thread();
+    else
+        return start_thread();
+    return 0;
 }
 
 /* This process's devices: LOCAL_RANK's alone under torchrun (one GPU per
@@ -551,8 +546,6 @@ done:
     return best;
 }
 
-/* ---- hints: advice.c ranks them over the figures ---- */
-
 /* ---- at exit: the block and the JSON ---- */
 
 typedef struct {
@@ -565,10 +558,11 @@ typedef struct {
 } proc_figs;
 
 /* Up to HINTS_MAX hints for one device (NULL: no GPU part), highest score
- * first; f gets the figures they rest on. */
+ * first; f gets the figures they rest on. Returns how many. */
 static int make_hints(const sum_device *d, const proc_figs *p, oc_summary_figures *f,
                       oc_advice_item *h)
 {
+    int nh;
     memset(f, 0, sizeof *f);
     f->peak_allocated = f->peak_reserved = -1;
     if (d != NULL) {
@@ -590,13 +584,8 @@ static int make_hints(const sum_device *d, const proc_figs *p, oc_summary_figure
     f->suggested_workers = p->suggested_workers;
     f->expandable = torch_facts.expandable;
     f->no_expandable_here = oc_platform_no_expandable() != NULL;
-    return oc_summary_hints(f, h, HINTS_MAX + 1);
-}
-
-/* The share of stack samples inside a torch.utils.data iterator. */
-static double wait_share(const proc_figs *p)
-{
-    return p->frame_samples ? (double)p->frame_waits / (double)p->frame_samples : 0.0;
+    nh = oc_summary_hints(f, h, HINTS_MAX + 1);
+    return nh < HINTS_MAX ? nh : HINTS_MAX;
 }
 
 static void format_wait(oc_text *t, const proc_figs *p, const sum_device *d)
@@ -606,7 +595,7 @@ static void format_wait(oc_text *t, const proc_figs *p, const sum_device *d)
         return;
     }
     oc_appendf(t, "  input wait     main thread in torch.utils.data in %.1f %% of %llu samples",
-               100.0 * wait_share(p), p->frame_samples);
+               100.0 * (double)p->frame_waits / (double)p->frame_samples, p->frame_samples);
     if (d != NULL && d->paired_samples > 0)
         oc_appendf(t, "; GPU under %d %% while it waited in %.1f %% of %llu\n", LOW_UTIL,
                    100.0 * (double)d->paired_wait_low / (double)d->paired_samples,
@@ -673,37 +662,30 @@ static void append_known_bugs(oc_text *t, const proc_figs *p)
         oc_appendf(t, "%s", lines);
 }
 
-static PyObject *none_or_ll(long long x)
+/* num / den, or None without a sample (den 0). */
+static PyObject *none_or_ratio(double num, double den)
 {
-    if (x < 0)
+    if (den <= 0.0)
         Py_RETURN_NONE;
-    return PyLong_FromLongLong(x);
-}
-
-static PyObject *none_or_double(int known, double x)
-{
-    if (!known)
-        Py_RETURN_NONE;
-    return PyFloat_FromDouble(x);
+    return PyFloat_FromDouble(num / den);
 }
 
 /* One device's entry of the JSON form (new reference or NULL). */
 static PyObject *device_dict(const sum_device *d, const oc_advice_item *h, int nh)
 {
     PyObject *hints = oc_advice_texts(h, nh);
-    int u = d->util_samples > 0, m = d->mem_samples > 0;
+    int m = d->mem_samples > 0;
     if (hints == NULL)
         return NULL;
     return Py_BuildValue(
         "{s:i,s:N,s:s,s:K,s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "device", d->torch_index, "nvml_index",
-        none_or_ll(d->nvml_index), "name", d->name, "samples", d->util_samples, "utilization_mean",
-        none_or_double(u, u ? d->util_sum / (double)d->util_samples : 0.0),
-        "utilization_under_50_share",
-        none_or_double(u, u ? (double)d->under_low / (double)d->util_samples : 0.0),
-        "memory_used_peak", m ? PyLong_FromUnsignedLongLong(d->mem_peak) : none_or_ll(-1),
-        "memory_total", m ? PyLong_FromUnsignedLongLong(d->mem_total) : none_or_ll(-1),
-        "peak_allocated", none_or_ll(d->peak_allocated), "peak_reserved",
-        none_or_ll(d->peak_reserved), "hints", hints);
+        oc_none_or_ll(d->nvml_index), "name", d->name, "samples", d->util_samples,
+        "utilization_mean", none_or_ratio(d->util_sum, (double)d->util_samples),
+        "utilization_under_50_share", none_or_ratio((double)d->under_low, (double)d->util_samples),
+        "memory_used_peak", m ? PyLong_FromUnsignedLongLong(d->mem_peak) : oc_none_or_ll(-1),
+        "memory_total", m ? PyLong_FromUnsignedLongLong(d->mem_total) : oc_none_or_ll(-1),
+        "peak_allocated", oc_none_or_ll(d->peak_allocated), "peak_reserved",
+        oc_none_or_ll(d->peak_reserved), "hints", hints);
 }
 
 /* The JSON's input_wait (new reference or NULL): the measured figures and
@@ -713,10 +695,7 @@ static PyObject *wait_dict(const proc_figs *p, const oc_summary_figures *f, cons
 {
     PyObject *paired = PyList_New(0);
     for (int i = 0; paired != NULL && i < n; i++) {
-        PyObject *x = none_or_double(dev[i].paired_samples > 0,
-                                     dev[i].paired_samples > 0 ? (double)dev[i].paired_wait_low /
-                                                                     (double)dev[i].paired_samples
-                                                               : 0.0);
+        PyObject *x = none_or_ratio((double)dev[i].paired_wait_low, (double)dev[i].paired_samples);
         if (x == NULL || PyList_Append(paired, x) < 0)
             Py_CLEAR(paired);
         Py_XDECREF(x);
@@ -725,9 +704,9 @@ static PyObject *wait_dict(const proc_figs *p, const oc_summary_figures *f, cons
         return NULL;
     return Py_BuildValue("{s:K,s:K,s:N,s:O,s:N,s:l,s:l,s:N}", "samples", p->frame_samples,
                          "waiting", p->frame_waits, "share",
-                         none_or_double(p->frame_samples > 0, wait_share(p)), "starved",
+                         none_or_ratio((double)p->frame_waits, (double)p->frame_samples), "starved",
                          oc_summary_starved(f) ? Py_True : Py_False, "num_workers",
-                         none_or_ll(p->workers), "cpus", p->cpus, "suggested_workers",
+                         oc_none_or_ll(p->workers), "cpus", p->cpus, "suggested_workers",
                          p->suggested_workers, "gpu_under_50_while_waiting_share", paired);
 }
 
@@ -776,17 +755,6 @@ done:
     return rc;
 }
 
-/* The JSON document (new reference or NULL). */
-static PyObject *json_doc(const proc_figs *p, PyObject *devices, PyObject *hints, PyObject *wait)
-{
-    return Py_BuildValue("{s:i,s:N,s:d,s:d,s:k,s:L,s:N,s:l,s:O,s:N,s:O,s:O}", "version", 1, "rank",
-                         none_or_ll(p->rank), "wall_s", p->wall, "since_import_s", p->since_import,
-                         "ooms", p->ooms, "microbatch_splits", p->splits, "dataloader_workers",
-                         none_or_ll(p->workers), "interval_ms", S.interval_ms, "devices", devices,
-                         "no_gpu", p->no_gpu ? PyUnicode_FromString(p->no_gpu) : none_or_ll(-1),
-                         "input_wait", wait, "hints", hints);
-}
-
 /* Builds the text blocks (one per device, or one without a GPU part) and,
  * in JSON mode, the document. */
 static void emit(const proc_figs *p, const sum_device *dev, int n)
@@ -800,13 +768,11 @@ static void emit(const proc_figs *p, const sum_device *dev, int n)
     int nh = 0;
     if (p->no_gpu != NULL) {
         nh = make_hints(NULL, p, &f, h);
-        nh = nh < HINTS_MAX ? nh : HINTS_MAX;
         format_no_gpu(&t, p, h, nh);
     }
     hints = json ? oc_advice_texts(h, nh) : NULL; /* the top level's: a block without a GPU part */
     for (int i = 0; i < n; i++) {
         nh = make_hints(&dev[i], p, &f, h);
-        nh = nh < HINTS_MAX ? nh : HINTS_MAX;
         format_block(&t, &dev[i], p, h, nh);
         if (i == n - 1)
             append_known_bugs(&t, p);
@@ -822,7 +788,14 @@ static void emit(const proc_figs *p, const sum_device *dev, int n)
         if (n == 0)
             make_hints(NULL, p, &f, h); /* the figures of the decision below */
         wait = wait_dict(p, &f, dev, n);
-        doc = devices && hints && wait ? json_doc(p, devices, hints, wait) : NULL;
+        if (devices && hints && wait)
+            doc = Py_BuildValue("{s:i,s:N,s:d,s:d,s:k,s:L,s:N,s:l,s:O,s:N,s:O,s:O}", "version", 1,
+                                "rank", oc_none_or_ll(p->rank), "wall_s", p->wall, "since_import_s",
+                                p->since_import, "ooms", p->ooms, "microbatch_splits", p->splits,
+                                "dataloader_workers", oc_none_or_ll(p->workers), "interval_ms",
+                                S.interval_ms, "devices", devices, "no_gpu",
+                                p->no_gpu ? PyUnicode_FromString(p->no_gpu) : oc_none_or_ll(-1),
+                                "input_wait", wait, "hints", hints);
         if (doc != NULL && write_json(doc, p->rank, err, sizeof err) == 0) {
             Py_DECREF(doc);
             goto done;
@@ -993,24 +966,6 @@ static PyObject *py_summary_stats(PyObject *self, PyObject *unused)
         pthread_mutex_lock(&S.th.lock);
         n = S.n;
         memcpy(copy, S.dev, sizeof copy);
-        pthread_mutex_unlock(&S.th.lock);
-    }
-    list = PyList_New(0);
-    for (int i = 0; list != NULL && i < n; i++) {
-        d = Py_BuildValue("{s:i,s:i,s:K,s:K,s:d,s:K,s:K,s:K,s:K,s:K}", "device",
-                          copy[i].torch_index, "nvml_index", copy[i].nvml_index, "ticks",
-                          copy[i].ticks, "util_samples", copy[i].util_samples, "util_sum",
-                          copy[i].util_sum, "under_50", copy[i].under_low, "mem_peak",
-                          copy[i].mem_peak, "mem_total", copy[i].mem_total, "paired",
-                          copy[i].paired_samples, "paired_wait_low", copy[i].paired_wait_low);
-        if (d == NULL || PyList_Append(list, d) < 0)
-            Py_CLEAR(list);
-        Py_XDECREF(d);
-    }
-    if (list == NULL)
-        return NULL;
-    if (mine) {
-        pthread_mutex_lock(&S.th.lock);
         frames = Py_BuildValue("{s:K,s:K,s:l,s:O,s:O,s:d,s:d}", "samples", S.frame_samples,
                                "waiting", S.frame_waits, "workers", S.waited_workers, "on",
                                S.frames_on ? Py_True : Py_False, "in_worker",
@@ -1022,8 +977,20 @@ static PyObject *py_summary_stats(PyObject *self, PyObject *unused)
                                "workers", -1, "on", Py_False, "in_worker", Py_False, "gil_wait_s",
                                0.0, "gil_held_s", 0.0);
     }
-    if (frames == NULL) {
-        Py_DECREF(list);
+    list = frames != NULL ? PyList_New(0) : NULL;
+    for (int i = 0; list != NULL && i < n; i++) {
+        d = Py_BuildValue("{s:i,s:i,s:K,s:K,s:d,s:K,s:K,s:K,s:K,s:K}", "device",
+                          copy[i].torch_index, "nvml_index", copy[i].nvml_index, "ticks",
+                          copy[i].ticks, "util_samples", copy[i].util_samples, "util_sum",
+                          copy[i].util_sum, "under_50", copy[i].under_low, "mem_peak",
+                          copy[i].mem_peak, "mem_total", copy[i].mem_total, "paired",
+                          copy[i].paired_samples, "paired_wait_low", copy[i].paired_wait_low);
+        if (d == NULL || PyList_Append(list, d) < 0)
+            Py_CLEAR(list);
+        Py_XDECREF(d);
+    }
+    if (list == NULL) {
+        Py_XDECREF(frames);
         return NULL;
     }
     return Py_BuildValue("{s:O,s:s,s:l,s:N,s:N}", "running", mine && S.running ? Py_True : Py_False,
