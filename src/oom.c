@@ -1376,26 +1376,22 @@ static void str_into(PyObject *o, char *buf, size_t sz)
     Py_XDECREF(s);
 }
 
-/* map[key] read back: a text into buf ("" for None), or a byte count into
- * *n (-1 for None, TypeError for what is not an int). 0, or -1 with an
- * exception set (KeyError where it is missing). */
-static int read_text(PyObject *map, const char *key, char *buf, size_t sz)
+/* map[key] read back into at: a text of `size` bytes ("" for None), or for
+ * size 0 a byte count (-1 for None, TypeError for what is not an int). 0,
+ * or -1 with an exception set (KeyError where it is missing). */
+static int read_field(PyObject *map, const char *key, void *at, size_t size)
 {
     PyObject *v = PyMapping_GetItemString(map, key);
-    buf[0] = '\0';
-    if (v != NULL && v != Py_None)
-        str_into(v, buf, sz);
-    Py_XDECREF(v);
-    return PyErr_Occurred() ? -1 : 0;
-}
-static int read_figure(PyObject *map, const char *key, long long *n)
-{
-    PyObject *v = PyMapping_GetItemString(map, key);
-    *n = -1;
-    if (v != NULL && v != Py_None && !PyLong_Check(v))
+    int there = v != NULL && v != Py_None;
+    if (size > 0) {
+        *(char *)at = '\0';
+        if (there)
+            str_into(v, at, size);
+    } else if (there && !PyLong_Check(v)) {
         PyErr_SetString(PyExc_TypeError, "a report's byte count must be an int or None");
-    else if (v != NULL && v != Py_None)
-        *n = (long long)PyLong_AsUnsignedLongLong(v);
+    } else {
+        *(long long *)at = there ? (long long)PyLong_AsUnsignedLongLong(v) : -1;
+    }
     Py_XDECREF(v);
     return PyErr_Occurred() ? -1 : 0;
 }
@@ -1432,8 +1428,8 @@ static int read_procs(PyObject *report, oom_report *r)
         PyObject *e = PySequence_GetItem(list, i);
         PyObject *pid = e ? PyMapping_GetItemString(e, "pid") : NULL;
         p->pid = pid ? (unsigned int)PyLong_AsUnsignedLong(pid) : 0;
-        if (pid == NULL || PyErr_Occurred() || read_text(e, "name", p->name, sizeof p->name) ||
-            read_figure(e, "used_bytes", &p->used))
+        if (pid == NULL || PyErr_Occurred() || read_field(e, "name", p->name, sizeof p->name) ||
+            read_field(e, "used_bytes", &p->used, 0))
             rc = -1;
         r->n_procs += rc == 0;
         Py_XDECREF(pid);
@@ -1455,20 +1451,20 @@ static int report_from_dict(PyObject *report, oom_report *r)
                         "format_report expects the dict that outofcuda.last_oom() returns");
         return -1;
     }
-    if (read_figure(report, "device", &r->device) ||
-        read_text(report, "device_name", r->device_name, sizeof r->device_name) ||
-        read_text(report, "message", r->message, sizeof r->message) ||
-        read_figure(report, "request_bytes", &r->request) ||
-        read_figure(report, "total_bytes", &r->total) ||
-        read_figure(report, "free_bytes", &r->free_b) ||
-        read_figure(report, "allocated_bytes", &r->allocated) ||
-        read_figure(report, "reserved_bytes", &r->reserved) ||
-        read_figure(report, "peak_allocated_bytes", &r->peak) ||
-        read_figure(report, "fragmentation_bytes", &r->fragmentation) ||
-        read_figure(report, "inactive_split_bytes", &r->inactive) || read_procs(report, r) ||
-        read_text(report, "allocator_config", r->allocator, sizeof r->allocator) ||
-        read_figure(report, "limit_bytes", &r->limit) ||
-        read_text(report, "snapshot", r->snapshot, sizeof r->snapshot) ||
+    if (read_field(report, "device", &r->device, 0) ||
+        read_field(report, "device_name", r->device_name, sizeof r->device_name) ||
+        read_field(report, "message", r->message, sizeof r->message) ||
+        read_field(report, "request_bytes", &r->request, 0) ||
+        read_field(report, "total_bytes", &r->total, 0) ||
+        read_field(report, "free_bytes", &r->free_b, 0) ||
+        read_field(report, "allocated_bytes", &r->allocated, 0) ||
+        read_field(report, "reserved_bytes", &r->reserved, 0) ||
+        read_field(report, "peak_allocated_bytes", &r->peak, 0) ||
+        read_field(report, "fragmentation_bytes", &r->fragmentation, 0) ||
+        read_field(report, "inactive_split_bytes", &r->inactive, 0) || read_procs(report, r) ||
+        read_field(report, "allocator_config", r->allocator, sizeof r->allocator) ||
+        read_field(report, "limit_bytes", &r->limit, 0) ||
+        read_field(report, "snapshot", r->snapshot, sizeof r->snapshot) ||
         (r->n_notes = read_texts(report, "notes", r->notes, NOTES_MAX)) < 0 ||
         (r->n_advice = read_texts(report, "advice", r->advice, ADVICE_MAX)) < 0 ||
         (v = PyMapping_GetItemString(report, "memory_fraction")) == NULL)
