@@ -161,60 +161,6 @@ static void dump_snapshot(PyObject *torch, oc_oom_seen *seen)
     Py_XDECREF(mem);
 }
 
-static void ipython_install(void);
-
-/* torch's OOM observer: (device, alloc, device_limit, device_free). Runs in
- * the allocating thread after the allocator dropped its lock and before the
- * error is raised, so the figures are those of the failure. Raises no error
- * of its own: an exception here would replace the OutOfMemoryError. A Ctrl-C
- * or exit() that arrives meanwhile (a long snapshot dump) is the program's:
- * the edge raises it, and torch's observer wrapper carries it out of the
- * allocation in the OutOfMemoryError's place, as it does for any observer
- * that raises. */
-static PyObject *py_oom_observer(PyObject *self, PyObject *args)
-{
-    /* Gathered apart and published whole: the calls into torch let other
-     * threads run, and their OOMs' observers publish theirs meanwhile. */
-    oc_oom_seen now, *slot;
-    PyObject *torch, *cuda, *old, *type, *value, *tb;
-    (void)self;
-    memset(&now, 0, sizeof now);
-    PyErr_Fetch(&type, &value, &tb);
-    if (!PyArg_ParseTuple(args, "lKKK", &now.device, &now.request, &now.limit, &now.device_free)) {
-        OC_CLEAR();
-        goto done;
-    }
-    oc_summary_note_oom();
-    now.when = (double)time(NULL);
-    torch = oc_sys_module("torch");
-    cuda = torch ? PyObject_GetAttrString(torch, "cuda") : NULL;
-    now.stats = cuda ? PyObject_CallMethod(cuda, "memory_stats", "l", now.device) : NULL;
-    OC_CLEAR();
-    now.autocast = torch ? autocast_enabled(torch) : -1;
-    if (torch && oom.snapshot_path[0])
-        dump_snapshot(torch, &now);
-    Py_XDECREF(cuda);
-    Py_XDECREF(torch);
-    /* No call into Python from here to the copy. */
-    now.seq = oom.seen[oom.newest].seq + 1;
-    oom.newest = (int)((unsigned long)now.device % OOMS_KEPT);
-    slot = &oom.seen[oom.newest];
-    old = slot->stats;
-    *slot = now;
-    Py_XDECREF(old);
-    /* A shell started after CUDA (IPython.embed()) gets the handler before
-     * the OOM reaches it. */
-    ipython_install();
-done:
-    OC_CLEAR();
-    PyErr_Restore(type, value, tb);
-    Py_RETURN_NONE;
-}
-
-OC_EDGE_VARARGS(py_oom_observer)
-static PyMethodDef observer_def = OC_METHOD("outofcuda_oom_observer", py_oom_observer,
-                                            "outofcuda's CUDA OOM observer (records the figures).");
-
 /* Starts the allocator history for OUTOFCUDA_OOM_SNAPSHOT. Returns 0 or -1
  * with an exception set. 2.1+ takes enabled="all"/max_entries; 2.0 took a
  * bool and trace_alloc_* keywords. */
@@ -247,54 +193,6 @@ static int start_history(PyObject *torch)
     return 0;
 }
 
-static void install_hooks(void);
-
-/* Step of bridge.c's one CUDA-init callback (its rules apply, and it
- * completes at most once: a second observer or our own hook chained behind
- * itself would print every report twice). An interrupted run stops before
- * the hooks and runs again; an observer it attached stays attached. torch
- * 2.0 crashed when the observer was attached before CUDA initialised, hence
- * the deferral. */
-void oc_oom_at_cuda_init(PyObject *torch)
-{
-    PyObject *attach = NULL, *obs = NULL, *r = NULL;
-    int attached = oom.observer_state != NULL && strcmp(oom.observer_state, "attached") == 0;
-    if (!attached && oom.snapshot_path[0] && start_history(torch) < 0) {
-        char msg[400];
-        if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) ||
-            PyErr_ExceptionMatches(PyExc_SystemExit)) {
-            OC_CLEAR(); /* set aside: the step runs again */
-            return;
-        }
-        take_error(msg, sizeof msg,
-                   "OUTOFCUDA_OOM_SNAPSHOT: recording the allocator history "
-                   "failed; no snapshot will be written");
-        oom.snapshot_path[0] = '\0';
-        oc_warn(msg);
-    }
-    attach = attached ? NULL : oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
-    obs = attach ? PyCFunction_NewEx(&observer_def, NULL, NULL) : NULL;
-    r = obs ? PyObject_CallFunctionObjArgs(attach, obs, NULL) : NULL;
-    if (r == NULL && (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) ||
-                      PyErr_ExceptionMatches(PyExc_SystemExit))) {
-        OC_CLEAR(); /* set aside: the step runs again */
-    } else if (attached) {
-        /* attached by an interrupted run */
-    } else if (r == NULL) {
-        oc_set_error("attaching the CUDA OOM observer");
-        oom.observer_state = NULL;
-        oom.observer_none = "attaching it at CUDA initialisation failed";
-    } else {
-        oom.observer_state = "attached";
-    }
-    OC_CLEAR();
-    Py_XDECREF(r);
-    Py_XDECREF(obs);
-    Py_XDECREF(attach);
-    if (!oc_interrupt_waiting())
-        install_hooks();
-}
-
 /* Reads OUTOFCUDA_OOM_SNAPSHOT into oom.snapshot_path (absolute). The value is a
  * file path and nothing else; a bad one gets one warning and is ignored.
  * Returns 1 when set and usable. */
@@ -324,562 +222,6 @@ static int read_snapshot_env(void)
     oom.snapshot_path[0] = '\0';
     oc_warn(msg);
     return 0;
-}
-
-/* ---- the uncaught-exception path ---- */
-
-/* After an uncaught OOM: collect garbage when configured, then give the
- * cache back (a thread's OOM leaves the process running, and so does a
- * notebook cell's), so the blocks the collection freed go back too. */
-static void oom_relief(void)
-{
-    long long released;
-    if (oc_api_clear_cache(&released) < 0)
-        OC_CLEAR();
-}
-
-oc_oom_kind oc_oom_kind_of(PyObject *type, PyObject *exc)
-{
-    static const char *const types[] = {"cuda.OutOfMemoryError", "OutOfMemoryError"};
-    static const char *const texts[] = {"CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED"};
-    PyObject *torch, *text;
-    oc_oom_kind kind = OC_OOM_NONE;
-    if (type == NULL || !PyType_Check(type))
-        return OC_OOM_NONE;
-    torch = oc_sys_module("torch");
-    for (int i = 0; torch != NULL && i < 2 && kind == OC_OOM_NONE; i++) {
-        PyObject *t = oc_getattr_chain(torch, types[i]);
-        if (t != NULL && PyType_Check(t) && PyObject_IsSubclass(type, t) == 1)
-            kind = OC_OOM_TYPE;
-        Py_XDECREF(t);
-        OC_CLEAR_ABSENT(); /* a torch without that type is answered by the other */
-    }
-    Py_XDECREF(torch);
-    if (kind != OC_OOM_NONE || exc == NULL || type != PyExc_RuntimeError)
-        return kind;
-    text = PyObject_Str(exc);
-    for (int i = 0; text != NULL && i < 2 && kind == OC_OOM_NONE; i++) {
-        PyObject *needle = PyUnicode_FromString(texts[i]);
-        if (needle != NULL && PySequence_Contains(text, needle) == 1)
-            kind = OC_OOM_TEXT;
-        Py_XDECREF(needle);
-    }
-    Py_XDECREF(text);
-    OC_CLEAR();
-    return kind;
-}
-
-/* The hooks report torch's OOM type only: a text-only one has no observer
- * figures to report. */
-static int is_oom(PyObject *type)
-{
-    return oc_oom_kind_of(type, NULL) == OC_OOM_TYPE;
-}
-
-static PyObject *record_report(PyObject *exc, int exhausted, int refresh, oom_report *r,
-                               int read_back);
-static PyObject *render_report(const oom_report *r);
-
-/* dict[key] = v, taking v's reference (NULL: the error that made it). 0, or
- * -1 with an exception set; psutil's pydict_add. */
-static int pydict_add(PyObject *dict, const char *key, PyObject *v)
-{
-    int rc = v ? PyDict_SetItemString(dict, key, v) : -1;
-    Py_XDECREF(v);
-    return rc;
-}
-
-/* The fallback when the report cannot be built: one line. */
-static void print_summary(void)
-{
-    PyObject *cuda = PyImport_ImportModule("torch.cuda");
-    PyObject *alloc = NULL, *reserved = NULL;
-    if (cuda != NULL) {
-        alloc = PyObject_CallMethod(cuda, "memory_allocated", NULL);
-        reserved = alloc ? PyObject_CallMethod(cuda, "memory_reserved", NULL) : NULL;
-    }
-    OC_CLEAR();
-    oc_stderr_printf("outofcuda: CUDA out of memory (allocated %.2f GiB, reserved %.2f GiB "
-                     "by this process).\n",
-                     alloc ? PyLong_AsDouble(alloc) / OC_GIB : 0.0,
-                     reserved ? PyLong_AsDouble(reserved) / OC_GIB : 0.0);
-    OC_CLEAR();
-    Py_XDECREF(alloc);
-    Py_XDECREF(reserved);
-    Py_XDECREF(cuda);
-}
-
-/* Prints outofcuda's report for `value` (kept for last_oom() and attached to
- * it), in one write through sys.stderr, the stream's own error handler for
- * what it cannot encode; the one-line summary where it cannot be built.
- * frames: what a notebook cell's handler does with the cell's frames. */
-static void print_report(PyObject *value, oom_frames frames)
-{
-    oom_report r;
-    PyObject *report = record_report(value, 0, 0, &r, 1), *text = NULL, *block, *utf8, *err;
-    r.frames = frames; /* and last_oom() says it */
-    if (report != NULL &&
-        (!frames || !pydict_add(report, "cell_frames", PyUnicode_FromString(frames_word[frames]))))
-        text = render_report(&r);
-    report_clear(&r);
-    block = text ? PyUnicode_FromFormat("%U\n\n", text) : NULL;
-    utf8 = block ? PyUnicode_AsEncodedString(block, "utf-8", "backslashreplace") : NULL;
-    OC_CLEAR();
-    if (utf8 != NULL)
-        oc_stderr_write(PyBytes_AsString(utf8));
-    else
-        print_summary();
-    err = PySys_GetObject("stderr"); /* borrowed; flushed as the program's writes would be */
-    Py_XDECREF(err && err != Py_None ? PyObject_CallMethod(err, "flush", NULL) : NULL);
-    OC_CLEAR();
-    Py_XDECREF(utf8);
-    Py_XDECREF(block);
-    Py_XDECREF(text);
-    Py_XDECREF(report);
-}
-
-static void handle_uncaught(PyObject *value)
-{
-    print_report(value, FRAMES_NOT_A_CELL);
-    oom_relief();
-}
-
-static PyObject *py_excepthook(PyObject *self, PyObject *args)
-{
-    PyObject *type, *value, *tb;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "OOO", &type, &value, &tb))
-        return NULL;
-    if (is_oom(type))
-        handle_uncaught(value);
-    if (oom.prev_sys_hook != NULL)
-        return PyObject_CallObject(oom.prev_sys_hook, args);
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_threading_excepthook(PyObject *self, PyObject *hook_args)
-{
-    PyObject *type = PyObject_GetAttrString(hook_args, "exc_type");
-    (void)self;
-    if (type == NULL)
-        OC_CLEAR();
-    else if (is_oom(type)) {
-        PyObject *value = PyObject_GetAttrString(hook_args, "exc_value");
-        OC_CLEAR();
-        handle_uncaught(value ? value : Py_None);
-        Py_XDECREF(value);
-    }
-    Py_XDECREF(type);
-    if (oom.prev_thread_hook != NULL)
-        return PyObject_CallFunctionObjArgs(oom.prev_thread_hook, hook_args, NULL);
-    Py_RETURN_NONE;
-}
-
-OC_EDGE_VARARGS(py_excepthook)
-OC_EDGE_O(py_threading_excepthook)
-static PyMethodDef sys_hook_def = OC_METHOD(
-    "outofcuda_excepthook", py_excepthook, "outofcuda's OOM handler; chains to the previous hook.");
-static PyMethodDef thread_hook_def =
-    OC_METHOD("outofcuda_threading_excepthook", py_threading_excepthook,
-              "outofcuda's OOM handler; chains to the previous hook.");
-
-/* ---- IPython and Jupyter: a cell that runs out of memory ----
- *
- * IPython shows a cell's exception with its own showtraceback() and never
- * calls sys.excepthook; its hook for that is one custom exception handler
- * per shell (InteractiveShell.set_custom_exc). After a failed cell IPython
- * keeps sys.last_type/last_value/last_traceback (and last_exc on 3.12+): the
- * failed frames and every tensor they hold stay alive, and users restart the
- * kernel (pytorch issues 27600, 37726; ipython issue 11572). The handler
- * shows IPython's traceback as IPython would, then the report, then releases
- * what the failed cell holds and empties the cache. */
-
-/* What was decided for IPython, a stable code in status(): "pending" (CUDA
- * has not started), "no_shell", "set" ("replaced": oc_oom_ipython),
- * "user_handler_kept" (the shell had a custom exception handler: left alone), "failed". */
-static const char *ipython_state = "pending";
-/* Weak references to the shell last decided for (one decision per shell)
- * and to its CustomTB made of our handler (set_custom_exc makes a new one). */
-static PyObject *ipython_decided, *ipython_custom_tb;
-/* The OOM the handler reported last, compared by identity only (never
- * dereferenced): the at-exit report skips it. */
-static const PyObject *ipython_reported;
-
-/* o.name (new ref, NULL when absent, no exception), releasing o: one step
- * along a traceback or an exception chain. */
-static PyObject *follow(PyObject *o, const char *name)
-{
-    PyObject *next = PyObject_GetAttrString(o, name);
-    if (next == NULL)
-        OC_CLEAR();
-    Py_DECREF(o);
-    return next;
-}
-
-/* 1 when tb entry t's frame is a generator's or coroutine's (CO_GENERATOR,
- * CO_COROUTINE, CO_ASYNC_GENERATOR) that ran on after the error passed: it
- * caught it and may be suspended, and clear() closes a suspended generator
- * (3.13+ refuses). One the error left stopped where the error passed. */
-static int went_on(PyObject *t, PyObject *frame)
-{
-    PyObject *flags = oc_getattr_chain(frame, "f_code.co_flags");
-    PyObject *at = oc_getattr_chain(frame, "f_lasti"), *passed = oc_getattr_chain(t, "tb_lasti");
-    int on = flags && at && passed && (PyLong_AsLong(flags) & 0x2a0) &&
-             PyObject_RichCompareBool(at, passed, Py_NE) == 1;
-    OC_CLEAR();
-    Py_XDECREF(flags);
-    Py_XDECREF(at);
-    Py_XDECREF(passed);
-    return on;
-}
-
-/* Clears the locals of every frame of tb that has finished, as
- * traceback.clear_frames does (an executing frame refuses and is skipped;
- * so is a generator's that went on running).
- * Before 3.13 a frame whose f_locals was read (IPython's verbose
- * traceback, a debugger) keeps a snapshot dict of its locals that clear()
- * leaves alone; reading f_locals again syncs it with the cleared frame. */
-static void clear_frames(PyObject *tb)
-{
-    PyObject *t = tb;
-    Py_XINCREF(t);
-    while (t != NULL && t != Py_None) {
-        PyObject *frame = PyObject_GetAttrString(t, "tb_frame");
-        PyObject *r =
-            frame && !went_on(t, frame) ? PyObject_CallMethod(frame, "clear", NULL) : NULL;
-        PyObject *locals = r ? PyObject_GetAttrString(frame, "f_locals") : NULL;
-        if (r == NULL)
-            OC_CLEAR_ABSENT(); /* the frame still runs (the handler's caller) */
-        OC_CLEAR();
-        Py_XDECREF(locals);
-        Py_XDECREF(r);
-        Py_XDECREF(frame);
-        t = follow(t, "tb_next");
-    }
-    Py_XDECREF(t);
-}
-
-/* Drops sys.last_type, last_value, last_traceback and last_exc where they
- * hold `value` (IPython sets them for %debug and %tb). */
-static void drop_last_exception(PyObject *value)
-{
-    static const char *const names[] = {"last_type", "last_value", "last_traceback", "last_exc"};
-    if (PySys_GetObject("last_value") != value && PySys_GetObject("last_exc") != value)
-        return;
-    for (int i = 0; i < 4; i++) {
-        if (PySys_SetObject(names[i], NULL) < 0) /* deletes; an absent name is no error */
-            OC_CLEAR();
-    }
-}
-
-/* Releases what the failed cell holds: the locals of the frames of the
- * OOM's traceback and of the exceptions chained to it (an OOM raised while
- * handling another), and IPython's references to it. */
-static void release_cell(PyObject *value, PyObject *tb)
-{
-    PyObject *e = value;
-    clear_frames(tb);
-    Py_INCREF(e);
-    /* A chain is short; the bound stops a cycle of contexts. */
-    for (int depth = 0; depth < 32 && e != NULL && e != Py_None; depth++) {
-        PyObject *etb = PyObject_GetAttrString(e, "__traceback__");
-        PyObject *cause = etb ? PyObject_GetAttrString(e, "__cause__") : NULL;
-        OC_CLEAR();
-        if (etb != tb)
-            clear_frames(etb);
-        Py_XDECREF(etb);
-        if (cause != NULL && cause != Py_None) {
-            Py_DECREF(e);
-            e = cause;
-        } else {
-            Py_XDECREF(cause);
-            e = follow(e, "__context__");
-        }
-    }
-    Py_XDECREF(e);
-    drop_last_exception(value);
-}
-
-/* OUTOFCUDA_OOM_KEEP_FRAMES, read when a cell fails so that `%env` sets it in
- * a running kernel; a value that is not a boolean word counts as the one read
- * at start-up (which warned about it). */
-static int keep_frames(void)
-{
-    int b = oc_parse_bool(oc_env("OUTOFCUDA_OOM_KEEP_FRAMES"));
-    return b >= 0 ? b : oc_config_get()->oom_keep_frames;
-}
-
-/* A Ctrl-C (or exit()) set aside while the handler ran, shown as IPython's
- * showtraceback shows one during its display: raised, or re-sent as the
- * handler returns, it would reach IPython's catch-all, which unregisters it. */
-static void show_interrupt(PyObject *shell)
-{
-    char line[300];
-    PyObject *taken = oc_interrupt_take();
-    PyObject *text = taken ? PyObject_CallMethod(shell, "get_exception_only", "(O)", taken) : NULL;
-    if (text != NULL)
-        oc_stderr_printf("\n%s\n", oc_utf8(text, line, sizeof line));
-    OC_CLEAR();
-    Py_XDECREF(text);
-    Py_XDECREF(taken);
-}
-
-/* The custom exception handler: (shell, etype, value, tb, tb_offset=None),
- * called by IPython for torch's OOM type only. Returns None: IPython adds
- * nothing of its own. A failing showtraceback is IPython's to report (its
- * wrapper then shows the original traceback). A Ctrl-C stops what is left
- * of the handler's work and is shown, never raised (show_interrupt). */
-static PyObject *py_ipython_handler(PyObject *self, PyObject *args, PyObject *kw)
-{
-    static char *kwlist[] = {"shell", "etype", "value", "tb", "tb_offset", NULL};
-    PyObject *shell, *type, *value, *tb, *offset = Py_None, *r;
-    (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|O:outofcuda_ipython_handler", kwlist, &shell,
-                                     &type, &value, &tb, &offset))
-        return NULL;
-    /* showtraceback(exc_tuple, filename, tb_offset): IPython's order */
-    r = PyObject_CallMethod(shell, "showtraceback", "(OOO)OO", type, value, tb, Py_None, offset);
-    if (r == NULL && !PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) &&
-        !PyErr_ExceptionMatches(PyExc_SystemExit))
-        return NULL;
-    Py_XDECREF(r);
-    OC_CLEAR(); /* an interrupt: set aside */
-    if (is_oom(type)) {
-        /* Decided before the report says it: a Ctrl-C during the report does
-         * not leave it saying "released" of frames still held. */
-        oom_frames frames = keep_frames()            ? FRAMES_KEPT
-                            : oc_interrupt_waiting() ? FRAMES_INTERRUPTED
-                                                     : FRAMES_RELEASED;
-        ipython_reported = value;
-        print_report(value, frames);
-        if (frames == FRAMES_RELEASED)
-            release_cell(value, tb);
-        if (!oc_interrupt_waiting())
-            oom_relief();
-    }
-    show_interrupt(shell);
-    Py_RETURN_NONE;
-}
-
-OC_EDGE_KEYWORDS(py_ipython_handler)
-static PyMethodDef ipython_handler_def = OC_METHOD(
-    "outofcuda_ipython_handler", py_ipython_handler,
-    "outofcuda's handler of a CUDA OOM in an IPython cell: IPython's traceback, the report, "
-    "then the failed cell's memory back.");
-
-/* atexit, registered with the handler. `ipython script.py` runs the file
- * outside any cell (safe_execfile): IPython shows an uncaught exception with
- * showtraceback and exits, and no custom handler sees it. An OOM shown that
- * way and not reported by the handler gets its report here, after IPython's
- * traceback as a cell's does. Never raises. */
-static PyObject *py_ipython_at_exit(PyObject *self, PyObject *unused)
-{
-    PyObject *value = PySys_GetObject("last_value");
-    (void)self;
-    (void)unused;
-    if (value == NULL || value == Py_None || value == ipython_reported)
-        Py_RETURN_NONE;
-    Py_INCREF(value);
-    if (is_oom((PyObject *)Py_TYPE(value)))
-        print_report(value, FRAMES_NOT_A_CELL);
-    Py_DECREF(value);
-    Py_RETURN_NONE;
-}
-
-static int ipython_at_exit_registered;
-OC_EDGE_NOARGS(py_ipython_at_exit)
-static PyMethodDef ipython_at_exit_def =
-    OC_METHOD("outofcuda_ipython_at_exit", py_ipython_at_exit,
-              "outofcuda's report of an OOM IPython showed outside a cell (ipython script.py).");
-
-/* The running IPython shell (new ref), or NULL: IPython's own get_ipython,
- * asked only where IPython is imported already. */
-static PyObject *ipython_shell(void)
-{
-    PyObject *mod = oc_sys_module("IPython.core.getipython");
-    PyObject *shell = mod ? oc_call_quiet(mod, "get_ipython", NULL, NULL) : NULL;
-    Py_XDECREF(mod);
-    if (shell == Py_None)
-        Py_CLEAR(shell);
-    return shell;
-}
-
-/* Sets the handler on the running IPython shell once per shell, unless the
- * shell has a custom exception handler already (there is one per shell: the
- * user's stays). Called when CUDA initialises and when the observer sees an
- * OOM, for a shell started after CUDA (IPython.embed()). */
-static void ipython_install(void)
-{
-    PyObject *shell = ipython_shell(), *decided, *custom = NULL, *fn = NULL, *types = NULL;
-    PyObject *r = NULL, *custom_tb;
-    Py_ssize_t n;
-    if (shell == NULL) {
-        if (ipython_decided == NULL)
-            ipython_state = "no_shell";
-        return;
-    }
-    decided = ipython_decided ? PyObject_CallObject(ipython_decided, NULL) : NULL;
-    OC_CLEAR();
-    Py_XDECREF(decided);
-    if (decided == shell) {
-        Py_DECREF(shell);
-        return;
-    }
-    custom = PyObject_GetAttrString(shell, "custom_exceptions");
-    n = custom != NULL && PyTuple_Check(custom) ? PyTuple_Size(custom) : -1;
-    if (n > 0) {
-        ipython_state = "user_handler_kept";
-    } else if (n == 0 && oom.type != NULL) {
-        fn = PyCFunction_NewEx(&ipython_handler_def, NULL, NULL);
-        types = fn ? PyTuple_Pack(1, oom.type) : NULL;
-        r = types ? PyObject_CallMethod(shell, "set_custom_exc", "OO", types, fn) : NULL;
-        ipython_state = r != NULL ? "set" : "failed";
-        if (r != NULL && oc_register_at_exit(&ipython_at_exit_def, &ipython_at_exit_registered) < 0)
-            OC_CLEAR(); /* the shell's handler stands; only ipython script.py's report is lost */
-        custom_tb = r ? PyObject_GetAttrString(shell, "CustomTB") : NULL;
-        Py_XDECREF(ipython_custom_tb);
-        ipython_custom_tb = custom_tb ? PyWeakref_NewRef(custom_tb, NULL) : NULL;
-        Py_XDECREF(custom_tb);
-    } else {
-        ipython_state = "failed";
-    }
-    OC_CLEAR();
-    Py_XDECREF(r);
-    Py_XDECREF(types);
-    Py_XDECREF(fn);
-    Py_XDECREF(custom);
-    Py_XDECREF(ipython_decided);
-    ipython_decided = PyWeakref_NewRef(shell, NULL);
-    OC_CLEAR();
-    Py_DECREF(shell);
-}
-
-/* What was decided for IPython, and for "set" whether the shell's handler
- * is still ours, read from the shell when status() asks: a program that calls
- * set_custom_exc replaces it, and so does IPython after a handler raised. */
-const char *oc_oom_ipython(void)
-{
-    PyObject *mine, *custom;
-    int ours;
-    if (strcmp(ipython_state, "set") != 0 || ipython_custom_tb == NULL)
-        return ipython_state;
-    mine = PyObject_CallObject(ipython_custom_tb, NULL); /* None once the shell let it go */
-    custom = mine ? oc_getattr_chain(mine, "__self__.CustomTB") : NULL;
-    ours = mine == NULL || custom == mine;
-    OC_CLEAR();
-    Py_XDECREF(custom);
-    Py_XDECREF(mine);
-    return ours ? ipython_state : "replaced";
-}
-
-/* The handler's record: queued at import, applied once its hooks are set
- * when CUDA initialises; `hooks` (static text) says which hooks are set. */
-static void record_status(oc_rec_state state, const char *hooks)
-{
-    char observer[400];
-    oc_record_set(OC_OPT_OOM, state, OC_CODE_AT_CUDA_INIT,
-                  "once CUDA initialises, on a CUDA OOM: record the figures (observer), print a "
-                  "report and ranked actions before the traceback of an uncaught one, then empty "
-                  "the cache");
-    if (oom.observer_state != NULL)
-        snprintf(observer, sizeof observer, "%s", oom.observer_state);
-    else
-        snprintf(observer, sizeof observer, "none%s%s", oom.observer_none ? ": " : "",
-                 oom.observer_none ? oom.observer_none : "");
-    oc_record_oom(hooks, observer, oom.snapshot_path);
-}
-
-/* Sets `name` (an attribute of `owner`) to a new hook made from `def`,
- * keeping the current one in *prev to chain to. Returns 1 when set. */
-static int chain_hook(PyObject *owner, const char *name, PyMethodDef *def, PyObject **prev)
-{
-    PyObject *current = PyObject_GetAttrString(owner, name);
-    PyObject *hook = current ? PyCFunction_NewEx(def, NULL, NULL) : NULL;
-    if (hook == NULL || PyObject_SetAttrString(owner, name, hook) < 0) {
-        Py_XDECREF(hook);
-        Py_XDECREF(current);
-        OC_CLEAR();
-        return 0;
-    }
-    Py_DECREF(hook);
-    *prev = current;
-    return 1;
-}
-
-/* Runs once, at CUDA initialisation (py_at_cuda_init). A hook the program set
- * earlier is chained, not replaced: it still receives every exception with
- * the same arguments, after the report. sys.excepthook is left alone while an
- * interactive console built on the `code` module runs (it sets sys.ps1): its
- * showtraceback writes through the console only while sys.excepthook is
- * sys.__excepthook__, so any other hook would take its output away. */
-static void install_hooks(void)
-{
-    PyObject *sys = NULL, *threading = NULL;
-    int sys_set = 0, thread_set = 0, console;
-    console = PySys_GetObject("ps1") != NULL;
-    sys = PyImport_ImportModule("sys");
-    if (sys != NULL && !console)
-        sys_set = chain_hook(sys, "excepthook", &sys_hook_def, &oom.prev_sys_hook);
-    /* threading is imported by torch already; this only looks it up. */
-    threading = PyImport_ImportModule("threading");
-    if (threading != NULL)
-        thread_set = chain_hook(threading, "excepthook", &thread_hook_def, &oom.prev_thread_hook);
-    OC_CLEAR();
-    Py_XDECREF(threading);
-    Py_XDECREF(sys);
-    ipython_install();
-    record_status(OC_REC_APPLIED,
-                  sys_set && thread_set ? "sys.excepthook + threading.excepthook"
-                  : thread_set
-                      ? (console ? "threading.excepthook (sys.excepthook left to the "
-                                   "interactive console)"
-                                 : "threading.excepthook (sys.excepthook could not be set)")
-                  : sys_set ? "sys.excepthook (threading.excepthook could not be set)"
-                            : "none: the exception hooks could not be set");
-}
-
-void oc_oom_install(PyObject *torch, const char *no_queue)
-{
-    PyObject *attach;
-    int snapshot;
-    oom.type = oc_getattr_chain(torch, "cuda.OutOfMemoryError");
-    if (oom.type == NULL) {
-        OC_CLEAR();
-        oc_record_set(OC_OPT_OOM, OC_REC_SKIPPED, OC_CODE_NO_OOM_TYPE,
-                      "this torch has no torch.cuda.OutOfMemoryError");
-        return;
-    }
-    snapshot = read_snapshot_env();
-    attach = oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
-    OC_CLEAR();
-    /* Every CUDA (and ROCm) build has the observer; a CPU-only build has no
-     * CUDA to report on. */
-    oom.observer_state = attach == NULL || no_queue ? NULL : "attached when CUDA initialises";
-    oom.observer_none = attach == NULL ? "this torch build has no CUDA OOM observer" : no_queue;
-    Py_XDECREF(attach);
-    if (oom.observer_state == NULL) {
-        if (snapshot) {
-            char msg[OC_WARN_LEN];
-            snprintf(msg, sizeof msg,
-                     "outofcuda: OUTOFCUDA_OOM_SNAPSHOT is set but no snapshot "
-                     "can be written (%s)",
-                     oom.observer_none);
-            oom.snapshot_path[0] = '\0';
-            oc_warn(msg);
-        }
-        /* Nothing will ever run at CUDA initialisation: Python's exception
-         * hooks stay its own for the life of the process. */
-        if (attach == NULL)
-            oc_record_set(OC_OPT_OOM, OC_REC_SKIPPED, OC_CODE_NO_OBSERVER,
-                          "CPU-only build of torch (no CUDA OOM observer): no CUDA to report on, "
-                          "Python's exception hooks left alone");
-        else
-            oc_record_set(OC_OPT_OOM, OC_REC_SKIPPED, OC_CODE_NO_QUEUE,
-                          "%s: Python's exception hooks left alone", oom.observer_none);
-        return;
-    }
-    oc_cuda_step_arm(OC_STEP_OOM);
-    record_status(OC_REC_QUEUED, "installed when CUDA initialises");
 }
 
 /* ---- the ranked actions (the rules and their ranking: advice.c) ---- */
@@ -955,6 +297,7 @@ static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
         "exhausted",      "others",   NULL};
     PyObject *v[12] = {NULL}, *texts = NULL;
     oom_report r;
+    long long *bytes[] = {&r.request, &r.total, &r.limit, &r.allocated, &r.reserved, &r.inactive};
     int flag[4];
     Py_ssize_t n;
     (void)self;
@@ -968,12 +311,8 @@ static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
             return NULL;
     }
     memset(&r, 0, sizeof r);
-    r.request = (long long)arg_bytes(v[0]);
-    r.total = (long long)arg_bytes(v[1]);
-    r.limit = (long long)arg_bytes(v[2]);
-    r.allocated = (long long)arg_bytes(v[3]);
-    r.reserved = (long long)arg_bytes(v[4]);
-    r.inactive = (long long)arg_bytes(v[5]);
+    for (int i = 0; i < 6; i++)
+        *bytes[i] = (long long)arg_bytes(v[i]);
     r.fraction = v[6] && v[6] != Py_None ? PyFloat_AsDouble(v[6]) : 0.0;
     r.expandable = flag[0] == 1;
     r.no_expandable_here = flag[1] == 1;
@@ -1260,6 +599,15 @@ static void gather_settings(oom_report *r, PyObject *torch, const oc_oom_seen *s
         snprintf(r->snapshot, sizeof r->snapshot, "%s", oom.snapshot_path);
     if (r->from_observer && seen->snapshot_error[0])
         add_note(r, seen->snapshot_error);
+}
+
+/* dict[key] = v, taking v's reference (NULL: the error that made it). 0, or
+ * -1 with an exception set; psutil's pydict_add. */
+static int pydict_add(PyObject *dict, const char *key, PyObject *v)
+{
+    int rc = v ? PyDict_SetItemString(dict, key, v) : -1;
+    Py_XDECREF(v);
+    return rc;
 }
 
 /* text as a str (new ref), or None where it is not there. */
@@ -1764,6 +1112,636 @@ static PyObject *py_is_oom(PyObject *self, PyObject *exc)
     (void)self;
     Py_XDECREF(type);
     return PyBool_FromLong(kind != OC_OOM_NONE);
+}
+
+/* ---- the uncaught-exception path ---- */
+
+/* After an uncaught OOM: collect garbage when configured, then give the
+ * cache back (a thread's OOM leaves the process running, and so does a
+ * notebook cell's), so the blocks the collection freed go back too. */
+static void oom_relief(void)
+{
+    long long released;
+    if (oc_api_clear_cache(&released) < 0)
+        OC_CLEAR();
+}
+
+oc_oom_kind oc_oom_kind_of(PyObject *type, PyObject *exc)
+{
+    static const char *const types[] = {"cuda.OutOfMemoryError", "OutOfMemoryError"};
+    static const char *const texts[] = {"CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED"};
+    PyObject *torch, *text;
+    oc_oom_kind kind = OC_OOM_NONE;
+    if (type == NULL || !PyType_Check(type))
+        return OC_OOM_NONE;
+    torch = oc_sys_module("torch");
+    for (int i = 0; torch != NULL && i < 2 && kind == OC_OOM_NONE; i++) {
+        PyObject *t = oc_getattr_chain(torch, types[i]);
+        if (t != NULL && PyType_Check(t) && PyObject_IsSubclass(type, t) == 1)
+            kind = OC_OOM_TYPE;
+        Py_XDECREF(t);
+        OC_CLEAR_ABSENT(); /* a torch without that type is answered by the other */
+    }
+    Py_XDECREF(torch);
+    if (kind != OC_OOM_NONE || exc == NULL || type != PyExc_RuntimeError)
+        return kind;
+    text = PyObject_Str(exc);
+    for (int i = 0; text != NULL && i < 2 && kind == OC_OOM_NONE; i++) {
+        PyObject *needle = PyUnicode_FromString(texts[i]);
+        if (needle != NULL && PySequence_Contains(text, needle) == 1)
+            kind = OC_OOM_TEXT;
+        Py_XDECREF(needle);
+    }
+    Py_XDECREF(text);
+    OC_CLEAR();
+    return kind;
+}
+
+/* The hooks report torch's OOM type only: a text-only one has no observer
+ * figures to report. */
+static int is_oom(PyObject *type)
+{
+    return oc_oom_kind_of(type, NULL) == OC_OOM_TYPE;
+}
+
+/* The fallback when the report cannot be built: one line. */
+static void print_summary(void)
+{
+    PyObject *cuda = PyImport_ImportModule("torch.cuda");
+    PyObject *alloc = cuda ? oc_call_quiet(cuda, "memory_allocated", NULL, NULL) : NULL;
+    PyObject *reserved = alloc ? oc_call_quiet(cuda, "memory_reserved", NULL, NULL) : NULL;
+    OC_CLEAR();
+    oc_stderr_printf("outofcuda: CUDA out of memory (allocated %.2f GiB, reserved %.2f GiB "
+                     "by this process).\n",
+                     alloc ? PyLong_AsDouble(alloc) / OC_GIB : 0.0,
+                     reserved ? PyLong_AsDouble(reserved) / OC_GIB : 0.0);
+    OC_CLEAR();
+    Py_XDECREF(alloc);
+    Py_XDECREF(reserved);
+    Py_XDECREF(cuda);
+}
+
+/* Prints outofcuda's report for `value` (kept for last_oom() and attached to
+ * it), in one write through sys.stderr, the stream's own error handler for
+ * what it cannot encode; the one-line summary where it cannot be built.
+ * frames: what a notebook cell's handler does with the cell's frames. */
+static void print_report(PyObject *value, oom_frames frames)
+{
+    oom_report r;
+    PyObject *report = record_report(value, 0, 0, &r, 1), *text = NULL, *block, *utf8, *err;
+    r.frames = frames; /* and last_oom() says it */
+    if (report != NULL &&
+        (!frames || !pydict_add(report, "cell_frames", PyUnicode_FromString(frames_word[frames]))))
+        text = render_report(&r);
+    report_clear(&r);
+    block = text ? PyUnicode_FromFormat("%U\n\n", text) : NULL;
+    utf8 = block ? PyUnicode_AsEncodedString(block, "utf-8", "backslashreplace") : NULL;
+    OC_CLEAR();
+    if (utf8 != NULL)
+        oc_stderr_write(PyBytes_AsString(utf8));
+    else
+        print_summary();
+    err = PySys_GetObject("stderr"); /* borrowed; flushed as the program's writes would be */
+    Py_XDECREF(err && err != Py_None ? PyObject_CallMethod(err, "flush", NULL) : NULL);
+    OC_CLEAR();
+    Py_XDECREF(utf8);
+    Py_XDECREF(block);
+    Py_XDECREF(text);
+    Py_XDECREF(report);
+}
+
+static PyObject *py_excepthook(PyObject *self, PyObject *args)
+{
+    PyObject *type, *value, *tb;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOO", &type, &value, &tb))
+        return NULL;
+    if (is_oom(type)) {
+        print_report(value, FRAMES_NOT_A_CELL);
+        oom_relief();
+    }
+    if (oom.prev_sys_hook != NULL)
+        return PyObject_CallObject(oom.prev_sys_hook, args);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_threading_excepthook(PyObject *self, PyObject *hook_args)
+{
+    PyObject *type = PyObject_GetAttrString(hook_args, "exc_type"), *value;
+    (void)self;
+    OC_CLEAR();
+    if (is_oom(type)) {
+        value = PyObject_GetAttrString(hook_args, "exc_value");
+        OC_CLEAR();
+        print_report(value ? value : Py_None, FRAMES_NOT_A_CELL);
+        oom_relief();
+        Py_XDECREF(value);
+    }
+    Py_XDECREF(type);
+    if (oom.prev_thread_hook != NULL)
+        return PyObject_CallFunctionObjArgs(oom.prev_thread_hook, hook_args, NULL);
+    Py_RETURN_NONE;
+}
+
+OC_EDGE_VARARGS(py_excepthook)
+OC_EDGE_O(py_threading_excepthook)
+static PyMethodDef sys_hook_def = OC_METHOD(
+    "outofcuda_excepthook", py_excepthook, "outofcuda's OOM handler; chains to the previous hook.");
+static PyMethodDef thread_hook_def =
+    OC_METHOD("outofcuda_threading_excepthook", py_threading_excepthook,
+              "outofcuda's OOM handler; chains to the previous hook.");
+
+/* ---- IPython and Jupyter: a cell that runs out of memory ----
+ *
+ * IPython shows a cell's exception with its own showtraceback() and never
+ * calls sys.excepthook; its hook for that is one custom exception handler
+ * per shell (InteractiveShell.set_custom_exc). After a failed cell IPython
+ * keeps sys.last_type/last_value/last_traceback (and last_exc on 3.12+): the
+ * failed frames and every tensor they hold stay alive, and users restart the
+ * kernel (pytorch issues 27600, 37726; ipython issue 11572). The handler
+ * shows IPython's traceback as IPython would, then the report, then releases
+ * what the failed cell holds and empties the cache. */
+
+/* What was decided for IPython, a stable code in status(): "pending" (CUDA
+ * has not started), "no_shell", "set" ("replaced": oc_oom_ipython),
+ * "user_handler_kept" (the shell had a custom exception handler: left alone), "failed". */
+static const char *ipython_state = "pending";
+/* Weak references to the shell last decided for (one decision per shell)
+ * and to its CustomTB made of our handler (set_custom_exc makes a new one). */
+static PyObject *ipython_decided, *ipython_custom_tb;
+/* The OOM the handler reported last, compared by identity only (never
+ * dereferenced): the at-exit report skips it. */
+static const PyObject *ipython_reported;
+
+/* o.name (new ref, NULL when absent, no exception), releasing o: one step
+ * along a traceback or an exception chain. */
+static PyObject *follow(PyObject *o, const char *name)
+{
+    PyObject *next = PyObject_GetAttrString(o, name);
+    if (next == NULL)
+        OC_CLEAR();
+    Py_DECREF(o);
+    return next;
+}
+
+/* 1 when tb entry t's frame is a generator's or coroutine's (CO_GENERATOR,
+ * CO_COROUTINE, CO_ASYNC_GENERATOR) that ran on after the error passed: it
+ * caught it and may be suspended, and clear() closes a suspended generator
+ * (3.13+ refuses). One the error left stopped where the error passed. */
+static int went_on(PyObject *t, PyObject *frame)
+{
+    PyObject *flags = oc_getattr_chain(frame, "f_code.co_flags");
+    PyObject *at = oc_getattr_chain(frame, "f_lasti"), *passed = oc_getattr_chain(t, "tb_lasti");
+    int on = flags && at && passed && (PyLong_AsLong(flags) & 0x2a0) &&
+             PyObject_RichCompareBool(at, passed, Py_NE) == 1;
+    OC_CLEAR();
+    Py_XDECREF(flags);
+    Py_XDECREF(at);
+    Py_XDECREF(passed);
+    return on;
+}
+
+/* Clears the locals of every frame of tb that has finished, as
+ * traceback.clear_frames does (an executing frame refuses and is skipped;
+ * so is a generator's that went on running).
+ * Before 3.13 a frame whose f_locals was read (IPython's verbose
+ * traceback, a debugger) keeps a snapshot dict of its locals that clear()
+ * leaves alone; reading f_locals again syncs it with the cleared frame. */
+static void clear_frames(PyObject *tb)
+{
+    PyObject *t = tb;
+    Py_XINCREF(t);
+    while (t != NULL && t != Py_None) {
+        PyObject *frame = PyObject_GetAttrString(t, "tb_frame");
+        PyObject *r =
+            frame && !went_on(t, frame) ? PyObject_CallMethod(frame, "clear", NULL) : NULL;
+        PyObject *locals = r ? PyObject_GetAttrString(frame, "f_locals") : NULL;
+        if (r == NULL)
+            OC_CLEAR_ABSENT(); /* the frame still runs (the handler's caller) */
+        OC_CLEAR();
+        Py_XDECREF(locals);
+        Py_XDECREF(r);
+        Py_XDECREF(frame);
+        t = follow(t, "tb_next");
+    }
+    Py_XDECREF(t);
+}
+
+/* Drops sys.last_type, last_value, last_traceback and last_exc where they
+ * hold `value` (IPython sets them for %debug and %tb). */
+static void drop_last_exception(PyObject *value)
+{
+    static const char *const names[] = {"last_type", "last_value", "last_traceback", "last_exc"};
+    if (PySys_GetObject("last_value") != value && PySys_GetObject("last_exc") != value)
+        return;
+    for (int i = 0; i < 4; i++) {
+        if (PySys_SetObject(names[i], NULL) < 0) /* deletes; an absent name is no error */
+            OC_CLEAR();
+    }
+}
+
+/* Releases what the failed cell holds: the locals of the frames of the
+ * OOM's traceback and of the exceptions chained to it (an OOM raised while
+ * handling another), and IPython's references to it. */
+static void release_cell(PyObject *value, PyObject *tb)
+{
+    PyObject *e = value;
+    clear_frames(tb);
+    Py_INCREF(e);
+    /* A chain is short; the bound stops a cycle of contexts. */
+    for (int depth = 0; depth < 32 && e != NULL && e != Py_None; depth++) {
+        PyObject *etb = PyObject_GetAttrString(e, "__traceback__");
+        PyObject *cause = etb ? PyObject_GetAttrString(e, "__cause__") : NULL;
+        OC_CLEAR();
+        if (etb != tb)
+            clear_frames(etb);
+        Py_XDECREF(etb);
+        if (cause != NULL && cause != Py_None) {
+            Py_DECREF(e);
+            e = cause;
+        } else {
+            Py_XDECREF(cause);
+            e = follow(e, "__context__");
+        }
+    }
+    Py_XDECREF(e);
+    drop_last_exception(value);
+}
+
+/* OUTOFCUDA_OOM_KEEP_FRAMES, read when a cell fails so that `%env` sets it in
+ * a running kernel; a value that is not a boolean word counts as the one read
+ * at start-up (which warned about it). */
+static int keep_frames(void)
+{
+    int b = oc_parse_bool(oc_env("OUTOFCUDA_OOM_KEEP_FRAMES"));
+    return b >= 0 ? b : oc_config_get()->oom_keep_frames;
+}
+
+/* A Ctrl-C (or exit()) set aside while the handler ran, shown as IPython's
+ * showtraceback shows one during its display: raised, or re-sent as the
+ * handler returns, it would reach IPython's catch-all, which unregisters it. */
+static void show_interrupt(PyObject *shell)
+{
+    char line[300];
+    PyObject *taken = oc_interrupt_take();
+    PyObject *text = taken ? PyObject_CallMethod(shell, "get_exception_only", "(O)", taken) : NULL;
+    if (text != NULL)
+        oc_stderr_printf("\n%s\n", oc_utf8(text, line, sizeof line));
+    OC_CLEAR();
+    Py_XDECREF(text);
+    Py_XDECREF(taken);
+}
+
+/* The custom exception handler: (shell, etype, value, tb, tb_offset=None),
+ * called by IPython for torch's OOM type only. Returns None: IPython adds
+ * nothing of its own. A failing showtraceback is IPython's to report (its
+ * wrapper then shows the original traceback). A Ctrl-C stops what is left
+ * of the handler's work and is shown, never raised (show_interrupt). */
+static PyObject *py_ipython_handler(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"shell", "etype", "value", "tb", "tb_offset", NULL};
+    PyObject *shell, *type, *value, *tb, *offset = Py_None, *r;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|O:outofcuda_ipython_handler", kwlist, &shell,
+                                     &type, &value, &tb, &offset))
+        return NULL;
+    /* showtraceback(exc_tuple, filename, tb_offset): IPython's order */
+    r = PyObject_CallMethod(shell, "showtraceback", "(OOO)OO", type, value, tb, Py_None, offset);
+    if (r == NULL && !PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) &&
+        !PyErr_ExceptionMatches(PyExc_SystemExit))
+        return NULL;
+    Py_XDECREF(r);
+    OC_CLEAR(); /* an interrupt: set aside */
+    if (is_oom(type)) {
+        /* Decided before the report says it: a Ctrl-C during the report does
+         * not leave it saying "released" of frames still held. */
+        oom_frames frames = keep_frames()            ? FRAMES_KEPT
+                            : oc_interrupt_waiting() ? FRAMES_INTERRUPTED
+                                                     : FRAMES_RELEASED;
+        ipython_reported = value;
+        print_report(value, frames);
+        if (frames == FRAMES_RELEASED)
+            release_cell(value, tb);
+        if (!oc_interrupt_waiting())
+            oom_relief();
+    }
+    show_interrupt(shell);
+    Py_RETURN_NONE;
+}
+
+OC_EDGE_KEYWORDS(py_ipython_handler)
+static PyMethodDef ipython_handler_def = OC_METHOD(
+    "outofcuda_ipython_handler", py_ipython_handler,
+    "outofcuda's handler of a CUDA OOM in an IPython cell: IPython's traceback, the report, "
+    "then the failed cell's memory back.");
+
+/* atexit, registered with the handler. `ipython script.py` runs the file
+ * outside any cell (safe_execfile): IPython shows an uncaught exception with
+ * showtraceback and exits, and no custom handler sees it. An OOM shown that
+ * way and not reported by the handler gets its report here, after IPython's
+ * traceback as a cell's does. Never raises. */
+static PyObject *py_ipython_at_exit(PyObject *self, PyObject *unused)
+{
+    PyObject *value = PySys_GetObject("last_value");
+    (void)self;
+    (void)unused;
+    if (value == NULL || value == Py_None || value == ipython_reported)
+        Py_RETURN_NONE;
+    Py_INCREF(value);
+    if (is_oom((PyObject *)Py_TYPE(value)))
+        print_report(value, FRAMES_NOT_A_CELL);
+    Py_DECREF(value);
+    Py_RETURN_NONE;
+}
+
+static int ipython_at_exit_registered;
+OC_EDGE_NOARGS(py_ipython_at_exit)
+static PyMethodDef ipython_at_exit_def =
+    OC_METHOD("outofcuda_ipython_at_exit", py_ipython_at_exit,
+              "outofcuda's report of an OOM IPython showed outside a cell (ipython script.py).");
+
+/* The running IPython shell (new ref), or NULL: IPython's own get_ipython,
+ * asked only where IPython is imported already. */
+static PyObject *ipython_shell(void)
+{
+    PyObject *mod = oc_sys_module("IPython.core.getipython");
+    PyObject *shell = mod ? oc_call_quiet(mod, "get_ipython", NULL, NULL) : NULL;
+    Py_XDECREF(mod);
+    if (shell == Py_None)
+        Py_CLEAR(shell);
+    return shell;
+}
+
+/* Sets the handler on the running IPython shell once per shell, unless the
+ * shell has a custom exception handler already (there is one per shell: the
+ * user's stays). Called when CUDA initialises and when the observer sees an
+ * OOM, for a shell started after CUDA (IPython.embed()). */
+static void ipython_install(void)
+{
+    PyObject *shell = ipython_shell(), *decided, *custom = NULL, *fn = NULL, *types = NULL;
+    PyObject *r = NULL, *custom_tb;
+    Py_ssize_t n;
+    if (shell == NULL) {
+        if (ipython_decided == NULL)
+            ipython_state = "no_shell";
+        return;
+    }
+    decided = ipython_decided ? PyObject_CallObject(ipython_decided, NULL) : NULL;
+    OC_CLEAR();
+    Py_XDECREF(decided);
+    if (decided == shell) {
+        Py_DECREF(shell);
+        return;
+    }
+    custom = PyObject_GetAttrString(shell, "custom_exceptions");
+    n = custom != NULL && PyTuple_Check(custom) ? PyTuple_Size(custom) : -1;
+    if (n > 0) {
+        ipython_state = "user_handler_kept";
+    } else if (n == 0 && oom.type != NULL) {
+        fn = PyCFunction_NewEx(&ipython_handler_def, NULL, NULL);
+        types = fn ? PyTuple_Pack(1, oom.type) : NULL;
+        r = types ? PyObject_CallMethod(shell, "set_custom_exc", "OO", types, fn) : NULL;
+        ipython_state = r != NULL ? "set" : "failed";
+        if (r != NULL && oc_register_at_exit(&ipython_at_exit_def, &ipython_at_exit_registered) < 0)
+            OC_CLEAR(); /* the shell's handler stands; only ipython script.py's report is lost */
+        custom_tb = r ? PyObject_GetAttrString(shell, "CustomTB") : NULL;
+        Py_XDECREF(ipython_custom_tb);
+        ipython_custom_tb = custom_tb ? PyWeakref_NewRef(custom_tb, NULL) : NULL;
+        Py_XDECREF(custom_tb);
+    } else {
+        ipython_state = "failed";
+    }
+    OC_CLEAR();
+    Py_XDECREF(r);
+    Py_XDECREF(types);
+    Py_XDECREF(fn);
+    Py_XDECREF(custom);
+    Py_XDECREF(ipython_decided);
+    ipython_decided = PyWeakref_NewRef(shell, NULL);
+    OC_CLEAR();
+    Py_DECREF(shell);
+}
+
+/* What was decided for IPython, and for "set" whether the shell's handler
+ * is still ours, read from the shell when status() asks: a program that calls
+ * set_custom_exc replaces it, and so does IPython after a handler raised. */
+const char *oc_oom_ipython(void)
+{
+    PyObject *mine, *custom;
+    int ours;
+    if (strcmp(ipython_state, "set") != 0 || ipython_custom_tb == NULL)
+        return ipython_state;
+    mine = PyObject_CallObject(ipython_custom_tb, NULL); /* None once the shell let it go */
+    custom = mine ? oc_getattr_chain(mine, "__self__.CustomTB") : NULL;
+    ours = mine == NULL || custom == mine;
+    OC_CLEAR();
+    Py_XDECREF(custom);
+    Py_XDECREF(mine);
+    return ours ? ipython_state : "replaced";
+}
+
+/* The handler's record: queued at import, applied once its hooks are set
+ * when CUDA initialises; `hooks` (static text) says which hooks are set. */
+static void record_status(oc_rec_state state, const char *hooks)
+{
+    char observer[400];
+    const char *none = oom.observer_state ? NULL : oom.observer_none;
+    oc_record_set(OC_OPT_OOM, state, OC_CODE_AT_CUDA_INIT,
+                  "once CUDA initialises, on a CUDA OOM: record the figures (observer), print a "
+                  "report and ranked actions before the traceback of an uncaught one, then empty "
+                  "the cache");
+    snprintf(observer, sizeof observer, "%s%s%s", oom.observer_state ? oom.observer_state : "none",
+             none ? ": " : "", none ? none : "");
+    oc_record_oom(hooks, observer, oom.snapshot_path);
+}
+
+/* Sets `name` (an attribute of `owner`) to a new hook made from `def`,
+ * keeping the current one in *prev to chain to. Returns 1 when set. */
+static int chain_hook(PyObject *owner, const char *name, PyMethodDef *def, PyObject **prev)
+{
+    PyObject *current = PyObject_GetAttrString(owner, name);
+    PyObject *hook = current ? PyCFunction_NewEx(def, NULL, NULL) : NULL;
+    if (hook == NULL || PyObject_SetAttrString(owner, name, hook) < 0) {
+        Py_XDECREF(hook);
+        Py_XDECREF(current);
+        OC_CLEAR();
+        return 0;
+    }
+    Py_DECREF(hook);
+    *prev = current;
+    return 1;
+}
+
+/* Runs once, at CUDA initialisation (py_at_cuda_init). A hook the program set
+ * earlier is chained, not replaced: it still receives every exception with
+ * the same arguments, after the report. sys.excepthook is left alone while an
+ * interactive console built on the `code` module runs (it sets sys.ps1): its
+ * showtraceback writes through the console only while sys.excepthook is
+ * sys.__excepthook__, so any other hook would take its output away. */
+static void install_hooks(void)
+{
+    PyObject *sys = NULL, *threading = NULL;
+    int sys_set = 0, thread_set = 0, console;
+    console = PySys_GetObject("ps1") != NULL;
+    sys = PyImport_ImportModule("sys");
+    if (sys != NULL && !console)
+        sys_set = chain_hook(sys, "excepthook", &sys_hook_def, &oom.prev_sys_hook);
+    /* threading is imported by torch already; this only looks it up. */
+    threading = PyImport_ImportModule("threading");
+    if (threading != NULL)
+        thread_set = chain_hook(threading, "excepthook", &thread_hook_def, &oom.prev_thread_hook);
+    OC_CLEAR();
+    Py_XDECREF(threading);
+    Py_XDECREF(sys);
+    ipython_install();
+    record_status(OC_REC_APPLIED,
+                  sys_set && thread_set ? "sys.excepthook + threading.excepthook"
+                  : thread_set
+                      ? (console ? "threading.excepthook (sys.excepthook left to the "
+                                   "interactive console)"
+                                 : "threading.excepthook (sys.excepthook could not be set)")
+                  : sys_set ? "sys.excepthook (threading.excepthook could not be set)"
+                            : "none: the exception hooks could not be set");
+}
+
+/* torch's OOM observer: (device, alloc, device_limit, device_free). Runs in
+ * the allocating thread after the allocator dropped its lock and before the
+ * error is raised, so the figures are those of the failure. Raises no error
+ * of its own: an exception here would replace the OutOfMemoryError. A Ctrl-C
+ * or exit() that arrives meanwhile (a long snapshot dump) is the program's:
+ * the edge raises it, and torch's observer wrapper carries it out of the
+ * allocation in the OutOfMemoryError's place, as it does for any observer
+ * that raises. */
+static PyObject *py_oom_observer(PyObject *self, PyObject *args)
+{
+    /* Gathered apart and published whole: the calls into torch let other
+     * threads run, and their OOMs' observers publish theirs meanwhile. */
+    oc_oom_seen now, *slot;
+    PyObject *torch, *cuda, *old, *type, *value, *tb;
+    (void)self;
+    memset(&now, 0, sizeof now);
+    PyErr_Fetch(&type, &value, &tb);
+    if (!PyArg_ParseTuple(args, "lKKK", &now.device, &now.request, &now.limit, &now.device_free)) {
+        OC_CLEAR();
+        goto done;
+    }
+    oc_summary_note_oom();
+    now.when = (double)time(NULL);
+    torch = oc_sys_module("torch");
+    cuda = torch ? PyObject_GetAttrString(torch, "cuda") : NULL;
+    now.stats = cuda ? PyObject_CallMethod(cuda, "memory_stats", "l", now.device) : NULL;
+    OC_CLEAR();
+    now.autocast = torch ? autocast_enabled(torch) : -1;
+    if (torch && oom.snapshot_path[0])
+        dump_snapshot(torch, &now);
+    Py_XDECREF(cuda);
+    Py_XDECREF(torch);
+    /* No call into Python from here to the copy. */
+    now.seq = oom.seen[oom.newest].seq + 1;
+    oom.newest = (int)((unsigned long)now.device % OOMS_KEPT);
+    slot = &oom.seen[oom.newest];
+    old = slot->stats;
+    *slot = now;
+    Py_XDECREF(old);
+    /* A shell started after CUDA (IPython.embed()) gets the handler before
+     * the OOM reaches it. */
+    ipython_install();
+done:
+    OC_CLEAR();
+    PyErr_Restore(type, value, tb);
+    Py_RETURN_NONE;
+}
+
+OC_EDGE_VARARGS(py_oom_observer)
+static PyMethodDef observer_def = OC_METHOD("outofcuda_oom_observer", py_oom_observer,
+                                            "outofcuda's CUDA OOM observer (records the figures).");
+
+/* Step of bridge.c's one CUDA-init callback (its rules apply, and it
+ * completes at most once: a second observer or our own hook chained behind
+ * itself would print every report twice). An interrupted run stops before
+ * the hooks and runs again; an observer it attached stays attached. torch
+ * 2.0 crashed when the observer was attached before CUDA initialised, hence
+ * the deferral. */
+void oc_oom_at_cuda_init(PyObject *torch)
+{
+    PyObject *attach = NULL, *obs = NULL, *r = NULL;
+    int attached = oom.observer_state != NULL && strcmp(oom.observer_state, "attached") == 0;
+    if (!attached && oom.snapshot_path[0] && start_history(torch) < 0) {
+        char msg[400];
+        if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) ||
+            PyErr_ExceptionMatches(PyExc_SystemExit)) {
+            OC_CLEAR(); /* set aside: the step runs again */
+            return;
+        }
+        take_error(msg, sizeof msg,
+                   "OUTOFCUDA_OOM_SNAPSHOT: recording the allocator history "
+                   "failed; no snapshot will be written");
+        oom.snapshot_path[0] = '\0';
+        oc_warn(msg);
+    }
+    attach = attached ? NULL : oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
+    obs = attach ? PyCFunction_NewEx(&observer_def, NULL, NULL) : NULL;
+    r = obs ? PyObject_CallFunctionObjArgs(attach, obs, NULL) : NULL;
+    /* attached (by an interrupted run) stays; an interrupt is set aside by
+     * OC_CLEAR and the step runs again */
+    if (r == NULL && !attached && !PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) &&
+        !PyErr_ExceptionMatches(PyExc_SystemExit)) {
+        oc_set_error("attaching the CUDA OOM observer");
+        oom.observer_state = NULL;
+        oom.observer_none = "attaching it at CUDA initialisation failed";
+    } else if (r != NULL) {
+        oom.observer_state = "attached";
+    }
+    OC_CLEAR();
+    Py_XDECREF(r);
+    Py_XDECREF(obs);
+    Py_XDECREF(attach);
+    if (!oc_interrupt_waiting())
+        install_hooks();
+}
+
+void oc_oom_install(PyObject *torch, const char *no_queue)
+{
+    PyObject *attach;
+    int snapshot;
+    oom.type = oc_getattr_chain(torch, "cuda.OutOfMemoryError");
+    if (oom.type == NULL) {
+        OC_CLEAR();
+        oc_record_set(OC_OPT_OOM, OC_REC_SKIPPED, OC_CODE_NO_OOM_TYPE,
+                      "this torch has no torch.cuda.OutOfMemoryError");
+        return;
+    }
+    snapshot = read_snapshot_env();
+    attach = oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
+    OC_CLEAR();
+    /* Every CUDA (and ROCm) build has the observer; a CPU-only build has no
+     * CUDA to report on. */
+    oom.observer_state = attach == NULL || no_queue ? NULL : "attached when CUDA initialises";
+    oom.observer_none = attach == NULL ? "this torch build has no CUDA OOM observer" : no_queue;
+    Py_XDECREF(attach);
+    if (oom.observer_state == NULL) {
+        if (snapshot) {
+            char msg[OC_WARN_LEN];
+            snprintf(msg, sizeof msg,
+                     "outofcuda: OUTOFCUDA_OOM_SNAPSHOT is set but no snapshot "
+                     "can be written (%s)",
+                     oom.observer_none);
+            oom.snapshot_path[0] = '\0';
+            oc_warn(msg);
+        }
+        /* Nothing will ever run at CUDA initialisation: Python's exception
+         * hooks stay its own for the life of the process. */
+        if (attach == NULL)
+            oc_record_set(OC_OPT_OOM, OC_REC_SKIPPED, OC_CODE_NO_OBSERVER,
+                          "CPU-only build of torch (no CUDA OOM observer): no CUDA to report on, "
+                          "Python's exception hooks left alone");
+        else
+            oc_record_set(OC_OPT_OOM, OC_REC_SKIPPED, OC_CODE_NO_QUEUE,
+                          "%s: Python's exception hooks left alone", oom.observer_none);
+        return;
+    }
+    oc_cuda_step_arm(OC_STEP_OOM);
+    record_status(OC_REC_QUEUED, "installed when CUDA initialises");
 }
 
 OC_EDGE_O(py_is_oom)
