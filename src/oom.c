@@ -99,8 +99,9 @@ static void report_clear(oom_report *r)
 }
 
 /* Copies the current exception's text into buf and clears it. A Ctrl-C or
- * an exit() is the program's: set aside for the edge to raise, not text. */
-static void take_error(char *buf, size_t sz, const char *what)
+ * an exit() is the program's: set aside for the edge to raise, not text;
+ * then returns 1, else 0. */
+static int take_error(char *buf, size_t sz, const char *what)
 {
     PyObject *type, *value, *tb, *s = NULL;
     char text[240];
@@ -108,7 +109,7 @@ static void take_error(char *buf, size_t sz, const char *what)
         PyErr_ExceptionMatches(PyExc_SystemExit)) {
         OC_CLEAR();
         snprintf(buf, sz, "%s: interrupted", what);
-        return;
+        return 1;
     }
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
@@ -119,6 +120,7 @@ static void take_error(char *buf, size_t sz, const char *what)
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(tb);
+    return 0;
 }
 
 /* Returns 1, 0 or -1 (unknown) for "is autocast on for CUDA in this thread". */
@@ -194,9 +196,8 @@ static int start_history(PyObject *torch)
 }
 
 /* Reads OUTOFCUDA_OOM_SNAPSHOT into oom.snapshot_path (absolute). The value is a
- * file path and nothing else; a bad one gets one warning and is ignored.
- * Returns 1 when set and usable. */
-static int read_snapshot_env(void)
+ * file path and nothing else; a bad one gets one warning and is ignored. */
+static void read_snapshot_env(void)
 {
     const char *v = oc_env("OUTOFCUDA_OOM_SNAPSHOT"), *base, *slash;
     char dir[PATH_MAX], why[PATH_MAX + 64] = "", msg[OC_WARN_LEN + PATH_MAX];
@@ -205,7 +206,7 @@ static int read_snapshot_env(void)
     oom.snapshot_path[0] = '\0';
     /* An off word is off, as for every setting, never a file named "0". */
     if (v == NULL || v[0] == '\0' || oc_parse_off(v))
-        return 0;
+        return;
     slash = strrchr(v, '/');
     base = slash ? slash + 1 : v;
     if (strlen(v) >= sizeof dir - 1 || *base == '\0' || strcmp(base, ".") == 0 ||
@@ -217,11 +218,10 @@ static int read_snapshot_env(void)
     else if (resolved != 0 || (stat(oom.snapshot_path, &st) == 0 && S_ISDIR(st.st_mode)))
         snprintf(why, sizeof why, "it must name a file, not a directory");
     if (why[0] == '\0')
-        return 1;
+        return;
     snprintf(msg, sizeof msg, "outofcuda: OUTOFCUDA_OOM_SNAPSHOT=%.200s ignored: %s", v, why);
     oom.snapshot_path[0] = '\0';
     oc_warn(msg);
-    return 0;
 }
 
 /* ---- the ranked actions (the rules and their ranking: advice.c) ---- */
@@ -260,10 +260,9 @@ static void rank(oom_report *r, int exhausted, unsigned long long device_limit)
 static unsigned long long arg_bytes(PyObject *v)
 {
     unsigned long long x = v && PyLong_Check(v) ? PyLong_AsUnsignedLongLong(v) : 0;
-    if (PyErr_Occurred()) {
-        OC_CLEAR();
-        return 0;
-    }
+    if (PyErr_Occurred())
+        x = 0;
+    OC_CLEAR();
     return x;
 }
 
@@ -386,10 +385,9 @@ static long long stat_of(PyObject *stats, const char *key)
 {
     PyObject *v = stats && PyDict_Check(stats) ? PyDict_GetItemString(stats, key) : NULL;
     long long x = v && PyLong_Check(v) ? PyLong_AsLongLong(v) : -1;
-    if (PyErr_Occurred()) {
-        OC_CLEAR();
-        return -1;
-    }
+    if (PyErr_Occurred())
+        x = -1;
+    OC_CLEAR();
     return x;
 }
 
@@ -852,10 +850,8 @@ static int utf8_prefix(const char *s, int chars)
 static void figure_lines(oc_text *t, const oom_report *r)
 {
     char b1[48], b2[48], b3[48];
-    if (r->device < 0)
-        oc_appendf(t, "outofcuda: CUDA out of memory on cuda:?");
-    else
-        oc_appendf(t, "outofcuda: CUDA out of memory on cuda:%lld", r->device);
+    snprintf(b1, sizeof b1, "%lld", r->device);
+    oc_appendf(t, "outofcuda: CUDA out of memory on cuda:%s", r->device < 0 ? "?" : b1);
     if (r->device_name[0])
         oc_appendf(t, " (%s)", r->device_name);
     if (r->message[0])
@@ -888,10 +884,8 @@ static void setting_lines(oc_text *t, const oom_report *r)
                    r->procs[i].name[0] ? r->procs[i].name : "?",
                    bytes_text(r->procs[i].used, b, sizeof b));
     oc_appendf(t, "\n  allocator          %s", r->allocator[0] ? r->allocator : "PyTorch defaults");
-    if (r->fraction < 0.0)
-        oc_appendf(t, "\n  memory fraction    none");
-    else
-        oc_appendf(t, "\n  memory fraction    %.2f", r->fraction);
+    snprintf(b, sizeof b, "%.2f", r->fraction);
+    oc_appendf(t, "\n  memory fraction    %s", r->fraction < 0.0 ? "none" : b);
     if (r->limit > 0)
         oc_appendf(t, " (cap %s)", bytes_text(r->limit, b, sizeof b));
     if (r->snapshot[0])
@@ -1107,11 +1101,8 @@ static PyObject *py_testing_reports_built(PyObject *self, PyObject *unused)
  * (oc_oom_kind_of). */
 static PyObject *py_is_oom(PyObject *self, PyObject *exc)
 {
-    PyObject *type = PyObject_Type(exc);
-    oc_oom_kind kind = oc_oom_kind_of(type, exc);
     (void)self;
-    Py_XDECREF(type);
-    return PyBool_FromLong(kind != OC_OOM_NONE);
+    return PyBool_FromLong(oc_oom_kind_of((PyObject *)Py_TYPE(exc), exc) != OC_OOM_NONE);
 }
 
 /* ---- the uncaught-exception path ---- */
@@ -1580,10 +1571,8 @@ static int chain_hook(PyObject *owner, const char *name, PyMethodDef *def, PyObj
  * sys.__excepthook__, so any other hook would take its output away. */
 static void install_hooks(void)
 {
-    PyObject *sys = NULL, *threading = NULL;
-    int sys_set = 0, thread_set = 0, console;
-    console = PySys_GetObject("ps1") != NULL;
-    sys = PyImport_ImportModule("sys");
+    int sys_set = 0, thread_set = 0, console = PySys_GetObject("ps1") != NULL;
+    PyObject *sys = PyImport_ImportModule("sys"), *threading;
     if (sys != NULL && !console)
         sys_set = chain_hook(sys, "excepthook", &sys_hook_def, &oom.prev_sys_hook);
     /* threading is imported by torch already; this only looks it up. */
@@ -1668,14 +1657,10 @@ void oc_oom_at_cuda_init(PyObject *torch)
     int attached = oom.observer_state != NULL && strcmp(oom.observer_state, "attached") == 0;
     if (!attached && oom.snapshot_path[0] && start_history(torch) < 0) {
         char msg[400];
-        if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt) ||
-            PyErr_ExceptionMatches(PyExc_SystemExit)) {
-            OC_CLEAR(); /* set aside: the step runs again */
-            return;
-        }
-        take_error(msg, sizeof msg,
-                   "OUTOFCUDA_OOM_SNAPSHOT: recording the allocator history "
-                   "failed; no snapshot will be written");
+        if (take_error(msg, sizeof msg,
+                       "OUTOFCUDA_OOM_SNAPSHOT: recording the allocator history "
+                       "failed; no snapshot will be written"))
+            return; /* an interrupt, set aside: the step runs again */
         oom.snapshot_path[0] = '\0';
         oc_warn(msg);
     }
@@ -1703,7 +1688,6 @@ void oc_oom_at_cuda_init(PyObject *torch)
 void oc_oom_install(PyObject *torch, const char *no_queue)
 {
     PyObject *attach;
-    int snapshot;
     oom.type = oc_getattr_chain(torch, "cuda.OutOfMemoryError");
     if (oom.type == NULL) {
         OC_CLEAR();
@@ -1711,7 +1695,7 @@ void oc_oom_install(PyObject *torch, const char *no_queue)
                       "this torch has no torch.cuda.OutOfMemoryError");
         return;
     }
-    snapshot = read_snapshot_env();
+    read_snapshot_env();
     attach = oc_getattr_chain(torch, "_C._cuda_attach_out_of_memory_observer");
     OC_CLEAR();
     /* Every CUDA (and ROCm) build has the observer; a CPU-only build has no
@@ -1720,7 +1704,7 @@ void oc_oom_install(PyObject *torch, const char *no_queue)
     oom.observer_none = attach == NULL ? "this torch build has no CUDA OOM observer" : no_queue;
     Py_XDECREF(attach);
     if (oom.observer_state == NULL) {
-        if (snapshot) {
+        if (oom.snapshot_path[0]) {
             char msg[OC_WARN_LEN];
             snprintf(msg, sizeof msg,
                      "outofcuda: OUTOFCUDA_OOM_SNAPSHOT is set but no snapshot "
