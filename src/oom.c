@@ -295,7 +295,7 @@ static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
         "inactive_split", "fraction", "expandable", "no_expandable_here", "autocast",
         "exhausted",      "others",   NULL};
     PyObject *v[12] = {NULL}, *texts = NULL;
-    oom_report r;
+    oom_report r = {0};
     long long *bytes[] = {&r.request, &r.total, &r.limit, &r.allocated, &r.reserved, &r.inactive};
     int flag[4];
     Py_ssize_t n;
@@ -309,7 +309,6 @@ static PyObject *py_oom_advice(PyObject *self, PyObject *args, PyObject *kw)
         if (PyErr_Occurred())
             return NULL;
     }
-    memset(&r, 0, sizeof r);
     for (int i = 0; i < 6; i++)
         *bytes[i] = (long long)arg_bytes(v[i]);
     r.fraction = v[6] && v[6] != Py_None ? PyFloat_AsDouble(v[6]) : 0.0;
@@ -884,8 +883,10 @@ static void setting_lines(oc_text *t, const oom_report *r)
                    r->procs[i].name[0] ? r->procs[i].name : "?",
                    bytes_text(r->procs[i].used, b, sizeof b));
     oc_appendf(t, "\n  allocator          %s", r->allocator[0] ? r->allocator : "PyTorch defaults");
-    snprintf(b, sizeof b, "%.2f", r->fraction);
-    oc_appendf(t, "\n  memory fraction    %s", r->fraction < 0.0 ? "none" : b);
+    if (r->fraction < 0.0)
+        oc_appendf(t, "\n  memory fraction    none");
+    else
+        oc_appendf(t, "\n  memory fraction    %.2f", r->fraction);
     if (r->limit > 0)
         oc_appendf(t, " (cap %s)", bytes_text(r->limit, b, sizeof b));
     if (r->snapshot[0])
@@ -968,7 +969,7 @@ static void keep_report(PyObject *report, unsigned long seq)
  * Returns 0, or -1 with an exception set. */
 static int exc_text(PyObject *exc, PyObject **text)
 {
-    PyObject *s, *stripped, *type;
+    PyObject *s, *stripped;
     Py_ssize_t n;
     *text = NULL;
     if (exc == NULL || exc == Py_None)
@@ -979,9 +980,7 @@ static int exc_text(PyObject *exc, PyObject **text)
     Py_XDECREF(stripped);
     if (n == 0) {
         Py_DECREF(s);
-        type = PyObject_Type(exc);
-        s = type ? PyObject_GetAttrString(type, "__name__") : NULL;
-        Py_XDECREF(type);
+        s = PyObject_GetAttrString((PyObject *)Py_TYPE(exc), "__name__");
     } else if (n < 0) {
         Py_CLEAR(s);
     }
