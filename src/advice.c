@@ -46,12 +46,6 @@ static int by_score(const void *a, const void *b)
     return x->order - y->order;
 }
 
-static void oc_advice_rank(oc_advice_item *items, int n)
-{
-    if (n > 1)
-        qsort(items, (size_t)n, sizeof *items, by_score);
-}
-
 void oc_fmt_bytes(unsigned long long b, char *buf, size_t sz)
 {
     double mib = (double)b / (1024.0 * 1024.0);
@@ -131,7 +125,8 @@ int oc_oom_advise(const oc_oom_figures *f, oc_advice_item *out, int max)
         add(&l, (double)(f->allocated ? f->allocated / 3 : 1), l.n,
             "Autocast is off: if the model runs in float32, run its forward pass under "
             "outofcuda.autocast_context() (torch.autocast) to keep activations in 16 bits.");
-    oc_advice_rank(out, l.n);
+    if (l.n > 1)
+        qsort(out, (size_t)l.n, sizeof *out, by_score);
     return l.n;
 }
 
@@ -251,6 +246,7 @@ int oc_summary_hints(const oc_summary_figures *d, oc_advice_item *out, int max)
                                           "(WSL): set max_split_size_mb:128 (OUTOFCUDA_ALLOC_CONF)"
                                         : "set expandable_segments:True (OUTOFCUDA_ALLOC_CONF)");
     }
-    oc_advice_rank(out, l.n);
+    if (l.n > 1)
+        qsort(out, (size_t)l.n, sizeof *out, by_score);
     return l.n;
 }

@@ -117,43 +117,32 @@ int oc_api_clear_cache(long long *released)
 
 /* ---- autocast dtype ---- */
 
-/* The dtype the start-up hook chose for CUDA, or NULL. */
-static const char *hook_amp_choice(void)
-{
-    const oc_record *r = oc_record_get(OC_OPT_AMP_DTYPE);
-    return r->state == OC_REC_APPLIED && r->kind == OC_VAL_TEXT ? r->text : NULL;
-}
-
 /* _api_autocast_dtype(device_type) -> (dtype name or None, reason). None
  * leaves torch's own default for that device type. */
 static PyObject *py_autocast_dtype(PyObject *self, PyObject *arg)
 {
     const oc_config *cfg = oc_config_get();
+    const oc_record *hook = oc_record_get(OC_OPT_AMP_DTYPE);
     char dev[32], reason[260];
-    const char *hook;
     (void)self;
     if (!PyUnicode_Check(arg)) {
         PyErr_SetString(PyExc_TypeError, "device_type must be a str such as 'cuda' or 'cpu'");
         return NULL;
     }
     oc_utf8(arg, dev, sizeof dev);
-    if (cfg->amp_dtype != OC_AMP_AUTO) {
-        /* NULL under OC_AMP_OFF: torch's own default on every device type. */
-        const char *name = oc_amp_cuda_dtype(cfg, reason, sizeof reason);
-        return Py_BuildValue("(zs)", name, reason);
-    }
-    if (strcmp(dev, "cpu") == 0)
+    if (cfg->amp_dtype == OC_AMP_AUTO && strcmp(dev, "cpu") == 0)
         return Py_BuildValue("(ss)", "bfloat16", "CPU autocast computes in bfloat16");
-    if (strcmp(dev, "cuda") != 0)
+    if (cfg->amp_dtype == OC_AMP_AUTO && strcmp(dev, "cuda") != 0)
         return Py_BuildValue("(Os)", Py_None, "torch's default for this device type");
     /* Passing the hook's choice explicitly matters: torch's autocast dtype
      * is thread-local, so the hook's setting holds only in the importing
      * thread. */
-    hook = hook_amp_choice();
-    if (hook != NULL)
-        return Py_BuildValue("(ss)", hook, "the start-up hook's choice");
-    /* The start-up hook's rule (bridge.c asks the same): no guess when the
-     * capability is unknown; None leaves torch's own CUDA default. */
+    if (cfg->amp_dtype == OC_AMP_AUTO && hook->state == OC_REC_APPLIED && hook->kind == OC_VAL_TEXT)
+        return Py_BuildValue("(ss)", hook->text, "the start-up hook's choice");
+    /* A dtype the user set holds on every device type (NULL under
+     * OC_AMP_OFF: torch's own default); under auto, the start-up hook's rule
+     * (bridge.c asks the same): no guess when the capability is unknown, None
+     * leaves torch's own CUDA default. */
     return Py_BuildValue("(zs)", oc_amp_cuda_dtype(cfg, reason, sizeof reason), reason);
 }
 

@@ -123,30 +123,18 @@ static const char *trim_copy(const char *s, char *buf, size_t sz, int lower)
     return buf;
 }
 
-/* The value of a variable, or NULL when it is unset or set to nothing:
- * `OUTOFCUDA_X=` (an env file's blank entry, `docker run -e X=`) means
- * "not set", not a bad value. */
-static const char *lookup(oc_getenv_fn get, void *ctx, const char *name)
-{
-    const char *v = get(name, ctx);
-    return (v == NULL || v[0] == '\0') ? NULL : v;
-}
-
 int oc_parse_bool(const char *s)
 {
-    static const char *const yes[] = {"1", "true", "yes", "on"};
-    /* The off words (OC_OFF_WORDS): the same for every setting. */
-    static const char *const no[] = {"0", "off", "false", "no", "none"};
+    /* The four on words, then the off words (OC_OFF_WORDS): the same for
+     * every setting. */
+    static const char *const words[] = {"1",   "true",  "yes", "on",  "0",
+                                        "off", "false", "no",  "none"};
     char buf[8];
     if (s == NULL || trim_copy(s, buf, sizeof buf, 1) == NULL)
         return -1;
-    for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++) {
-        if (strcmp(buf, yes[i]) == 0)
-            return 1;
-    }
-    for (size_t i = 0; i < sizeof no / sizeof no[0]; i++) {
-        if (strcmp(buf, no[i]) == 0)
-            return 0;
+    for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) {
+        if (strcmp(buf, words[i]) == 0)
+            return i < 4;
     }
     return -1;
 }
@@ -274,17 +262,13 @@ static int parse_summary(oc_config *cfg, const oc_setting *s, const char *v)
  * allocator string, no word, 0), and cfg->off says the setting is off. */
 static int parse_off(oc_config *cfg, const oc_setting *s, const char *v)
 {
-    static const long zero_long = 0;
-    static const double zero_double = 0.0;
     static const int off_value = -1;
     if (!oc_parse_off(v))
         return -1;
     switch (s->kind) {
     case OC_SET_LONG:
-        STORE(cfg, s, zero_long);
-        break;
-    case OC_SET_FRACTION:
-        STORE(cfg, s, zero_double);
+    case OC_SET_FRACTION: /* 0 and 0.0: all bits zero */
+        memset(FIELD(cfg, s), 0, s->kind == OC_SET_LONG ? sizeof(long) : sizeof(double));
         break;
     case OC_SET_WORD:
         if (s->values != NULL)
@@ -439,25 +423,25 @@ void oc_config_load(oc_config *cfg, oc_getenv_fn get, void *ctx)
     for (size_t i = 0; i < n; i++) {
         const oc_setting *s = oc_setting_at(i);
         const char *v;
+        int own;
         if (s->offset == OC_NO_FIELD)
             continue;
-        v = lookup(get, ctx, s->name);
-        if (v == NULL)
+        v = get(s->name, ctx);
+        /* `OUTOFCUDA_X=` (an env file's blank entry, `docker run -e X=`)
+         * means "not set", not a bad value. */
+        if (v == NULL || v[0] == '\0')
             continue;
         /* The setting's own values first (OUTOFCUDA_NUM_WORKERS=0 is the
          * number 0), then the off words every setting takes. */
-        if (parse(cfg, s, v) == 0) {
-            if ((s->kind == OC_SET_BOOL || s->kind == OC_SET_SUMMARY ||
-                 s->kind == OC_SET_KNOWN_BUGS) &&
-                oc_parse_off(v) && i < 64)
-                cfg->off |= 1ull << i;
-        } else if (parse_off(cfg, s, v) == 0) {
-            if (i < 64)
-                cfg->off |= 1ull << i;
-        } else {
+        own = parse(cfg, s, v) == 0;
+        if (!own && parse_off(cfg, s, v) != 0) {
             add_warning(cfg, s, v);
             continue;
         }
+        if (i < 64 && oc_parse_off(v) &&
+            (!own || s->kind == OC_SET_BOOL || s->kind == OC_SET_SUMMARY ||
+             s->kind == OC_SET_KNOWN_BUGS))
+            cfg->off |= 1ull << i;
         if (s->kind == OC_SET_ALLOC)
             /* The user's own string, or off, replaces every default, conditional ones too. */
             cfg->alloc_conf_no_expandable[0] = '\0';

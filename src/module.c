@@ -72,11 +72,22 @@ static PyObject *setting_value(const oc_config *c, const oc_setting *s)
     Py_RETURN_NONE;
 }
 
+/* Appends text (UTF-8, bad bytes replaced) to list; NULL, the list
+ * released, when that fails or list is NULL. */
+static PyObject *append_text(PyObject *list, const char *text)
+{
+    PyObject *s = list ? PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace") : NULL;
+    if (s == NULL || PyList_Append(list, s) < 0)
+        Py_CLEAR(list);
+    Py_XDECREF(s);
+    return list;
+}
+
 /* Every setting of the table that oc_config holds, keyed by its name less
  * "OUTOFCUDA_" in lower case, then the parser's warnings. */
 static PyObject *dict_from_config(const oc_config *c)
 {
-    PyObject *d = PyDict_New(), *warnings = PyList_New(0), *v;
+    PyObject *d = PyDict_New(), *warnings = PyList_New(0), *off = PyList_New(0), *v;
     for (size_t i = 0; d != NULL && i < oc_setting_count(); i++) {
         const oc_setting *s = oc_setting_at(i);
         char key[64];
@@ -90,30 +101,17 @@ static PyObject *dict_from_config(const oc_config *c)
             Py_CLEAR(d);
         Py_XDECREF(v);
     }
-    for (int i = 0; warnings != NULL && i < c->n_warnings; i++) {
-        PyObject *w =
-            PyUnicode_DecodeUTF8(c->warnings[i], (Py_ssize_t)strlen(c->warnings[i]), "replace");
-        if (w == NULL || PyList_Append(warnings, w) < 0)
-            Py_CLEAR(warnings);
-        Py_XDECREF(w);
-    }
+    for (int i = 0; warnings != NULL && i < c->n_warnings; i++)
+        warnings = append_text(warnings, c->warnings[i]);
     /* The rows OUTOFCUDA_KNOWN_BUGS turned off, by id. */
-    {
-        PyObject *off = PyList_New(0);
-        for (size_t i = 0;
-             off != NULL && i < oc_known_bug_count() && i < 8 * sizeof c->known_bugs_off; i++) {
-            PyObject *id;
-            if (!((c->known_bugs_off >> i) & 1))
-                continue;
-            id = PyUnicode_FromString(oc_known_bug_at(i)->id);
-            if (id == NULL || PyList_Append(off, id) < 0)
-                Py_CLEAR(off);
-            Py_XDECREF(id);
-        }
-        if (off == NULL || d == NULL || PyDict_SetItemString(d, "known_bugs_off", off) < 0)
-            Py_CLEAR(d);
-        Py_XDECREF(off);
+    for (size_t i = 0; off != NULL && i < oc_known_bug_count() && i < 8 * sizeof c->known_bugs_off;
+         i++) {
+        if ((c->known_bugs_off >> i) & 1)
+            off = append_text(off, oc_known_bug_at(i)->id);
     }
+    if (off == NULL || d == NULL || PyDict_SetItemString(d, "known_bugs_off", off) < 0)
+        Py_CLEAR(d);
+    Py_XDECREF(off);
     v = PyUnicode_FromString(c->alloc_conf_no_expandable);
     if (d == NULL || warnings == NULL || v == NULL ||
         PyDict_SetItemString(d, "alloc_conf_no_expandable", v) < 0 ||

@@ -63,17 +63,6 @@ static struct {
 
 static pthread_once_t nv_once = PTHREAD_ONCE_INIT;
 
-/* Looks a symbol up, preferring the newest suffix. Returns NULL when none. */
-static void *sym(const char *const *names)
-{
-    for (; *names; names++) {
-        void *p = dlsym(nv.lib, *names);
-        if (p != NULL)
-            return p;
-    }
-    return NULL;
-}
-
 static void nv_load(void)
 {
     static const struct {
@@ -108,8 +97,11 @@ static void nv_load(void)
                  err ? err : "libnvidia-ml.so.1");
         return;
     }
-    for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++)
-        *syms[i].slot = sym(syms[i].names);
+    /* Each slot takes the first of its names found: the newest suffix. */
+    for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
+        for (const char *const *name = syms[i].names; *name && !*syms[i].slot; name++)
+            *syms[i].slot = dlsym(nv.lib, *name);
+    }
     if (!nv.init || !nv.count || !nv.handle || !nv.memory) {
         snprintf(nv.why, sizeof nv.why, "NVML is missing a required function (driver too old?)");
         return;
@@ -406,15 +398,18 @@ static int resolve_entry(const char *entry, int n)
     return -1;
 }
 
-/* Walks CUDA_VISIBLE_DEVICES (vis, set) as CUDA does among n NVML devices
+/* Walks CUDA_VISIBLE_DEVICES (vis) as CUDA does among n NVML devices
  * (n < 0: NVML cannot be asked): each entry that resolves goes into map (-2
  * where NVML cannot say which device), up to max; the walk stops at the
  * first entry CUDA cannot resolve, copied into stop (left as it is when
- * every entry resolved). Returns how many entries resolved. */
+ * every entry resolved). vis NULL (unset) shows every device in NVML's
+ * order. Returns how many entries resolved. */
 static int walk_visible(const char *vis, int n, int *map, int max, char *stop, size_t stopsz)
 {
     int count = 0;
-    while (*vis && count < max) {
+    for (; vis == NULL && count < n && count < max; count++)
+        map[count] = count;
+    while (vis != NULL && *vis && count < max) {
         char entry[100];
         size_t len = strcspn(vis, ",");
         size_t a = 0, b = len;
@@ -446,17 +441,11 @@ static int walk_visible(const char *vis, int n, int *map, int max, char *stop, s
  * machines with one GPU model.) */
 int oc_nvml_visible_map(int *map, int max)
 {
-    const char *vis = oc_env("CUDA_VISIBLE_DEVICES");
-    int n = oc_nvml_device_count(), count = 0;
+    int n = oc_nvml_device_count();
     char stop[100];
     if (n < 0)
         return -1;
-    if (vis == NULL) {
-        for (int i = 0; i < n && i < max; i++)
-            map[count++] = i;
-        return count;
-    }
-    return walk_visible(vis, n, map, max, stop, sizeof stop);
+    return walk_visible(oc_env("CUDA_VISIBLE_DEVICES"), n, map, max, stop, sizeof stop);
 }
 
 int oc_nvml_index(int torch_index)
@@ -563,18 +552,11 @@ static PyObject *py_visible_devices(PyObject *self, PyObject *unused)
 {
     const char *vis = oc_env("CUDA_VISIBLE_DEVICES");
     int map[OC_NVML_MAX_DEVICES], n = oc_nvml_device_count(), count;
-    char stop[100] = "";
+    char stop[100] = "\1"; /* not an entry: unset, or every entry resolved */
     PyObject *indices, *value, *devices, *stop_obj;
     (void)self;
     (void)unused;
-    if (vis == NULL) {
-        count = n < 0 ? 0 : (n < OC_NVML_MAX_DEVICES ? n : OC_NVML_MAX_DEVICES);
-        for (int i = 0; i < count; i++)
-            map[i] = i;
-    } else {
-        stop[0] = '\1'; /* not an entry: every entry resolved */
-        count = walk_visible(vis, n, map, OC_NVML_MAX_DEVICES, stop, sizeof stop);
-    }
+    count = walk_visible(vis, n, map, OC_NVML_MAX_DEVICES, stop, sizeof stop);
     indices = n < 0 ? (Py_INCREF(Py_None), Py_None) : PyList_New(0);
     for (int i = 0; indices != NULL && indices != Py_None && i < count; i++) {
         PyObject *x = PyLong_FromLong(map[i]);
@@ -587,9 +569,8 @@ static PyObject *py_visible_devices(PyObject *self, PyObject *unused)
     value = vis ? PyUnicode_DecodeUTF8(vis, (Py_ssize_t)strlen(vis), "replace")
                 : (Py_INCREF(Py_None), Py_None);
     devices = n < 0 ? (Py_INCREF(Py_None), Py_None) : PyLong_FromLong(n);
-    stop_obj = (vis == NULL || stop[0] == '\1')
-                   ? (Py_INCREF(Py_None), Py_None)
-                   : PyUnicode_DecodeUTF8(stop, (Py_ssize_t)strlen(stop), "replace");
+    stop_obj = stop[0] == '\1' ? (Py_INCREF(Py_None), Py_None)
+                               : PyUnicode_DecodeUTF8(stop, (Py_ssize_t)strlen(stop), "replace");
     if (value == NULL || devices == NULL || stop_obj == NULL) {
         Py_XDECREF(value);
         Py_XDECREF(devices);
