@@ -177,9 +177,8 @@ static int set_environ(const char *name, const char *value)
     int rc = -1;
     if (environ != NULL && value == NULL) {
         rc = PyMapping_DelItemString(environ, name);
-        /* Already gone (something deleted it meanwhile) is what was asked. */
         if (rc < 0 && PyErr_ExceptionMatches(PyExc_KeyError)) {
-            OC_CLEAR_ABSENT(); /* already gone is what was asked */
+            OC_CLEAR_ABSENT(); /* already gone (deleted meanwhile) is what was asked */
             rc = 0;
         }
     } else if (environ != NULL && v != NULL)
@@ -272,8 +271,7 @@ static void prepare_allocator(const oc_config *cfg)
     const oc_framework_choice *fw = oc_framework_choice_get();
     const char *name, *user, *defaults, *write_name;
     int async, held_back, owned, generic;
-    alloc_applied = 0;
-    alloc_generic = 0;
+    alloc_applied = alloc_generic = 0;
     alloc_notes = 0;
     alloc_variable = NULL;
     alloc_value[0] = alloc_left_out[0] = '\0';
@@ -544,7 +542,7 @@ static void tf32_at_cuda_init(PyObject *torch, PyObject *c_mod)
                       "set when CUDA initialised (the program had chosen no float32 "
                       "precision): cuBLAS may use TF32 for float32 matmuls; cuDNN TF32 is "
                       "torch's default");
-        oc_record_matmul(1);
+        oc_record_bool(OC_OPT_TF32, 1);
     }
 }
 

@@ -366,13 +366,13 @@ static oc_kb_code ipc_steer(PyObject *torch, const oc_known_bug *b, char *why, s
         oc_alloc_value(user, "expandable_segments", NULL, 0) == 0 &&
         oc_alloc_merge(alloc->text, "expandable_segments:False", NULL, NULL, conf, sizeof conf,
                        NULL, 0, NULL, 0) == 0) {
-        m = PyObject_GetAttrString(torch, "_C");
-        r = m ? PyObject_CallMethod(m, "_accelerator_setAllocatorSettings", "s", conf) : NULL;
+        m = oc_getattr_chain(torch, "_C._accelerator_setAllocatorSettings");
+        r = m ? PyObject_CallFunction(m, "s", conf) : NULL;
         Py_XDECREF(m);
+        Py_XDECREF(r);
         OC_CLEAR();
         if (r == NULL)
             return OC_KBC_NOT_AVOIDED; /* the reason stays the row's: applies */
-        Py_DECREF(r);
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_APPLIED, OC_CODE_AT_CUDA_INIT,
                       "given to torch's setter when CUDA started in this DataLoader worker, "
                       "expandable segments off (known bug %s)",
@@ -625,7 +625,6 @@ static PyObject *py_known_bugs_check(PyObject *self, PyObject *args)
         return NULL;
     facts_init(&f);
     f.torch = tver ? oc_torch_version_number(tver) : 0;
-    /* cuda: torch.version.cuda ("13.0"), or a bool, or None (unknown). */
     if (PyUnicode_Check(cuda)) {
         char buf[32];
         f.cuda_build = 1;
@@ -634,7 +633,6 @@ static PyObject *py_known_bugs_check(PyObject *self, PyObject *args)
         f.cuda_build = cuda == Py_None ? -1 : PyObject_IsTrue(cuda);
     }
     f.cudnn = cudnn == Py_None ? -1 : PyLong_AsLong(cudnn);
-    f.n_cc = -1;
     if (ccs != Py_None) {
         Py_ssize_t k = PySequence_Size(ccs);
         f.n_cc = 0;

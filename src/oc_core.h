@@ -529,8 +529,7 @@ void oc_record_set(oc_opt opt, oc_rec_state state, oc_rec_code code, const char 
 void oc_record_off(oc_opt opt, const char *var);
 /* Every record: state, code and reason. */
 void oc_record_set_all(oc_rec_state state, oc_rec_code code, const char *reason);
-void oc_record_bool(oc_opt opt, int value);
-void oc_record_matmul(int tf32);
+void oc_record_bool(oc_opt opt, int value); /* TF32's: {"matmul": value} */
 void oc_record_sdpa(int flash, int mem_efficient, int math);
 void oc_record_text(oc_opt opt, const char *text);
 void oc_record_fraction(double fraction, long device);
