@@ -482,7 +482,6 @@ typedef enum { OC_COST_NONE, OC_COST_BF16_CONV } oc_cost_id;
 #define OC_REASON_LEN 2000
 typedef struct {
     const char *off_by;    /* the OUTOFCUDA_* variable of OC_CODE_OFF (static), else NULL */
-    oc_cost_id cost;       /* a known cost of the choice (oc_record_cost) */
     const char *known_bug; /* the known bug a note acts on (static), or NULL */
     const char *variable;  /* the allocator variable read (static), or NULL */
     unsigned notes;        /* 1 << oc_rec_note */
@@ -493,6 +492,7 @@ typedef struct {
     oc_rec_code code;
     oc_rec_value kind;
     int flag;
+    oc_cost_id cost; /* a known cost of the choice (oc_record_cost) */
     int sdpa[3];
     struct {
         const char *hooks; /* static text */
