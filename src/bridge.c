@@ -177,9 +177,8 @@ static int set_environ(const char *name, const char *value)
     int rc = -1;
     if (environ != NULL && value == NULL) {
         rc = PyMapping_DelItemString(environ, name);
-        /* Already gone (something deleted it meanwhile) is what was asked. */
         if (rc < 0 && PyErr_ExceptionMatches(PyExc_KeyError)) {
-            OC_CLEAR_ABSENT(); /* already gone is what was asked */
+            OC_CLEAR_ABSENT(); /* already gone (deleted meanwhile) is what was asked */
             rc = 0;
         }
     } else if (environ != NULL && v != NULL)
@@ -190,18 +189,15 @@ static int set_environ(const char *name, const char *value)
     return rc;
 }
 
-/* Gives the allocator variable back as the user had it (value or absence).
- * Returns 0, or -1 when os.environ refused (recorded as outofcuda's error). */
-static int restore_allocator_env(void)
+/* Gives the allocator variable back as the user had it (value or absence);
+ * os.environ's refusal is recorded as outofcuda's error. */
+static void restore_allocator_env(void)
 {
     if (!alloc_saved.written)
-        return 0;
+        return;
     alloc_saved.written = 0;
-    if (set_environ(alloc_saved.name, alloc_saved.had ? alloc_saved.value : NULL) < 0) {
+    if (set_environ(alloc_saved.name, alloc_saved.had ? alloc_saved.value : NULL) < 0)
         oc_set_error("restoring the allocator variable failed");
-        return -1;
-    }
-    return 0;
 }
 
 /* Returns 1 when a framework owns GPU memory in this process and outofcuda
@@ -252,11 +248,7 @@ static int setter_configures(const char *user)
 static oc_rec_code alloc_code;
 
 /* The allocator's sentence, with its code. */
-static void alloc_say(oc_rec_code code, const char *fmt, ...)
-#ifdef __GNUC__
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
+static void alloc_say(oc_rec_code code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void alloc_say(oc_rec_code code, const char *fmt, ...)
 {
     va_list ap;
@@ -270,10 +262,9 @@ static void prepare_allocator(const oc_config *cfg)
 {
     char err[160], fw_note[120], platform_defaults[OC_ALLOC_CONF_MAX];
     const oc_framework_choice *fw = oc_framework_choice_get();
-    const char *name, *user, *defaults, *write_name;
+    const char *name, *user, *defaults, *write_name, *had;
     int async, held_back, owned, generic;
-    alloc_applied = 0;
-    alloc_generic = 0;
+    alloc_applied = alloc_generic = 0;
     alloc_notes = 0;
     alloc_variable = NULL;
     alloc_value[0] = alloc_left_out[0] = '\0';
@@ -358,12 +349,10 @@ static void prepare_allocator(const oc_config *cfg)
     }
     /* The variable this release reads (not the ignored one the user set). */
     write_name = generic ? oc_alloc_env_name(build.ver) : name;
-    {
-        const char *had = oc_env(write_name);
-        alloc_saved.had = had != NULL;
-        snprintf(alloc_saved.value, sizeof alloc_saved.value, "%s", had ? had : "");
-        snprintf(alloc_saved.name, sizeof alloc_saved.name, "%s", write_name);
-    }
+    had = oc_env(write_name);
+    alloc_saved.had = had != NULL;
+    snprintf(alloc_saved.value, sizeof alloc_saved.value, "%s", had ? had : "");
+    snprintf(alloc_saved.name, sizeof alloc_saved.name, "%s", write_name);
     if (set_environ(write_name, alloc_value) < 0) {
         alloc_generic = 0;
         oc_set_error("setting the allocator variable failed");
@@ -544,7 +533,7 @@ static void tf32_at_cuda_init(PyObject *torch, PyObject *c_mod)
                       "set when CUDA initialised (the program had chosen no float32 "
                       "precision): cuBLAS may use TF32 for float32 matmuls; cuDNN TF32 is "
                       "torch's default");
-        oc_record_matmul(1);
+        oc_record_bool(OC_OPT_TF32, 1);
     }
 }
 
@@ -937,10 +926,8 @@ static void fraction_at_cuda_init(PyObject *c_mod)
     long rank = oc_env_rank("LOCAL_RANK"), count = 0, device = 0;
     double fraction = pending_fraction;
     char sized[120] = "";
-    if (oc_framework_choice_get()->left_to[0]) {
-        /* The framework step (first) left the fraction to a framework. */
-        return;
-    }
+    if (oc_framework_choice_get()->left_to[0])
+        return; /* the framework step (first) left the fraction to a framework */
     n = PyObject_CallMethod(c_mod, "_cuda_getDeviceCount", NULL);
     if (n == NULL)
         goto error;
@@ -1309,8 +1296,7 @@ void oc_bridge_after_torch(PyObject *torch)
     }
     OC_CLEAR();
     c_mod = PyObject_GetAttrString(torch, "_C");
-    if (c_mod == NULL)
-        OC_CLEAR();
+    OC_CLEAR(); /* none: not PyTorch (below) */
     settle_allocator(c_mod);
     if (cfg->disable) {
         Py_XDECREF(c_mod);

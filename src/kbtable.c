@@ -224,6 +224,9 @@ static const oc_known_bug table[] = {
               "processes that send CUDA tensors; torch 2.12 and older read no 2.13 handle"),
 };
 
+/* knownbugs.c keeps a verdict and a reason for each row. */
+_Static_assert(sizeof table / sizeof table[0] <= OC_KB_MAX_ENTRIES, "a row past OC_KB_MAX_ENTRIES");
+
 size_t oc_known_bug_count(void)
 {
     return sizeof table / sizeof table[0];

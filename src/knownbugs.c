@@ -258,8 +258,6 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
     memset(&kb, 0, sizeof kb);
     kb.cudnn = kb.nccl = -1;
     kb.decided = 1;
-    if (n > OC_KB_MAX_ENTRIES)
-        n = OC_KB_MAX_ENTRIES;
     for (size_t i = 0; i < n; i++) {
         kb.code[i] = row_off(i) ? OC_KBC_OFF : OC_KBC_NEEDS_FACT;
         if (row_off(i))
@@ -304,12 +302,8 @@ void oc_known_bugs_at_import(PyObject *torch, const char *no_queue)
  * that initialises CUDA: never at import, then). Loads libcudnn_graph. */
 static long read_cudnn_version(PyObject *torch)
 {
-    PyObject *c_mod = PyObject_GetAttrString(torch, "_C");
-    PyObject *fn = c_mod ? oc_getattr_chain(c_mod, "_cudnn.getVersionInt") : NULL;
-    PyObject *r;
+    PyObject *fn = oc_getattr_chain(torch, "_C._cudnn.getVersionInt"), *r;
     long v = -1;
-    Py_XDECREF(c_mod);
-    OC_CLEAR();
     if (fn == NULL)
         fn = oc_getattr_chain(torch, "backends.cudnn.version");
     if (fn == NULL) {
@@ -366,13 +360,13 @@ static oc_kb_code ipc_steer(PyObject *torch, const oc_known_bug *b, char *why, s
         oc_alloc_value(user, "expandable_segments", NULL, 0) == 0 &&
         oc_alloc_merge(alloc->text, "expandable_segments:False", NULL, NULL, conf, sizeof conf,
                        NULL, 0, NULL, 0) == 0) {
-        m = PyObject_GetAttrString(torch, "_C");
-        r = m ? PyObject_CallMethod(m, "_accelerator_setAllocatorSettings", "s", conf) : NULL;
+        m = oc_getattr_chain(torch, "_C._accelerator_setAllocatorSettings");
+        r = m ? PyObject_CallFunction(m, "s", conf) : NULL;
         Py_XDECREF(m);
+        Py_XDECREF(r);
         OC_CLEAR();
         if (r == NULL)
             return OC_KBC_NOT_AVOIDED; /* the reason stays the row's: applies */
-        Py_DECREF(r);
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_APPLIED, OC_CODE_AT_CUDA_INIT,
                       "given to torch's setter when CUDA started in this DataLoader worker, "
                       "expandable segments off (known bug %s)",
@@ -444,8 +438,6 @@ void oc_known_bugs_at_cuda_init(PyObject *torch)
     size_t n = oc_known_bug_count();
     if (!kb.decided || torch == NULL)
         return;
-    if (n > OC_KB_MAX_ENTRIES)
-        n = OC_KB_MAX_ENTRIES;
     if (kb.cudnn < 0 && kb.need_cudnn)
         kb.cudnn = read_cudnn_version(torch);
     if (kb.redecide) /* the IPC steer alone decides nothing again */
@@ -553,7 +545,7 @@ PyObject *oc_known_bugs_status(void)
 {
     PyObject *list = PyList_New(0);
     size_t n = oc_known_bug_count();
-    for (size_t i = 0; list != NULL && i < n && i < OC_KB_MAX_ENTRIES; i++) {
+    for (size_t i = 0; list != NULL && i < n; i++) {
         char reason[sizeof kb.reason[i] + 200];
         const char *now = NULL;
         oc_kb_code code = oc_disabled_by_env() ? OC_KBC_OFF : OC_KBC_NOT_IMPORTED;
@@ -576,7 +568,7 @@ size_t oc_known_bugs_summary(char *buf, size_t sz, const char *prefix)
     if (buf == NULL || sz == 0)
         return 0;
     buf[0] = '\0';
-    for (size_t i = 0; kb.decided && i < n && i < OC_KB_MAX_ENTRIES && len + 1 < sz; i++) {
+    for (size_t i = 0; kb.decided && i < n && len + 1 < sz; i++) {
         const oc_known_bug *b = oc_known_bug_at(i);
         char why[sizeof kb.reason[i] + 200];
         oc_kb_code code;
@@ -625,7 +617,6 @@ static PyObject *py_known_bugs_check(PyObject *self, PyObject *args)
         return NULL;
     facts_init(&f);
     f.torch = tver ? oc_torch_version_number(tver) : 0;
-    /* cuda: torch.version.cuda ("13.0"), or a bool, or None (unknown). */
     if (PyUnicode_Check(cuda)) {
         char buf[32];
         f.cuda_build = 1;
@@ -634,7 +625,6 @@ static PyObject *py_known_bugs_check(PyObject *self, PyObject *args)
         f.cuda_build = cuda == Py_None ? -1 : PyObject_IsTrue(cuda);
     }
     f.cudnn = cudnn == Py_None ? -1 : PyLong_AsLong(cudnn);
-    f.n_cc = -1;
     if (ccs != Py_None) {
         Py_ssize_t k = PySequence_Size(ccs);
         f.n_cc = 0;

@@ -188,11 +188,7 @@ void oc_stderr_write(const char *text);
 /* text with the rank label before each line starting in it (malloc'd), or
  * NULL where there is no label; *at_start carries "at a line's start". */
 char *oc_labelled(const char *text, int *at_start);
-void oc_stderr_printf(const char *fmt, ...)
-#ifdef __GNUC__
-    __attribute__((format(printf, 1, 2)))
-#endif
-    ;
+void oc_stderr_printf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void oc_set_error(const char *where); /* keeps the current exception text */
 /* The first error oc_set_error kept (a str, borrowed), or NULL. */
 PyObject *oc_error(void);

@@ -481,19 +481,18 @@ typedef enum { OC_COST_NONE, OC_COST_BF16_CONV } oc_cost_id;
 
 #define OC_REASON_LEN 2000
 typedef struct {
-    const char *off_by; /* the OUTOFCUDA_* variable of OC_CODE_OFF (static), else NULL */
-    oc_cost_id cost;    /* a known cost of the choice (oc_record_cost) */
-    /* The known bug a note acts on (static), or NULL; the allocator variable
-     * read (static), or NULL. */
-    const char *known_bug, *variable;
-    unsigned notes; /* 1 << oc_rec_note */
-    int cc;         /* the compute capability decided from (major*10+minor), 0 none */
+    const char *off_by;    /* the OUTOFCUDA_* variable of OC_CODE_OFF (static), else NULL */
+    const char *known_bug; /* the known bug a note acts on (static), or NULL */
+    const char *variable;  /* the allocator variable read (static), or NULL */
+    unsigned notes;        /* 1 << oc_rec_note */
+    int cc;                /* the compute capability decided from (major*10+minor), 0 none */
     double fraction;
     long device;
     oc_rec_state state;
     oc_rec_code code;
     oc_rec_value kind;
     int flag;
+    oc_cost_id cost; /* a known cost of the choice (oc_record_cost) */
     int sdpa[3];
     struct {
         const char *hooks; /* static text */
@@ -521,16 +520,12 @@ const oc_record *oc_record_get(oc_opt opt);
 /* Writes opt's state, code and sentence (printf format); the value becomes
  * None, off_by NULL. The typed fields the setters below fill stay. */
 void oc_record_set(oc_opt opt, oc_rec_state state, oc_rec_code code, const char *fmt, ...)
-#ifdef __GNUC__
-    __attribute__((format(printf, 4, 5)))
-#endif
-    ;
+    __attribute__((format(printf, 4, 5)));
 /* opt is off by the user's variable var (static): skipped, OC_CODE_OFF. */
 void oc_record_off(oc_opt opt, const char *var);
 /* Every record: state, code and reason. */
 void oc_record_set_all(oc_rec_state state, oc_rec_code code, const char *reason);
-void oc_record_bool(oc_opt opt, int value);
-void oc_record_matmul(int tf32);
+void oc_record_bool(oc_opt opt, int value); /* TF32's: {"matmul": value} */
 void oc_record_sdpa(int flash, int mem_efficient, int math);
 void oc_record_text(oc_opt opt, const char *text);
 void oc_record_fraction(double fraction, long device);

@@ -111,14 +111,9 @@ void oc_record_bool(oc_opt opt, int value)
 {
     if (!valid(opt))
         return;
-    records[opt].kind = OC_VAL_BOOL;
+    /* TF32's flag is cuBLAS's, for matmuls (cuDNN TF32 is torch's default). */
+    records[opt].kind = opt == OC_OPT_TF32 ? OC_VAL_MATMUL : OC_VAL_BOOL;
     records[opt].flag = value != 0;
-}
-
-void oc_record_matmul(int tf32)
-{
-    records[OC_OPT_TF32].kind = OC_VAL_MATMUL;
-    records[OC_OPT_TF32].flag = tf32 != 0;
 }
 
 void oc_record_sdpa(int flash, int mem_efficient, int math)

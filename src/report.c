@@ -195,9 +195,7 @@ static PyObject *c_bool(PyObject *c_mod, const char *fn)
     int t = r ? PyObject_IsTrue(r) : -1;
     Py_XDECREF(r);
     OC_CLEAR();
-    if (t < 0)
-        return NULL;
-    return PyBool_FromLong(t);
+    return t < 0 ? NULL : PyBool_FromLong(t);
 }
 
 int oc_matmul_tf32(PyObject *c_mod)
