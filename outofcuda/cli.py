@@ -289,48 +289,16 @@ def status_data():
 
 
 # Text output fits 80 columns and cuts nothing: long values wrap onto
-# continuation lines, broken as the engine's status table (report.c's
-# wrap_cut), which `status` and `report --bug` print as the engine renders it.
+# continuation lines, broken as the engine's status table (which `status` and
+# `report --bug` print as the engine renders it) by the engine's own rule.
 WIDTH = 80
 LABEL = 16  # "hook fires      yes"
 
 
-def _cut(text, width, indent):
-    """(kept, skipped): where text's first line ends, in a line of ``width``
-    characters whose continuation lines start at ``indent``. A line breaks
-    only at blanks, never inside a word: a word longer than the line stands
-    whole on its line, past the width, and stays on the first line when it
-    starts there at or before ``indent`` (after a label)."""
-    lead = WIDTH - width if width < WIDTH else 0
-    at = len(text) - len(text.lstrip(" "))
-    kept, first = 0, True
-    while at < len(text):
-        word_col = at
-        while at < len(text) and text[at] != " ":
-            at += 1
-        if not first and at > width and lead + word_col > indent:
-            break
-        first, kept = False, at
-        if at > width:
-            break
-        while at < len(text) and text[at] == " ":
-            at += 1
-        if at > width:
-            break
-    skip = len(text) - kept - len(text[kept:].lstrip(" "))
-    return (len(text), 0) if kept + skip >= len(text) else (kept, skip)
-
-
 def _wrap(text, first, indent):
     """Lines of at most ``first`` characters (the first) and WIDTH - indent
-    (the rest, prefixed with indent spaces)."""
-    lines, width = [], first
-    while True:
-        cut, skip = _cut(text, width, indent)
-        lines.append((" " * indent if lines else "") + text[:cut])
-        if cut == len(text):
-            return lines
-        text, width = text[cut + skip:], WIDTH - indent
+    (the rest, prefixed with indent spaces), broken only at blanks."""
+    return core._wrap(text, first, indent)
 
 
 def _row(label, value):

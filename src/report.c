@@ -715,6 +715,45 @@ static PyObject *py_status_text(PyObject *self, PyObject *st)
     return NULL;
 }
 
+/* _wrap(text, first, indent) -> list of str: text in lines as the status
+ * table breaks its values (wrap_cut), continuation lines indented, so that the
+ * CLI's other text breaks by the same rule. */
+static PyObject *py_wrap(PyObject *self, PyObject *args)
+{
+    const char *text;
+    char blanks[TABLE_WIDTH];
+    Py_ssize_t len, first, indent;
+    size_t width, skip, cut;
+    PyObject *lines, *line, *pad = NULL, *padded;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "s#nn:_wrap", &text, &len, &first, &indent))
+        return NULL;
+    if (first < 1 || indent < 0 || indent >= TABLE_WIDTH)
+        return PyErr_Format(PyExc_ValueError, "_wrap: first >= 1, 0 <= indent < %d", TABLE_WIDTH);
+    memset(blanks, ' ', sizeof blanks);
+    lines = PyList_New(0);
+    for (width = (size_t)first; lines != NULL; width = TABLE_WIDTH - (size_t)indent) {
+        cut = wrap_cut(text, (size_t)len, width, (size_t)indent, &skip);
+        line = PyUnicode_DecodeUTF8(text, (Py_ssize_t)cut, "replace");
+        if (line != NULL && pad != NULL) {
+            padded = PyUnicode_Concat(pad, line);
+            Py_DECREF(line);
+            line = padded;
+        }
+        if (line == NULL || PyList_Append(lines, line) < 0)
+            Py_CLEAR(lines);
+        Py_XDECREF(line);
+        if (lines == NULL || cut == (size_t)len)
+            break;
+        text += cut + skip;
+        len -= (Py_ssize_t)(cut + skip);
+        if (pad == NULL && (pad = PyUnicode_DecodeUTF8(blanks, indent, NULL)) == NULL)
+            Py_CLEAR(lines);
+    }
+    Py_XDECREF(pad);
+    return lines;
+}
+
 /* _labelled(text) -> str: text with the rank label (oc_rank_label) before
  * each of its lines, for what the Python layer prints. */
 static PyObject *py_labelled(PyObject *self, PyObject *args)
@@ -742,6 +781,7 @@ static PyObject *py_labelled(PyObject *self, PyObject *args)
 OC_EDGE_VARARGS(py_labelled)
 OC_EDGE_NOARGS(py_status)
 OC_EDGE_O(py_status_text)
+OC_EDGE_VARARGS(py_wrap)
 
 PyMethodDef oc_report_methods[] = {
     OC_METHOD(
@@ -750,6 +790,9 @@ PyMethodDef oc_report_methods[] = {
         "each line."),
     OC_METHOD("_status_text", py_status_text,
               "_status_text(status, /)\n--\n\nThe status table of a status() dict, as text."),
+    OC_METHOD("_wrap", py_wrap,
+              "_wrap(text, first, indent, /)\n--\n\nThe text in lines of at most `first` "
+              "characters, then 80 - indent after indent blanks, broken as the status table is."),
     OC_METHOD("status", py_status,
               "status()\n--\n\nWhat outofcuda did in this process, as a JSON-serialisable dict."),
     {NULL, NULL, 0, NULL},
