@@ -231,7 +231,7 @@ static int framework_owns_memory(const oc_config *cfg, char *override_note, size
  * runtime setter after `import torch`, before CUDA starts, so the variable
  * need not be written at all: a child spawned while torch imports (a
  * thread's subprocess.run) then inherits the user's environment, never
- * outofcuda's string. From 2.9 on (call_setter) every key but `backend` is
+ * outofcuda's string. From 2.9 on (oc_alloc_call_setter) every key but `backend` is
  * parsed on the allocator's first use or at the setter's call, and the setter parses
  * the whole string. `backend` alone is read while torch's libraries load:
  * where outofcuda's string adds one the user's does not hold, the variable
@@ -685,31 +685,6 @@ static void apply_sdpa(const oc_config *cfg, PyObject *c_mod)
 
 /* ---- torch's runtime allocator setter ---- */
 
-/* Hands `conf` to torch's runtime setter (the CUDA one up to 2.9.x, the
- * accelerator one from 2.10): 1 done, 0 when this torch has none, -1 when it
- * raised (exception left set); *used names the setter tried. */
-static int call_setter(PyObject *c_mod, const char *conf, const char **used)
-{
-    static const char *const setters[] = {"_cuda_cudaCachingAllocator_set_allocator_settings",
-                                          "_accelerator_setAllocatorSettings"};
-    *used = NULL;
-    for (size_t i = 0; c_mod != NULL && i < 2; i++) {
-        PyObject *fn = PyObject_GetAttrString(c_mod, setters[i]), *r;
-        if (fn == NULL) {
-            OC_CLEAR_ABSENT(); /* the next setter is tried */
-            continue;
-        }
-        *used = setters[i];
-        r = PyObject_CallFunction(fn, "s", conf);
-        Py_DECREF(fn);
-        if (r == NULL)
-            return -1;
-        Py_DECREF(r);
-        return 1;
-    }
-    return 0;
-}
-
 /* A framework was imported after torch (a script that imports torch, then
  * vllm, then uses CUDA): at CUDA initialisation, before the first
  * allocation, torch's allocator gets back exactly the user's own string.
@@ -736,9 +711,9 @@ static void hand_back_allocator(PyObject *c_mod)
     name = user_alloc_var(&user);
     if (oc_alloc_expandable(alloc_value) &&
         oc_alloc_value(user, "expandable_segments", NULL, 0) != 1)
-        rc = call_setter(c_mod, "expandable_segments:False", &used);
+        rc = oc_alloc_call_setter(c_mod, "expandable_segments:False", &used);
     if (rc == 1)
-        rc = call_setter(c_mod, user, &used);
+        rc = oc_alloc_call_setter(c_mod, user, &used);
     if (rc != 1) {
         oc_set_error("handing the user's allocator settings back to torch at CUDA "
                      "initialisation");
@@ -778,7 +753,7 @@ static void framework_left(PyObject *c_mod, const char *gone)
              gone);
     user_alloc_var(&user);
     if (alloc_value[0] && strcmp(alloc_value, user) != 0)
-        rc = call_setter(c_mod, alloc_value, &used);
+        rc = oc_alloc_call_setter(c_mod, alloc_value, &used);
     if (oc_config_off(oc_config_get(), "OUTOFCUDA_ALLOC_CONF")) {
         /* the record already says off */
     } else if (rc != 1) {
@@ -1197,7 +1172,7 @@ static void settle_allocator(PyObject *c_mod)
     int rc;
     if (!alloc_saved.written && !alloc_by_setter)
         return;
-    rc = call_setter(c_mod, alloc_value, &used);
+    rc = oc_alloc_call_setter(c_mod, alloc_value, &used);
     len = strlen(alloc_reason);
     if (rc != 1) {
         if (rc < 0)

@@ -635,3 +635,26 @@ int oc_register_at_exit(PyMethodDef *def, int *registered)
     *registered = 1;
     return 0;
 }
+
+/* *used names the setter tried. */
+int oc_alloc_call_setter(PyObject *c_mod, const char *conf, const char **used)
+{
+    static const char *const setters[] = {"_cuda_cudaCachingAllocator_set_allocator_settings",
+                                          "_accelerator_setAllocatorSettings"};
+    *used = NULL;
+    for (size_t i = 0; c_mod != NULL && i < 2; i++) {
+        PyObject *fn = PyObject_GetAttrString(c_mod, setters[i]), *r;
+        if (fn == NULL) {
+            OC_CLEAR_ABSENT(); /* the next setter is tried */
+            continue;
+        }
+        *used = setters[i];
+        r = PyObject_CallFunction(fn, "s", conf);
+        Py_DECREF(fn);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+        return 1;
+    }
+    return 0;
+}

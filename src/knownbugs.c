@@ -346,11 +346,12 @@ static int sdp_flag(PyObject *c_mod, const char *getter)
 static oc_kb_code ipc_steer(PyObject *torch, const oc_known_bug *b, char *why, size_t sz)
 {
     const oc_record *alloc = oc_record_get(OC_OPT_ALLOCATOR);
-    PyObject *m = oc_sys_module("torch.utils.data._utils.worker"), *r = NULL;
+    PyObject *m = oc_sys_module("torch.utils.data._utils.worker");
     PyObject *w = m ? PyObject_GetAttrString(m, "_worker_info") : NULL;
-    const char *user = NULL;
+    const char *user = NULL, *used;
     char conf[OC_ALLOC_CONF_MAX];
-    int worker = w != NULL && w != Py_None, done = alloc->code == OC_CODE_AT_CUDA_INIT;
+    int worker = w != NULL && w != Py_None, rc;
+    int done = worker && alloc->code == OC_CODE_AT_CUDA_INIT; /* only this steer writes it */
     Py_XDECREF(w);
     Py_XDECREF(m);
     OC_CLEAR();
@@ -360,12 +361,11 @@ static oc_kb_code ipc_steer(PyObject *torch, const oc_known_bug *b, char *why, s
         oc_alloc_value(user, "expandable_segments", NULL, 0) == 0 &&
         oc_alloc_merge(alloc->text, "expandable_segments:False", NULL, NULL, conf, sizeof conf,
                        NULL, 0, NULL, 0) == 0) {
-        m = oc_getattr_chain(torch, "_C._accelerator_setAllocatorSettings");
-        r = m ? PyObject_CallFunction(m, "s", conf) : NULL;
+        m = PyObject_GetAttrString(torch, "_C");
+        rc = m ? oc_alloc_call_setter(m, conf, &used) : 0;
         Py_XDECREF(m);
-        Py_XDECREF(r);
         OC_CLEAR();
-        if (r == NULL)
+        if (rc != 1)
             return OC_KBC_NOT_AVOIDED; /* the reason stays the row's: applies */
         oc_record_set(OC_OPT_ALLOCATOR, OC_REC_APPLIED, OC_CODE_AT_CUDA_INIT,
                       "given to torch's setter when CUDA started in this DataLoader worker, "

@@ -413,6 +413,9 @@ PyObject *oc_arg_bytes(PyObject *arg, const char *message);
 /* The imported torch's release (oc_torch_version_number of its __version__);
  * 0 when it has none to read (errors swallowed). */
 long oc_torch_version(PyObject *torch);
+/* Hands `conf` to torch's runtime allocator setter (the CUDA one up to 2.9.x,
+ * the accelerator one from 2.10): 1 done, 0 none, -1 raised (exception set). */
+int oc_alloc_call_setter(PyObject *c_mod, const char *conf, const char **used);
 /* A file to write later (OUTOFCUDA_OOM_SNAPSHOT, OUTOFCUDA_SUMMARY's .json):
  * its directory, as given, into dir (for messages), resolved now (the working
  * directory may change before the file is written), and the file's absolute
